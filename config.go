@@ -1,0 +1,173 @@
+package outbox
+
+import (
+	"fmt"
+	"log/slog"
+	"regexp"
+)
+
+// Defaults applied by Config.WithDefaults.
+const (
+	// BucketCountDefault is the number of ordering buckets. It bounds how
+	// many relays can drain one table in parallel.
+	BucketCountDefault = 8
+	// BucketCountMax is the largest accepted BucketCount.
+	BucketCountMax = 4096
+	// MaxMessageBytesDefault is the largest message (key + value + headers)
+	// accepted at enqueue: 1 MiB, Kafka's default message.max.bytes.
+	MaxMessageBytesDefault = 1 << 20
+
+	MessagesTableDefault    = "outbox_messages"
+	LeasesTableDefault      = "outbox_leases"
+	RelaysTableDefault      = "outbox_relays"
+	DeadLettersTableDefault = "outbox_dead_letters"
+)
+
+// Tables names the outbox tables. Every name must be a plain SQL
+// identifier: a letter or underscore, then letters, digits or
+// underscores, at most 63 characters. Anything else is refused with a
+// *ConfigError, so no table name ever reaches SQL unvalidated.
+type Tables struct {
+	// Schema qualifies every table (PostgreSQL schema, MySQL database).
+	// Empty (the default) uses the connection's current schema.
+	Schema string
+	// Messages holds pending messages. Default "outbox_messages".
+	Messages string
+	// Leases holds one row per bucket. Default "outbox_leases".
+	Leases string
+	// Relays holds relay heartbeats. Default "outbox_relays".
+	Relays string
+	// DeadLetters holds messages that exhausted the failure policy.
+	// Default "outbox_dead_letters".
+	DeadLetters string
+}
+
+// WithPrefix returns the default table names with prefix in front, e.g.
+// WithPrefix("billing_") gives "billing_outbox_messages" and so on.
+func WithPrefix(prefix string) Tables {
+	return Tables{
+		Messages:    prefix + MessagesTableDefault,
+		Leases:      prefix + LeasesTableDefault,
+		Relays:      prefix + RelaysTableDefault,
+		DeadLetters: prefix + DeadLettersTableDefault,
+	}
+}
+
+// Config configures one outbox: its tables, its buckets and its publish
+// rules. The zero value is usable: default table names, 8 buckets, 1 MiB
+// messages, no rules.
+type Config struct {
+	// Name identifies the outbox in the plugin name, logs and metrics.
+	// Default: the messages table name.
+	Name string
+	// Tables names the outbox tables. Zero fields take their defaults.
+	Tables Tables
+	// BucketCount is the number of ordering buckets, 1 to 4096. Default 8.
+	// Every writer and every relay sharing the tables must use the same
+	// value: a writer with a larger count writes rows into buckets no relay
+	// owns, which the relay reports as a misconfiguration and stops.
+	// Changing it requires draining the table and deleting the lease rows.
+	BucketCount int
+	// MaxMessageBytes is the largest message, counting key, value and
+	// headers, that Enqueue and publish rules accept. Default 1 MiB. Keep
+	// it at or below the broker's message.max.bytes for the topic. A
+	// negative value disables the check.
+	MaxMessageBytes int
+	// Rules are the declarative publish rules, built with OnCreate,
+	// OnUpdate, OnDelete or On. More can be added with Plugin.AddRule
+	// before the first write.
+	Rules []Rule
+	// Logger receives the plugin's logs. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// WithDefaults returns a copy of c with every zero field set to its
+// default.
+func (c Config) WithDefaults() Config {
+	if c.Tables.Messages == "" {
+		c.Tables.Messages = MessagesTableDefault
+	}
+	if c.Tables.Leases == "" {
+		c.Tables.Leases = LeasesTableDefault
+	}
+	if c.Tables.Relays == "" {
+		c.Tables.Relays = RelaysTableDefault
+	}
+	if c.Tables.DeadLetters == "" {
+		c.Tables.DeadLetters = DeadLettersTableDefault
+	}
+	if c.Name == "" {
+		c.Name = c.Tables.Messages
+	}
+	if c.BucketCount == 0 {
+		c.BucketCount = BucketCountDefault
+	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = MaxMessageBytesDefault
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+var identifierRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
+
+// ValidateIdentifier reports whether name can be used as a table or schema
+// name: a letter or underscore followed by letters, digits or underscores,
+// at most 63 characters in all. field names the setting in the error.
+func ValidateIdentifier(field, name string) error {
+	if !identifierRE.MatchString(name) {
+		return &ConfigError{Field: field, Value: fmt.Sprintf("%q", name), Reason: "must match [A-Za-z_][A-Za-z0-9_]* and be at most 63 characters"}
+	}
+	return nil
+}
+
+// Validate checks a configuration that WithDefaults has filled in.
+func (c Config) Validate() error {
+	if c.Tables.Schema != "" {
+		if err := ValidateIdentifier("Tables.Schema", c.Tables.Schema); err != nil {
+			return err
+		}
+	}
+	names := map[string]string{}
+	for _, t := range []struct{ field, name string }{
+		{"Tables.Messages", c.Tables.Messages},
+		{"Tables.Leases", c.Tables.Leases},
+		{"Tables.Relays", c.Tables.Relays},
+		{"Tables.DeadLetters", c.Tables.DeadLetters},
+	} {
+		if err := ValidateIdentifier(t.field, t.name); err != nil {
+			return err
+		}
+		if other, dup := names[t.name]; dup {
+			return &ConfigError{Field: t.field, Value: t.name, Reason: "same table name as " + other}
+		}
+		names[t.name] = t.field
+	}
+	if c.BucketCount < 1 || c.BucketCount > BucketCountMax {
+		return &ConfigError{Field: "BucketCount", Value: c.BucketCount, Reason: fmt.Sprintf("must be between 1 and %d", BucketCountMax)}
+	}
+	for i, r := range c.Rules {
+		if r == nil {
+			return &ConfigError{Field: fmt.Sprintf("Rules[%d]", i), Value: nil, Reason: "nil rule"}
+		}
+	}
+	return nil
+}
+
+// qualified returns the table name with the schema in front, unquoted;
+// GORM's quoting turns "s.t" into a quoted schema and table.
+func (t Tables) qualified(name string) string {
+	if t.Schema == "" {
+		return name
+	}
+	return t.Schema + "." + name
+}
+
+// MessagesTable, LeasesTable, RelaysTable and DeadLettersTable return the
+// schema-qualified names, ready for db.Table.
+func (t Tables) MessagesTable() string    { return t.qualified(t.Messages) }
+func (t Tables) LeasesTable() string      { return t.qualified(t.Leases) }
+func (t Tables) RelaysTable() string      { return t.qualified(t.Relays) }
+func (t Tables) DeadLettersTable() string { return t.qualified(t.DeadLetters) }

@@ -1,0 +1,97 @@
+package outbox
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Sentinel errors. Each is returned wrapped; test with errors.Is.
+var (
+	// ErrNoTransaction is returned by Enqueue when the *gorm.DB it was given
+	// is not inside a transaction. The message is not written: writing it as
+	// a separate statement would be the dual write the outbox exists to
+	// avoid. Call Enqueue inside db.Transaction (or between Begin and Commit)
+	// together with the business write.
+	ErrNoTransaction = errors.New("outbox: enqueue needs a transaction: call it inside db.Transaction with the business write")
+
+	// ErrNoPlugin is returned when no outbox plugin is registered on the
+	// *gorm.DB, and ErrAmbiguousPlugin when more than one is and the caller
+	// did not say which.
+	ErrNoPlugin        = errors.New("outbox: no outbox plugin registered on this *gorm.DB (db.Use(outbox.NewPlugin(...)))")
+	ErrAmbiguousPlugin = errors.New("outbox: several outbox plugins are registered on this *gorm.DB: call Enqueue on the *Plugin")
+
+	// ErrInvalidMessage is wrapped by every *MessageError.
+	ErrInvalidMessage = errors.New("outbox: invalid message")
+
+	// ErrUnsupportedWrite is returned, and the write rolled back, when a
+	// model with publish rules is written in a way the rules cannot describe
+	// faithfully (a batch upsert whose keys GORM cannot report, a bulk update
+	// or delete that no rule opted in to).
+	ErrUnsupportedWrite = errors.New("outbox: write not supported for a model with publish rules")
+
+	// ErrInvalidConfig is wrapped by every *ConfigError.
+	ErrInvalidConfig = errors.New("outbox: invalid configuration")
+)
+
+// ConfigError reports a configuration field that failed validation.
+type ConfigError struct {
+	Field  string // the Config field, e.g. "BucketCount" or "Tables.Messages"
+	Value  any    // the offending value
+	Reason string // what the field must be
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("outbox: invalid config %s=%v: %s", e.Field, e.Value, e.Reason)
+}
+
+// Unwrap lets errors.Is(err, ErrInvalidConfig) match.
+func (e *ConfigError) Unwrap() error { return ErrInvalidConfig }
+
+// MessageError reports a message that was refused before anything was
+// written. When it comes from a publish rule or Enqueue inside a write, the
+// whole transaction is rolled back.
+type MessageError struct {
+	Field  string // "Topic", "Value", "Partition", "Headers", ...
+	Topic  string
+	Reason string
+}
+
+func (e *MessageError) Error() string {
+	if e.Topic != "" {
+		return fmt.Sprintf("outbox: invalid message for topic %q: %s: %s", e.Topic, e.Field, e.Reason)
+	}
+	return fmt.Sprintf("outbox: invalid message: %s: %s", e.Field, e.Reason)
+}
+
+// Unwrap lets errors.Is(err, ErrInvalidMessage) match.
+func (e *MessageError) Unwrap() error { return ErrInvalidMessage }
+
+// TooLargeError is returned when a message exceeds Config.MaxMessageBytes.
+// It wraps ErrInvalidMessage.
+type TooLargeError struct {
+	Topic string
+	Size  int // bytes counted: key + value + headers
+	Limit int
+}
+
+func (e *TooLargeError) Error() string {
+	return fmt.Sprintf("outbox: message for topic %q is %d bytes, over MaxMessageBytes %d", e.Topic, e.Size, e.Limit)
+}
+
+// Unwrap lets errors.Is(err, ErrInvalidMessage) match.
+func (e *TooLargeError) Unwrap() error { return ErrInvalidMessage }
+
+// RuleError wraps an error returned by a publish rule. The write that
+// triggered the rule is rolled back.
+type RuleError struct {
+	Model     string    // the model type, e.g. "main.Order"
+	Operation Operation // what the write did
+	Err       error
+}
+
+func (e *RuleError) Error() string {
+	return fmt.Sprintf("outbox: publish rule for %s on %s: %v", e.Model, e.Operation, e.Err)
+}
+
+// Unwrap returns the rule's error.
+func (e *RuleError) Unwrap() error { return e.Err }

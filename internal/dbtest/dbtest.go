@@ -1,0 +1,248 @@
+// Package dbtest opens isolated databases for tests: a fresh PostgreSQL
+// schema, a fresh MariaDB/MySQL database or a fresh SQLite file per call,
+// dropped when the test ends, so tests run in parallel without sharing
+// tables.
+//
+// Servers come from OUTBOX_TEST_POSTGRES_DSN and OUTBOX_TEST_MYSQL_DSN,
+// with local defaults. When a server cannot be reached the test is skipped,
+// except under CI=true, where it fails: CI never passes by skipping.
+package dbtest
+
+import (
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"gorm.io/driver/mysql"
+	"gorm.io/driver/postgres"
+	"gorm.io/driver/sqlite"
+	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
+)
+
+// Dialect names.
+const (
+	Postgres = "postgres"
+	MySQL    = "mysql"
+	SQLite   = "sqlite"
+)
+
+// Dialects lists every dialect the tests run on.
+var Dialects = []string{Postgres, MySQL, SQLite}
+
+// PostgresDSN returns the DSN of the PostgreSQL server used by tests.
+func PostgresDSN() string {
+	if v := os.Getenv("OUTBOX_TEST_POSTGRES_DSN"); v != "" {
+		return v
+	}
+	return "host=127.0.0.1 port=5432 user=postgres dbname=test sslmode=disable"
+}
+
+// MySQLDSN returns the DSN of the MariaDB/MySQL server used by tests,
+// without a database name after the slash being required.
+func MySQLDSN() string {
+	if v := os.Getenv("OUTBOX_TEST_MYSQL_DSN"); v != "" {
+		return v
+	}
+	return "root:@tcp(127.0.0.1:3306)/test?parseTime=true&multiStatements=false"
+}
+
+// InCI reports whether the tests run in CI, where missing servers fail.
+func InCI() bool { return os.Getenv("CI") == "true" || os.Getenv("CI") == "1" }
+
+var (
+	reachMu sync.Mutex
+	reach   = map[string]error{}
+)
+
+func reachable(dialect string) error {
+	reachMu.Lock()
+	defer reachMu.Unlock()
+	if err, ok := reach[dialect]; ok {
+		return err
+	}
+	var err error
+	switch dialect {
+	case Postgres:
+		err = ping("pgx", PostgresDSN())
+	case MySQL:
+		err = ping("mysql", MySQLDSN())
+	}
+	reach[dialect] = err
+	return err
+}
+
+func ping(driver, dsn string) error {
+	db, err := sql.Open(driver, dsn)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	db.SetConnMaxLifetime(time.Second)
+	done := make(chan error, 1)
+	go func() { done <- db.Ping() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(5 * time.Second):
+		return fmt.Errorf("ping %s: timed out", driver)
+	}
+}
+
+// Require skips the test (fails it in CI) when dialect's server is down.
+func Require(t testing.TB, dialect string) {
+	t.Helper()
+	if err := reachable(dialect); err != nil {
+		if InCI() {
+			t.Fatalf("%s server required in CI but unreachable: %v", dialect, err)
+		}
+		t.Skipf("%s server unreachable: %v", dialect, err)
+	}
+}
+
+// Name returns a fresh lowercase identifier with the given prefix.
+func Name(prefix string) string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return prefix + hex.EncodeToString(b[:])
+}
+
+// DB is an isolated database for one test.
+type DB struct {
+	*gorm.DB
+	Dialect string
+	// DSN opens another connection to the same isolated database, as a
+	// separate process would.
+	DSN string
+	// Namespace is the schema (PostgreSQL), database (MySQL) or file
+	// (SQLite) created for the test.
+	Namespace string
+}
+
+// Options tune Open.
+type Options struct {
+	// Config is the GORM config. Default: logger silenced.
+	Config *gorm.Config
+}
+
+// Open creates an isolated database of the dialect and returns a GORM
+// connection to it, closed and dropped at the end of the test.
+func Open(t testing.TB, dialect string, opts ...Options) *DB {
+	t.Helper()
+	Require(t, dialect)
+	var o Options
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	d := &DB{Dialect: dialect, Namespace: Name("t_")}
+	switch dialect {
+	case Postgres:
+		admin := mustOpen(t, "pgx", PostgresDSN())
+		exec(t, admin, "CREATE SCHEMA "+d.Namespace)
+		t.Cleanup(func() {
+			_, _ = admin.Exec("DROP SCHEMA " + d.Namespace + " CASCADE")
+			admin.Close()
+		})
+		d.DSN = PostgresDSN() + " search_path=" + d.Namespace
+	case MySQL:
+		admin := mustOpen(t, "mysql", MySQLDSN())
+		exec(t, admin, "CREATE DATABASE "+d.Namespace)
+		t.Cleanup(func() {
+			_, _ = admin.Exec("DROP DATABASE " + d.Namespace)
+			admin.Close()
+		})
+		d.DSN = withMySQLDatabase(MySQLDSN(), d.Namespace)
+	case SQLite:
+		d.DSN = "file:" + filepath.Join(t.TempDir(), d.Namespace+".db") + "?_busy_timeout=10000&_journal_mode=WAL&_txlock=immediate"
+	default:
+		t.Fatalf("dbtest: unknown dialect %q", dialect)
+	}
+	cfg := o.Config
+	if cfg == nil {
+		cfg = &gorm.Config{Logger: logger.Discard}
+	}
+	db, err := OpenGorm(dialect, d.DSN, cfg)
+	if err != nil {
+		t.Fatalf("dbtest: open %s: %v", dialect, err)
+	}
+	sqlDB, err := db.DB()
+	if err != nil {
+		t.Fatalf("dbtest: %v", err)
+	}
+	t.Cleanup(func() { sqlDB.Close() })
+	d.DB = db
+	return d
+}
+
+// OpenGorm opens a GORM connection for the dialect and DSN.
+func OpenGorm(dialect, dsn string, cfg *gorm.Config) (*gorm.DB, error) {
+	var dl gorm.Dialector
+	switch dialect {
+	case Postgres:
+		dl = postgres.Open(dsn)
+	case MySQL:
+		dl = mysql.Open(dsn)
+	case SQLite:
+		dl = sqlite.Open(dsn)
+	default:
+		return nil, fmt.Errorf("dbtest: unknown dialect %q", dialect)
+	}
+	db, err := gorm.Open(dl, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if dialect == SQLite {
+		// One writer at a time: SQLite serializes writes anyway, and a
+		// single connection avoids SQLITE_BUSY between pooled connections.
+		sqlDB, _ := db.DB()
+		sqlDB.SetMaxOpenConns(1)
+	}
+	return db, nil
+}
+
+func withMySQLDatabase(dsn, name string) string {
+	slash := strings.LastIndex(dsn, "/")
+	if slash < 0 {
+		return dsn
+	}
+	rest := dsn[slash+1:]
+	q := ""
+	if i := strings.IndexByte(rest, '?'); i >= 0 {
+		q = rest[i:]
+	}
+	return dsn[:slash+1] + name + q
+}
+
+func mustOpen(t testing.TB, driver, dsn string) *sql.DB {
+	t.Helper()
+	db, err := sql.Open(driver, dsn)
+	if err != nil {
+		t.Fatalf("dbtest: open %s: %v", driver, err)
+	}
+	return db
+}
+
+func exec(t testing.TB, db *sql.DB, q string) {
+	t.Helper()
+	if _, err := db.Exec(q); err != nil {
+		t.Fatalf("dbtest: %s: %v", q, err)
+	}
+}
+
+// ForEach runs fn as a parallel subtest on every dialect.
+func ForEach(t *testing.T, fn func(t *testing.T, db *DB)) {
+	t.Helper()
+	for _, dialect := range Dialects {
+		t.Run(dialect, func(t *testing.T) {
+			t.Parallel()
+			fn(t, Open(t, dialect))
+		})
+	}
+}

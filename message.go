@@ -1,0 +1,208 @@
+package outbox
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/fnv"
+
+	"github.com/google/uuid"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// Header is one record header. Order is kept and duplicate names are
+// allowed, as in Kafka.
+type Header = relay.Header
+
+// Message is what a writer hands to the outbox. It is stored as one row in
+// the same transaction as the business write and published by a relay
+// after that transaction committed.
+type Message struct {
+	// Topic is the Kafka topic: 1 to 249 characters of [a-zA-Z0-9._-],
+	// neither "." nor "..".
+	Topic string
+	// Key decides the bucket and, in Kafka, the partition. nil means
+	// keyless: no ordering promise, spread over buckets. An empty, non-nil
+	// key is a real key like any other.
+	Key []byte
+	// Value is passed to the publisher byte for byte. nil is a tombstone.
+	Value []byte
+	// Headers are carried as Kafka record headers. Names must not be empty.
+	Headers []Header
+	// Partition pins the record to one Kafka partition when non-nil. The
+	// bucket is then derived from the partition, so every message pinned to
+	// one partition shares one submission order.
+	Partition *int32
+	// ID is the stable message id stamped on every delivery attempt so
+	// consumers can deduplicate. Leave it empty to get a fresh UUID v7.
+	ID string
+}
+
+// Bucket returns the ordering bucket of a message with this key and
+// partition among bucketCount buckets. The function is part of the storage
+// format: every writer and relay sharing a table must agree on it, so it
+// never changes between versions.
+//
+//   - a pinned partition p: p mod bucketCount;
+//   - a key (including the empty key): FNV-1a 32-bit of the key bytes, mod
+//     bucketCount;
+//   - keyless (nil key): FNV-1a 32-bit of the message id, mod bucketCount, so
+//     keyless messages spread over every bucket.
+func Bucket(key []byte, partition *int32, messageID string, bucketCount int) int {
+	if bucketCount <= 0 {
+		return 0
+	}
+	if partition != nil {
+		return int(uint32(*partition) % uint32(bucketCount))
+	}
+	h := fnv.New32a()
+	if key != nil {
+		h.Write(key)
+	} else {
+		h.Write([]byte(messageID))
+	}
+	return int(h.Sum32() % uint32(bucketCount))
+}
+
+// ValidateTopic reports whether name is a legal Kafka topic name, with a
+// *MessageError saying why not.
+func ValidateTopic(name string) error {
+	bad := func(reason string) error {
+		return &MessageError{Field: "Topic", Topic: name, Reason: reason}
+	}
+	switch {
+	case name == "":
+		return bad("empty topic name")
+	case len(name) > 249:
+		return bad(fmt.Sprintf("%d characters, the limit is 249", len(name)))
+	case name == "." || name == "..":
+		return bad(`"." and ".." are not allowed`)
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return bad(fmt.Sprintf("character %q at %d: only [a-zA-Z0-9._-] are allowed", c, i))
+		}
+	}
+	return nil
+}
+
+// Size is the number of bytes of the message that count against
+// MaxMessageBytes: key, value, header names and values.
+func (m *Message) Size() int {
+	n := len(m.Key) + len(m.Value)
+	for _, h := range m.Headers {
+		n += len(h.Key) + len(h.Value)
+	}
+	return n
+}
+
+// validate checks the message against the rules Kafka and the outbox
+// enforce, so a bad message fails in the writer's transaction and not
+// hours later in the relay.
+func (m *Message) validate(maxBytes int) error {
+	if err := ValidateTopic(m.Topic); err != nil {
+		return err
+	}
+	if m.Partition != nil && *m.Partition < 0 {
+		return &MessageError{Field: "Partition", Topic: m.Topic, Reason: fmt.Sprintf("negative partition %d", *m.Partition)}
+	}
+	for i, h := range m.Headers {
+		if h.Key == "" {
+			return &MessageError{Field: "Headers", Topic: m.Topic, Reason: fmt.Sprintf("header %d has an empty name", i)}
+		}
+	}
+	if m.ID != "" && len(m.ID) > 64 {
+		return &MessageError{Field: "ID", Topic: m.Topic, Reason: "message id longer than 64 characters"}
+	}
+	if size := m.Size(); maxBytes > 0 && size > maxBytes {
+		return &TooLargeError{Topic: m.Topic, Size: size, Limit: maxBytes}
+	}
+	return nil
+}
+
+// newMessageID returns a UUID v7: time-ordered, so ids sort roughly by
+// creation, and unique without coordination.
+func newMessageID() (string, error) {
+	id, err := uuid.NewV7()
+	if err != nil {
+		return "", fmt.Errorf("outbox: generate message id: %w", err)
+	}
+	return id.String(), nil
+}
+
+const headersFormatV1 = 1
+
+// EncodeHeaders returns the storage form of headers: nil for none, else a
+// version byte followed by, for each header, the uvarint length of the name,
+// the name, the uvarint of (value length + 1) or 0 for a nil value, and the
+// value. The format keeps order, duplicates and the nil/empty distinction.
+func EncodeHeaders(hs []Header) []byte {
+	if len(hs) == 0 {
+		return nil
+	}
+	n := 1 + binary.MaxVarintLen64
+	for _, h := range hs {
+		n += 2*binary.MaxVarintLen64 + len(h.Key) + len(h.Value)
+	}
+	b := make([]byte, 0, n)
+	b = append(b, headersFormatV1)
+	b = binary.AppendUvarint(b, uint64(len(hs)))
+	for _, h := range hs {
+		b = binary.AppendUvarint(b, uint64(len(h.Key)))
+		b = append(b, h.Key...)
+		if h.Value == nil {
+			b = binary.AppendUvarint(b, 0)
+		} else {
+			b = binary.AppendUvarint(b, uint64(len(h.Value))+1)
+			b = append(b, h.Value...)
+		}
+	}
+	return b
+}
+
+// errBadHeaders is returned by DecodeHeaders for bytes EncodeHeaders did
+// not produce.
+var errBadHeaders = errors.New("outbox: corrupt stored headers")
+
+// DecodeHeaders is the inverse of EncodeHeaders.
+func DecodeHeaders(b []byte) ([]Header, error) {
+	if len(b) == 0 {
+		return nil, nil
+	}
+	if b[0] != headersFormatV1 {
+		return nil, fmt.Errorf("%w: unknown format %d", errBadHeaders, b[0])
+	}
+	b = b[1:]
+	count, n := binary.Uvarint(b)
+	if n <= 0 || count > uint64(len(b)) {
+		return nil, errBadHeaders
+	}
+	b = b[n:]
+	hs := make([]Header, 0, count)
+	for i := uint64(0); i < count; i++ {
+		kl, n := binary.Uvarint(b)
+		if n <= 0 || kl > uint64(len(b)-n) {
+			return nil, errBadHeaders
+		}
+		key := string(b[n : n+int(kl)])
+		b = b[n+int(kl):]
+		vl, n := binary.Uvarint(b)
+		if n <= 0 || (vl > 0 && vl-1 > uint64(len(b)-n)) {
+			return nil, errBadHeaders
+		}
+		b = b[n:]
+		var val []byte
+		if vl > 0 {
+			val = make([]byte, vl-1)
+			copy(val, b[:vl-1])
+			b = b[vl-1:]
+		}
+		hs = append(hs, Header{Key: key, Value: val})
+	}
+	if len(b) != 0 {
+		return nil, fmt.Errorf("%w: %d trailing bytes", errBadHeaders, len(b))
+	}
+	return hs, nil
+}

@@ -1,0 +1,133 @@
+package outbox
+
+import "sync"
+
+// Notifier tells the local relay which buckets received committed
+// messages. The plugin feeds it after a successful COMMIT of the outermost
+// transaction, never before, and never for a rollback.
+//
+// It keeps one bit per bucket, so its memory is bounded by BucketCount no
+// matter how many commits happen between two reads, and it coalesces: many
+// commits produce one wake-up. Notify never blocks the committing
+// goroutine.
+//
+// Hints are advisory: the relay still polls, so a lost hint (a commit the
+// plugin could not observe, a process restart) costs latency, not
+// messages.
+type Notifier struct {
+	mu      sync.Mutex
+	bits    []uint64
+	any     bool
+	unknown bool
+	ready   chan struct{}
+
+	subMu sync.RWMutex
+	subs  []func(buckets []int)
+}
+
+// NewNotifier returns a notifier for bucketCount buckets.
+func NewNotifier(bucketCount int) *Notifier {
+	if bucketCount < 1 {
+		bucketCount = 1
+	}
+	return &Notifier{
+		bits:  make([]uint64, (bucketCount+63)/64),
+		ready: make(chan struct{}, 1),
+	}
+}
+
+// Notify records that buckets received committed messages and wakes the
+// reader. A bucket outside the configured range is recorded as "unknown",
+// which makes the relay run a discovery query.
+func (n *Notifier) Notify(buckets []int) {
+	if len(buckets) == 0 {
+		return
+	}
+	n.mu.Lock()
+	for _, b := range buckets {
+		if b < 0 || b >= len(n.bits)*64 {
+			n.unknown = true
+			continue
+		}
+		n.bits[b/64] |= 1 << (uint(b) % 64)
+	}
+	n.any = true
+	n.mu.Unlock()
+	n.wake()
+	n.publish(buckets)
+}
+
+// NotifyUnknown records that something committed in buckets that are not
+// known, so the relay must discover pending buckets itself.
+func (n *Notifier) NotifyUnknown() {
+	n.mu.Lock()
+	n.unknown = true
+	n.any = true
+	n.mu.Unlock()
+	n.wake()
+}
+
+func (n *Notifier) wake() {
+	select {
+	case n.ready <- struct{}{}:
+	default:
+	}
+}
+
+// Ready returns a channel that receives a value when hints are pending.
+// It is buffered by one: any number of Notify calls before a read produce
+// one wake-up.
+func (n *Notifier) Ready() <-chan struct{} { return n.ready }
+
+// Take appends the pending bucket ids to dst in ascending order, clears
+// them, and reports whether an unknown-bucket hint was pending.
+func (n *Notifier) Take(dst []int) (buckets []int, unknown bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if !n.any {
+		return dst, false
+	}
+	for w, word := range n.bits {
+		for word != 0 {
+			i := 0
+			for word&(1<<uint(i)) == 0 {
+				i++
+			}
+			dst = append(dst, w*64+i)
+			word &^= 1 << uint(i)
+		}
+		n.bits[w] = 0
+	}
+	unknown = n.unknown
+	n.unknown = false
+	n.any = false
+	return dst, unknown
+}
+
+// Subscribe registers fn to be called with the bucket ids of every
+// committed transaction, on the committing goroutine, after the local
+// wake-up. fn must not block: a cross-process transport hands the ids to
+// its own goroutine. It returns a function that removes the subscription.
+func (n *Notifier) Subscribe(fn func(buckets []int)) (cancel func()) {
+	n.subMu.Lock()
+	defer n.subMu.Unlock()
+	n.subs = append(n.subs, fn)
+	idx := len(n.subs) - 1
+	return func() {
+		n.subMu.Lock()
+		defer n.subMu.Unlock()
+		if idx < len(n.subs) {
+			n.subs[idx] = nil
+		}
+	}
+}
+
+func (n *Notifier) publish(buckets []int) {
+	n.subMu.RLock()
+	defer n.subMu.RUnlock()
+	for _, fn := range n.subs {
+		if fn != nil {
+			fn(buckets)
+		}
+	}
+}

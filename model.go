@@ -65,18 +65,18 @@ func (RelayRow) TableName() string { return RelaysTableDefault }
 // policy, kept for an operator to inspect and requeue.
 type DeadLetterRow struct {
 	// ID is the message's row id in the messages table when it died.
-	ID              int64   `gorm:"column:id;primaryKey;autoIncrement:false;index:,composite:bucket_id,priority:2"`
-	MessageID       string  `gorm:"column:message_id;type:varchar(64);not null"`
-	Bucket          int32   `gorm:"column:bucket;not null;index:,composite:bucket_id,priority:1"`
-	Topic           string  `gorm:"column:topic;type:varchar(249);not null"`
-	Key             []byte  `gorm:"column:msg_key"`
-	Value           []byte  `gorm:"column:msg_value"`
-	Headers         []byte  `gorm:"column:headers"`
-	Partition       *int32  `gorm:"column:msg_partition"`
-	CreatedAtMs     int64   `gorm:"column:created_at_ms;not null"`
-	Attempts        int32   `gorm:"column:attempts;not null;default:0"`
-	LastError       *string `gorm:"column:last_error;type:text"`
-	DeadAtMs        int64   `gorm:"column:dead_at_ms;not null;index"`
+	ID          int64   `gorm:"column:id;primaryKey;autoIncrement:false;index:,composite:bucket_id,priority:2"`
+	MessageID   string  `gorm:"column:message_id;type:varchar(64);not null"`
+	Bucket      int32   `gorm:"column:bucket;not null;index:,composite:bucket_id,priority:1"`
+	Topic       string  `gorm:"column:topic;type:varchar(249);not null"`
+	Key         []byte  `gorm:"column:msg_key"`
+	Value       []byte  `gorm:"column:msg_value"`
+	Headers     []byte  `gorm:"column:headers"`
+	Partition   *int32  `gorm:"column:msg_partition"`
+	CreatedAtMs int64   `gorm:"column:created_at_ms;not null"`
+	Attempts    int32   `gorm:"column:attempts;not null;default:0"`
+	LastError   *string `gorm:"column:last_error;type:text"`
+	DeadAtMs    int64   `gorm:"column:dead_at_ms;not null;index"`
 	// State is "failed" for the message that exhausted the policy and
 	// "parked" for a later message of the same key held behind it.
 	State string `gorm:"column:state;type:varchar(16);not null"`

@@ -1,9 +1,177 @@
 package outbox
 
+import (
+	"context"
+	"fmt"
+	"reflect"
+	"slices"
+
+	"gorm.io/gorm"
+)
+
+// Change describes one entity written by a GORM call, as a publish rule
+// sees it. T is the type the rule was registered for: a pointer to a
+// model struct (*Order) or an interface that pointers to models implement.
+type Change[T any] struct {
+	// Ctx is the context of the write.
+	Ctx context.Context
+	// Tx is the transaction of the write. Reads through it see the write;
+	// writes through it are part of it.
+	Tx *gorm.DB
+	// Op is what the write did to the entity.
+	Op Operation
+	// Entity is the entity as written. After an insert it carries the keys
+	// the database generated. It is the zero T for a bulk change.
+	Entity T
+	// Before is the model value the update was called on, as it was before
+	// the update assigned the new values: Before.Status is the old status
+	// after db.Model(&order).Update("status", "paid") on a loaded order.
+	// It is only as good as that value: GORM reads nothing from the
+	// database. It is the zero T for inserts, deletes, Save (which passes
+	// the new values as the model) and bulk changes.
+	Before T
+	// Changed lists the columns the write set: every column for an insert,
+	// the SET columns of an update (including updated_at when GORM sets
+	// it), nil for a delete.
+	Changed []string
+	// KeyOnly is true for a delete that knows only the primary key: a
+	// delete by key (db.Delete(&Order{}, 7)) or of an entity whose other
+	// fields are all zero. The rule must not rely on other fields.
+	KeyOnly bool
+	// Bulk is true for an update or delete by condition that names no
+	// entity. Only rules built with AllowBulk see such changes; Entity is
+	// the zero T and RowsAffected says how many rows the statement hit.
+	Bulk bool
+	// RowsAffected is what the database reported for the statement.
+	RowsAffected int64
+}
+
+// HasChanged reports whether the write set the column.
+func (c Change[T]) HasChanged(column string) bool { return slices.Contains(c.Changed, column) }
+
+// RuleFunc builds the message for one change, or returns nil to publish
+// nothing. An error rolls back the whole write.
+type RuleFunc[T any] func(Change[T]) (*Message, error)
+
+// RuleOption tunes a rule.
+type RuleOption func(*ruleOptions)
+
+type ruleOptions struct {
+	bulk bool
+}
+
+// AllowBulk lets the rule receive bulk updates and deletes: statements by
+// condition that name no entity (db.Where("status = ?", "x").Delete(&Order{})).
+// Without it such writes of a model that has rules are refused with
+// ErrUnsupportedWrite, because the outbox cannot say which rows changed.
+func AllowBulk() RuleOption { return func(o *ruleOptions) { o.bulk = true } }
+
 // Rule is a declarative publish rule; build one with On, OnCreate,
 // OnUpdate or OnDelete.
 type Rule interface {
-	rule() *ruleImpl
+	// check reports a rule that cannot work, e.g. T neither a pointer to
+	// a struct nor an interface.
+	check() error
+	// matches reports whether the rule applies to the model struct type.
+	matches(model reflect.Type) bool
+	operations() Operation
+	allowsBulk() bool
+	// build runs the rule for one entity (a pointer to the model struct,
+	// or an invalid Value for bulk changes).
+	build(c *change) (*Message, error)
+	String() string
 }
 
-type ruleImpl struct{}
+// change is the untyped form of Change, filled by the callbacks.
+type change struct {
+	ctx          context.Context
+	tx           *gorm.DB
+	op           Operation
+	entity       reflect.Value // pointer to the model struct, or invalid
+	before       reflect.Value // pointer to a copy, or invalid
+	changed      []string
+	keyOnly      bool
+	bulk         bool
+	rowsAffected int64
+}
+
+type typedRule[T any] struct {
+	ops  Operation
+	fn   RuleFunc[T]
+	opts ruleOptions
+	t    reflect.Type
+}
+
+// On builds a rule that runs fn for every entity of type T written with
+// one of ops (Insert, Update, Delete, combined with |). T is a pointer to
+// a model struct (*Order), or an interface: the rule then applies to every
+// model whose pointer implements it.
+//
+// The rule runs inside the write's transaction, after GORM's own
+// after-hooks and before COMMIT; the message it returns is written in that
+// transaction, and an error rolls the write back.
+func On[T any](ops Operation, fn RuleFunc[T], opts ...RuleOption) Rule {
+	r := &typedRule[T]{ops: ops, fn: fn, t: reflect.TypeFor[T]()}
+	for _, o := range opts {
+		o(&r.opts)
+	}
+	return r
+}
+
+// OnCreate builds a rule for inserts of T. See On.
+func OnCreate[T any](fn RuleFunc[T], opts ...RuleOption) Rule { return On(Insert, fn, opts...) }
+
+// OnUpdate builds a rule for updates of T. See On.
+func OnUpdate[T any](fn RuleFunc[T], opts ...RuleOption) Rule { return On(Update, fn, opts...) }
+
+// OnDelete builds a rule for deletes of T. See On.
+func OnDelete[T any](fn RuleFunc[T], opts ...RuleOption) Rule { return On(Delete, fn, opts...) }
+
+func (r *typedRule[T]) String() string {
+	return fmt.Sprintf("rule(%s on %s)", r.t, r.ops)
+}
+
+func (r *typedRule[T]) check() error {
+	if r.fn == nil {
+		return fmt.Errorf("%s: nil function", r)
+	}
+	if r.ops == 0 || r.ops&^(Insert|Update|Delete) != 0 {
+		return fmt.Errorf("%s: operations must combine Insert, Update and Delete", r)
+	}
+	switch {
+	case r.t.Kind() == reflect.Interface:
+	case r.t.Kind() == reflect.Pointer && r.t.Elem().Kind() == reflect.Struct:
+	default:
+		return fmt.Errorf("%s: T must be a pointer to a model struct or an interface, not %s", r, r.t)
+	}
+	return nil
+}
+
+func (r *typedRule[T]) matches(model reflect.Type) bool {
+	if r.t.Kind() == reflect.Interface {
+		return reflect.PointerTo(model).Implements(r.t)
+	}
+	return r.t == reflect.PointerTo(model)
+}
+
+func (r *typedRule[T]) operations() Operation { return r.ops }
+func (r *typedRule[T]) allowsBulk() bool      { return r.opts.bulk }
+
+func (r *typedRule[T]) build(c *change) (*Message, error) {
+	ch := Change[T]{
+		Ctx:          c.ctx,
+		Tx:           c.tx,
+		Op:           c.op,
+		Changed:      c.changed,
+		KeyOnly:      c.keyOnly,
+		Bulk:         c.bulk,
+		RowsAffected: c.rowsAffected,
+	}
+	if c.entity.IsValid() {
+		ch.Entity = c.entity.Interface().(T)
+	}
+	if c.before.IsValid() {
+		ch.Before = c.before.Interface().(T)
+	}
+	return r.fn(ch)
+}

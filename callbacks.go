@@ -1,0 +1,478 @@
+package outbox
+
+import (
+	"fmt"
+	"reflect"
+
+	"gorm.io/gorm"
+	"gorm.io/gorm/callbacks"
+	"gorm.io/gorm/clause"
+)
+
+// Instance keys the callbacks keep on a statement.
+const (
+	keyStartedTx  = "outbox:started_transaction"
+	keyBefore     = "outbox:before"
+	keyUpsertKeys = "outbox:upsert_keys_known"
+	keySetAdded   = "outbox:set_added"
+)
+
+// registerCallbacks places the plugin's callbacks. Every callback that
+// writes is anchored before gorm:commit_or_rollback_transaction: one
+// registered only after gorm:create would run after the implicit
+// transaction committed, outside it.
+func (p *Plugin) registerCallbacks(db *gorm.DB) error {
+	prefix := "outbox:" + p.cfg.Name + ":"
+	steps := []struct {
+		kind   string // create, update or delete
+		name   string
+		after  string
+		before string
+		fn     func(*gorm.DB)
+	}{
+		{"create", "begin", "", "gorm:begin_transaction", p.beginTx},
+		{"create", "before_create", "gorm:before_create", "gorm:create", p.beforeCreate},
+		{"create", "after_create", "gorm:after_create", "gorm:commit_or_rollback_transaction", p.afterCreate},
+		{"create", "end", "gorm:commit_or_rollback_transaction", "", p.endTx},
+		{"update", "begin", "", "gorm:begin_transaction", p.beginTx},
+		{"update", "before_update", "gorm:save_before_associations", "gorm:update", p.beforeUpdate},
+		{"update", "after_update", "gorm:after_update", "gorm:commit_or_rollback_transaction", p.afterUpdate},
+		{"update", "end", "gorm:commit_or_rollback_transaction", "", p.endTx},
+		{"delete", "begin", "", "gorm:begin_transaction", p.beginTx},
+		{"delete", "after_delete", "gorm:after_delete", "gorm:commit_or_rollback_transaction", p.afterDelete},
+		{"delete", "end", "gorm:commit_or_rollback_transaction", "", p.endTx},
+	}
+	for _, s := range steps {
+		name := prefix + s.kind + ":" + s.name
+		var err error
+		switch s.kind {
+		case "create":
+			err = db.Callback().Create().After(s.after).Before(s.before).Register(name, s.fn)
+		case "update":
+			err = db.Callback().Update().After(s.after).Before(s.before).Register(name, s.fn)
+		case "delete":
+			err = db.Callback().Delete().After(s.after).Before(s.before).Register(name, s.fn)
+		}
+		if err != nil {
+			return fmt.Errorf("outbox: register callback %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// statementRules returns the rules for the statement's model that cover
+// op, or nil.
+func (p *Plugin) statementRules(db *gorm.DB, op Operation) *modelRules {
+	if db.Statement.Schema == nil {
+		return nil
+	}
+	m := p.rulesFor(db.Statement.Schema.ModelType)
+	if !m.for_(op) {
+		return nil
+	}
+	return m
+}
+
+// beginTx opens a transaction for a write of a model with rules when GORM
+// will not (SkipDefaultTransaction), so the business row and its message
+// stay atomic. It never writes anything outside a transaction.
+func (p *Plugin) beginTx(db *gorm.DB) {
+	if db.Error != nil || !db.Config.SkipDefaultTransaction || db.Statement.Schema == nil || db.DryRun {
+		return
+	}
+	if m := p.rulesFor(db.Statement.Schema.ModelType); m == nil || inTransaction(db.Statement.ConnPool) {
+		return
+	}
+	tx := db.Begin()
+	if tx.Error != nil {
+		_ = db.AddError(fmt.Errorf("outbox: open a transaction for a write of %s with publish rules: %w", db.Statement.Schema.Name, tx.Error))
+		return
+	}
+	db.Statement.ConnPool = tx.Statement.ConnPool
+	db.InstanceSet(keyStartedTx, true)
+}
+
+// endTx commits or rolls back the transaction beginTx opened.
+func (p *Plugin) endTx(db *gorm.DB) {
+	if _, ok := db.InstanceGet(keyStartedTx); !ok {
+		return
+	}
+	if db.Error != nil {
+		db.Rollback()
+	} else {
+		db.Commit()
+	}
+	db.Statement.ConnPool = db.ConnPool
+}
+
+// entities calls fn with a pointer to every model struct the statement
+// holds: one for a struct, one per element for a slice or array.
+func entities(db *gorm.DB, fn func(ptr reflect.Value) error) error {
+	rv := db.Statement.ReflectValue
+	switch rv.Kind() {
+	case reflect.Struct:
+		if rv.CanAddr() {
+			return fn(rv.Addr())
+		}
+		cp := reflect.New(rv.Type())
+		cp.Elem().Set(rv)
+		return fn(cp)
+	case reflect.Slice, reflect.Array:
+		for i := 0; i < rv.Len(); i++ {
+			e := reflect.Indirect(rv.Index(i))
+			for e.Kind() == reflect.Pointer || e.Kind() == reflect.Interface {
+				e = reflect.Indirect(e.Elem())
+			}
+			if e.Kind() != reflect.Struct {
+				continue
+			}
+			if e.CanAddr() {
+				if err := fn(e.Addr()); err != nil {
+					return err
+				}
+				continue
+			}
+			cp := reflect.New(e.Type())
+			cp.Elem().Set(e)
+			if err := fn(cp); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func entityCount(db *gorm.DB) int {
+	rv := db.Statement.ReflectValue
+	switch rv.Kind() {
+	case reflect.Struct:
+		return 1
+	case reflect.Slice, reflect.Array:
+		return rv.Len()
+	}
+	return 0
+}
+
+// primaryKeyKnown reports whether every primary key field of the entity
+// holds a non-zero value.
+func primaryKeyKnown(db *gorm.DB, ptr reflect.Value) bool {
+	s := db.Statement.Schema
+	if len(s.PrimaryFields) == 0 {
+		return false
+	}
+	for _, f := range s.PrimaryFields {
+		if _, zero := f.ValueOf(db.Statement.Context, ptr.Elem()); zero {
+			return false
+		}
+	}
+	return true
+}
+
+// onlyPrimaryKey reports whether no field but the primary key holds a
+// non-zero value.
+func onlyPrimaryKey(db *gorm.DB, ptr reflect.Value) bool {
+	for _, f := range db.Statement.Schema.Fields {
+		if f.PrimaryKey || f.DBName == "" {
+			continue
+		}
+		if _, zero := f.ValueOf(db.Statement.Context, ptr.Elem()); !zero {
+			return false
+		}
+	}
+	return true
+}
+
+func unsupported(db *gorm.DB, format string, args ...any) {
+	_ = db.AddError(fmt.Errorf("%w: %s: %s", ErrUnsupportedWrite, db.Statement.Schema.Name, fmt.Sprintf(format, args...)))
+}
+
+// beforeCreate refuses upserts whose written keys GORM cannot report.
+func (p *Plugin) beforeCreate(db *gorm.DB) {
+	if db.Error != nil || p.statementRules(db, Insert) == nil {
+		return
+	}
+	c, ok := db.Statement.Clauses["ON CONFLICT"]
+	if !ok {
+		return
+	}
+	oc, ok := c.Expression.(clause.OnConflict)
+	if !ok || oc.DoNothing {
+		return
+	}
+	// An upsert that may update: GORM reports wrong keys for batches
+	// (go-gorm/gorm#7393) and, on MySQL, for a row whose key the database
+	// generates. Only a single entity with a known key is described
+	// faithfully.
+	if entityCount(db) != 1 {
+		unsupported(db, "batch upsert (ON CONFLICT ... UPDATE): GORM cannot report which key each row got; write the rows one by one")
+		return
+	}
+	known := true
+	_ = entities(db, func(ptr reflect.Value) error {
+		known = primaryKeyKnown(db, ptr)
+		return nil
+	})
+	if !known {
+		unsupported(db, "upsert (ON CONFLICT ... UPDATE) of an entity without its primary key: the key of the written row cannot be known; set the key, or insert and update separately")
+		return
+	}
+	db.InstanceSet(keyUpsertKeys, true)
+}
+
+// afterCreate runs the Insert rules for every created entity.
+func (p *Plugin) afterCreate(db *gorm.DB) {
+	m := p.statementRules(db, Insert)
+	if db.Error != nil || m == nil || db.DryRun {
+		return
+	}
+	n := entityCount(db)
+	if n == 0 {
+		return
+	}
+	if c, ok := db.Statement.Clauses["ON CONFLICT"]; ok {
+		if oc, ok := c.Expression.(clause.OnConflict); ok && oc.DoNothing {
+			if db.RowsAffected == 0 && n == 1 {
+				return // the row existed: nothing was written
+			}
+			if db.RowsAffected != int64(n) {
+				unsupported(db, "ON CONFLICT DO NOTHING skipped %d of %d rows: which rows were written cannot be known", int64(n)-db.RowsAffected, n)
+				return
+			}
+		}
+	}
+	changed := db.Statement.Schema.DBNames
+	var msgs []*Message
+	err := entities(db, func(ptr reflect.Value) error {
+		out, err := p.runRules(db, m, Insert, &change{entity: ptr, changed: changed, rowsAffected: db.RowsAffected})
+		msgs = append(msgs, out...)
+		return err
+	})
+	p.finish(db, msgs, err)
+}
+
+// beforeUpdate keeps a copy of the model value before the update assigns
+// the new values, so rules can compare, and computes the SET clause the
+// way gorm:update would, keeping it on the statement so the rules learn
+// which columns the update wrote (gorm:update drops the clause it builds
+// itself).
+func (p *Plugin) beforeUpdate(db *gorm.DB) {
+	if db.Error != nil || p.statementRules(db, Update) == nil {
+		return
+	}
+	// When the model is also the source of the values (Save, Updates on
+	// the model itself), it already holds the new values.
+	if db.Statement.Dest != db.Statement.Model && db.Statement.ReflectValue.Kind() == reflect.Struct {
+		rv := db.Statement.ReflectValue
+		cp := reflect.New(rv.Type())
+		cp.Elem().Set(rv)
+		db.InstanceSet(keyBefore, cp)
+	}
+	if _, ok := db.Statement.Clauses["SET"]; ok || db.Statement.SQL.Len() != 0 {
+		return
+	}
+	if set := callbacks.ConvertToAssignments(db.Statement); len(set) != 0 {
+		db.Statement.AddClause(set)
+		db.InstanceSet(keySetAdded, true)
+	}
+}
+
+// setColumns returns the columns of the statement's SET clause.
+func setColumns(db *gorm.DB) []string {
+	c, ok := db.Statement.Clauses["SET"]
+	if !ok {
+		return nil
+	}
+	set, ok := c.Expression.(clause.Set)
+	if !ok {
+		return nil
+	}
+	cols := make([]string, 0, len(set))
+	for _, a := range set {
+		cols = append(cols, a.Column.Name)
+	}
+	return cols
+}
+
+// afterUpdate runs the Update rules for the updated entity, or for a bulk
+// update when every rule opted in.
+func (p *Plugin) afterUpdate(db *gorm.DB) {
+	changed := setColumns(db)
+	if _, ok := db.InstanceGet(keySetAdded); ok {
+		delete(db.Statement.Clauses, "SET")
+	}
+	m := p.statementRules(db, Update)
+	if db.Error != nil || m == nil || db.DryRun {
+		return
+	}
+	if db.RowsAffected == 0 {
+		return // nothing was written
+	}
+	var before reflect.Value
+	if v, ok := db.InstanceGet(keyBefore); ok {
+		before = v.(reflect.Value)
+	}
+	var targets []reflect.Value
+	_ = entities(db, func(ptr reflect.Value) error {
+		if primaryKeyKnown(db, ptr) {
+			targets = append(targets, ptr)
+		}
+		return nil
+	})
+	var msgs []*Message
+	var err error
+	if len(targets) == 0 {
+		msgs, err = p.runBulk(db, m, Update, changed)
+	} else {
+		for _, ptr := range targets {
+			var out []*Message
+			out, err = p.runRules(db, m, Update, &change{entity: ptr, before: before, changed: changed, rowsAffected: db.RowsAffected})
+			msgs = append(msgs, out...)
+			if err != nil {
+				break
+			}
+		}
+	}
+	p.finish(db, msgs, err)
+}
+
+// afterDelete runs the Delete rules for every deleted entity; for a delete
+// by primary key values, for a key-only entity per key.
+func (p *Plugin) afterDelete(db *gorm.DB) {
+	m := p.statementRules(db, Delete)
+	if db.Error != nil || m == nil || db.DryRun {
+		return
+	}
+	if db.RowsAffected == 0 {
+		return
+	}
+	var targets []reflect.Value
+	_ = entities(db, func(ptr reflect.Value) error {
+		if primaryKeyKnown(db, ptr) {
+			targets = append(targets, ptr)
+		}
+		return nil
+	})
+	if len(targets) == 0 {
+		targets = keysFromWhere(db)
+	}
+	var msgs []*Message
+	var err error
+	if len(targets) == 0 {
+		msgs, err = p.runBulk(db, m, Delete, nil)
+	} else {
+		for _, ptr := range targets {
+			var out []*Message
+			out, err = p.runRules(db, m, Delete, &change{entity: ptr, keyOnly: onlyPrimaryKey(db, ptr), rowsAffected: db.RowsAffected})
+			msgs = append(msgs, out...)
+			if err != nil {
+				break
+			}
+		}
+	}
+	p.finish(db, msgs, err)
+}
+
+// keysFromWhere turns a delete by primary key values (db.Delete(&T{}, 7)
+// or db.Delete(&T{}, []int{1, 2})) into one key-only entity per key. Any
+// other condition yields nothing: the delete is then a bulk delete.
+func keysFromWhere(db *gorm.DB) []reflect.Value {
+	s := db.Statement.Schema
+	if s.PrioritizedPrimaryField == nil || len(s.PrimaryFields) != 1 {
+		return nil
+	}
+	c, ok := db.Statement.Clauses["WHERE"]
+	if !ok {
+		return nil
+	}
+	where, ok := c.Expression.(clause.Where)
+	if !ok || len(where.Exprs) != 1 {
+		return nil
+	}
+	pk := s.PrioritizedPrimaryField
+	isPK := func(col any) bool {
+		switch c := col.(type) {
+		case clause.Column:
+			return c.Name == clause.PrimaryKey || c.Name == pk.DBName
+		case string:
+			return c == pk.DBName
+		}
+		return false
+	}
+	var values []any
+	switch e := where.Exprs[0].(type) {
+	case clause.IN:
+		if !isPK(e.Column) {
+			return nil
+		}
+		values = e.Values
+	case clause.Eq:
+		if !isPK(e.Column) {
+			return nil
+		}
+		values = []any{e.Value}
+	default:
+		return nil
+	}
+	var out []reflect.Value
+	for _, v := range values {
+		ptr := reflect.New(s.ModelType)
+		if err := pk.Set(db.Statement.Context, ptr.Elem(), v); err != nil {
+			return nil
+		}
+		out = append(out, ptr)
+	}
+	return out
+}
+
+// runBulk runs the rules for a statement by condition that names no
+// entity: only rules that opted in with AllowBulk may see it; any other
+// rule makes the write fail.
+func (p *Plugin) runBulk(db *gorm.DB, m *modelRules, op Operation, changed []string) ([]*Message, error) {
+	for _, r := range m.rules {
+		if r.operations()&op != 0 && !r.allowsBulk() {
+			return nil, fmt.Errorf("%w: %s: %s by condition without an entity: %s needs the entity; load the rows and write them one by one, or build the rule with AllowBulk", ErrUnsupportedWrite, db.Statement.Schema.Name, op, r)
+		}
+	}
+	return p.runRules(db, m, op, &change{bulk: true, changed: changed, rowsAffected: db.RowsAffected})
+}
+
+// runRules calls every rule of m that covers op and returns their
+// messages.
+func (p *Plugin) runRules(db *gorm.DB, m *modelRules, op Operation, c *change) ([]*Message, error) {
+	c.ctx = db.Statement.Context
+	c.tx = db.Session(&gorm.Session{NewDB: true})
+	c.op = op
+	var out []*Message
+	for _, r := range m.rules {
+		if r.operations()&op == 0 {
+			continue
+		}
+		msg, err := r.build(c)
+		if err != nil {
+			return out, &RuleError{Model: db.Statement.Schema.ModelType.String(), Operation: op, Err: err}
+		}
+		if msg != nil {
+			out = append(out, msg)
+		}
+	}
+	return out, nil
+}
+
+// finish writes the messages the rules built, in the write's transaction,
+// or records the error so GORM rolls the write back.
+func (p *Plugin) finish(db *gorm.DB, msgs []*Message, err error) {
+	if err != nil {
+		_ = db.AddError(err)
+		return
+	}
+	if len(msgs) == 0 {
+		return
+	}
+	if !inTransaction(db.Statement.ConnPool) {
+		_ = db.AddError(fmt.Errorf("%w (the write of %s ran outside a transaction)", ErrNoTransaction, db.Statement.Schema.Name))
+		return
+	}
+	if err := p.write(db, msgs); err != nil {
+		_ = db.AddError(err)
+	}
+}

@@ -607,3 +607,76 @@ func TestAutoMigrateIsIdempotent(t *testing.T) {
 			dbt.DB.Table("mig_outbox_messages").Migrator().HasIndex(&outbox.MessageRow{}, "idx_mig_outbox_messages_bucket_id"))
 	})
 }
+
+func TestPrepareStmtAtOpen(t *testing.T) {
+	t.Parallel()
+	for _, dialect := range dbtest.Dialects {
+		t.Run(dialect, func(t *testing.T) {
+			t.Parallel()
+			dbt := dbtest.Open(t, dialect, dbtest.Options{Config: &gorm.Config{PrepareStmt: true, Logger: logger.Discard}})
+			b := setupWrite(t, dbt, outbox.Config{Rules: orderRules()})
+			ka, kb := keysInDistinctBuckets()
+			err := b.db.Transaction(func(tx *gorm.DB) error {
+				o := Order{Status: "new"}
+				if err := tx.Create(&o).Error; err != nil {
+					return err
+				}
+				_ = tx.Transaction(func(tx2 *gorm.DB) error {
+					_ = outbox.Enqueue(tx2, &outbox.Message{Topic: "t", Key: kb})
+					return errors.New("drop")
+				})
+				return outbox.Enqueue(tx, &outbox.Message{Topic: "t", Key: ka})
+			})
+			require.NoError(t, err)
+			rows := b.rows(t)
+			require.Len(t, rows, 2)
+			got, _ := b.taken()
+			require.ElementsMatch(t, dedup(int(rows[0].Bucket), bucketOf(ka)), got)
+			sqlDB, err := b.db.DB()
+			require.NoError(t, err, "db.DB() still works through the wrapped pool")
+			require.NoError(t, sqlDB.Ping())
+		})
+	}
+}
+
+func TestConcurrentCommitsAllNotified(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b := setupWrite(t, dbt, outbox.Config{BucketCount: 64})
+		const writers, each = 4, 10
+		var wg sync.WaitGroup
+		errs := make(chan error, writers*each)
+		for w := 0; w < writers; w++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; i < each; i++ {
+					k := []byte(fmt.Sprintf("w%d-%d", w, i))
+					errs <- b.db.Transaction(func(tx *gorm.DB) error {
+						return outbox.Enqueue(tx, &outbox.Message{Topic: "t", Key: k})
+					})
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			require.NoError(t, err)
+		}
+		want := map[int]bool{}
+		for _, r := range b.rows(t) {
+			want[int(r.Bucket)] = true
+		}
+		select {
+		case <-b.plugin.Notifier().Ready():
+		default:
+			t.Fatal("no wake-up after the commits")
+		}
+		got, unknown := b.taken()
+		require.False(t, unknown)
+		require.Len(t, got, len(want))
+		for _, g := range got {
+			require.True(t, want[g], "bucket %d notified without a row", g)
+		}
+	})
+}

@@ -1,0 +1,50 @@
+// Package outbox is the transactional outbox for GORM.
+//
+// A message to publish is written as a row in the same database
+// transaction as the business change it announces; a relay (package relay)
+// publishes the rows afterwards and deletes each one only after the sink
+// acknowledged it. There is no dual write: a message exists exactly when
+// its business write committed.
+//
+// # Writing messages
+//
+// Register the plugin right after gorm.Open, create its tables, then
+// either declare rules per model or enqueue explicitly:
+//
+//	p, err := outbox.NewPlugin(outbox.Config{Rules: []outbox.Rule{
+//		outbox.OnCreate(func(c outbox.Change[*Order]) (*outbox.Message, error) {
+//			return outbox.JSONMessage("orders", orderKey(c.Entity.ID), c.Entity)
+//		}),
+//	}})
+//	err = db.Use(p)
+//	err = p.AutoMigrate(ctx, db)
+//
+//	db.Create(&order) // the order and its message, one transaction
+//
+//	db.Transaction(func(tx *gorm.DB) error {
+//		// ... business writes on tx ...
+//		return outbox.Enqueue(tx, &outbox.Message{Topic: "payments", Key: k, Value: v})
+//	})
+//
+// Rules run inside the write's transaction, after the model's own hooks
+// and before COMMIT; a rule's error rolls the write back. Writes the rules
+// cannot describe faithfully (a delete by condition with no entity, a batch
+// upsert) are refused with ErrUnsupportedWrite unless a rule opts in.
+// Enqueue outside a transaction returns ErrNoTransaction and writes
+// nothing.
+//
+// # Buckets and order
+//
+// Every message falls into one of Config.BucketCount buckets by a stable
+// hash of its key (see Bucket). A bucket is drained in submission order by
+// one relay at a time, so messages with the same key reach the sink in the
+// order their transactions wrote them. BucketCount must be the same for
+// every writer and relay of a table.
+//
+// # Wake-ups
+//
+// After the outermost COMMIT of a transaction that wrote messages, the
+// plugin hands the touched buckets to its Notifier, which the local relay
+// waits on. Rollbacks notify nothing. Hints only shorten latency: the
+// relay also polls.
+package outbox

@@ -1,0 +1,424 @@
+// Package kafkatest gives tests a Kafka-protocol cluster, unique topics and
+// a reader that returns what the brokers hold.
+//
+// By default Start runs an in-process kfake cluster on loopback, one per
+// test, so tests can run in parallel and inject faults through Fake. When
+// the environment variable KAFKA_BROKERS names a real cluster
+// ("host:port,host:port"), Start uses it instead: topics get unique names
+// and are deleted at the end of the test, and Fake returns nil, so tests that
+// need fault injection call RequireFake, which skips them there.
+//
+// The helper talks to the cluster with franz-go (kgo), not with sarama, so
+// that what a test reads back does not depend on the client under test.
+package kafkatest
+
+import (
+	"cmp"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+)
+
+// EnvBrokers is the environment variable that, when set, points Start at a
+// real cluster instead of starting a kfake cluster.
+const EnvBrokers = "KAFKA_BROKERS"
+
+// adminTimeout bounds each admin operation (topic creation, offsets).
+const adminTimeout = 30 * time.Second
+
+// Option configures Start.
+type Option func(*options)
+
+type options struct {
+	numBrokers int
+	seeds      []seed
+	blackhole  bool
+}
+
+type seed struct {
+	partitions int32
+	topics     []string
+}
+
+// NumBrokers sets how many brokers the kfake cluster runs, default 1. It
+// has no effect on a real cluster.
+func NumBrokers(n int) Option {
+	return func(o *options) { o.numBrokers = n }
+}
+
+// BlackholeProduce makes the kfake cluster acknowledge produce requests
+// without storing the records, for benchmarks that should measure the
+// client rather than the fake broker's memory. Nothing can be read back.
+// It has no effect on a real cluster.
+func BlackholeProduce() Option {
+	return func(o *options) { o.blackhole = true }
+}
+
+// SeedTopics creates the named topics with the given number of partitions
+// when the cluster starts. On a real cluster an existing topic is kept as
+// is. Prefer Cluster.Topic, whose names are unique.
+func SeedTopics(partitions int32, topics ...string) Option {
+	return func(o *options) { o.seeds = append(o.seeds, seed{partitions, topics}) }
+}
+
+// Cluster is a running cluster. Everything it started is stopped on the
+// test's cleanup.
+type Cluster struct {
+	fake    *kfake.Cluster
+	brokers []string
+	admin   *kgo.Client
+}
+
+// Start starts a cluster for t, or connects to the one in KAFKA_BROKERS.
+func Start(t testing.TB, opts ...Option) *Cluster {
+	t.Helper()
+	o := options{numBrokers: 1}
+	for _, opt := range opts {
+		opt(&o)
+	}
+
+	c := &Cluster{}
+	if env := os.Getenv(EnvBrokers); env != "" {
+		for _, b := range strings.Split(env, ",") {
+			if b = strings.TrimSpace(b); b != "" {
+				c.brokers = append(c.brokers, b)
+			}
+		}
+	} else {
+		kopts := []kfake.Opt{kfake.NumBrokers(o.numBrokers)}
+		if o.blackhole {
+			kopts = append(kopts, kfake.BlackholeProduce())
+		}
+		for _, s := range o.seeds {
+			kopts = append(kopts, kfake.SeedTopics(s.partitions, s.topics...))
+		}
+		fake, err := kfake.NewCluster(kopts...)
+		require.NoError(t, err, "kafkatest: start kfake cluster")
+		t.Cleanup(fake.Close)
+		c.fake = fake
+		c.brokers = fake.ListenAddrs()
+	}
+
+	admin, err := kgo.NewClient(kgo.SeedBrokers(c.brokers...), kgo.RetryTimeout(adminTimeout))
+	require.NoError(t, err, "kafkatest: admin client")
+	// Cleanups run last-in first-out: the admin client closes before the
+	// kfake cluster does.
+	t.Cleanup(admin.Close)
+	c.admin = admin
+
+	if c.fake == nil {
+		for _, s := range o.seeds {
+			for _, name := range s.topics {
+				c.createTopic(t, name, s.partitions, nil, true)
+			}
+		}
+	}
+	return c
+}
+
+// Brokers returns the addresses to bootstrap a client with. On a kfake
+// cluster they reflect nodes added or removed since Start.
+func (c *Cluster) Brokers() []string {
+	if c.fake != nil {
+		return c.fake.ListenAddrs()
+	}
+	return slices.Clone(c.brokers)
+}
+
+// Fake returns the kfake cluster for fault injection, or nil on a real
+// cluster.
+func (c *Cluster) Fake() *kfake.Cluster { return c.fake }
+
+// RequireFake returns the kfake cluster, skipping t on a real cluster.
+func (c *Cluster) RequireFake(t testing.TB) *kfake.Cluster {
+	t.Helper()
+	if c.fake == nil {
+		t.Skipf("kafkatest: needs fault injection, not available on the real cluster in %s", EnvBrokers)
+	}
+	return c.fake
+}
+
+// TopicOption configures a topic that Topic creates.
+type TopicOption func(map[string]*string)
+
+// TopicConfig sets a topic-level config, for example "max.message.bytes".
+func TopicConfig(key, value string) TopicOption {
+	return func(m map[string]*string) { m[key] = &value }
+}
+
+var topicSeq atomic.Int64
+
+// Topic creates a topic with a name unique to this test run and returns
+// its name. It waits until every partition has a leader. On a real cluster
+// the topic is deleted when the test ends.
+func (c *Cluster) Topic(t testing.TB, partitions int32, opts ...TopicOption) string {
+	t.Helper()
+	configs := map[string]*string{}
+	for _, opt := range opts {
+		opt(configs)
+	}
+	name := uniqueName(t.Name())
+	c.createTopic(t, name, partitions, configs, false)
+	if c.fake == nil {
+		t.Cleanup(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
+			defer cancel()
+			req := kmsg.NewPtrDeleteTopicsRequest()
+			req.TopicNames = []string{name}
+			rt := kmsg.NewDeleteTopicsRequestTopic()
+			rt.Topic = &name
+			req.Topics = append(req.Topics, rt)
+			if _, err := req.RequestWith(ctx, c.admin); err != nil {
+				t.Logf("kafkatest: delete topic %q: %v", name, err)
+			}
+		})
+	}
+	return name
+}
+
+// uniqueName derives a legal topic name from a test name.
+func uniqueName(testName string) string {
+	var b strings.Builder
+	for _, r := range testName {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '-':
+			b.WriteRune(r)
+		default:
+			b.WriteByte('-')
+		}
+	}
+	base := b.String()
+	if len(base) > 150 {
+		base = base[:150]
+	}
+	var rnd [4]byte
+	_, _ = rand.Read(rnd[:])
+	return fmt.Sprintf("outbox-%s-%d-%s", base, topicSeq.Add(1), hex.EncodeToString(rnd[:]))
+}
+
+func (c *Cluster) createTopic(t testing.TB, name string, partitions int32, configs map[string]*string, existsOK bool) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
+	defer cancel()
+
+	req := kmsg.NewPtrCreateTopicsRequest()
+	req.TimeoutMillis = int32(adminTimeout / time.Millisecond)
+	rt := kmsg.NewCreateTopicsRequestTopic()
+	rt.Topic = name
+	rt.NumPartitions = partitions
+	rt.ReplicationFactor = -1 // the broker's default.replication.factor
+	for k, v := range configs {
+		cfg := kmsg.NewCreateTopicsRequestTopicConfig()
+		cfg.Name, cfg.Value = k, v
+		rt.Configs = append(rt.Configs, cfg)
+	}
+	req.Topics = append(req.Topics, rt)
+	resp, err := req.RequestWith(ctx, c.admin)
+	require.NoError(t, err, "kafkatest: create topic %q", name)
+	require.Len(t, resp.Topics, 1)
+	if err := kerr.ErrorForCode(resp.Topics[0].ErrorCode); err != nil {
+		if !existsOK || !errors.Is(err, kerr.TopicAlreadyExists) {
+			require.NoError(t, err, "kafkatest: create topic %q", name)
+		}
+	}
+	c.waitForLeaders(t, ctx, name, partitions)
+}
+
+// waitForLeaders polls metadata until the topic has all its partitions
+// and each has a leader: a real cluster propagates a new topic to the
+// brokers' metadata caches asynchronously.
+func (c *Cluster) waitForLeaders(t testing.TB, ctx context.Context, topic string, partitions int32) {
+	t.Helper()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	var last string
+	for {
+		req := kmsg.NewPtrMetadataRequest()
+		rt := kmsg.NewMetadataRequestTopic()
+		rt.Topic = &topic
+		req.Topics = append(req.Topics, rt)
+		resp, err := req.RequestWith(ctx, c.admin)
+		switch {
+		case err != nil:
+			last = err.Error()
+		case len(resp.Topics) != 1:
+			last = fmt.Sprintf("%d topics in metadata", len(resp.Topics))
+		default:
+			mt := resp.Topics[0]
+			ready := kerr.ErrorForCode(mt.ErrorCode) == nil && len(mt.Partitions) >= int(partitions)
+			for _, p := range mt.Partitions {
+				if p.Leader < 0 || kerr.ErrorForCode(p.ErrorCode) != nil {
+					ready = false
+				}
+			}
+			if ready {
+				return
+			}
+			last = fmt.Sprintf("topic error %v, %d partitions", kerr.ErrorForCode(mt.ErrorCode), len(mt.Partitions))
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("kafkatest: topic %q not ready within %v: %s", topic, adminTimeout, last)
+		case <-tick.C:
+		}
+	}
+}
+
+// Header is one record header.
+type Header struct {
+	Key   string
+	Value []byte
+}
+
+// Record is a record read back from the cluster. Key and Value are nil for
+// a null key or value.
+type Record struct {
+	Topic     string
+	Partition int32
+	Offset    int64
+	Key       []byte
+	Value     []byte
+	Headers   []Header
+}
+
+// ReadOption configures ReadAll.
+type ReadOption func(*[]kgo.Opt)
+
+// ReadCommitted makes ReadAll skip records of aborted or still open
+// transactions (isolation level read_committed). The default is
+// read_uncommitted.
+func ReadCommitted() ReadOption {
+	return func(o *[]kgo.Opt) { *o = append(*o, kgo.FetchIsolationLevel(kgo.ReadCommitted())) }
+}
+
+// ReadAll consumes every partition of topic from its oldest offset until at
+// least want records arrived, and returns them ordered by partition, then
+// offset. It fails t if fewer than want arrived within timeout. It may
+// return more than want records if they arrived in the same fetch; callers
+// that need an exact count compare with RecordCount. ReadAll must be called
+// from the test's goroutine.
+func (c *Cluster) ReadAll(t testing.TB, topic string, want int, timeout time.Duration, opts ...ReadOption) []Record {
+	t.Helper()
+	kopts := []kgo.Opt{
+		kgo.SeedBrokers(c.Brokers()...),
+		kgo.ConsumeTopics(topic),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		kgo.FetchMaxWait(100 * time.Millisecond),
+		kgo.MetadataMinAge(50 * time.Millisecond),
+	}
+	for _, opt := range opts {
+		opt(&kopts)
+	}
+	cl, err := kgo.NewClient(kopts...)
+	require.NoError(t, err, "kafkatest: consumer client")
+	defer cl.Close()
+
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	var (
+		out     []Record
+		lastErr error
+	)
+	for len(out) < want {
+		fetches := cl.PollFetches(ctx)
+		fetches.EachError(func(_ string, _ int32, err error) {
+			if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
+				lastErr = err
+			}
+		})
+		fetches.EachRecord(func(r *kgo.Record) {
+			rec := Record{
+				Topic:     r.Topic,
+				Partition: r.Partition,
+				Offset:    r.Offset,
+				Key:       r.Key,
+				Value:     r.Value,
+			}
+			for _, h := range r.Headers {
+				rec.Headers = append(rec.Headers, Header{Key: h.Key, Value: h.Value})
+			}
+			out = append(out, rec)
+		})
+		if ctx.Err() != nil && len(out) < want {
+			t.Fatalf("kafkatest: read %d of %d records from topic %q within %v (last fetch error: %v)",
+				len(out), want, topic, timeout, lastErr)
+		}
+	}
+	slices.SortStableFunc(out, func(a, b Record) int {
+		if a.Partition != b.Partition {
+			return cmp.Compare(a.Partition, b.Partition)
+		}
+		return cmp.Compare(a.Offset, b.Offset)
+	})
+	return out
+}
+
+// RecordCount returns how many offsets the topic's partitions hold: the sum
+// of high watermark minus log start offset. For a topic written without
+// transactions that is the number of records; transaction markers count
+// too.
+func (c *Cluster) RecordCount(t testing.TB, topic string) int64 {
+	t.Helper()
+	end := c.offsets(t, topic, -1)
+	start := c.offsets(t, topic, -2)
+	var n int64
+	for p, e := range end {
+		n += e - start[p]
+	}
+	return n
+}
+
+// offsets lists each partition's offset for timestamp (-1 latest, -2
+// earliest).
+func (c *Cluster) offsets(t testing.TB, topic string, timestamp int64) map[int32]int64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
+	defer cancel()
+
+	meta := kmsg.NewPtrMetadataRequest()
+	mt := kmsg.NewMetadataRequestTopic()
+	mt.Topic = &topic
+	meta.Topics = append(meta.Topics, mt)
+	mresp, err := meta.RequestWith(ctx, c.admin)
+	require.NoError(t, err, "kafkatest: metadata for %q", topic)
+	require.Len(t, mresp.Topics, 1)
+	require.NoError(t, kerr.ErrorForCode(mresp.Topics[0].ErrorCode), "kafkatest: metadata for %q", topic)
+
+	req := kmsg.NewPtrListOffsetsRequest()
+	req.ReplicaID = -1
+	lt := kmsg.NewListOffsetsRequestTopic()
+	lt.Topic = topic
+	for _, p := range mresp.Topics[0].Partitions {
+		lp := kmsg.NewListOffsetsRequestTopicPartition()
+		lp.Partition = p.Partition
+		lp.Timestamp = timestamp
+		lp.CurrentLeaderEpoch = -1
+		lt.Partitions = append(lt.Partitions, lp)
+	}
+	req.Topics = append(req.Topics, lt)
+	resp, err := req.RequestWith(ctx, c.admin)
+	require.NoError(t, err, "kafkatest: list offsets for %q", topic)
+	out := make(map[int32]int64)
+	for _, rt := range resp.Topics {
+		for _, rp := range rt.Partitions {
+			require.NoError(t, kerr.ErrorForCode(rp.ErrorCode), "kafkatest: list offsets for %q partition %d", topic, rp.Partition)
+			out[rp.Partition] = rp.Offset
+		}
+	}
+	require.Len(t, out, len(mresp.Topics[0].Partitions), "kafkatest: list offsets for %q", topic)
+	return out
+}

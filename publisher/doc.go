@@ -1,0 +1,110 @@
+// Package publisher holds the relay's publishers: Kafka, a Kafka publisher
+// over github.com/IBM/sarama, and Func, an adapter for any other sink. Both
+// implement relay.Publisher.
+//
+// # The prefix contract
+//
+// Publish(ctx, msgs) returns how many leading messages of msgs the sink
+// acknowledged, and the first error. Only a contiguous prefix counts: the
+// relay deletes exactly msgs[:acked] from the outbox and publishes the rest
+// again later. If message 3 of 5 fails, acked is 2 even when 4 and 5 were
+// acknowledged. The error for the first unacknowledged message is a *Error
+// naming its index, message id and topic; errors that retrying cannot fix
+// wrap a *relay.PermanentError (relay.IsPermanent), and a message too large
+// for the sink also wraps ErrTooLarge (IsTooLarge). The conformance suite
+// in package publishertest holds every publisher here to this contract.
+//
+// # Kafka: what is guaranteed
+//
+// NewKafka builds one long-lived sarama AsyncProducer and enforces, after
+// the caller's KafkaConfig.Configure ran, the settings the guarantees below
+// rest on: acks=all, the idempotent producer with one request in flight per
+// broker connection, at least one retry, Kafka protocol 0.11 or newer, and
+// the partitioner (see KafkaConfig.Configure for the list).
+//
+//   - Acknowledged means written to all in-sync replicas (acks=all): a
+//     message counted in acked survives the loss of the partition leader
+//     when the topic's min.insync.replicas is above 1.
+//   - The whole batch is in flight at once: Publish hands every message to
+//     the producer, which groups them into one produce request per broker,
+//     and then waits for all results. It never waits a round trip per
+//     message. Publish returns only when every message of the batch has a
+//     result (unless ctx ends first), so when it returns nothing of the
+//     batch is still in flight.
+//   - No duplicates within one Publish: when the producer retries (a lost
+//     reply, a timeout, a leader change) the broker recognizes the retried
+//     records by the idempotent producer's sequence numbers and writes them
+//     once.
+//   - Order per partition: records of one partition are written in batch
+//     order, and consecutive Publish calls from one goroutine in call order.
+//     Messages with the same key go to the same partition, so this is
+//     per-key order.
+//   - At-least-once across publishes: a message is acknowledged only after
+//     the brokers acknowledged it, but a message the relay publishes again
+//     (because an earlier message failed, the relay crashed before deleting
+//     the rows, or a lease moved) is written again. Every record carries the
+//     message id header (KafkaConfig.MessageIDHeader, default
+//     "x-outbox-message-id"), identical on every attempt, so consumers can
+//     deduplicate.
+//
+// # Kafka: the partial failure case
+//
+// A failed message does not stop the messages after it that were already
+// handed to the producer. Take rows 1, 2 and 3 with one key, row 1 larger
+// than KafkaConfig.MaxMessageBytes: sarama rejects row 1 before sending it,
+// while rows 2 and 3, already in its pipeline, are written. Publish returns
+// acked=0 and a permanent too-large error, the relay deletes nothing, and
+// rows 2 and 3 will be published again, after row 1 is fixed, retried or
+// dead-lettered. Consumers of that key see 2, 3, then later (1,) 2, 3 again:
+// nothing is lost and the duplicates carry their message ids, but the order
+// consumers observe for the key is broken. The same happens when a
+// retriable error outlasts the producer's retries for one batch while a
+// later batch of the same partition succeeds. Consumers that need strict
+// per-key order must deduplicate by message id and tolerate the reordering,
+// or the relay must quarantine the key (strict mode) instead of moving on.
+//
+// A record larger than the topic's max.message.bytes but below
+// MaxMessageBytes is rejected by the broker instead, with
+// MESSAGE_TOO_LARGE for the whole produce batch it travelled in, so other
+// messages of that partition can fail with it: keep MaxMessageBytes at or
+// below the smallest max.message.bytes of the topics you publish to.
+//
+// # Kafka: placement
+//
+// A message with relay.Message.Partition set goes to that partition (an
+// index the topic does not have is a permanent error). Otherwise a message
+// with a key, including an empty key, goes to KeyPartition(key), the
+// partition the Java client's default partitioner picks: murmur2 of the key
+// with the sign bit cleared, modulo the partition count. A message with a
+// nil key goes to a random partition that has a leader.
+//
+// # Kafka: records
+//
+// The record key and value are relay.Message.Key and Value byte for byte;
+// a nil Key is a null key and a nil Value a null value (a tombstone), while
+// empty slices stay empty. Headers are the message's headers in order,
+// duplicates kept, followed by the message id header. The record timestamp
+// is the time of publishing, not relay.Message.CreatedAt, so that a message
+// published late is not deleted early by the topic's time-based retention.
+//
+// # Kafka: cancellation and shutdown
+//
+// If ctx ends during Publish, it returns the prefix acknowledged so far and
+// ctx.Err(). Messages already handed to the producer are not recalled: they
+// may still be written, which the relay's at-least-once handling absorbs;
+// their results are discarded without blocking anything. Close stops new
+// publishes (Publish then returns ErrClosed), waits for the messages in
+// flight to be acknowledged or to fail, and stops the producer's
+// goroutines.
+//
+// # Errors
+//
+// Permanent: message too large (client-side or MESSAGE_TOO_LARGE,
+// RECORD_LIST_TOO_LARGE), an invalid topic or partition, a message with no
+// topic, topic or cluster authorization failures, INVALID_RECORD,
+// INVALID_TIMESTAMP, unsupported format or compression, and policy
+// violations. Everything else is left retriable, notably
+// UNKNOWN_TOPIC_OR_PARTITION: Kafka calls it retriable, and a topic that
+// does not exist yet may be created by a deploy in progress; the relay's
+// MaxAttempts still bounds how long a bucket waits for it.
+package publisher

@@ -1,0 +1,106 @@
+package publisher
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/IBM/sarama"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// ErrClosed is returned by Kafka.Publish after Close was called.
+var ErrClosed = errors.New("publisher: closed")
+
+// ErrTooLarge is wrapped by the error of a message that is larger than the
+// sink accepts, whether the producer rejected it before sending it (the
+// record exceeds KafkaConfig.MaxMessageBytes) or the broker did
+// (MESSAGE_TOO_LARGE, RECORD_LIST_TOO_LARGE). Such an error is always
+// permanent: relay.IsPermanent reports true for it. Use IsTooLarge to test
+// for it.
+var ErrTooLarge = errors.New("publisher: message too large")
+
+// Error is the error Publish returns for the first message of a batch that
+// the sink did not acknowledge. Index is that message's position in the
+// batch and equals the acked count Publish returned alongside.
+//
+// Err is the cause. For a cause that retrying cannot fix, Err is a
+// *relay.PermanentError, so relay.IsPermanent(err) reports true for the
+// *Error too; errors.Is reaches through to the client's error, for example
+// sarama.ErrTopicAuthorizationFailed.
+type Error struct {
+	// Index is the position of the failed message in the batch.
+	Index int
+	// MessageID is the failed message's relay.Message.MessageID.
+	MessageID string
+	// Topic is the failed message's topic.
+	Topic string
+	// Err is the cause.
+	Err error
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("publisher: message %d (id %q, topic %q): %v", e.Index, e.MessageID, e.Topic, e.Err)
+}
+
+// Unwrap returns the cause.
+func (e *Error) Unwrap() error { return e.Err }
+
+// IsTooLarge reports whether err, or an error it wraps, says that a message
+// was too large for the sink (it wraps ErrTooLarge).
+func IsTooLarge(err error) bool { return errors.Is(err, ErrTooLarge) }
+
+// permanentKafkaErrors are the broker and client errors that retrying the
+// same record cannot fix. They are wrapped with relay.Permanent so that the
+// relay's failure policy can dead-letter the message instead of retrying it
+// with backoff until MaxAttempts.
+//
+// Deliberately NOT permanent:
+//   - sarama.ErrUnknownTopicOrPartition: Kafka itself calls it retriable. With
+//     auto-creation off, the topic may be created by a deploy that is still
+//     rolling out; the relay's MaxAttempts still bounds how long a bucket
+//     waits for it.
+//   - sarama.ErrInvalidMessage (CORRUPT_MESSAGE): a CRC failure on the wire;
+//     the Java client retries it.
+//   - leadership, timeout, network and out-of-brokers errors.
+var permanentKafkaErrors = []error{
+	sarama.ErrInvalidTopic,
+	sarama.ErrTopicAuthorizationFailed,
+	sarama.ErrClusterAuthorizationFailed,
+	sarama.ErrInvalidRecord,
+	sarama.ErrInvalidTimestamp,
+	sarama.ErrInvalidRequiredAcks,
+	sarama.ErrUnsupportedForMessageFormat,
+	sarama.ErrUnsupportedCompressionType,
+	sarama.ErrPolicyViolation,
+	// The partitioner chose a partition the topic does not have: a pinned
+	// relay.Message.Partition outside the topic's partition count. Adding
+	// partitions would fix it, but the relay cannot, so it is permanent.
+	sarama.ErrInvalidPartition,
+}
+
+// classify wraps a producer error as ErrTooLarge and/or relay.Permanent.
+func classify(err error) error {
+	if isTooLarge(err) {
+		return relay.Permanent(fmt.Errorf("%w: %w", ErrTooLarge, err))
+	}
+	for _, perm := range permanentKafkaErrors {
+		if errors.Is(err, perm) {
+			return relay.Permanent(err)
+		}
+	}
+	return err
+}
+
+func isTooLarge(err error) bool {
+	if errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.Is(err, sarama.ErrMessageSetSizeTooLarge) {
+		return true
+	}
+	// sarama rejects a record larger than Producer.MaxMessageBytes before
+	// sending it, with a ConfigurationError whose text is the only
+	// distinguishing mark: "Attempt to produce message larger than
+	// configured Producer.MaxMessageBytes: %d > %d".
+	var ce sarama.ConfigurationError
+	return errors.As(err, &ce) && strings.Contains(string(ce), "MaxMessageBytes")
+}

@@ -1,0 +1,140 @@
+package publisher
+
+import (
+	"errors"
+	"fmt"
+	"reflect"
+	"testing"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/require"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+func TestDefaults(t *testing.T) {
+	t.Parallel()
+	cfg := KafkaConfig{}.WithDefaults()
+	require.Equal(t, DefaultMessageIDHeader, cfg.MessageIDHeader)
+	require.Equal(t, DefaultMaxMessageBytes, cfg.MaxMessageBytes)
+	require.NotNil(t, cfg.Logger)
+}
+
+func TestSaramaConfigEnforcesGuarantees(t *testing.T) {
+	t.Parallel()
+	cfg := KafkaConfig{
+		Brokers: []string{"localhost:9092"},
+		Configure: func(sc *sarama.Config) error {
+			// Everything a careless callback could downgrade.
+			sc.Producer.RequiredAcks = sarama.NoResponse
+			sc.Producer.Idempotent = false
+			sc.Net.MaxOpenRequests = 5
+			sc.Producer.Retry.Max = 0
+			sc.Version = sarama.V0_10_2_0
+			sc.Producer.Return.Successes = false
+			sc.Producer.Return.Errors = false
+			sc.Producer.Partitioner = sarama.NewHashPartitioner
+			sc.Producer.MaxMessageBytes = 10
+			sc.ClientID = "mine"
+			sc.Producer.Compression = sarama.CompressionSnappy
+			return nil
+		},
+	}.WithDefaults()
+	sc, err := cfg.saramaConfig()
+	require.NoError(t, err)
+	require.Equal(t, sarama.WaitForAll, sc.Producer.RequiredAcks)
+	require.True(t, sc.Producer.Idempotent)
+	require.Equal(t, 1, sc.Net.MaxOpenRequests)
+	require.Equal(t, DefaultRetryMax, sc.Producer.Retry.Max)
+	require.Equal(t, MinKafkaVersion, sc.Version)
+	require.True(t, sc.Producer.Return.Successes)
+	require.True(t, sc.Producer.Return.Errors)
+	require.Equal(t, reflect.ValueOf(newPartitioner).Pointer(), reflect.ValueOf(sc.Producer.Partitioner).Pointer())
+	require.Equal(t, DefaultMaxMessageBytes, sc.Producer.MaxMessageBytes)
+	// What the guarantees do not depend on is the caller's.
+	require.Equal(t, "mine", sc.ClientID)
+	require.Equal(t, sarama.CompressionSnappy, sc.Producer.Compression)
+
+	// Values already above the floors are kept.
+	cfg.Configure = func(sc *sarama.Config) error {
+		sc.Producer.Retry.Max = 50
+		sc.Version = sarama.V3_6_0_0
+		return nil
+	}
+	sc, err = cfg.saramaConfig()
+	require.NoError(t, err)
+	require.Equal(t, 50, sc.Producer.Retry.Max)
+	require.Equal(t, sarama.V3_6_0_0, sc.Version)
+	require.Equal(t, DefaultClientID, KafkaConfig{}.WithDefaults().mustSarama(t).ClientID)
+}
+
+func (c KafkaConfig) mustSarama(t *testing.T) *sarama.Config {
+	sc, err := c.saramaConfig()
+	require.NoError(t, err)
+	return sc
+}
+
+func TestClassify(t *testing.T) {
+	t.Parallel()
+	for _, err := range permanentKafkaErrors {
+		require.True(t, relay.IsPermanent(classify(err)), "%v", err)
+		require.False(t, IsTooLarge(classify(err)), "%v", err)
+	}
+	for _, err := range []error{
+		sarama.ErrMessageSizeTooLarge,
+		sarama.ErrMessageSetSizeTooLarge,
+		sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 11 > 10"),
+	} {
+		c := classify(err)
+		require.True(t, relay.IsPermanent(c), "%v", err)
+		require.True(t, IsTooLarge(c), "%v", err)
+		require.ErrorIs(t, c, err)
+	}
+	for _, err := range []error{
+		sarama.ErrUnknownTopicOrPartition,
+		sarama.ErrNotLeaderForPartition,
+		sarama.ErrRequestTimedOut,
+		sarama.ErrNotEnoughReplicas,
+		sarama.ErrOutOfBrokers,
+		sarama.ErrInvalidMessage,
+		errors.New("connection reset"),
+	} {
+		require.False(t, relay.IsPermanent(classify(err)), "%v", err)
+		require.Equal(t, err, classify(err))
+	}
+}
+
+func TestErrorWrapping(t *testing.T) {
+	t.Parallel()
+	e := &Error{Index: 2, MessageID: "m", Topic: "t", Err: classify(sarama.ErrTopicAuthorizationFailed)}
+	var err error = fmt.Errorf("relay: %w", e)
+	require.ErrorIs(t, err, sarama.ErrTopicAuthorizationFailed)
+	require.True(t, relay.IsPermanent(err))
+	require.Contains(t, err.Error(), `message 2 (id "m", topic "t")`)
+}
+
+func TestPartitioner(t *testing.T) {
+	t.Parallel()
+	p := newPartitioner("t").(*partitioner)
+	pin := &envelope{pinned: true, partition: 5}
+
+	got, err := p.Partition(&sarama.ProducerMessage{Key: sarama.ByteEncoder("k"), Metadata: pin}, 8)
+	require.NoError(t, err)
+	require.Equal(t, int32(5), got, "a pinned partition wins over the key")
+	require.True(t, p.MessageRequiresConsistency(&sarama.ProducerMessage{Metadata: pin}))
+
+	got, err = p.Partition(&sarama.ProducerMessage{Key: sarama.ByteEncoder{}, Metadata: &envelope{}}, 8)
+	require.NoError(t, err)
+	require.Equal(t, KeyPartition(nil, 8), got, "the empty key is hashed")
+	require.True(t, p.MessageRequiresConsistency(&sarama.ProducerMessage{Key: sarama.ByteEncoder{}}))
+
+	require.False(t, p.MessageRequiresConsistency(&sarama.ProducerMessage{}), "keyless may skip leaderless partitions")
+	seen := map[int32]bool{}
+	for range 200 {
+		got, err := p.Partition(&sarama.ProducerMessage{Metadata: &envelope{}}, 4)
+		require.NoError(t, err)
+		require.True(t, got >= 0 && got < 4)
+		seen[got] = true
+	}
+	require.Greater(t, len(seen), 1, "keyless messages are spread")
+}

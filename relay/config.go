@@ -1,0 +1,241 @@
+package relay
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+)
+
+// Defaults applied by Config.WithDefaults.
+const (
+	// BucketCountDefault is the number of ordering buckets. It must match
+	// the outbox's BucketCount on every writer and relay.
+	BucketCountDefault = 8
+	// BucketCountMax is the largest accepted BucketCount.
+	BucketCountMax = 4096
+	// BatchSizeDefault is how many rows one batch reads and publishes.
+	BatchSizeDefault = 500
+	// BatchSizeMax is the largest accepted BatchSize.
+	BatchSizeMax = 10_000
+	// PollIntervalDefault is the fallback discovery interval.
+	PollIntervalDefault = time.Second
+	// LeaseDurationDefault is how long a lease lasts after its last
+	// acquisition or renewal.
+	LeaseDurationDefault = 30 * time.Second
+	// LeaseRenewIntervalDefault is how often leases are renewed.
+	LeaseRenewIntervalDefault = 10 * time.Second
+	// BackoffMinDefault is the first wait after a failed publish.
+	BackoffMinDefault = 500 * time.Millisecond
+	// BackoffMaxDefault caps the wait after repeated failures.
+	BackoffMaxDefault = 30 * time.Second
+	// RelayIDMaxLen is the longest accepted RelayID, the width of the
+	// lease owner and heartbeat columns.
+	RelayIDMaxLen = 128
+)
+
+// Config configures a Relay. The zero value is usable: every zero field
+// takes the default documented on it.
+type Config struct {
+	// RelayID identifies this relay in lease rows, heartbeats and logs. It
+	// must be unique among the relays sharing an outbox: two relays with one
+	// id would both believe they own the same buckets. Default: generated as
+	// hostname-pid-random, which is unique per process start. At most 128
+	// bytes.
+	RelayID string
+
+	// BucketCount is the number of ordering buckets, 1 to 4096. Default 8.
+	// It must equal the BucketCount of every writer and relay sharing the
+	// outbox; the store reports a mismatch as a *MisconfigurationError and
+	// the relay stops.
+	BucketCount int
+
+	// BatchSize is how many rows of one bucket are read, published and
+	// deleted per round trip, 1 to 10000. Default 500.
+	BatchSize int
+
+	// PollInterval is the fallback discovery interval: how often a relay
+	// owning buckets looks for pending rows it was not told about (writers
+	// in other processes, lost hints, restarts). Hints from Hints wake the
+	// relay at once, so this bounds latency only for unhinted writes.
+	// Default 1s. A relay owning no buckets does not poll; it waits for its
+	// next lease refresh at LeaseRenewInterval.
+	PollInterval time.Duration
+
+	// LeaseDuration is how long a bucket lease lasts after its last
+	// acquisition or renewal: the time until a peer takes over the buckets
+	// of a relay that died without releasing them. Default 30s. Longer
+	// leases survive longer database or process stalls but delay takeover.
+	LeaseDuration time.Duration
+
+	// LeaseRenewInterval is how often leases are renewed and fair share
+	// re-evaluated, including during a slow publish. Default 10s. It must be
+	// shorter than LeaseDuration; the difference is the slack for database
+	// latency, scheduling pauses and clock skew between relay hosts (see the
+	// package documentation).
+	LeaseRenewInterval time.Duration
+
+	// BackoffMin and BackoffMax bound the exponential backoff, with jitter,
+	// applied to a bucket after a failed publish or a store error, and to
+	// lease acquisition after a store error. The bucket's messages keep
+	// their order: the same batch is retried after the wait. A successful
+	// batch resets the backoff. Defaults 500ms and 30s.
+	BackoffMin time.Duration
+	BackoffMax time.Duration
+
+	// Hints, if set, wakes the relay as soon as messages commit and names
+	// the buckets that received them, so the relay fetches those buckets
+	// directly instead of waiting for PollInterval. *outbox.Notifier
+	// satisfies it. Hints never bypass ownership: a hint for a bucket the
+	// relay does not own is ignored (the owner finds the rows by polling).
+	// Default: none, polling only.
+	Hints Hints
+
+	// FailureHandler, if set, is called after every failed publish with the
+	// first unacknowledged message; it decides whether the bucket backs
+	// off (the default) or retries at once because the handler moved the
+	// message out of the way (for example into a dead-letter table).
+	// Default: none, every failure backs off and retries.
+	FailureHandler FailureHandler
+
+	// Logger receives the relay's logs. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// WithDefaults returns a copy of c with every zero field set to its
+// default. A RelayID is generated if empty.
+func (c Config) WithDefaults() Config {
+	if c.RelayID == "" {
+		c.RelayID = NewRelayID()
+	}
+	if c.BucketCount == 0 {
+		c.BucketCount = BucketCountDefault
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = BatchSizeDefault
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = PollIntervalDefault
+	}
+	if c.LeaseDuration == 0 {
+		c.LeaseDuration = LeaseDurationDefault
+	}
+	if c.LeaseRenewInterval == 0 {
+		c.LeaseRenewInterval = LeaseRenewIntervalDefault
+	}
+	if c.BackoffMin == 0 {
+		c.BackoffMin = BackoffMinDefault
+	}
+	if c.BackoffMax == 0 {
+		c.BackoffMax = BackoffMaxDefault
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// validate checks a configuration that WithDefaults has filled in.
+func (c Config) validate() error {
+	bad := func(field string, value any, reason string) error {
+		return &ConfigError{Field: field, Value: value, Reason: reason}
+	}
+	switch {
+	case len(c.RelayID) > RelayIDMaxLen:
+		return bad("RelayID", c.RelayID, fmt.Sprintf("at most %d bytes", RelayIDMaxLen))
+	case c.BucketCount < 1 || c.BucketCount > BucketCountMax:
+		return bad("BucketCount", c.BucketCount, fmt.Sprintf("must be between 1 and %d", BucketCountMax))
+	case c.BatchSize < 1 || c.BatchSize > BatchSizeMax:
+		return bad("BatchSize", c.BatchSize, fmt.Sprintf("must be between 1 and %d", BatchSizeMax))
+	case c.PollInterval < 0:
+		return bad("PollInterval", c.PollInterval, "must be positive")
+	case c.LeaseDuration < 2*time.Millisecond:
+		return bad("LeaseDuration", c.LeaseDuration, "must be at least 2ms (leases are stored in milliseconds)")
+	case c.LeaseRenewInterval < time.Millisecond:
+		return bad("LeaseRenewInterval", c.LeaseRenewInterval, "must be at least 1ms")
+	case c.LeaseRenewInterval >= c.LeaseDuration:
+		return bad("LeaseRenewInterval", c.LeaseRenewInterval,
+			fmt.Sprintf("must be shorter than LeaseDuration (%s): a lease renewed no more often than it lasts expires between renewals", c.LeaseDuration))
+	case c.BackoffMin < 0:
+		return bad("BackoffMin", c.BackoffMin, "must be positive")
+	case c.BackoffMax < c.BackoffMin:
+		return bad("BackoffMax", c.BackoffMax, fmt.Sprintf("must be at least BackoffMin (%s)", c.BackoffMin))
+	}
+	return nil
+}
+
+// trustWindow is how long after the start of a successful acquisition or
+// renewal the relay trusts its leases: LeaseDuration minus half the renewal
+// slack. It ends before the stored expiry (which the store computes from a
+// later clock reading), so the relay stops publishing before any peer can
+// take the buckets over, even with its renewals failing.
+func (c Config) trustWindow() time.Duration {
+	return c.LeaseDuration - (c.LeaseDuration-c.LeaseRenewInterval)/2
+}
+
+// NewRelayID returns a relay id unique per process start:
+// hostname-pid-random.
+func NewRelayID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "relay"
+	}
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	suffix := fmt.Sprintf("-%d-%s", os.Getpid(), hex.EncodeToString(b[:]))
+	if max := RelayIDMaxLen - len(suffix); len(host) > max {
+		host = host[:max]
+	}
+	return host + suffix
+}
+
+// Failure describes a failed publish. It is handed to the FailureHandler.
+type Failure struct {
+	// RelayID and Lease identify who failed and under which lease; a
+	// handler that changes the bucket's rows must guard its write with them
+	// like MarkPublished does.
+	RelayID string
+	Lease   Lease
+	// Message is the first message the publisher did not acknowledge.
+	// Message.Attempts includes this failure when the store records
+	// attempts (FailureRecorder).
+	Message Message
+	// Acked is how many messages before it were acknowledged; they have
+	// been deleted.
+	Acked int
+	// Err is the publisher's error. relay.IsPermanent tells a message the
+	// sink rejects from a transient failure.
+	Err error
+}
+
+// FailureAction is a FailureHandler's decision.
+type FailureAction int
+
+const (
+	// FailureBackoff keeps the message where it is and retries the bucket
+	// after the exponential backoff. The default.
+	FailureBackoff FailureAction = iota
+	// FailureRetry reads the bucket again at once. Return it only after
+	// taking the failed message out of the bucket (dead-lettering it);
+	// otherwise the relay would retry a failing message without pause.
+	FailureRetry
+)
+
+// FailureHandler is the failure policy's seam: it is called on the relay's
+// goroutine after a publish failed, never for a publish cancelled by Stop or
+// by a lost lease. An error it returns is logged and treated as
+// FailureBackoff.
+type FailureHandler interface {
+	HandleFailure(ctx context.Context, f Failure) (FailureAction, error)
+}
+
+// FailureHandlerFunc adapts a function to the FailureHandler interface.
+type FailureHandlerFunc func(ctx context.Context, f Failure) (FailureAction, error)
+
+// HandleFailure calls f.
+func (f FailureHandlerFunc) HandleFailure(ctx context.Context, fl Failure) (FailureAction, error) {
+	return f(ctx, fl)
+}

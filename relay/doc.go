@@ -1,0 +1,169 @@
+// Package relay is the storage-agnostic engine that moves outbox messages
+// from a database to a sink. It leases buckets of the outbox, reads each
+// owned bucket oldest-first, hands batches to a Publisher and deletes what
+// the publisher acknowledged. It imports no database API: storage is behind
+// the small Store interface, and the GORM implementation lives in the root
+// package (outbox.NewStore).
+//
+//	store, _ := outbox.NewStore(db, cfg)
+//	r, _ := relay.New(store, publisher, relay.Config{Hints: notifier})
+//	_ = r.Start(ctx)
+//	defer r.Stop(shutdownCtx)
+//
+// Delivery is at least once. A message is deleted only after the publisher
+// acknowledged it; a crash, a lost lease or a failed delete can publish it
+// again, never drop it. Every message carries a stable MessageID for
+// consumers to deduplicate on.
+//
+// # Buckets and ordering
+//
+// Writers put each message in one of BucketCount buckets, by key (or by
+// pinned partition). Within a bucket, the store's row id is the submission
+// order. One relay at a time drains a bucket, in id order, one batch at a
+// time, and deletes exactly the contiguous prefix the publisher
+// acknowledged, by id list. If the publisher acknowledges 2 of 5 messages
+// and fails on the third, the first two are deleted and the next attempt
+// starts again at the third: order is kept, nothing is skipped.
+//
+// The relay keeps no id cursor. Row ids are assigned at insert, but rows
+// become visible at commit, so a slow transaction can commit a smaller id
+// after larger ones were already published. Every batch is read afresh from
+// the start of the bucket, and deletion names ids, never a range, so such
+// a row is published on the next read rather than skipped.
+//
+// # Leases and terms
+//
+// Each bucket has one lease row: owner, term and expiry (Unix milliseconds).
+// All coordination is one primitive, a guarded conditional UPDATE:
+//
+//   - acquire: set owner = me, term = term + 1, expiry = now + LeaseDuration
+//     where the lease is free or expired (and its term is the one just read);
+//   - renew: set expiry = now + LeaseDuration where owner = me and term =
+//     my term and expiry > now;
+//   - release: clear the owner where owner = me and term = my term;
+//   - delete published rows: delete by id where, in the same statement, the
+//     bucket's lease has owner = me, term = my term and expiry > now.
+//
+// The term grows on every acquisition by any relay, so the pair (owner,
+// term) names one tenure. A relay whose lease expired and was taken over, or
+// that released a bucket and acquired it again, still holds the old term:
+// its renewals and deletes match no row and are refused (ErrLeaseLost). It
+// drops the bucket and leaves the rows to the current owner. No transaction
+// or row lock is held while the publisher runs.
+//
+// # Trusting a lease locally
+//
+// The database is the authority, but a relay also bounds how long it
+// believes its last answer. After each successful acquisition or renewal
+// it trusts its leases until
+//
+//	attempt start + LeaseDuration - (LeaseDuration - LeaseRenewInterval)/2
+//
+// measured on the monotonic clock from before the call, so the local
+// deadline always ends before the stored expiry. The relay reads and
+// publishes a bucket only inside that window. When the window ends without
+// a renewal (database unreachable, process stalled) it stops publishing,
+// cancels any publish in flight, and only resumes after acquiring again.
+//
+// # Renewal during a slow publish
+//
+// Leases are renewed every LeaseRenewInterval by the loop, and also while a
+// publish is in flight: a separate goroutine renews through the store's
+// LeaseRenewer capability, concurrently with the publisher, so a healthy
+// publish that takes longer than LeaseDuration (Kafka retrying a slow
+// broker) keeps its buckets. If the renewal reports the bucket lost, or the
+// trust window ends, the publish context is cancelled; the relay waits for
+// the publisher to return, deletes what was acknowledged if the term guard
+// still allows it, and leaves the rest to the new owner. It never starts
+// another publish for a bucket it no longer trusts. A store without a
+// LeaseRenewer gets no renewal during publish: the publish is bounded by
+// the trust window instead.
+//
+// Renewal cannot outlast a stall longer than the remaining lease (a frozen
+// process, a database outage): another relay may take over while records of
+// the stale publish are still in flight to the sink. That produces
+// duplicates, and possibly an older copy after a newer message of the same
+// key, never loss. Consumers deduplicate on the message id.
+//
+// # Fair share
+//
+// Every relay writes a heartbeat at each acquisition. A relay is live while
+// its heartbeat is younger than LeaseDuration. Each relay aims for
+// FairShare = ceil(BucketCount / live relays): at every acquisition
+// (about every LeaseRenewInterval) it renews what it holds, releases leases
+// above its share, and claims free or expired leases up to its share. The
+// shares add up to at least BucketCount, so every bucket has an owner once
+// the relays have converged, and a relay that dies without releasing loses
+// its buckets to the others when its leases expire. A relay that stops
+// cleanly releases its leases and removes its heartbeat, so the others take
+// its buckets over at their next acquisition, not after LeaseDuration.
+// Acquisition and release happen between batches, never while a publish is
+// in flight. BucketCount bounds the parallelism: extra relays stay live,
+// own nothing and wait.
+//
+// # Wake-ups
+//
+// Draining runs in bounded sweeps: one batch per ready bucket per sweep, so
+// a busy bucket cannot starve the others. A bucket whose batch came back
+// full stays ready and is read again in the next sweep without a discovery
+// query; one that came back short is done until something says otherwise.
+// Three things make a bucket ready:
+//
+//   - a hint: Config.Hints (the outbox's after-commit Notifier) names the
+//     buckets that received committed messages and wakes the relay at
+//     once; an owned hinted bucket is read directly, a hint for a bucket
+//     owned elsewhere is ignored, an unknown-bucket hint forces discovery;
+//   - discovery: every PollInterval a relay owning buckets asks the store
+//     which of them hold rows (one index probe per bucket). This is the
+//     correctness floor for writers in other processes, lost hints and
+//     restarts. Acquiring new leases triggers a discovery at once.
+//
+// Hints only shorten latency; they never bypass ownership, backoff or
+// ordering. A relay owning no buckets does not poll: it sleeps until its
+// next acquisition.
+//
+// # Failures
+//
+// A failed publish (an error, or fewer messages acknowledged than sent)
+// deletes the acknowledged prefix, records the attempt on the first
+// unacknowledged message if the store implements FailureRecorder, calls the
+// Config.FailureHandler if any, and backs the bucket off exponentially with
+// jitter (BackoffMin doubling to BackoffMax). The same messages are retried
+// in the same order; other buckets keep flowing. A success resets the
+// backoff. Store errors are retried with the same backoff. Stop and
+// cancellation are not failures.
+//
+// Problems that retrying cannot fix stop the relay with a
+// *MisconfigurationError, reported by Err and Stopped: rows in buckets at or
+// above BucketCount (a writer configured with more buckets), relays or
+// stores disagreeing on BucketCount, outbox tables that do not exist. The
+// relay never spins on them silently. Invalid Config values are refused by
+// New with a *ConfigError, including LeaseRenewInterval >= LeaseDuration.
+//
+// # Clocks
+//
+// Lease expiries and heartbeats are written from the relay hosts' clocks
+// (Unix milliseconds) and compared on the database server, identically on
+// every database. Relay clocks must therefore agree, and the tolerated skew
+// is the renewal slack, LeaseDuration - LeaseRenewInterval (20s with the
+// defaults): a healthy relay renews every LeaseRenewInterval, so its lease
+// always reaches at least that far into the future, and a peer whose clock
+// runs ahead by less than the slack still sees it as live. Larger skew lets
+// a fast-clocked relay take over a live peer's buckets early. Even then the
+// term guard keeps the stale relay from deleting or renewing anything; the
+// cost is duplicate deliveries, not loss. Ordinary NTP is far inside the
+// tolerance.
+//
+// # Lifecycle
+//
+// Start runs the relay in the background. Stop is synchronous: it stops
+// claiming batches, lets the in-flight batch finish within the context's
+// deadline (cancelling it after), and releases the leases under
+// context.WithoutCancel. Stop tolerates being called before Start and
+// twice. Stopped is closed when the relay has stopped, and Err tells why.
+// DrainOnce is the one-shot alternative for jobs and tests: acquire, drain
+// every owned bucket until empty, release.
+//
+// Several outboxes (different tables) in one process are independent:
+// give each its own Store and Relay.
+package relay

@@ -1,0 +1,83 @@
+package relay
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Sentinel errors. Each is returned wrapped; test with errors.Is.
+var (
+	// ErrLeaseLost is returned by Store.MarkPublished (and the other
+	// lease-guarded store operations) when the relay no longer holds the
+	// bucket under the term it named: the lease expired, another relay took
+	// it over, or the relay released and re-acquired it since. Nothing was
+	// changed. The relay drops the bucket and leaves its rows to the current
+	// owner.
+	ErrLeaseLost = errors.New("relay: lease lost")
+
+	// ErrInvalidConfig is wrapped by every *ConfigError.
+	ErrInvalidConfig = errors.New("relay: invalid configuration")
+
+	// ErrMisconfigured is wrapped by every *MisconfigurationError.
+	ErrMisconfigured = errors.New("relay: misconfigured")
+
+	// ErrStopped is returned by Start and DrainOnce on a relay that has
+	// already run and stopped. A Relay runs once; create a new one to run
+	// again.
+	ErrStopped = errors.New("relay: stopped; create a new Relay to run again")
+
+	// ErrBusy is returned by DrainOnce while the relay is started, and by
+	// Start while a DrainOnce is in progress: one relay never drains the
+	// same leases from two loops.
+	ErrBusy = errors.New("relay: busy: Start and DrainOnce cannot run at the same time")
+)
+
+// ConfigError reports a Config field that failed validation in New.
+type ConfigError struct {
+	Field  string // the Config field, e.g. "LeaseRenewInterval"
+	Value  any    // the offending value
+	Reason string // what the field must be
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("relay: invalid config %s=%v: %s", e.Field, e.Value, e.Reason)
+}
+
+// Unwrap lets errors.Is(err, ErrInvalidConfig) match.
+func (e *ConfigError) Unwrap() error { return ErrInvalidConfig }
+
+// MisconfigurationError is a problem that retrying cannot fix: messages in
+// buckets no relay can own (a writer uses a larger BucketCount), relays
+// disagreeing on BucketCount, outbox tables that do not exist (the relay
+// started before the tables were migrated). A store returns it; the relay
+// stops on it and reports it through Relay.Err instead of retrying, so the
+// problem is loud rather than a silent backlog.
+type MisconfigurationError struct {
+	// Setting names what is wrong: "BucketCount", "Tables", ...
+	Setting string
+	// Reason says what was found and how to fix it.
+	Reason string
+	// Err is the underlying error, if any.
+	Err error
+}
+
+func (e *MisconfigurationError) Error() string {
+	s := "relay: misconfiguration: " + e.Setting + ": " + e.Reason
+	if e.Err != nil {
+		s += ": " + e.Err.Error()
+	}
+	return s
+}
+
+// Unwrap returns the underlying error.
+func (e *MisconfigurationError) Unwrap() error { return e.Err }
+
+// Is lets errors.Is(err, ErrMisconfigured) match.
+func (e *MisconfigurationError) Is(target error) bool { return target == ErrMisconfigured }
+
+// IsMisconfiguration reports whether err, or any error it wraps, is a
+// *MisconfigurationError.
+func IsMisconfiguration(err error) bool {
+	var me *MisconfigurationError
+	return errors.As(err, &me)
+}

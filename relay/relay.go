@@ -1,0 +1,240 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+)
+
+// releaseTimeout bounds the release of leases when a relay stops. It runs
+// under context.WithoutCancel: an expired Stop context must not keep the
+// buckets locked until their leases expire.
+const releaseTimeout = 5 * time.Second
+
+type runState int
+
+const (
+	stateIdle runState = iota
+	stateRunning
+	stateDraining // DrainOnce in progress
+	stateStopped
+)
+
+// Relay publishes an outbox's pending messages: it leases its fair share of
+// buckets, drains them oldest-first through a Publisher, and deletes what
+// the publisher acknowledged. See the package documentation for the model.
+//
+// A Relay runs once: Start, then Stop. DrainOnce is a one-shot alternative
+// to Start for jobs and tests.
+type Relay struct {
+	cfg       Config
+	store     Store
+	publisher Publisher
+	renewer   LeaseRenewer    // nil if the store cannot renew
+	recorder  FailureRecorder // nil if the store does not record attempts
+
+	mu         sync.Mutex
+	state      runState
+	stopping   chan struct{} // closed by Stop: stop claiming, finish the batch
+	cancelHard context.CancelCauseFunc
+	stopped    chan struct{} // closed when the run loop has ended
+	err        error
+	w          *worker // the current loop's state, for Leases
+}
+
+// New returns a relay draining store through publisher. cfg is completed
+// with WithDefaults and validated; an invalid field is reported as a
+// *ConfigError. Optional store capabilities (LeaseRenewer, FailureRecorder)
+// are detected here.
+func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
+	if store == nil {
+		return nil, &ConfigError{Field: "store", Value: nil, Reason: "a Store is required"}
+	}
+	if publisher == nil {
+		return nil, &ConfigError{Field: "publisher", Value: nil, Reason: "a Publisher is required"}
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	cfg.Logger = cfg.Logger.With("relay_id", cfg.RelayID)
+	r := &Relay{
+		cfg:       cfg,
+		store:     store,
+		publisher: publisher,
+		stopped:   make(chan struct{}),
+	}
+	r.renewer, _ = store.(LeaseRenewer)
+	r.recorder, _ = store.(FailureRecorder)
+	return r, nil
+}
+
+// ID returns the relay's id, as written to lease owners and heartbeats.
+func (r *Relay) ID() string { return r.cfg.RelayID }
+
+// Start starts the relay in the background and returns at once. The relay
+// runs until Stop is called, ctx is cancelled, or it meets a
+// misconfiguration (see Err). Cancelling ctx is an abrupt stop: the
+// in-flight publish is cancelled, then leases are released as with Stop.
+//
+// Start on a running relay does nothing; on a stopped relay it returns
+// ErrStopped; during DrainOnce it returns ErrBusy.
+func (r *Relay) Start(ctx context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	switch r.state {
+	case stateRunning:
+		return nil
+	case stateDraining:
+		return ErrBusy
+	case stateStopped:
+		return ErrStopped
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("relay: start: %w", err)
+	}
+	hard, cancel := context.WithCancelCause(ctx)
+	r.state = stateRunning
+	r.stopping = make(chan struct{})
+	r.cancelHard = cancel
+	r.w = newWorker(r)
+	go r.run(hard, r.w, r.stopping)
+	return nil
+}
+
+func (r *Relay) run(ctx context.Context, w *worker, stopping <-chan struct{}) {
+	log := r.cfg.Logger
+	log.Debug("relay: started")
+	err := w.run(ctx, stopping)
+	w.releaseAll(ctx)
+	r.mu.Lock()
+	r.err = err
+	r.state = stateStopped
+	cancel := r.cancelHard
+	r.mu.Unlock()
+	cancel(nil)
+	if err != nil {
+		log.Error("relay: stopped on error", "err", err)
+	} else {
+		log.Debug("relay: stopped")
+	}
+	close(r.stopped)
+}
+
+// Stop stops the relay and waits until it has stopped: it stops claiming
+// batches, lets the in-flight batch finish, deletes what was acknowledged,
+// and releases its leases so a peer takes the buckets over at its next
+// acquisition instead of after the leases expire. If ctx ends first, the
+// in-flight publish is cancelled (its rows stay pending for the next owner),
+// the leases are still released, and Stop returns ctx's error once the
+// relay has stopped. Publishers must honour their context for that bound to
+// hold.
+//
+// Stop before Start and a second Stop do nothing and return nil.
+func (r *Relay) Stop(ctx context.Context) error {
+	r.mu.Lock()
+	if r.state != stateRunning {
+		r.mu.Unlock()
+		return nil
+	}
+	select {
+	case <-r.stopping:
+	default:
+		close(r.stopping)
+	}
+	cancel := r.cancelHard
+	r.mu.Unlock()
+
+	select {
+	case <-r.stopped:
+		return nil
+	case <-ctx.Done():
+	}
+	cancel(fmt.Errorf("relay: stop: %w", context.Cause(ctx)))
+	<-r.stopped
+	return fmt.Errorf("relay: stop: in-flight batch abandoned: %w", ctx.Err())
+}
+
+// Stopped returns a channel closed when the relay has stopped, whether by
+// Stop, by its Start context, or by an error reported by Err. It is never
+// closed for a relay that was never started.
+func (r *Relay) Stopped() <-chan struct{} { return r.stopped }
+
+// Err returns why the relay stopped: nil after Stop or a cancelled Start
+// context, a *MisconfigurationError when it met a problem retrying cannot
+// fix. It returns nil while the relay runs.
+func (r *Relay) Err() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.err
+}
+
+// Leases returns the leases the relay currently holds and trusts, by
+// bucket. It is a local view, refreshed at every acquisition and renewal,
+// not a database query.
+func (r *Relay) Leases() []Lease {
+	r.mu.Lock()
+	w := r.w
+	r.mu.Unlock()
+	if w == nil {
+		return nil
+	}
+	return w.trustedLeases()
+}
+
+// DrainOnce acquires the relay's fair share of buckets, drains each owned
+// bucket until it is empty, releases the leases and returns how many
+// messages were published and deleted. It is meant for jobs and tests;
+// with other relays running it drains only the buckets it could lease.
+//
+// A bucket whose publish fails is not retried: DrainOnce moves on to the
+// other buckets and returns the failures joined into its error, together
+// with the count of what did succeed. A *MisconfigurationError ends it at
+// once.
+//
+// DrainOnce returns ErrBusy while the relay is started and ErrStopped after
+// it was stopped. It may be called repeatedly.
+func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
+	r.mu.Lock()
+	switch r.state {
+	case stateRunning, stateDraining:
+		r.mu.Unlock()
+		return 0, ErrBusy
+	case stateStopped:
+		r.mu.Unlock()
+		return 0, ErrStopped
+	}
+	r.state = stateDraining
+	w := newWorker(r)
+	w.oneShot = true
+	r.w = w
+	r.mu.Unlock()
+	defer func() {
+		r.mu.Lock()
+		r.state = stateIdle
+		r.mu.Unlock()
+	}()
+
+	n, err := w.drainAll(ctx)
+	w.releaseAll(ctx)
+	return n, err
+}
+
+// sortedLeases returns the leases of a bucket→term map by bucket.
+func sortedLeases(m map[int]int64) []Lease {
+	out := make([]Lease, 0, len(m))
+	for b, t := range m {
+		out = append(out, Lease{Bucket: b, Term: t})
+	}
+	slices.SortFunc(out, func(a, b Lease) int { return a.Bucket - b.Bucket })
+	return out
+}
+
+// isStop reports whether err is the relay's own cancellation, not a
+// failure worth logging or counting.
+func isStop(ctx context.Context, err error) bool {
+	return ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ctx.Err()))
+}

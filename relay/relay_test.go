@@ -1,0 +1,573 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+func testLogger() *slog.Logger {
+	if os.Getenv("OUTBOX_TEST_LOG") == "" {
+		return slog.New(slog.DiscardHandler)
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// config has round timings; tests run in a synctest bubble, so they cost
+// no real time.
+func config(id string) relay.Config {
+	return relay.Config{
+		RelayID:            id,
+		BucketCount:        8,
+		BatchSize:          10,
+		PollInterval:       time.Second,
+		LeaseDuration:      3 * time.Second,
+		LeaseRenewInterval: time.Second,
+		BackoffMin:         100 * time.Millisecond,
+		BackoffMax:         time.Second,
+		Logger:             testLogger(),
+	}
+}
+
+// pubLog records publish calls.
+type pubLog struct {
+	mu    sync.Mutex
+	calls [][]relay.Message
+	at    []time.Time
+}
+
+func (p *pubLog) publisher(hook func(ctx context.Context, msgs []relay.Message) (int, error)) relay.Publisher {
+	return relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+		p.mu.Lock()
+		p.calls = append(p.calls, msgs)
+		p.at = append(p.at, time.Now())
+		p.mu.Unlock()
+		if hook != nil {
+			return hook(ctx, msgs)
+		}
+		return len(msgs), nil
+	})
+}
+
+func (p *pubLog) time(i int) time.Time {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.at[i]
+}
+
+func (p *pubLog) call(i int) []relay.Message {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.calls[i]
+}
+
+func (p *pubLog) n() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.calls)
+}
+
+func start(t *testing.T, s relay.Store, pub relay.Publisher, cfg relay.Config) *relay.Relay {
+	t.Helper()
+	r, err := relay.New(s, pub, cfg)
+	require.NoError(t, err)
+	require.NoError(t, r.Start(t.Context()))
+	return r
+}
+
+func stop(t *testing.T, r *relay.Relay) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, r.Stop(ctx))
+}
+
+func TestConfig(t *testing.T) {
+	t.Parallel()
+	c := relay.Config{}.WithDefaults()
+	require.Equal(t, 8, c.BucketCount)
+	require.Equal(t, 500, c.BatchSize)
+	require.Equal(t, time.Second, c.PollInterval)
+	require.Equal(t, 30*time.Second, c.LeaseDuration)
+	require.Equal(t, 10*time.Second, c.LeaseRenewInterval)
+	require.NotNil(t, c.Logger)
+	host, _ := os.Hostname()
+	require.True(t, strings.HasPrefix(c.RelayID, host+"-"), c.RelayID)
+	require.NotEqual(t, c.RelayID, relay.Config{}.WithDefaults().RelayID)
+
+	for _, tc := range []struct {
+		field string
+		cfg   relay.Config
+	}{
+		{"LeaseRenewInterval", relay.Config{LeaseDuration: time.Second, LeaseRenewInterval: time.Second}},
+		{"LeaseRenewInterval", relay.Config{LeaseDuration: time.Second, LeaseRenewInterval: 2 * time.Second}},
+		{"LeaseRenewInterval", relay.Config{LeaseRenewInterval: time.Minute}},
+		{"BucketCount", relay.Config{BucketCount: 5000}},
+		{"BucketCount", relay.Config{BucketCount: -1}},
+		{"BatchSize", relay.Config{BatchSize: 10_001}},
+		{"PollInterval", relay.Config{PollInterval: -time.Second}},
+		{"LeaseDuration", relay.Config{LeaseDuration: time.Millisecond, LeaseRenewInterval: time.Millisecond}},
+		{"BackoffMax", relay.Config{BackoffMin: time.Minute, BackoffMax: time.Second}},
+		{"RelayID", relay.Config{RelayID: strings.Repeat("x", 129)}},
+	} {
+		_, err := relay.New(newFakeStore(8), relay.PublisherFunc(nil), tc.cfg)
+		var ce *relay.ConfigError
+		require.ErrorAs(t, err, &ce, tc.field)
+		require.Equal(t, tc.field, ce.Field)
+		require.ErrorIs(t, err, relay.ErrInvalidConfig)
+	}
+	_, err := relay.New(nil, relay.PublisherFunc(nil), relay.Config{})
+	require.ErrorIs(t, err, relay.ErrInvalidConfig)
+	_, err = relay.New(newFakeStore(8), nil, relay.Config{})
+	require.ErrorIs(t, err, relay.ErrInvalidConfig)
+}
+
+func TestLifecycle(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		var log pubLog
+		r, err := relay.New(s, log.publisher(nil), config("a"))
+		require.NoError(t, err)
+
+		require.NoError(t, r.Stop(t.Context()), "stop before start")
+		require.NoError(t, r.Start(t.Context()))
+		require.NoError(t, r.Start(t.Context()), "second start is a no-op")
+		_, err = r.DrainOnce(t.Context())
+		require.ErrorIs(t, err, relay.ErrBusy)
+		synctest.Wait()
+		require.Len(t, r.Leases(), 8)
+
+		stop(t, r)
+		stop(t, r)
+		<-r.Stopped()
+		require.NoError(t, r.Err())
+		require.Empty(t, r.Leases())
+		require.Equal(t, "", s.owner(0), "leases released")
+		require.ErrorIs(t, r.Start(t.Context()), relay.ErrStopped)
+		_, err = r.DrainOnce(t.Context())
+		require.ErrorIs(t, err, relay.ErrStopped)
+
+		// Cancelling the Start context stops the relay too.
+		ctx, cancel := context.WithCancel(t.Context())
+		r2, err := relay.New(s, log.publisher(nil), config("b"))
+		require.NoError(t, err)
+		require.NoError(t, r2.Start(ctx))
+		synctest.Wait()
+		require.Len(t, r2.Leases(), 8)
+		cancel()
+		<-r2.Stopped()
+		require.NoError(t, r2.Err())
+		require.Equal(t, "", s.owner(0), "leases released after cancellation too")
+	})
+}
+
+// A relay owning no buckets heartbeats at LeaseRenewInterval and does not
+// poll for pending rows.
+func TestNoBucketsNoPolling(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.allowed = func(string, int) bool { return false }
+		s.add(3, 5)
+		var log pubLog
+		r := start(t, s, log.publisher(nil), config("a"))
+		time.Sleep(10 * time.Second)
+		stop(t, r)
+		require.Zero(t, s.count("pending"))
+		require.Zero(t, s.count("batch"))
+		require.InDelta(t, 11, s.count("acquire"), 2, "one acquisition per LeaseRenewInterval")
+	})
+}
+
+// Polling is the floor: an unhinted row is found within PollInterval, and
+// an idle relay polls about once per PollInterval.
+func TestPollingFloor(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		var log pubLog
+		r := start(t, s, log.publisher(nil), config("a"))
+		synctest.Wait()
+		s.add(5, 1)
+		added := time.Now()
+		for log.n() == 0 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		require.LessOrEqual(t, log.time(0).Sub(added), time.Second)
+		polls := s.count("pending")
+		time.Sleep(10 * time.Second)
+		stop(t, r)
+		require.InDelta(t, 10, s.count("pending")-polls, 2)
+	})
+}
+
+// Hints wake the relay at once for owned buckets and are ignored for
+// buckets owned elsewhere.
+func TestHintsRespectOwnership(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.allowed = func(_ string, b int) bool { return b < 4 }
+		hints := newFakeHints()
+		cfg := config("a")
+		cfg.PollInterval = time.Hour
+		cfg.LeaseDuration = 2 * time.Hour
+		cfg.LeaseRenewInterval = time.Hour
+		cfg.Hints = hints
+		var log pubLog
+		r := start(t, s, log.publisher(nil), cfg)
+		synctest.Wait()
+		require.Len(t, r.Leases(), 4)
+		reads := s.count("batch")
+
+		s.add(6, 1) // not ours
+		hints.notify(6)
+		synctest.Wait()
+		require.Equal(t, reads, s.count("batch"), "a hint never bypasses ownership")
+
+		s.add(2, 3)
+		hinted := time.Now()
+		hints.notify(2)
+		synctest.Wait()
+		require.Equal(t, 1, log.n())
+		require.Equal(t, hinted, log.time(0), "woken at once, no polling delay")
+		require.Equal(t, 1, s.count("pending"), "exact hints need no discovery query")
+
+		// A commit whose buckets are unknown makes the relay look.
+		s.add(3, 1)
+		hints.mu.Lock()
+		hints.unknown = true
+		hints.mu.Unlock()
+		hints.notify()
+		synctest.Wait()
+		require.Equal(t, 2, s.count("pending"))
+		require.Equal(t, 2, log.n())
+		require.Equal(t, 3, log.call(1)[0].Bucket)
+		stop(t, r)
+	})
+}
+
+// A full batch keeps its bucket ready without another discovery query,
+// and a busy bucket does not starve another one.
+func TestBoundedSweeps(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(0, 50) // five full batches
+		s.add(1, 1)
+		cfg := config("a")
+		cfg.PollInterval = time.Hour
+		cfg.LeaseDuration = 2 * time.Hour
+		cfg.LeaseRenewInterval = time.Hour
+		r, err := relay.New(s, relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil }), cfg)
+		require.NoError(t, err)
+		n, err := r.DrainOnce(t.Context())
+		require.NoError(t, err)
+		require.Equal(t, 51, n)
+		require.Equal(t, 1, s.count("pending"))
+		require.Equal(t, []int{0, 1, 0, 0, 0, 0, 0}, s.batches, "one batch per ready bucket per sweep")
+	})
+}
+
+// A failing bucket backs off exponentially and retries the same messages
+// in order; other buckets keep flowing.
+func TestBackoffKeepsOrder(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(4, 3)
+		s.add(5, 1)
+		var log pubLog
+		fails := 0
+		var failures []relay.Failure
+		cfg := config("a")
+		cfg.FailureHandler = relay.FailureHandlerFunc(func(_ context.Context, f relay.Failure) (relay.FailureAction, error) {
+			failures = append(failures, f)
+			return relay.FailureBackoff, nil
+		})
+		r := start(t, s, log.publisher(func(_ context.Context, msgs []relay.Message) (int, error) {
+			if msgs[0].Bucket == 4 && fails < 4 {
+				fails++
+				return 0, errors.New("unavailable")
+			}
+			return len(msgs), nil
+		}), cfg)
+		for s.pending() > 0 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		stop(t, r)
+
+		var attempts []time.Time
+		for i, c := range log.calls {
+			if c[0].Bucket == 4 {
+				require.Equal(t, "4/0", string(c[0].Value), "retries start at the same message")
+				require.Len(t, c, 3)
+				attempts = append(attempts, log.at[i])
+			}
+		}
+		require.Len(t, attempts, 5)
+		for i := 1; i < len(attempts); i++ {
+			gap := attempts[i].Sub(attempts[i-1])
+			want := min(cfg.BackoffMin<<(i-1), cfg.BackoffMax)
+			require.GreaterOrEqual(t, gap, want/2, "attempt %d", i)
+			require.LessOrEqual(t, gap, want, "attempt %d", i)
+		}
+		require.Len(t, failures, 4)
+		for i, f := range failures {
+			require.Equal(t, i+1, f.Message.Attempts, "attempts recorded before the handler runs")
+		}
+		require.Equal(t, 5, log.calls[1][0].Bucket, "the healthy bucket did not wait for the failing one")
+	})
+}
+
+// A publish longer than LeaseDuration keeps its lease by renewal running
+// alongside it.
+func TestRenewalDuringPublish(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(1, 1)
+		cfg := config("a")
+		var pubErr error
+		r := start(t, s, relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			select {
+			case <-time.After(5 * cfg.LeaseDuration):
+				return len(msgs), nil
+			case <-ctx.Done():
+				pubErr = ctx.Err()
+				return 0, ctx.Err()
+			}
+		}), cfg)
+		synctest.Wait()
+		time.Sleep(4 * cfg.LeaseDuration)
+		require.Equal(t, "a", s.owner(1), "still held after four lease durations")
+		time.Sleep(2 * cfg.LeaseDuration)
+		stop(t, r)
+		require.NoError(t, pubErr)
+		require.Zero(t, s.pending())
+		require.GreaterOrEqual(t, s.count("renew"), 14)
+	})
+}
+
+// A renewal that reports the lease lost cancels the publish; the rows stay
+// for the new owner.
+func TestLeaseLostDuringPublish(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(1, 2)
+		// Another relay took the bucket over (after a stall, say).
+		s.renew = func([]relay.Lease) []relay.Lease {
+			s.leases[1] = fakeLease{owner: "b", term: s.leases[1].term + 1, expires: time.Now().Add(time.Hour)}
+			return nil
+		}
+		cfg := config("a")
+		causes := make(chan error, 1)
+		var calls atomic.Int32
+		r := start(t, s, relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			if calls.Add(1) > 1 {
+				return len(msgs), nil
+			}
+			<-ctx.Done()
+			causes <- context.Cause(ctx)
+			return 0, ctx.Err()
+		}), cfg)
+		require.ErrorIs(t, <-causes, relay.ErrLeaseLost)
+		synctest.Wait()
+		require.Zero(t, s.count("mark"))
+		require.Zero(t, s.count("record"), "a lost lease is not a publish failure")
+		require.EqualValues(t, 1, calls.Load(), "the bucket is not published again")
+		require.NotContains(t, r.Leases(), relay.Lease{Bucket: 1, Term: 1})
+		require.Len(t, r.Leases(), 7)
+		stop(t, r)
+	})
+}
+
+// Without a LeaseRenewer the publish is bounded by the local lease
+// deadline.
+func TestNoRenewerBoundsPublish(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(1, 1)
+		cfg := config("a")
+		type seen struct {
+			deadline time.Time
+			cause    error
+		}
+		observed := make(chan seen, 1)
+		var calls atomic.Int32
+		started := time.Now()
+		r := start(t, basicStore{s}, relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			if calls.Add(1) > 1 {
+				return len(msgs), nil
+			}
+			deadline, _ := ctx.Deadline()
+			<-ctx.Done()
+			observed <- seen{deadline, context.Cause(ctx)}
+			return 0, ctx.Err()
+		}), cfg)
+		got := <-observed
+		require.ErrorIs(t, got.cause, relay.ErrLeaseLost)
+		deadline := got.deadline
+		trust := cfg.LeaseDuration - (cfg.LeaseDuration-cfg.LeaseRenewInterval)/2
+		require.Equal(t, started.Add(trust), deadline)
+		for s.pending() > 0 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		stop(t, r)
+	})
+}
+
+// When the store stops answering, the relay stops publishing once its
+// local lease deadline passes, before the stored leases expire.
+func TestTrustWindow(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		cfg := config("a")
+		var log pubLog
+		r := start(t, s, log.publisher(nil), cfg)
+		synctest.Wait()
+		require.Len(t, r.Leases(), 8)
+		down := errors.New("database unreachable")
+		s.mu.Lock()
+		s.fail = func(op string) error {
+			if op == "acquire" || op == "renew" {
+				return down
+			}
+			return nil
+		}
+		s.mu.Unlock()
+		time.Sleep(cfg.LeaseDuration - 500*time.Millisecond)
+		require.Empty(t, r.Leases(), "no longer trusted, though the leases have not expired yet")
+		require.Equal(t, "a", s.owner(0))
+		s.add(3, 1)
+		time.Sleep(5 * time.Second)
+		require.Zero(t, log.n(), "nothing published on untrusted leases")
+
+		s.mu.Lock()
+		s.fail = nil
+		s.mu.Unlock()
+		for log.n() == 0 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		stop(t, r)
+	})
+}
+
+// Stop lets the in-flight batch finish and deletes what it acknowledged.
+func TestStopFinishesBatch(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(1, 3)
+		inFlight := make(chan struct{})
+		r := start(t, s, relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			close(inFlight)
+			select {
+			case <-time.After(2 * time.Second):
+				return len(msgs), nil
+			case <-ctx.Done():
+				return 0, ctx.Err()
+			}
+		}), config("a"))
+		<-inFlight
+		stop(t, r)
+		require.Zero(t, s.pending())
+		require.Equal(t, "", s.owner(1))
+	})
+}
+
+// A Stop whose context ends cancels the in-flight publish, still releases
+// the leases, and says so.
+func TestStopAbandonsBatch(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(1, 3)
+		inFlight := make(chan struct{})
+		r := start(t, s, relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			close(inFlight)
+			<-ctx.Done()
+			return 1, ctx.Err()
+		}), config("a"))
+		<-inFlight
+		ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+		defer cancel()
+		err := r.Stop(ctx)
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.NoError(t, r.Err())
+		require.Equal(t, 2, s.pending(), "the acknowledged message was still deleted")
+		require.Equal(t, "", s.owner(1), "leases released despite the expired context")
+		require.Zero(t, s.count("record"), "cancellation by Stop is not a failure")
+	})
+}
+
+// A misconfiguration stops the relay with the typed error.
+func TestMisconfigurationStops(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(16) // the relay says 8
+		r := start(t, s, relay.PublisherFunc(nil), config("a"))
+		<-r.Stopped()
+		var me *relay.MisconfigurationError
+		require.ErrorAs(t, r.Err(), &me)
+		require.ErrorIs(t, r.Err(), relay.ErrMisconfigured)
+		require.NoError(t, r.Stop(t.Context()))
+		_, err := r.DrainOnce(t.Context())
+		require.ErrorIs(t, err, relay.ErrStopped)
+	})
+}
+
+// Store errors are retried with backoff, not fatal.
+func TestStoreErrorsRetry(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(2, 1)
+		failures := 3
+		s.fail = func(op string) error {
+			if op == "acquire" && failures > 0 {
+				failures--
+				return errors.New("connection refused")
+			}
+			return nil
+		}
+		var log pubLog
+		r := start(t, s, log.publisher(nil), config("a"))
+		for log.n() == 0 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		stop(t, r)
+		require.NoError(t, r.Err())
+		require.GreaterOrEqual(t, s.count("acquire"), 4)
+	})
+}
+
+func TestFairShare(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ buckets, live, want int }{
+		{8, 1, 8}, {8, 2, 4}, {8, 3, 3}, {8, 0, 8}, {8, 9, 1}, {1, 3, 1}, {4096, 7, 586},
+	} {
+		require.Equal(t, tc.want, relay.FairShare(tc.buckets, tc.live))
+		require.GreaterOrEqual(t, relay.FairShare(tc.buckets, tc.live)*max(tc.live, 1), tc.buckets)
+	}
+}

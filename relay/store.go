@@ -1,0 +1,131 @@
+package relay
+
+import (
+	"context"
+	"time"
+)
+
+// Store is the relay's storage contract. The relay calls it from one
+// goroutine at a time, except that a LeaseRenewer's RenewLeases runs
+// concurrently with the publisher (never with another Store call of the same
+// relay's loop).
+//
+// A store needs two primitives: an atomic conditional write for leases (a
+// guarded UPDATE ... WHERE owner = ... AND term = ... AND expires_at > now)
+// and per-bucket oldest-first reads. Rows leave the store only through
+// MarkPublished (and an operator's explicit action), never by expiry:
+// deleting unacknowledged rows would turn at-least-once into loss.
+//
+// Times are Unix milliseconds from the relay host's clock; see the package
+// documentation for the clock-skew tolerance.
+//
+// Errors: a *MisconfigurationError stops the relay; ErrLeaseLost (wrapped)
+// makes it drop the bucket; any other error is retried with backoff.
+//
+// Optional capabilities are discovered by type assertion: LeaseRenewer
+// (renewal during a slow publish) and FailureRecorder (attempt counting).
+// Further capabilities, such as backlog metrics, are added the same way,
+// so existing stores keep working.
+type Store interface {
+	// AcquireLeases is the relay's periodic lease maintenance, called at
+	// start and then about every LeaseRenewInterval. In order it
+	//   - records the relay's heartbeat;
+	//   - fails with a *MisconfigurationError if req.BucketCount differs
+	//     from the store's, or rows or leases exist in buckets outside
+	//     0..BucketCount-1;
+	//   - counts the live relays (heartbeat younger than LeaseDuration) and
+	//     computes the fair share, FairShare(BucketCount, live);
+	//   - renews the unexpired leases the relay holds (owner and term
+	//     guarded), releases those above its fair share, and claims free or
+	//     expired leases up to its fair share, incrementing the term of each
+	//     claimed lease in the same guarded UPDATE.
+	// It returns every lease the relay holds afterwards, each valid until
+	// at least the call's start plus req.LeaseDuration.
+	AcquireLeases(ctx context.Context, req AcquireRequest) (Acquired, error)
+
+	// ReleaseLeases gives up the listed leases (each guarded by owner and
+	// term, so a lease already taken over is left alone) and removes the
+	// relay's heartbeat, so peers recount the live relays and take the
+	// buckets over at their next acquisition instead of after expiry.
+	ReleaseLeases(ctx context.Context, relayID string, leases []Lease) error
+
+	// PendingBuckets returns which of buckets hold at least one pending
+	// row, in ascending order. It should cost one index probe per bucket,
+	// not a scan of the backlog.
+	PendingBuckets(ctx context.Context, buckets []int) ([]int, error)
+
+	// NextBatch returns up to limit pending messages of bucket, oldest
+	// first. It reads afresh on every call: rows committed late by slower
+	// transactions can sort before rows already seen, so no cursor is kept.
+	NextBatch(ctx context.Context, bucket, limit int) ([]Message, error)
+
+	// MarkPublished deletes msgs, a contiguous acknowledged prefix of what
+	// NextBatch returned, by their ids (never by an id range, which would
+	// also delete late-committed rows that were never published). The
+	// delete is conditioned, in the same statement, on lease.Bucket being
+	// held by relayID under lease.Term and unexpired; otherwise nothing is
+	// deleted and an error wrapping ErrLeaseLost is returned. Rows already
+	// gone are not an error.
+	MarkPublished(ctx context.Context, relayID string, lease Lease, msgs []Message) error
+}
+
+// AcquireRequest is the input of Store.AcquireLeases.
+type AcquireRequest struct {
+	RelayID       string
+	BucketCount   int
+	LeaseDuration time.Duration
+}
+
+// Acquired is the result of Store.AcquireLeases.
+type Acquired struct {
+	// Leases are the leases the relay holds after the call, by bucket.
+	Leases []Lease
+	// LiveRelays is the number of relays with a fresh heartbeat, this one
+	// included.
+	LiveRelays int
+	// FairShare is the number of buckets the relay aimed for.
+	FairShare int
+}
+
+// LeaseRenewer is an optional Store capability: extending held leases
+// without acquiring or releasing any. The relay calls it concurrently with
+// a publish that outlasts LeaseRenewInterval, so a slow but healthy publish
+// keeps its lease. Without it the relay bounds each publish by its local
+// lease deadline and cancels the publish when the deadline passes.
+type LeaseRenewer interface {
+	// RenewLeases extends each lease still held by relayID under its term
+	// and unexpired to now plus d, refreshes the relay's heartbeat, and
+	// returns the leases it extended. A lease missing from the result is
+	// lost.
+	RenewLeases(ctx context.Context, relayID string, leases []Lease, d time.Duration) ([]Lease, error)
+}
+
+// FailureRecorder is an optional Store capability: recording a failed
+// publish attempt on the message (an attempt counter and the last error),
+// guarded by the lease like MarkPublished. The relay calls it before the
+// FailureHandler, so Failure.Message.Attempts counts the failure.
+type FailureRecorder interface {
+	RecordFailure(ctx context.Context, relayID string, lease Lease, msg Message, cause error) error
+}
+
+// Hints tells the relay which buckets received committed messages.
+// *outbox.Notifier satisfies it.
+type Hints interface {
+	// Ready receives a value when hints are pending. Many notifications
+	// may coalesce into one.
+	Ready() <-chan struct{}
+	// Take appends the pending bucket ids to dst, clears them, and reports
+	// whether an unknown-bucket hint (a commit whose buckets are not known)
+	// was pending, which makes the relay run a discovery query.
+	Take(dst []int) ([]int, bool)
+}
+
+// FairShare is the number of buckets each of live relays should own:
+// ceil(bucketCount / live). The shares of all live relays cover every
+// bucket.
+func FairShare(bucketCount, live int) int {
+	if live < 1 {
+		live = 1
+	}
+	return (bucketCount + live - 1) / live
+}

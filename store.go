@@ -1,0 +1,585 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"gorm.io/gorm"
+	"gorm.io/gorm/clause"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// StoreTimeoutDefault bounds every Store operation (one or a few short
+// statements). A timed-out operation fails with an error naming it; the
+// relay retries it with backoff.
+const StoreTimeoutDefault = 10 * time.Second
+
+const (
+	// storeChunk bounds the ids or buckets put into one statement, well
+	// below every database's parameter limit.
+	storeChunk = 1000
+	// probeChunk bounds the per-bucket probes UNIONed into one statement.
+	probeChunk = 128
+	// lastErrorMax bounds the error text stored on a failing message.
+	lastErrorMax = 2000
+)
+
+// Store is the GORM implementation of the relay's storage contract
+// (relay.Store) with the relay.LeaseRenewer and relay.FailureRecorder
+// capabilities, on PostgreSQL, MySQL/MariaDB and SQLite.
+//
+// Every operation is one or a few short, indexed statements outside any
+// transaction; the concurrency model is the guarded conditional UPDATE of
+// the lease rows described in package relay. The lease rows for buckets
+// 0..BucketCount-1 are created on first use. Times are Unix milliseconds
+// from this host's clock.
+//
+// A lease row with paused set (LeaseRow.Paused) is never claimed, and a
+// relay holding it releases it at its next acquisition: an operator can
+// stop publishing one bucket without stopping the relays.
+//
+// Store never opens a transaction and never holds a lock while the
+// publisher runs. It is safe for concurrent use.
+type Store struct {
+	db      *gorm.DB
+	tables  Tables
+	buckets int
+	timeout time.Duration
+
+	// quoted table names for raw SQL
+	messages, leases, relays string
+}
+
+var (
+	_ relay.Store           = (*Store)(nil)
+	_ relay.LeaseRenewer    = (*Store)(nil)
+	_ relay.FailureRecorder = (*Store)(nil)
+)
+
+// NewStore returns the relay store of the outbox configured by cfg on db.
+// cfg is completed with WithDefaults and validated; its Tables and
+// BucketCount are used, and must match the writers' configuration. The
+// tables are not touched until the relay runs: a relay started before the
+// tables exist stops with a *relay.MisconfigurationError naming the missing
+// table.
+func NewStore(db *gorm.DB, cfg Config) (*Store, error) {
+	if db == nil {
+		return nil, &ConfigError{Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
+	}
+	cfg = cfg.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	sess := db.Session(&gorm.Session{NewDB: true, SkipHooks: true, SkipDefaultTransaction: true})
+	return &Store{
+		db:       sess,
+		tables:   cfg.Tables,
+		buckets:  cfg.BucketCount,
+		timeout:  StoreTimeoutDefault,
+		messages: sess.Statement.Quote(cfg.Tables.MessagesTable()),
+		leases:   sess.Statement.Quote(cfg.Tables.LeasesTable()),
+		relays:   sess.Statement.Quote(cfg.Tables.RelaysTable()),
+	}, nil
+}
+
+// op starts a store operation: a context bounded by the store timeout,
+// with a cause naming the operation.
+func (s *Store) op(ctx context.Context, name string) (*gorm.DB, context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithTimeoutCause(ctx, s.timeout, fmt.Errorf("outbox: store %s: timed out after %s", name, s.timeout))
+	return s.db.WithContext(ctx), ctx, cancel
+}
+
+// fail wraps an operation's error with its name. An error from a missing
+// table becomes a *relay.MisconfigurationError.
+func (s *Store) fail(ctx context.Context, name string, err error) error {
+	var me *relay.MisconfigurationError
+	if errors.As(err, &me) || errors.Is(err, relay.ErrLeaseLost) {
+		return err
+	}
+	if ctx.Err() != nil {
+		if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, ctx.Err()) {
+			return fmt.Errorf("%w: %w", cause, err)
+		}
+		return fmt.Errorf("outbox: store %s: %w", name, err)
+	}
+	if missing := s.missingTable(ctx); missing != "" {
+		return &relay.MisconfigurationError{
+			Setting: "Tables",
+			Reason:  fmt.Sprintf("table %s does not exist: run Tables.AutoMigrate (or your migrations) before starting the relay", missing),
+			Err:     err,
+		}
+	}
+	return fmt.Errorf("outbox: store %s: %w", name, err)
+}
+
+// missingTable returns the first outbox table the relay needs that cannot
+// be read while the database itself answers, or "".
+func (s *Store) missingTable(ctx context.Context) string {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.timeout)
+	defer cancel()
+	db := s.db.WithContext(ctx)
+	var one int
+	if err := db.Raw("SELECT 1").Row().Scan(&one); err != nil {
+		return "" // the database is unreachable: not a schema problem
+	}
+	for _, t := range []struct{ name, quoted string }{
+		{s.tables.MessagesTable(), s.messages},
+		{s.tables.LeasesTable(), s.leases},
+		{s.tables.RelaysTable(), s.relays},
+	} {
+		if err := db.Exec("SELECT 1 FROM " + t.quoted + " WHERE 1 = 0").Error; err != nil {
+			return t.name
+		}
+	}
+	return ""
+}
+
+func nowMs() int64 { return time.Now().UnixMilli() }
+
+// AcquireLeases implements relay.Store: heartbeat, misconfiguration
+// checks, renewal of held leases, release of surplus and claim of free or
+// expired leases up to the fair share.
+func (s *Store) AcquireLeases(ctx context.Context, req relay.AcquireRequest) (relay.Acquired, error) {
+	if req.BucketCount != s.buckets {
+		return relay.Acquired{}, &relay.MisconfigurationError{
+			Setting: "BucketCount",
+			Reason:  fmt.Sprintf("the relay uses %d buckets but the outbox (table %s) is configured with %d: every writer and relay must use the same BucketCount", req.BucketCount, s.tables.MessagesTable(), s.buckets),
+		}
+	}
+	if req.RelayID == "" || req.LeaseDuration < time.Millisecond {
+		return relay.Acquired{}, fmt.Errorf("outbox: store acquire leases: relay id and a lease duration of at least 1ms are required")
+	}
+	db, ctx, cancel := s.op(ctx, "acquire leases")
+	defer cancel()
+	res, err := s.acquire(db, req)
+	if err != nil {
+		return relay.Acquired{}, s.fail(ctx, "acquire leases", err)
+	}
+	return res, nil
+}
+
+func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, error) {
+	me := req.RelayID
+	dur := req.LeaseDuration.Milliseconds()
+	now := nowMs()
+
+	if err := s.heartbeat(db, me, now); err != nil {
+		return relay.Acquired{}, err
+	}
+	live, err := s.liveRelays(db, now, dur)
+	if err != nil {
+		return relay.Acquired{}, err
+	}
+	if err := s.checkBuckets(db); err != nil {
+		return relay.Acquired{}, err
+	}
+	rows, err := s.leaseRows(db)
+	if err != nil {
+		return relay.Acquired{}, err
+	}
+	share := relay.FairShare(s.buckets, live)
+
+	var renew, release, candidates []relay.Lease
+	for _, r := range rows {
+		l := relay.Lease{Bucket: int(r.Bucket), Term: r.Term}
+		mine := r.Owner != nil && *r.Owner == me
+		expired := r.ExpiresAtMs <= now
+		switch {
+		case mine && r.Paused:
+			release = append(release, l)
+		case mine && !expired:
+			renew = append(renew, l)
+		case r.Paused:
+		case r.Owner == nil || expired:
+			candidates = append(candidates, l)
+		}
+	}
+
+	expires := now + dur
+	held, err := s.renew(db, me, renew, now, expires)
+	if err != nil {
+		return relay.Acquired{}, err
+	}
+	if len(held) > share {
+		// Keep the lowest buckets; give the rest back to the newcomers.
+		release = append(release, held[share:]...)
+		held = held[:share]
+	}
+	if err := s.release(db, me, release); err != nil {
+		return relay.Acquired{}, err
+	}
+	// Claim in random order so relays starting together rarely race for
+	// the same rows; a lost race is just a zero-row UPDATE.
+	rand.Shuffle(len(candidates), func(i, j int) { candidates[i], candidates[j] = candidates[j], candidates[i] })
+	for _, c := range candidates {
+		if len(held) >= share {
+			break
+		}
+		r := db.Exec("UPDATE "+s.leases+" SET owner = ?, term = term + 1, expires_at_ms = ?"+
+			" WHERE bucket = ? AND term = ? AND paused = ? AND (owner IS NULL OR expires_at_ms <= ?)",
+			me, expires, c.Bucket, c.Term, false, now)
+		if r.Error != nil {
+			return relay.Acquired{}, r.Error
+		}
+		if r.RowsAffected == 1 {
+			held = append(held, relay.Lease{Bucket: c.Bucket, Term: c.Term + 1})
+		}
+	}
+	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
+	return relay.Acquired{Leases: held, LiveRelays: live, FairShare: share}, nil
+}
+
+// heartbeat records that relay me is alive.
+func (s *Store) heartbeat(db *gorm.DB, me string, now int64) error {
+	r := db.Exec("UPDATE "+s.relays+" SET last_seen_ms = ? WHERE relay_id = ?", now, me)
+	if r.Error != nil {
+		return r.Error
+	}
+	if r.RowsAffected > 0 {
+		return nil
+	}
+	// New relay, or MySQL reporting an unchanged row as unaffected.
+	return db.Table(s.tables.RelaysTable()).Clauses(clause.OnConflict{
+		Columns:   []clause.Column{{Name: "relay_id"}},
+		DoUpdates: clause.Assignments(map[string]any{"last_seen_ms": now}),
+	}).Create(&RelayRow{RelayID: me, LastSeenMs: now, StartedAtMs: now}).Error
+}
+
+// liveRelays counts relays with a heartbeat younger than a lease, and
+// deletes heartbeats of relays long gone.
+func (s *Store) liveRelays(db *gorm.DB, now, dur int64) (int, error) {
+	var seen []int64
+	if err := db.Raw("SELECT last_seen_ms FROM " + s.relays).Scan(&seen).Error; err != nil {
+		return 0, err
+	}
+	live, stale := 0, false
+	gone := now - max(10*dur, time.Minute.Milliseconds())
+	for _, t := range seen {
+		if t > now-dur {
+			live++
+		}
+		stale = stale || t < gone
+	}
+	if stale {
+		if err := db.Exec("DELETE FROM "+s.relays+" WHERE last_seen_ms < ?", gone).Error; err != nil {
+			return 0, err
+		}
+	}
+	return max(live, 1), nil
+}
+
+// checkBuckets fails when rows or leases exist outside 0..BucketCount-1:
+// a writer or another relay uses a larger BucketCount, and those rows
+// would never be published. Both probes are one index seek.
+func (s *Store) checkBuckets(db *gorm.DB) error {
+	var found []int32
+	if err := db.Raw("SELECT bucket FROM "+s.messages+" WHERE bucket >= ? LIMIT 1", s.buckets).Scan(&found).Error; err != nil {
+		return err
+	}
+	if len(found) > 0 {
+		return &relay.MisconfigurationError{
+			Setting: "BucketCount",
+			Reason: fmt.Sprintf("table %s holds messages in bucket %d, outside 0..%d: a writer uses a larger BucketCount than this relay, so no relay can publish them; use one BucketCount everywhere",
+				s.tables.MessagesTable(), found[0], s.buckets-1),
+		}
+	}
+	if err := db.Raw("SELECT bucket FROM "+s.leases+" WHERE bucket >= ? LIMIT 1", s.buckets).Scan(&found).Error; err != nil {
+		return err
+	}
+	if len(found) > 0 {
+		return &relay.MisconfigurationError{
+			Setting: "BucketCount",
+			Reason: fmt.Sprintf("table %s has a lease for bucket %d, outside 0..%d: another relay uses a larger BucketCount; changing it requires draining the outbox and deleting the lease rows",
+				s.tables.LeasesTable(), found[0], s.buckets-1),
+		}
+	}
+	return nil
+}
+
+// leaseRows reads every lease row, creating the missing ones first.
+func (s *Store) leaseRows(db *gorm.DB) ([]LeaseRow, error) {
+	read := func() ([]LeaseRow, error) {
+		var rows []LeaseRow
+		err := db.Raw("SELECT bucket, owner, term, expires_at_ms, paused FROM " + s.leases + " ORDER BY bucket").Scan(&rows).Error
+		return rows, err
+	}
+	rows, err := read()
+	if err != nil || len(rows) == s.buckets {
+		return rows, err
+	}
+	have := make(map[int32]bool, len(rows))
+	for _, r := range rows {
+		have[r.Bucket] = true
+	}
+	var missing []LeaseRow
+	for b := range int32(s.buckets) {
+		if !have[b] {
+			missing = append(missing, LeaseRow{Bucket: b})
+		}
+	}
+	// Relays starting together insert the same rows: the loser's insert is
+	// ignored.
+	if err := db.Table(s.tables.LeasesTable()).Clauses(clause.OnConflict{DoNothing: true}).
+		CreateInBatches(missing, storeChunk).Error; err != nil {
+		return nil, err
+	}
+	return read()
+}
+
+// leaseGuard appends "(bucket = ? AND term = ?) OR ..." for leases.
+func leaseGuard(sb *strings.Builder, args []any, leases []relay.Lease) []any {
+	sb.WriteString("(")
+	for i, l := range leases {
+		if i > 0 {
+			sb.WriteString(" OR ")
+		}
+		sb.WriteString("(bucket = ? AND term = ?)")
+		args = append(args, l.Bucket, l.Term)
+	}
+	sb.WriteString(")")
+	return args
+}
+
+func buckets(leases []relay.Lease) []int {
+	out := make([]int, len(leases))
+	for i, l := range leases {
+		out[i] = l.Bucket
+	}
+	return out
+}
+
+// renew extends the leases still held by me under their terms and
+// unexpired, and returns those.
+func (s *Store) renew(db *gorm.DB, me string, leases []relay.Lease, now, expires int64) ([]relay.Lease, error) {
+	var held []relay.Lease
+	for chunk := range slices.Chunk(leases, probeChunk) {
+		var sb strings.Builder
+		sb.WriteString("UPDATE " + s.leases + " SET expires_at_ms = ? WHERE owner = ? AND expires_at_ms > ? AND bucket IN ? AND ")
+		args := leaseGuard(&sb, []any{expires, me, now, buckets(chunk)}, chunk)
+		r := db.Exec(sb.String(), args...)
+		if r.Error != nil {
+			return nil, r.Error
+		}
+		if int(r.RowsAffected) == len(chunk) {
+			held = append(held, chunk...)
+			continue
+		}
+		// Some leases were lost, or MySQL counted a row renewed twice
+		// within one millisecond as unchanged: read back which we hold.
+		sb.Reset()
+		sb.WriteString("SELECT bucket, term FROM " + s.leases + " WHERE owner = ? AND expires_at_ms = ? AND bucket IN ? AND ")
+		args = leaseGuard(&sb, []any{me, expires, buckets(chunk)}, chunk)
+		var rows []LeaseRow
+		if err := db.Raw(sb.String(), args...).Scan(&rows).Error; err != nil {
+			return nil, err
+		}
+		for _, r := range rows {
+			held = append(held, relay.Lease{Bucket: int(r.Bucket), Term: r.Term})
+		}
+	}
+	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
+	return held, nil
+}
+
+// release clears the owner of the leases me holds under their terms.
+func (s *Store) release(db *gorm.DB, me string, leases []relay.Lease) error {
+	for chunk := range slices.Chunk(leases, probeChunk) {
+		var sb strings.Builder
+		sb.WriteString("UPDATE " + s.leases + " SET owner = NULL, expires_at_ms = 0 WHERE owner = ? AND bucket IN ? AND ")
+		args := leaseGuard(&sb, []any{me, buckets(chunk)}, chunk)
+		if err := db.Exec(sb.String(), args...).Error; err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// RenewLeases implements relay.LeaseRenewer: it extends the leases still
+// held by relayID under their terms and unexpired, and refreshes the
+// relay's heartbeat. It never acquires or releases a lease.
+func (s *Store) RenewLeases(ctx context.Context, relayID string, leases []relay.Lease, d time.Duration) ([]relay.Lease, error) {
+	db, ctx, cancel := s.op(ctx, "renew leases")
+	defer cancel()
+	now := nowMs()
+	held, err := s.renew(db, relayID, leases, now, now+d.Milliseconds())
+	if err == nil {
+		err = s.heartbeat(db, relayID, now)
+	}
+	if err != nil {
+		return nil, s.fail(ctx, "renew leases", err)
+	}
+	return held, nil
+}
+
+// ReleaseLeases implements relay.Store: it releases the leases relayID
+// holds under the given terms and deletes its heartbeat.
+func (s *Store) ReleaseLeases(ctx context.Context, relayID string, leases []relay.Lease) error {
+	db, ctx, cancel := s.op(ctx, "release leases")
+	defer cancel()
+	err := s.release(db, relayID, leases)
+	if err == nil {
+		err = db.Exec("DELETE FROM "+s.relays+" WHERE relay_id = ?", relayID).Error
+	}
+	if err != nil {
+		return s.fail(ctx, "release leases", err)
+	}
+	return nil
+}
+
+// PendingBuckets implements relay.Store with one index probe per bucket
+// (SELECT ... WHERE bucket = ? LIMIT 1, UNION ALL), so its cost does not
+// grow with the backlog.
+func (s *Store) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {
+	db, ctx, cancel := s.op(ctx, "find pending buckets")
+	defer cancel()
+	var out []int
+	for chunk := range slices.Chunk(bs, probeChunk) {
+		var sb strings.Builder
+		args := make([]any, 0, len(chunk))
+		for i, b := range chunk {
+			if i > 0 {
+				sb.WriteString(" UNION ALL ")
+			}
+			fmt.Fprintf(&sb, "SELECT b FROM (SELECT bucket AS b FROM %s WHERE bucket = ? LIMIT 1) p%d", s.messages, i)
+			args = append(args, b)
+		}
+		var found []int
+		if err := db.Raw(sb.String(), args...).Scan(&found).Error; err != nil {
+			return nil, s.fail(ctx, "find pending buckets", err)
+		}
+		out = append(out, found...)
+	}
+	slices.Sort(out)
+	return out, nil
+}
+
+// NextBatch implements relay.Store: the oldest limit rows of bucket by id,
+// read through the (bucket, id) index.
+func (s *Store) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Message, error) {
+	db, ctx, cancel := s.op(ctx, "read batch")
+	defer cancel()
+	rows, err := db.Raw("SELECT id, message_id, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts FROM "+
+		s.messages+" WHERE bucket = ? ORDER BY id LIMIT ?", bucket, limit).Rows()
+	if err != nil {
+		return nil, s.fail(ctx, "read batch", err)
+	}
+	defer rows.Close()
+	msgs := make([]relay.Message, 0, min(limit, 64))
+	for rows.Next() {
+		var (
+			m         relay.Message
+			headers   []byte
+			partition sql.NullInt32
+			created   int64
+			attempts  int64
+		)
+		if err := rows.Scan(&m.ID, &m.MessageID, &m.Topic, &m.Key, &m.Value, &headers, &partition, &created, &attempts); err != nil {
+			return nil, s.fail(ctx, "read batch", err)
+		}
+		if m.Headers, err = DecodeHeaders(headers); err != nil {
+			return nil, fmt.Errorf("outbox: store read batch: message %d: %w", m.ID, err)
+		}
+		if partition.Valid {
+			p := partition.Int32
+			m.Partition = &p
+		}
+		m.Bucket = bucket
+		m.CreatedAt = time.UnixMilli(created)
+		m.Attempts = int(attempts)
+		msgs = append(msgs, m)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, s.fail(ctx, "read batch", err)
+	}
+	return msgs, nil
+}
+
+// leaseHeld is the lease guard used inside DELETE and UPDATE statements on
+// the messages table. Its arguments: bucket, owner, term, now.
+func (s *Store) leaseHeld() string {
+	return "EXISTS (SELECT 1 FROM " + s.leases + " WHERE bucket = ? AND owner = ? AND term = ? AND expires_at_ms > ?)"
+}
+
+// checkLease reports ErrLeaseLost when relayID no longer holds lease.
+func (s *Store) checkLease(db *gorm.DB, relayID string, lease relay.Lease) error {
+	var n int64
+	if err := db.Raw("SELECT COUNT(*) FROM "+s.leases+" WHERE bucket = ? AND owner = ? AND term = ? AND expires_at_ms > ?",
+		lease.Bucket, relayID, lease.Term, nowMs()).Scan(&n).Error; err != nil {
+		return err
+	}
+	if n == 0 {
+		return fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+	}
+	return nil
+}
+
+// MarkPublished implements relay.Store: it deletes msgs by id, in the same
+// statement conditioned on relayID holding lease unexpired under its term.
+func (s *Store) MarkPublished(ctx context.Context, relayID string, lease relay.Lease, msgs []relay.Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	db, ctx, cancel := s.op(ctx, "delete published messages")
+	defer cancel()
+	ids := make([]int64, len(msgs))
+	for i, m := range msgs {
+		ids[i] = m.ID
+	}
+	// Chunks are deleted in order, so a refused chunk still leaves a
+	// contiguous suffix of the batch pending.
+	for chunk := range slices.Chunk(ids, storeChunk) {
+		r := db.Exec("DELETE FROM "+s.messages+" WHERE bucket = ? AND id IN ? AND "+s.leaseHeld(),
+			lease.Bucket, chunk, lease.Bucket, relayID, lease.Term, nowMs())
+		if r.Error != nil {
+			return s.fail(ctx, "delete published messages", r.Error)
+		}
+		if r.RowsAffected == 0 {
+			// Refused by the guard, or the rows are gone already (an
+			// operator purged them): only the first is an error.
+			if err := s.checkLease(db, relayID, lease); err != nil {
+				return s.fail(ctx, "delete published messages", err)
+			}
+		}
+	}
+	return nil
+}
+
+// RecordFailure implements relay.FailureRecorder: it increments the
+// message's attempts and stores the error text, guarded by the lease.
+func (s *Store) RecordFailure(ctx context.Context, relayID string, lease relay.Lease, msg relay.Message, cause error) error {
+	db, ctx, cancel := s.op(ctx, "record publish failure")
+	defer cancel()
+	text := "unknown error"
+	if cause != nil {
+		text = truncateUTF8(cause.Error(), lastErrorMax)
+	}
+	r := db.Exec("UPDATE "+s.messages+" SET attempts = attempts + 1, last_error = ? WHERE id = ? AND bucket = ? AND "+s.leaseHeld(),
+		text, msg.ID, lease.Bucket, lease.Bucket, relayID, lease.Term, nowMs())
+	if r.Error != nil {
+		return s.fail(ctx, "record publish failure", r.Error)
+	}
+	if r.RowsAffected == 0 {
+		if err := s.checkLease(db, relayID, lease); err != nil {
+			return s.fail(ctx, "record publish failure", err)
+		}
+	}
+	return nil
+}
+
+func truncateUTF8(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
+}

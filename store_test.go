@@ -1,0 +1,386 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// storeBundle is one outbox on an isolated test database.
+type storeBundle struct {
+	db    *dbtest.DB
+	cfg   outbox.Config
+	store *outbox.Store
+}
+
+// newStoreBundle migrates the outbox tables of cfg and opens its store.
+func newStoreBundle(t testing.TB, db *dbtest.DB, cfg outbox.Config) *storeBundle {
+	t.Helper()
+	cfg = cfg.WithDefaults()
+	require.NoError(t, cfg.Tables.AutoMigrate(context.Background(), db.DB))
+	store, err := outbox.NewStore(db.DB, cfg)
+	require.NoError(t, err)
+	return &storeBundle{db: db, cfg: cfg, store: store}
+}
+
+func (b *storeBundle) messages() *gorm.DB {
+	return b.db.DB.Table(b.cfg.Tables.MessagesTable())
+}
+
+// insert writes rows directly, as the write side would inside a
+// transaction, filling in the message id, bucket and creation time.
+func (b *storeBundle) insert(t testing.TB, rows ...outbox.MessageRow) []outbox.MessageRow {
+	t.Helper()
+	for i := range rows {
+		r := &rows[i]
+		if r.MessageID == "" {
+			r.MessageID = fmt.Sprintf("m-%d-%d", time.Now().UnixNano(), i)
+		}
+		if r.Topic == "" {
+			r.Topic = "events"
+		}
+		if r.Bucket == 0 {
+			r.Bucket = int32(outbox.Bucket(r.Key, r.Partition, r.MessageID, b.cfg.BucketCount))
+		}
+		if r.CreatedAtMs == 0 {
+			r.CreatedAtMs = time.Now().UnixMilli()
+		}
+	}
+	require.NoError(t, b.messages().CreateInBatches(rows, 500).Error)
+	return rows
+}
+
+// keyed returns perKey rows for each key, interleaved by sequence, with
+// the value "key/seq".
+func keyed(keys []string, perKey int) []outbox.MessageRow {
+	var rows []outbox.MessageRow
+	for seq := range perKey {
+		for _, k := range keys {
+			rows = append(rows, outbox.MessageRow{
+				MessageID: fmt.Sprintf("%s-%d", k, seq),
+				Key:       []byte(k),
+				Value:     fmt.Appendf(nil, "%s/%d", k, seq),
+			})
+		}
+	}
+	return rows
+}
+
+func keysN(n int) []string {
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("key-%d", i)
+	}
+	return keys
+}
+
+// keyInBucket returns a key that hashes to bucket.
+func keyInBucket(t testing.TB, bucket, n int) string {
+	t.Helper()
+	for i := range 10_000 {
+		k := fmt.Sprintf("k%d", i)
+		if outbox.Bucket([]byte(k), nil, "", n) == bucket {
+			return k
+		}
+	}
+	t.Fatalf("no key for bucket %d", bucket)
+	return ""
+}
+
+func (b *storeBundle) count(t testing.TB) int64 {
+	t.Helper()
+	var n int64
+	require.NoError(t, b.messages().Count(&n).Error)
+	return n
+}
+
+func (b *storeBundle) ids(t testing.TB, bucket int) []int64 {
+	t.Helper()
+	var ids []int64
+	require.NoError(t, b.messages().Where("bucket = ?", bucket).Order("id").Pluck("id", &ids).Error)
+	return ids
+}
+
+func (b *storeBundle) leaseRows(t testing.TB) []outbox.LeaseRow {
+	t.Helper()
+	var rows []outbox.LeaseRow
+	require.NoError(t, b.db.DB.Table(b.cfg.Tables.LeasesTable()).Order("bucket").Find(&rows).Error)
+	return rows
+}
+
+func acquire(t testing.TB, s *outbox.Store, id string, buckets int, d time.Duration) relay.Acquired {
+	t.Helper()
+	res, err := s.AcquireLeases(context.Background(), relay.AcquireRequest{RelayID: id, BucketCount: buckets, LeaseDuration: d})
+	require.NoError(t, err)
+	return res
+}
+
+func leaseBuckets(ls []relay.Lease) []int {
+	out := make([]int, len(ls))
+	for i, l := range ls {
+		out[i] = l.Bucket
+	}
+	return out
+}
+
+func TestStoreLeasesFairShare(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		b := newStoreBundle(t, db, outbox.Config{})
+
+		// Alone, a relay takes every bucket, each under term 1.
+		a := acquire(t, b.store, "a", 8, time.Minute)
+		require.Equal(t, []int{0, 1, 2, 3, 4, 5, 6, 7}, leaseBuckets(a.Leases))
+		require.Equal(t, 1, a.LiveRelays)
+		for _, l := range a.Leases {
+			require.EqualValues(t, 1, l.Term)
+		}
+
+		// A newcomer counts two live relays but finds nothing free.
+		bb := acquire(t, b.store, "b", 8, time.Minute)
+		require.Empty(t, bb.Leases)
+		require.Equal(t, 2, bb.LiveRelays)
+		require.Equal(t, 4, bb.FairShare)
+
+		// The incumbent gives back its surplus, the newcomer takes it under
+		// a new term.
+		a = acquire(t, b.store, "a", 8, time.Minute)
+		require.Equal(t, []int{0, 1, 2, 3}, leaseBuckets(a.Leases))
+		bb = acquire(t, b.store, "b", 8, time.Minute)
+		require.Equal(t, []int{4, 5, 6, 7}, leaseBuckets(bb.Leases))
+		for _, l := range bb.Leases {
+			require.EqualValues(t, 2, l.Term)
+		}
+
+		// Renewal keeps the terms.
+		a2 := acquire(t, b.store, "a", 8, time.Minute)
+		require.Equal(t, a.Leases, a2.Leases)
+
+		// Releasing hands over at the next acquisition; the heartbeat goes.
+		require.NoError(t, b.store.ReleaseLeases(context.Background(), "a", a.Leases))
+		bb = acquire(t, b.store, "b", 8, time.Minute)
+		require.Equal(t, 1, bb.LiveRelays)
+		require.Equal(t, []int{0, 1, 2, 3, 4, 5, 6, 7}, leaseBuckets(bb.Leases))
+
+		// Renewing through the capability keeps everything.
+		held, err := b.store.RenewLeases(context.Background(), "b", bb.Leases, time.Minute)
+		require.NoError(t, err)
+		require.Equal(t, bb.Leases, held)
+		// Twice within a millisecond is still a success (MySQL reports the
+		// unchanged rows as unaffected).
+		held, err = b.store.RenewLeases(context.Background(), "b", bb.Leases, time.Minute)
+		require.NoError(t, err)
+		require.Equal(t, bb.Leases, held)
+
+		// A paused bucket is given up and not claimed again.
+		require.NoError(t, db.DB.Table(b.cfg.Tables.LeasesTable()).Where("bucket = ?", 7).Update("paused", true).Error)
+		bb = acquire(t, b.store, "b", 8, time.Minute)
+		require.Equal(t, []int{0, 1, 2, 3, 4, 5, 6}, leaseBuckets(bb.Leases))
+		require.Nil(t, b.leaseRows(t)[7].Owner)
+		bb = acquire(t, b.store, "b", 8, time.Minute)
+		require.Len(t, bb.Leases, 7)
+	})
+}
+
+// A relay whose lease expired and was taken over, or that released and
+// re-acquired a bucket, can neither delete nor renew under its old term.
+func TestStoreTermGuard(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
+		b.insert(t, keyed([]string{"x"}, 4)...)
+
+		// a holds the only bucket briefly and reads a batch.
+		a := acquire(t, b.store, "a", 1, 30*time.Millisecond)
+		require.Len(t, a.Leases, 1)
+		staleLease := a.Leases[0]
+		batch, err := b.store.NextBatch(ctx, 0, 2)
+		require.NoError(t, err)
+		require.Len(t, batch, 2)
+
+		// Expired, not yet taken: refused.
+		deadline := time.Now().Add(30 * time.Millisecond)
+		require.Eventually(t, func() bool { return time.Now().After(deadline) }, time.Second, 5*time.Millisecond)
+		err = b.store.MarkPublished(ctx, "a", staleLease, batch)
+		require.ErrorIs(t, err, relay.ErrLeaseLost)
+
+		// b takes it over under the next term.
+		bb := acquire(t, b.store, "b", 1, time.Minute)
+		require.Equal(t, []relay.Lease{{Bucket: 0, Term: staleLease.Term + 1}}, bb.Leases)
+
+		// a's delete and renewal are refused and change nothing.
+		err = b.store.MarkPublished(ctx, "a", staleLease, batch)
+		require.ErrorIs(t, err, relay.ErrLeaseLost)
+		require.EqualValues(t, 4, b.count(t))
+		held, err := b.store.RenewLeases(ctx, "a", []relay.Lease{staleLease}, time.Minute)
+		require.NoError(t, err)
+		require.Empty(t, held)
+		err = b.store.RecordFailure(ctx, "a", staleLease, batch[0], errors.New("boom"))
+		require.ErrorIs(t, err, relay.ErrLeaseLost)
+		require.Equal(t, []outbox.LeaseRow{{Bucket: 0, Owner: ptr("b"), Term: staleLease.Term + 1, ExpiresAtMs: b.leaseRows(t)[0].ExpiresAtMs}}, b.leaseRows(t))
+
+		// Even the owner's own old term is refused after it released and
+		// re-acquired the bucket.
+		require.NoError(t, b.store.ReleaseLeases(ctx, "b", bb.Leases))
+		again := acquire(t, b.store, "b", 1, time.Minute)
+		require.Equal(t, bb.Leases[0].Term+1, again.Leases[0].Term)
+		err = b.store.MarkPublished(ctx, "b", bb.Leases[0], batch)
+		require.ErrorIs(t, err, relay.ErrLeaseLost)
+		require.EqualValues(t, 4, b.count(t))
+
+		// The current term deletes exactly the listed rows.
+		require.NoError(t, b.store.MarkPublished(ctx, "b", again.Leases[0], batch))
+		require.EqualValues(t, 2, b.count(t))
+		// Deleting rows already gone is not an error.
+		require.NoError(t, b.store.MarkPublished(ctx, "b", again.Leases[0], batch))
+	})
+}
+
+func ptr[T any](v T) *T { return &v }
+
+func TestStoreBatches(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{})
+		part := int32(5)
+		hdrs := []outbox.Header{{Key: "trace", Value: []byte("abc")}, {Key: "empty", Value: []byte{}}, {Key: "nil"}}
+		rows := b.insert(t,
+			outbox.MessageRow{MessageID: "m1", Bucket: 3, Key: []byte("k"), Value: []byte("v1"), Headers: outbox.EncodeHeaders(hdrs), CreatedAtMs: 1700000000123},
+			outbox.MessageRow{MessageID: "m2", Bucket: 3, Key: []byte{}, Value: nil, Partition: &part},
+			outbox.MessageRow{MessageID: "m3", Bucket: 3, Key: nil, Value: []byte("v3")},
+			outbox.MessageRow{MessageID: "m4", Bucket: 6, Key: []byte("k"), Value: []byte("v4")},
+		)
+
+		pending, err := b.store.PendingBuckets(ctx, []int{0, 1, 2, 3, 4, 5, 6, 7})
+		require.NoError(t, err)
+		require.Equal(t, []int{3, 6}, pending)
+		pending, err = b.store.PendingBuckets(ctx, []int{0, 6})
+		require.NoError(t, err)
+		require.Equal(t, []int{6}, pending)
+
+		batch, err := b.store.NextBatch(ctx, 3, 2)
+		require.NoError(t, err)
+		require.Len(t, batch, 2)
+		m := batch[0]
+		require.Equal(t, rows[0].ID, m.ID)
+		require.Equal(t, "m1", m.MessageID)
+		require.Equal(t, 3, m.Bucket)
+		require.Equal(t, "events", m.Topic)
+		require.Equal(t, []byte("k"), m.Key)
+		require.Equal(t, []byte("v1"), m.Value)
+		require.Equal(t, hdrs, m.Headers)
+		require.Nil(t, m.Partition)
+		require.Equal(t, time.UnixMilli(1700000000123), m.CreatedAt)
+		require.Zero(t, m.Attempts)
+		m = batch[1]
+		require.Equal(t, "m2", m.MessageID)
+		require.NotNil(t, m.Key)
+		require.Empty(t, m.Key)
+		require.Nil(t, m.Value)
+		require.Equal(t, &part, m.Partition)
+		require.Nil(t, m.Headers)
+
+		all, err := b.store.NextBatch(ctx, 3, 10)
+		require.NoError(t, err)
+		require.Len(t, all, 3)
+		require.Nil(t, all[2].Key, "nil key stays nil")
+
+		// A transaction that took its id earlier but committed later shows
+		// up below the rows already read: the next read starts with it, and
+		// deleting the published ids leaves it alone.
+		lease := acquire(t, b.store, "a", 8, time.Minute).Leases[3]
+		late := rows[0].ID - 1
+		if late < 1 {
+			require.NoError(t, b.store.MarkPublished(ctx, "a", lease, batch[:1]))
+			batch = batch[1:]
+			late = rows[0].ID
+		}
+		b.insert(t, outbox.MessageRow{ID: late, MessageID: "late", Bucket: 3, Value: []byte("late")})
+		require.NoError(t, b.store.MarkPublished(ctx, "a", lease, batch))
+		next, err := b.store.NextBatch(ctx, 3, 10)
+		require.NoError(t, err)
+		require.Equal(t, []string{"late", "m3"}, []string{next[0].MessageID, next[1].MessageID})
+
+		// A failure is recorded on the row.
+		require.NoError(t, b.store.RecordFailure(ctx, "a", lease, next[0], errors.New("broker said no")))
+		next, err = b.store.NextBatch(ctx, 3, 1)
+		require.NoError(t, err)
+		require.Equal(t, 1, next[0].Attempts)
+		var row outbox.MessageRow
+		require.NoError(t, b.messages().Where("id = ?", next[0].ID).Take(&row).Error)
+		require.Equal(t, "broker said no", *row.LastError)
+	})
+}
+
+func TestStoreMisconfiguration(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+
+		// Before AutoMigrate: a clear error naming the table.
+		cfg := outbox.Config{Tables: outbox.WithPrefix("none_")}
+		s, err := outbox.NewStore(db.DB, cfg)
+		require.NoError(t, err)
+		_, err = s.AcquireLeases(ctx, relay.AcquireRequest{RelayID: "a", BucketCount: 8, LeaseDuration: time.Second})
+		var me *relay.MisconfigurationError
+		require.ErrorAs(t, err, &me)
+		require.Equal(t, "Tables", me.Setting)
+		require.Contains(t, me.Error(), "none_outbox_")
+		require.ErrorIs(t, err, relay.ErrMisconfigured)
+
+		b := newStoreBundle(t, db, outbox.Config{})
+		// Relay and store disagree on the bucket count.
+		_, err = b.store.AcquireLeases(ctx, relay.AcquireRequest{RelayID: "a", BucketCount: 16, LeaseDuration: time.Second})
+		require.ErrorAs(t, err, &me)
+		require.Equal(t, "BucketCount", me.Setting)
+
+		// A writer with a larger bucket count.
+		b.insert(t, outbox.MessageRow{Bucket: 11, Value: []byte("x")})
+		_, err = b.store.AcquireLeases(ctx, relay.AcquireRequest{RelayID: "a", BucketCount: 8, LeaseDuration: time.Second})
+		require.ErrorAs(t, err, &me)
+		require.Contains(t, me.Reason, "bucket 11")
+
+		// Invalid table names never reach SQL.
+		_, err = outbox.NewStore(db.DB, outbox.Config{Tables: outbox.Tables{Messages: "x; DROP TABLE y"}})
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	})
+}
+
+// Schema-qualified table names are quoted part by part in every statement.
+func TestStoreSchemaQualified(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		if db.Dialect == dbtest.SQLite {
+			t.Skip("SQLite has no schemas besides attached databases")
+		}
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{Tables: outbox.Tables{Schema: db.Namespace, Messages: "Msgs"}, BucketCount: 2})
+		require.Contains(t, b.cfg.Tables.MessagesTable(), db.Namespace+".")
+		b.insert(t, keyed([]string{"a", "b", "c"}, 2)...)
+		leases := acquire(t, b.store, "r", 2, time.Minute).Leases
+		require.Len(t, leases, 2)
+		pending, err := b.store.PendingBuckets(ctx, []int{0, 1})
+		require.NoError(t, err)
+		for _, bucket := range pending {
+			batch, err := b.store.NextBatch(ctx, bucket, 10)
+			require.NoError(t, err)
+			require.NoError(t, b.store.RecordFailure(ctx, "r", leases[bucket], batch[0], errors.New("x")))
+			require.NoError(t, b.store.MarkPublished(ctx, "r", leases[bucket], batch))
+		}
+		require.Zero(t, b.count(t))
+		_, err = b.store.RenewLeases(ctx, "r", leases, time.Minute)
+		require.NoError(t, err)
+		require.NoError(t, b.store.ReleaseLeases(ctx, "r", leases))
+	})
+}

@@ -1,0 +1,314 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/gin-gonic/gin"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"gorm.io/driver/mysql"
+	"gorm.io/driver/postgres"
+	"gorm.io/driver/sqlite"
+	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// Config is the service's configuration; flags and environment variables
+// fill it in main.
+type Config struct {
+	// Addr is the HTTP listen address. Default ":8080".
+	Addr string
+	// DatabaseURL is postgres://..., mysql://... or a SQLite file path
+	// (sqlite://path or a bare path). Default: the SQLite file
+	// gin-orders.db in the working directory.
+	DatabaseURL string
+	// KafkaBrokers are comma-separated broker addresses. Empty: start an
+	// in-process Kafka-protocol broker on a loopback port.
+	KafkaBrokers string
+	// Topic receives the order events. Default "orders".
+	Topic string
+	// HealthMaxAge is the oldest-pending age above which /healthz fails.
+	HealthMaxAge time.Duration
+	// Consume runs the demo consumer that logs every event once.
+	Consume bool
+	Logger  *slog.Logger
+}
+
+func (c Config) withDefaults() Config {
+	if c.Addr == "" {
+		c.Addr = ":8080"
+	}
+	if c.DatabaseURL == "" {
+		c.DatabaseURL = "gin-orders.db"
+	}
+	if c.Topic == "" {
+		c.Topic = "orders"
+	}
+	if c.HealthMaxAge == 0 {
+		c.HealthMaxAge = time.Minute
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// App is a running service: HTTP, relay, publisher, optional embedded
+// broker and demo consumer.
+type App struct {
+	cfg      Config
+	log      *slog.Logger
+	db       *gorm.DB
+	plugin   *outbox.Plugin
+	relay    *relay.Relay
+	pub      *publisher.Kafka
+	broker   *kfake.Cluster
+	consumer *Consumer
+	server   *http.Server
+	listener net.Listener
+	brokers  []string
+}
+
+// Start builds and starts every part of the service. Close stops them.
+func Start(ctx context.Context, cfg Config) (_ *App, err error) {
+	cfg = cfg.withDefaults()
+	a := &App{cfg: cfg, log: cfg.Logger}
+	defer func() {
+		if err != nil {
+			a.Close(context.Background())
+		}
+	}()
+
+	if a.db, err = openDatabase(cfg.DatabaseURL); err != nil {
+		return nil, err
+	}
+	if a.plugin, err = outbox.NewPlugin(outbox.Config{Rules: orderRules(cfg.Topic), Logger: a.log}); err != nil {
+		return nil, err
+	}
+	if err = a.db.Use(a.plugin); err != nil {
+		return nil, err
+	}
+	if err = a.plugin.AutoMigrate(ctx, a.db); err != nil {
+		return nil, err
+	}
+	if err = a.db.WithContext(ctx).AutoMigrate(&Order{}); err != nil {
+		return nil, fmt.Errorf("migrate orders: %w", err)
+	}
+
+	if cfg.KafkaBrokers == "" {
+		// The zero-setup default: a Kafka-protocol broker in this process.
+		if a.broker, err = kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(8, cfg.Topic)); err != nil {
+			return nil, fmt.Errorf("start in-process Kafka broker: %w", err)
+		}
+		a.brokers = a.broker.ListenAddrs()
+		a.log.Info("started in-process Kafka-protocol broker", slog.Any("brokers", a.brokers))
+	} else {
+		a.brokers = strings.Split(cfg.KafkaBrokers, ",")
+	}
+
+	if a.pub, err = publisher.NewKafka(publisher.KafkaConfig{
+		Brokers: a.brokers,
+		Configure: func(c *sarama.Config) error {
+			c.ClientID = "gin-orders"
+			return nil
+		},
+		Logger: a.log,
+	}); err != nil {
+		return nil, err
+	}
+	store, err := outbox.NewStore(a.db, a.plugin.Config())
+	if err != nil {
+		return nil, err
+	}
+	if a.relay, err = relay.New(store, a.pub, relay.Config{Hints: a.plugin.Notifier(), Logger: a.log}); err != nil {
+		return nil, err
+	}
+	if err = a.relay.Start(ctx); err != nil {
+		return nil, err
+	}
+
+	if cfg.Consume {
+		if a.consumer, err = StartConsumer(a.brokers, cfg.Topic, a.log); err != nil {
+			return nil, err
+		}
+	}
+
+	if a.listener, err = net.Listen("tcp", cfg.Addr); err != nil {
+		return nil, err
+	}
+	a.server = &http.Server{Handler: a.routes(), ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		if err := a.server.Serve(a.listener); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			a.log.Error("http server stopped", slog.Any("error", err))
+		}
+	}()
+	a.log.Info("gin-orders listening", slog.String("addr", a.listener.Addr().String()))
+	return a, nil
+}
+
+// Addr is the address the HTTP server listens on.
+func (a *App) Addr() string { return a.listener.Addr().String() }
+
+// Brokers are the Kafka brokers the service publishes to.
+func (a *App) Brokers() []string { return a.brokers }
+
+func (a *App) routes() http.Handler {
+	gin.SetMode(gin.ReleaseMode)
+	r := gin.New()
+	r.Use(gin.Recovery())
+	orderHandlers{db: a.db}.routes(r)
+
+	admin := a.plugin.Admin(a.db)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(newBacklogCollector(admin))
+	r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
+
+	r.GET("/healthz", func(c *gin.Context) {
+		ctx, cancel := context.WithTimeout(c.Request.Context(), 2*time.Second)
+		defer cancel()
+		b, err := admin.Backlog(ctx)
+		if err != nil {
+			c.JSON(http.StatusServiceUnavailable, gin.H{"status": "error", "error": err.Error()})
+			return
+		}
+		status, code := "ok", http.StatusOK
+		if b.OldestAge() > a.cfg.HealthMaxAge {
+			status, code = "outbox backlog too old", http.StatusServiceUnavailable
+		}
+		c.JSON(code, gin.H{"status": status, "pending": b.Pending, "oldest_age_seconds": b.OldestAge().Seconds()})
+	})
+	return r
+}
+
+// Close shuts the service down in dependency order: stop taking requests,
+// stop the relay (it finishes its batch and releases its leases so a peer
+// takes over at once), close the producer (flushes), then the consumer,
+// the broker and the database.
+func (a *App) Close(ctx context.Context) {
+	if a.server != nil {
+		if err := a.server.Shutdown(ctx); err != nil {
+			a.log.Warn("http shutdown", slog.Any("error", err))
+		}
+	}
+	if a.relay != nil {
+		if err := a.relay.Stop(ctx); err != nil {
+			a.log.Warn("relay stop", slog.Any("error", err))
+		}
+	}
+	if a.pub != nil {
+		if err := a.pub.Close(); err != nil {
+			a.log.Warn("publisher close", slog.Any("error", err))
+		}
+	}
+	if a.consumer != nil {
+		a.consumer.Close()
+	}
+	if a.broker != nil {
+		a.broker.Close()
+	}
+	if a.db != nil {
+		if sqlDB, err := a.db.DB(); err == nil {
+			sqlDB.Close()
+		}
+	}
+}
+
+// openDatabase opens the database named by a URL: postgres://,
+// postgresql://, mysql:// or a SQLite file path.
+func openDatabase(raw string) (*gorm.DB, error) {
+	cfg := &gorm.Config{Logger: logger.Discard}
+	switch {
+	case strings.HasPrefix(raw, "postgres://"), strings.HasPrefix(raw, "postgresql://"):
+		return gorm.Open(postgres.Open(raw), cfg)
+	case strings.HasPrefix(raw, "mysql://"):
+		dsn, err := mysqlDSN(raw)
+		if err != nil {
+			return nil, err
+		}
+		return gorm.Open(mysql.Open(dsn), cfg)
+	default:
+		path := strings.TrimPrefix(raw, "sqlite://")
+		db, err := gorm.Open(sqlite.Open("file:"+path+"?_busy_timeout=10000&_journal_mode=WAL&_txlock=immediate"), cfg)
+		if err != nil {
+			return nil, err
+		}
+		// SQLite has one writer at a time; one connection avoids
+		// SQLITE_BUSY between pooled connections.
+		sqlDB, err := db.DB()
+		if err != nil {
+			return nil, err
+		}
+		sqlDB.SetMaxOpenConns(1)
+		return db, nil
+	}
+}
+
+// mysqlDSN turns mysql://user:pass@host:port/db?params into the driver's
+// user:pass@tcp(host:port)/db?parseTime=true&params form.
+func mysqlDSN(raw string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "", fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	host := u.Host
+	if u.Port() == "" {
+		host += ":3306"
+	}
+	q := u.Query()
+	q.Set("parseTime", "true")
+	userinfo := ""
+	if u.User != nil {
+		userinfo = u.User.Username()
+		if p, ok := u.User.Password(); ok {
+			userinfo += ":" + p
+		}
+		userinfo += "@"
+	}
+	return fmt.Sprintf("%stcp(%s)/%s?%s", userinfo, host, strings.TrimPrefix(u.Path, "/"), q.Encode()), nil
+}
+
+// backlogCollector exposes the outbox backlog, read at scrape time with a
+// timeout.
+type backlogCollector struct {
+	admin   *outbox.Admin
+	pending *prometheus.Desc
+	age     *prometheus.Desc
+}
+
+func newBacklogCollector(admin *outbox.Admin) *backlogCollector {
+	return &backlogCollector{
+		admin:   admin,
+		pending: prometheus.NewDesc("gin_orders_outbox_pending_messages", "Messages waiting in the outbox.", nil, nil),
+		age:     prometheus.NewDesc("gin_orders_outbox_oldest_pending_age_seconds", "Age of the oldest pending outbox message.", nil, nil),
+	}
+}
+
+func (c *backlogCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.pending; ch <- c.age }
+
+func (c *backlogCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	b, err := c.admin.Backlog(ctx)
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(c.pending, err)
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(b.Pending))
+	ch <- prometheus.MustNewConstMetric(c.age, prometheus.GaugeValue, b.OldestAge().Seconds())
+}

@@ -1,0 +1,244 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	_ "github.com/go-sql-driver/mysql"
+	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/require"
+)
+
+func inCI() bool { return os.Getenv("CI") == "true" || os.Getenv("CI") == "1" }
+
+func getenv(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+func randomName() string {
+	var b [5]byte
+	_, _ = rand.Read(b[:])
+	return "gin_" + hex.EncodeToString(b[:])
+}
+
+// databaseURL creates a fresh database for the test and returns the URL
+// the service takes.
+func databaseURL(t *testing.T, kind string) string {
+	t.Helper()
+	unreachable := func(err error) {
+		if inCI() {
+			t.Fatalf("%s required in CI: %v", kind, err)
+		}
+		t.Skipf("%s unreachable: %v", kind, err)
+	}
+	name := randomName()
+	switch kind {
+	case "sqlite":
+		return filepath.Join(t.TempDir(), "orders.db")
+	case "postgres":
+		admin, err := sql.Open("pgx", getenv("OUTBOX_TEST_POSTGRES_DSN", "host=127.0.0.1 port=5432 user=postgres dbname=test sslmode=disable"))
+		require.NoError(t, err)
+		t.Cleanup(func() { admin.Close() })
+		if _, err := admin.Exec("CREATE SCHEMA " + name); err != nil {
+			unreachable(err)
+		}
+		t.Cleanup(func() { _, _ = admin.Exec("DROP SCHEMA " + name + " CASCADE") })
+		return getenv("GIN_ORDERS_TEST_POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test?sslmode=disable") + "&search_path=" + name
+	case "mysql":
+		admin, err := sql.Open("mysql", getenv("OUTBOX_TEST_MYSQL_DSN", "root:@tcp(127.0.0.1:3306)/test"))
+		require.NoError(t, err)
+		t.Cleanup(func() { admin.Close() })
+		if _, err := admin.Exec("CREATE DATABASE " + name); err != nil {
+			unreachable(err)
+		}
+		t.Cleanup(func() { _, _ = admin.Exec("DROP DATABASE " + name) })
+		return getenv("GIN_ORDERS_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306") + "/" + name
+	}
+	t.Fatalf("unknown database %s", kind)
+	return ""
+}
+
+type client struct {
+	t    *testing.T
+	base string
+}
+
+func (c client) do(method, path string, body any, want int) map[string]any {
+	c.t.Helper()
+	var r io.Reader
+	if body != nil {
+		b, _ := json.Marshal(body)
+		r = bytes.NewReader(b)
+	}
+	req, err := http.NewRequest(method, c.base+path, r)
+	require.NoError(c.t, err)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(c.t, err)
+	defer resp.Body.Close()
+	raw, _ := io.ReadAll(resp.Body)
+	require.Equal(c.t, want, resp.StatusCode, "%s %s: %s", method, path, raw)
+	out := map[string]any{}
+	if len(raw) > 0 {
+		require.NoError(c.t, json.Unmarshal(raw, &out))
+	}
+	return out
+}
+
+type event struct {
+	Key, Type, MessageID string
+	Partition            int32
+	Offset               int64
+	Body                 map[string]any
+}
+
+// readEvents consumes the topic until want records arrived.
+func readEvents(t *testing.T, brokers []string, topic string, want int) []event {
+	t.Helper()
+	cfg := sarama.NewConfig()
+	c, err := sarama.NewConsumer(brokers, cfg)
+	require.NoError(t, err)
+	defer c.Close()
+	parts, err := c.Partitions(topic)
+	require.NoError(t, err)
+	ch := make(chan event, 1024)
+	for _, p := range parts {
+		pc, err := c.ConsumePartition(topic, p, sarama.OffsetOldest)
+		require.NoError(t, err)
+		defer pc.Close()
+		go func() {
+			for m := range pc.Messages() {
+				e := event{Key: string(m.Key), Partition: m.Partition, Offset: m.Offset}
+				for _, h := range m.Headers {
+					switch string(h.Key) {
+					case MessageIDHeader:
+						e.MessageID = string(h.Value)
+					case "event-type":
+						e.Type = string(h.Value)
+					}
+				}
+				_ = json.Unmarshal(m.Value, &e.Body)
+				ch <- e
+			}
+		}()
+	}
+	var out []event
+	deadline := time.After(20 * time.Second)
+	for len(out) < want {
+		select {
+		case e := <-ch:
+			out = append(out, e)
+		case <-deadline:
+			t.Fatalf("got %d of %d events: %+v", len(out), want, out)
+		}
+	}
+	return out
+}
+
+func TestOrdersFlowToKafka(t *testing.T) {
+	for _, kind := range []string{"sqlite", "postgres", "mysql"} {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			topic := "orders_" + kind
+			ctx := context.Background()
+			app, err := Start(ctx, Config{
+				Addr:         "127.0.0.1:0",
+				DatabaseURL:  databaseURL(t, kind),
+				KafkaBrokers: os.Getenv("KAFKA_BROKERS"),
+				Topic:        topic,
+				Logger:       slog.New(slog.NewTextHandler(io.Discard, nil)),
+			})
+			require.NoError(t, err)
+			t.Cleanup(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				app.Close(ctx)
+			})
+			c := client{t: t, base: "http://" + app.Addr()}
+
+			const orders = 5
+			ids := make([]string, orders)
+			for i := range ids {
+				o := c.do("POST", "/orders", map[string]any{"customer": fmt.Sprintf("c%d", i), "total": 100 * i}, http.StatusCreated)
+				ids[i] = fmt.Sprint(o["id"])
+			}
+			for _, id := range ids {
+				c.do("PATCH", "/orders/"+id, map[string]any{"status": "paid"}, http.StatusOK)
+				c.do("PATCH", "/orders/"+id, map[string]any{"status": "paid"}, http.StatusOK) // no change: no event
+				c.do("PATCH", "/orders/"+id, map[string]any{"status": "shipped"}, http.StatusOK)
+			}
+			c.do("DELETE", "/orders/"+ids[0], nil, http.StatusNoContent)
+			c.do("GET", "/orders/"+ids[0], nil, http.StatusNotFound)
+			got := c.do("GET", "/orders/"+ids[1], nil, http.StatusOK)
+			require.Equal(t, "shipped", got["status"])
+			c.do("PATCH", "/orders/"+ids[1], map[string]any{"status": "bogus"}, http.StatusBadRequest)
+
+			want := orders*3 + 1
+			events := readEvents(t, app.Brokers(), topic, want)
+
+			seen := map[string]bool{}
+			perKey := map[string][]event{}
+			for _, e := range events {
+				require.Len(t, e.MessageID, 36, "every record carries the message id header")
+				require.False(t, seen[e.MessageID], "duplicate %s", e.MessageID)
+				seen[e.MessageID] = true
+				perKey[e.Key] = append(perKey[e.Key], e)
+			}
+			for _, id := range ids {
+				evs := perKey[id]
+				sort.Slice(evs, func(i, j int) bool { return evs[i].Offset < evs[j].Offset })
+				var types []string
+				for _, e := range evs {
+					types = append(types, e.Type)
+					require.Equal(t, evs[0].Partition, e.Partition, "one key, one partition")
+				}
+				wantTypes := []string{"OrderPlaced", "OrderStatusChanged", "OrderStatusChanged"}
+				if id == ids[0] {
+					wantTypes = append(wantTypes, "OrderCancelled")
+				}
+				require.Equal(t, wantTypes, types, "order %s: events in write order", id)
+				require.Equal(t, "new", evs[1].Body["from"])
+				require.Equal(t, "paid", evs[1].Body["to"])
+				require.Equal(t, "paid", evs[2].Body["from"])
+				require.Equal(t, "shipped", evs[2].Body["to"])
+			}
+
+			resp, err := http.Get("http://" + app.Addr() + "/healthz")
+			require.NoError(t, err)
+			resp.Body.Close()
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			resp, err = http.Get("http://" + app.Addr() + "/metrics")
+			require.NoError(t, err)
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			require.True(t, strings.Contains(string(body), "gin_orders_outbox_pending_messages 0"), "the backlog drains to zero")
+		})
+	}
+}
+
+func TestMySQLDSN(t *testing.T) {
+	dsn, err := mysqlDSN("mysql://u:p%40ss@db:3307/shop?tls=true")
+	require.NoError(t, err)
+	require.Equal(t, "u:p@ss@tcp(db:3307)/shop?parseTime=true&tls=true", dsn)
+	dsn, err = mysqlDSN("mysql://root@localhost/shop")
+	require.NoError(t, err)
+	require.Equal(t, "root@tcp(localhost:3306)/shop?parseTime=true", dsn)
+}

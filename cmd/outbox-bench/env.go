@@ -1,0 +1,199 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"gorm.io/driver/mysql"
+	"gorm.io/driver/postgres"
+	"gorm.io/driver/sqlite"
+	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
+
+	// database/sql drivers for the admin connections.
+	_ "github.com/go-sql-driver/mysql"
+	_ "github.com/jackc/pgx/v5/stdlib"
+)
+
+// database is one fresh namespace (PostgreSQL schema, MySQL database,
+// SQLite file) for one scenario run, dropped by drop.
+type database struct {
+	driver string
+	dsn    string // DSN of the fresh namespace, for this and child processes
+	drop   func()
+}
+
+func randomSuffix() string {
+	var b [5]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func newDatabase(driver, baseDSN, tmp string) (*database, error) {
+	name := "bench_" + randomSuffix()
+	switch driver {
+	case "postgres":
+		admin, err := sql.Open("pgx", baseDSN)
+		if err != nil {
+			return nil, err
+		}
+		if _, err := admin.Exec("CREATE SCHEMA " + name); err != nil {
+			admin.Close()
+			return nil, fmt.Errorf("create schema: %w", err)
+		}
+		return &database{driver: driver, dsn: baseDSN + " search_path=" + name, drop: func() {
+			_, _ = admin.Exec("DROP SCHEMA " + name + " CASCADE")
+			admin.Close()
+		}}, nil
+	case "mysql":
+		admin, err := sql.Open("mysql", baseDSN)
+		if err != nil {
+			return nil, err
+		}
+		if _, err := admin.Exec("CREATE DATABASE " + name); err != nil {
+			admin.Close()
+			return nil, fmt.Errorf("create database: %w", err)
+		}
+		slash := strings.LastIndex(baseDSN, "/")
+		rest, q := baseDSN[slash+1:], ""
+		if i := strings.IndexByte(rest, '?'); i >= 0 {
+			q = rest[i:]
+		}
+		return &database{driver: driver, dsn: baseDSN[:slash+1] + name + q, drop: func() {
+			_, _ = admin.Exec("DROP DATABASE " + name)
+			admin.Close()
+		}}, nil
+	case "sqlite":
+		path := filepath.Join(tmp, name+".db")
+		return &database{driver: driver, dsn: "file:" + path + "?_busy_timeout=10000&_journal_mode=WAL&_txlock=immediate&_synchronous=NORMAL", drop: func() {
+			for _, suffix := range []string{"", "-wal", "-shm"} {
+				_ = os.Remove(path + suffix)
+			}
+		}}, nil
+	}
+	return nil, fmt.Errorf("unknown driver %q (postgres, mysql, sqlite)", driver)
+}
+
+func openGorm(driver, dsn string) (*gorm.DB, error) {
+	cfg := &gorm.Config{Logger: logger.Discard}
+	var dl gorm.Dialector
+	switch driver {
+	case "postgres":
+		dl = postgres.Open(dsn)
+	case "mysql":
+		dl = mysql.Open(dsn)
+	case "sqlite":
+		dl = sqlite.Open(dsn)
+	default:
+		return nil, fmt.Errorf("unknown driver %q", driver)
+	}
+	db, err := gorm.Open(dl, cfg)
+	if err != nil {
+		return nil, err
+	}
+	sqlDB, err := db.DB()
+	if err != nil {
+		return nil, err
+	}
+	if driver == "sqlite" {
+		sqlDB.SetMaxOpenConns(1)
+	} else {
+		sqlDB.SetMaxOpenConns(16)
+		sqlDB.SetMaxIdleConns(16)
+	}
+	return db, nil
+}
+
+func closeGorm(db *gorm.DB) {
+	if sqlDB, err := db.DB(); err == nil {
+		sqlDB.Close()
+	}
+}
+
+// child is a process started from this executable in another role.
+type child struct {
+	cmd  *exec.Cmd
+	line string // the first line it printed
+	done chan error
+}
+
+// startChild re-executes this binary with OUTBOX_BENCH_ROLE=role and the
+// given environment, and waits for its first output line (prefix).
+func startChild(ctx context.Context, role string, env []string, prefix string) (*child, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, exe)
+	cmd.Env = append(append(os.Environ(), "OUTBOX_BENCH_ROLE="+role), env...)
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	c := &child{cmd: cmd, done: make(chan error, 1)}
+	lines := make(chan string, 1)
+	go func() {
+		r := bufio.NewReader(out)
+		first := true
+		for {
+			l, err := r.ReadString('\n')
+			if first && strings.HasPrefix(l, prefix) {
+				lines <- strings.TrimSpace(strings.TrimPrefix(l, prefix))
+				first = false
+			}
+			if err != nil {
+				_, _ = io.Copy(io.Discard, r)
+				break
+			}
+		}
+		c.done <- cmd.Wait()
+	}()
+	select {
+	case l := <-lines:
+		c.line = l
+		return c, nil
+	case err := <-c.done:
+		return nil, fmt.Errorf("%s process exited before it was ready: %v", role, err)
+	case <-time.After(30 * time.Second):
+		_ = cmd.Process.Kill()
+		return nil, fmt.Errorf("%s process not ready after 30s", role)
+	}
+}
+
+// stop asks the child to stop (SIGTERM) and waits.
+func (c *child) stop() {
+	_ = c.cmd.Process.Signal(os.Interrupt)
+	select {
+	case <-c.done:
+	case <-time.After(20 * time.Second):
+		_ = c.cmd.Process.Kill()
+		<-c.done
+	}
+}
+
+// startBroker starts a Kafka-protocol broker in its own process.
+func startBroker(ctx context.Context, partitions int, blackhole bool) (*child, []string, error) {
+	env := []string{fmt.Sprintf("OUTBOX_BENCH_PARTITIONS=%d", partitions)}
+	if blackhole {
+		env = append(env, "OUTBOX_BENCH_BLACKHOLE=1")
+	}
+	c, err := startChild(ctx, "broker", env, "BROKER ")
+	if err != nil {
+		return nil, nil, err
+	}
+	return c, strings.Split(c.line, ","), nil
+}

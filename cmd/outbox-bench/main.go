@@ -1,0 +1,293 @@
+// Command outbox-bench measures gorm-outbox against ceilings taken in the
+// same run, so its ratios mean something on a noisy, shared machine.
+//
+//	go run ./cmd/outbox-bench                       # every scenario, PostgreSQL
+//	go run ./cmd/outbox-bench -driver sqlite -scenarios drain,write
+//	go run ./cmd/outbox-bench -json > results.jsonl # one JSON object per scenario
+//
+// It starts what it needs: a Kafka-protocol broker (kfake) in a separate
+// process, a fresh schema (PostgreSQL), database (MySQL) or file (SQLite)
+// per scenario, and, for the relays scenario, relay processes. See
+// BENCHMARKS.md for the scenarios and what their ratios mean.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/gorm-outbox/outbox/internal/devbroker"
+)
+
+// config is what the flags set.
+type config struct {
+	Driver     string
+	DSN        string
+	Scenarios  []string
+	N          int
+	Keys       int
+	ValueSize  int
+	Buckets    int
+	Partitions int
+	BatchSize  int
+	Rate       int
+	Duration   time.Duration
+	WriteOps   int
+	Growth     []int
+	Relays     []int
+	JSON       bool
+	TmpDir     string
+}
+
+var allScenarios = []string{"drain", "latency", "write", "growth", "relays", "strict"}
+
+func defaultDSN(driver string) string {
+	switch driver {
+	case "postgres":
+		if v := os.Getenv("OUTBOX_TEST_POSTGRES_DSN"); v != "" {
+			return v
+		}
+		return "host=127.0.0.1 port=5432 user=postgres dbname=test sslmode=disable"
+	case "mysql":
+		if v := os.Getenv("OUTBOX_TEST_MYSQL_DSN"); v != "" {
+			return v
+		}
+		return "root:@tcp(127.0.0.1:3306)/test?parseTime=true"
+	}
+	return ""
+}
+
+func parseInts(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		n, err := strconv.Atoi(strings.ReplaceAll(f, "_", ""))
+		if err != nil {
+			return nil, fmt.Errorf("%q is not a number", f)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+func parseFlags(args []string) (config, error) {
+	fs := flag.NewFlagSet("outbox-bench", flag.ContinueOnError)
+	var c config
+	var scenarios, growth, relays string
+	var smoke bool
+	fs.StringVar(&c.Driver, "driver", "postgres", "database: postgres, mysql or sqlite")
+	fs.StringVar(&c.DSN, "dsn", "", "database DSN (default: the local test server; SQLite uses a temp file)")
+	fs.StringVar(&scenarios, "scenarios", strings.Join(allScenarios, ","), "comma-separated scenarios: "+strings.Join(allScenarios, ", "))
+	fs.IntVar(&c.N, "n", 100_000, "messages for drain and relays")
+	fs.IntVar(&c.Keys, "keys", 1000, "distinct keys")
+	fs.IntVar(&c.ValueSize, "value-size", 200, "value bytes")
+	fs.IntVar(&c.Buckets, "buckets", 8, "outbox buckets")
+	fs.IntVar(&c.Partitions, "partitions", 8, "topic partitions")
+	fs.IntVar(&c.BatchSize, "batch", 500, "relay batch size")
+	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
+	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
+	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")
+	fs.StringVar(&growth, "growth", "10000,100000,1000000", "growth: backlog sizes")
+	fs.StringVar(&relays, "relays", "1,2,4", "relays: relay process counts")
+	fs.BoolVar(&c.JSON, "json", false, "print one JSON object per scenario instead of a table")
+	fs.BoolVar(&smoke, "smoke", false, "tiny sizes: check every scenario runs (CI), measure nothing")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	var err error
+	if c.Growth, err = parseInts(growth); err != nil {
+		return c, fmt.Errorf("-growth: %w", err)
+	}
+	if c.Relays, err = parseInts(relays); err != nil {
+		return c, fmt.Errorf("-relays: %w", err)
+	}
+	if smoke {
+		c.N, c.Keys, c.Rate, c.Duration, c.WriteOps = 2000, 100, 200, time.Second, 100
+		c.Growth, c.Relays = []int{500, 2000}, []int{1, 2}
+	}
+	for _, s := range strings.Split(scenarios, ",") {
+		s = strings.TrimSpace(s)
+		if s == "" {
+			continue
+		}
+		known := false
+		for _, a := range allScenarios {
+			known = known || a == s
+		}
+		if !known {
+			return c, fmt.Errorf("unknown scenario %q (known: %s)", s, strings.Join(allScenarios, ", "))
+		}
+		c.Scenarios = append(c.Scenarios, s)
+	}
+	if c.DSN == "" {
+		c.DSN = defaultDSN(c.Driver)
+	}
+	if c.Driver != "sqlite" && c.DSN == "" {
+		return c, fmt.Errorf("-dsn is required for %s", c.Driver)
+	}
+	if c.N < 1 || c.Keys < 1 || c.Buckets < 1 || c.Partitions < 1 || c.BatchSize < 1 || c.Rate < 1 {
+		return c, fmt.Errorf("sizes must be positive")
+	}
+	return c, nil
+}
+
+// result is one scenario's outcome: named figures, in order.
+type result struct {
+	Scenario string         `json:"scenario"`
+	Driver   string         `json:"driver"`
+	Params   map[string]any `json:"params"`
+	Figures  []figure       `json:"-"`
+	Values   map[string]any `json:"figures"`
+	Notes    []string       `json:"notes,omitempty"`
+	Err      string         `json:"error,omitempty"`
+}
+
+type figure struct {
+	Name  string
+	Value float64
+	Unit  string
+}
+
+func (r *result) add(name string, v float64, unit string) {
+	r.Figures = append(r.Figures, figure{name, v, unit})
+	if r.Values == nil {
+		r.Values = map[string]any{}
+	}
+	r.Values[name] = v
+}
+
+func main() {
+	switch os.Getenv("OUTBOX_BENCH_ROLE") {
+	case "broker":
+		os.Exit(runBrokerRole())
+	case "relay":
+		os.Exit(runRelayRole())
+	}
+	cfg, err := parseFlags(os.Args[1:])
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "outbox-bench:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	results, err := run(ctx, cfg, os.Stderr)
+	print(os.Stdout, cfg, results)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "outbox-bench:", err)
+		os.Exit(1)
+	}
+	for _, r := range results {
+		if r.Err != "" {
+			os.Exit(1)
+		}
+	}
+}
+
+// run runs every selected scenario and returns their results; progress
+// goes to log.
+func run(ctx context.Context, cfg config, log io.Writer) ([]*result, error) {
+	tmp, err := os.MkdirTemp(cfg.TmpDir, "outbox-bench-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	cfg.TmpDir = tmp
+	var results []*result
+	for _, s := range cfg.Scenarios {
+		fmt.Fprintf(log, "outbox-bench: %s on %s...\n", s, cfg.Driver)
+		start := time.Now()
+		r := &result{Scenario: s, Driver: cfg.Driver, Params: map[string]any{}}
+		if err := scenarios[s](ctx, cfg, r); err != nil {
+			r.Err = err.Error()
+		}
+		fmt.Fprintf(log, "outbox-bench: %s done in %s\n", s, time.Since(start).Round(time.Millisecond))
+		results = append(results, r)
+		if ctx.Err() != nil {
+			return results, ctx.Err()
+		}
+	}
+	return results, nil
+}
+
+var scenarios = map[string]func(context.Context, config, *result) error{
+	"drain":   drainScenario,
+	"latency": latencyScenario,
+	"write":   writeScenario,
+	"growth":  growthScenario,
+	"relays":  relaysScenario,
+	"strict":  strictScenario,
+}
+
+func print(w io.Writer, cfg config, results []*result) {
+	if cfg.JSON {
+		enc := json.NewEncoder(w)
+		for _, r := range results {
+			_ = enc.Encode(r)
+		}
+		return
+	}
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "scenario\tfigure\tvalue\tunit")
+	for _, r := range results {
+		if r.Err != "" {
+			fmt.Fprintf(tw, "%s\tERROR\t%s\t\n", r.Scenario, r.Err)
+			continue
+		}
+		for _, f := range r.Figures {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", r.Scenario, f.Name, formatValue(f.Value), f.Unit)
+		}
+		for _, n := range r.Notes {
+			fmt.Fprintf(tw, "%s\tnote\t%s\t\n", r.Scenario, n)
+		}
+	}
+	tw.Flush()
+}
+
+func formatValue(v float64) string {
+	switch {
+	case v == float64(int64(v)) && v < 1e12:
+		return strconv.FormatInt(int64(v), 10)
+	case v >= 100:
+		return strconv.FormatFloat(v, 'f', 0, 64)
+	default:
+		return strconv.FormatFloat(v, 'f', 3, 64)
+	}
+}
+
+func runBrokerRole() int {
+	parts, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_PARTITIONS"))
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	err := devbroker.Run(ctx, devbroker.Options{Partitions: int32(parts), Blackhole: os.Getenv("OUTBOX_BENCH_BLACKHOLE") == "1"}, os.Stdout)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return 0
+}
+
+func percentile(sorted []time.Duration, p float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(float64(len(sorted)-1) * p)
+	return sorted[i]
+}
+
+func sortDurations(d []time.Duration) { sort.Slice(d, func(i, j int) bool { return d[i] < d[j] }) }
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))

@@ -1,0 +1,692 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"runtime"
+	"runtime/debug"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/IBM/sarama"
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+const benchTopic = "bench"
+
+// env is one scenario run's database with the outbox on it.
+type env struct {
+	cfg    config
+	dbx    *database
+	db     *gorm.DB
+	plugin *outbox.Plugin
+}
+
+func newEnv(ctx context.Context, cfg config, rules ...outbox.Rule) (*env, error) {
+	dbx, err := newDatabase(cfg.Driver, cfg.DSN, cfg.TmpDir)
+	if err != nil {
+		return nil, err
+	}
+	db, err := openGorm(cfg.Driver, dbx.dsn)
+	if err != nil {
+		dbx.drop()
+		return nil, err
+	}
+	p, err := outbox.NewPlugin(outbox.Config{BucketCount: cfg.Buckets, Rules: rules, Logger: quiet})
+	if err == nil {
+		err = db.Use(p)
+	}
+	if err == nil {
+		err = p.AutoMigrate(ctx, db)
+	}
+	if err != nil {
+		closeGorm(db)
+		dbx.drop()
+		return nil, err
+	}
+	return &env{cfg: cfg, dbx: dbx, db: db, plugin: p}, nil
+}
+
+func (e *env) close() {
+	closeGorm(e.db)
+	e.dbx.drop()
+}
+
+func (e *env) table() string { return e.db.Statement.Quote(e.plugin.Config().Tables.MessagesTable()) }
+
+// prefill enqueues n messages over cfg.Keys keys with cfg.ValueSize-byte
+// values, in transactions of 5000.
+func (e *env) prefill(ctx context.Context, n int) error {
+	value := make([]byte, e.cfg.ValueSize)
+	for i := range value {
+		value[i] = byte('a' + i%26)
+	}
+	keys := make([][]byte, e.cfg.Keys)
+	for i := range keys {
+		keys[i] = []byte("key-" + strconv.Itoa(i))
+	}
+	const perTx = 5000
+	msgs := make([]*outbox.Message, 0, perTx)
+	for done := 0; done < n; {
+		msgs = msgs[:0]
+		for i := 0; i < perTx && done < n; i, done = i+1, done+1 {
+			msgs = append(msgs, &outbox.Message{Topic: benchTopic, Key: keys[done%len(keys)], Value: value})
+		}
+		if err := e.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return e.plugin.Enqueue(tx, msgs...) }); err != nil {
+			return fmt.Errorf("prefill: %w", err)
+		}
+	}
+	return nil
+}
+
+// waitEmpty polls until the messages table is empty.
+func (e *env) waitEmpty(ctx context.Context, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	q := "SELECT id FROM " + e.table() + " LIMIT 1"
+	for {
+		var ids []int64
+		if err := e.db.WithContext(ctx).Raw(q).Scan(&ids).Error; err != nil {
+			return err
+		}
+		if len(ids) == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			var n int64
+			e.db.Raw("SELECT COUNT(*) FROM " + e.table()).Scan(&n)
+			return fmt.Errorf("%d messages still pending after %s", n, timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+func newPublisher(brokers []string) (*publisher.Kafka, error) {
+	return publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Configure: func(c *sarama.Config) error {
+		c.ClientID = "outbox-bench"
+		return nil
+	}})
+}
+
+func (e *env) startRelay(ctx context.Context, pub relay.Publisher, hints bool) (*relay.Relay, error) {
+	store, err := outbox.NewStore(e.db, e.plugin.Config())
+	if err != nil {
+		return nil, err
+	}
+	rc := relay.Config{BucketCount: e.cfg.Buckets, BatchSize: e.cfg.BatchSize, Logger: quiet}
+	if hints {
+		rc.Hints = e.plugin.Notifier()
+	}
+	r, err := relay.New(store, pub, rc)
+	if err != nil {
+		return nil, err
+	}
+	return r, r.Start(ctx)
+}
+
+func stopRelay(r *relay.Relay) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_ = r.Stop(ctx)
+}
+
+// relayDrain prefills n messages and times one relay draining them.
+func relayDrain(ctx context.Context, cfg config, brokers []string, n int, rss bool) (rate float64, peakRSS int64, err error) {
+	e, err := newEnv(ctx, cfg)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer e.close()
+	if err := e.prefill(ctx, n); err != nil {
+		return 0, 0, err
+	}
+	pub, err := newPublisher(brokers)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer pub.Close()
+	if rss {
+		runtime.GC()
+		debug.FreeOSMemory()
+		resetPeakRSS()
+	}
+	start := time.Now()
+	r, err := e.startRelay(ctx, pub, true)
+	if err != nil {
+		return 0, 0, err
+	}
+	err = e.waitEmpty(ctx, 10*time.Minute)
+	elapsed := time.Since(start)
+	if rss {
+		peakRSS = readPeakRSS()
+	}
+	stopRelay(r)
+	if err != nil {
+		return 0, 0, err
+	}
+	return float64(n) / elapsed.Seconds(), peakRSS, nil
+}
+
+// dbCeiling prefills n messages and drains them with plain SQL: the
+// oldest rows of each bucket in batches, deleted by id. No Kafka, no
+// leases: the database's own limit for this access pattern.
+func dbCeiling(ctx context.Context, cfg config, n int) (float64, error) {
+	e, err := newEnv(ctx, cfg)
+	if err != nil {
+		return 0, err
+	}
+	defer e.close()
+	if err := e.prefill(ctx, n); err != nil {
+		return 0, err
+	}
+	sqlDB, err := e.db.DB()
+	if err != nil {
+		return 0, err
+	}
+	ph := func(i int) string {
+		if cfg.Driver == "postgres" {
+			return "$" + strconv.Itoa(i)
+		}
+		return "?"
+	}
+	sel := "SELECT id, message_id, topic, msg_key, msg_value, headers, msg_partition, created_at_ms FROM " + e.table() +
+		" WHERE bucket = " + ph(1) + " ORDER BY id LIMIT " + strconv.Itoa(cfg.BatchSize)
+	start := time.Now()
+	deleted := 0
+	for deleted < n {
+		progress := false
+		for b := 0; b < cfg.Buckets; b++ {
+			rows, err := sqlDB.QueryContext(ctx, sel, b)
+			if err != nil {
+				return 0, err
+			}
+			var ids []any
+			for rows.Next() {
+				var (
+					id            int64
+					mid, topic    string
+					key, val, hdr []byte
+					part          sql.NullInt32
+					created       int64
+				)
+				if err := rows.Scan(&id, &mid, &topic, &key, &val, &hdr, &part, &created); err != nil {
+					rows.Close()
+					return 0, err
+				}
+				ids = append(ids, id)
+			}
+			rows.Close()
+			if len(ids) == 0 {
+				continue
+			}
+			var sb strings.Builder
+			sb.WriteString("DELETE FROM " + e.table() + " WHERE id IN (")
+			for i := range ids {
+				if i > 0 {
+					sb.WriteString(",")
+				}
+				sb.WriteString(ph(i + 1))
+			}
+			sb.WriteString(")")
+			if _, err := sqlDB.ExecContext(ctx, sb.String(), ids...); err != nil {
+				return 0, err
+			}
+			deleted += len(ids)
+			progress = true
+		}
+		if !progress {
+			return 0, fmt.Errorf("db ceiling: %d of %d rows found", deleted, n)
+		}
+	}
+	return float64(n) / time.Since(start).Seconds(), nil
+}
+
+// kafkaCeiling produces n messages like the relay's with a bare sarama
+// producer under the same guarantees (idempotent, acks=all, one request
+// in flight): Kafka's own limit, no database.
+func kafkaCeiling(ctx context.Context, cfg config, brokers []string, n int) (float64, error) {
+	sc := sarama.NewConfig()
+	sc.ClientID = "outbox-bench-ceiling"
+	sc.Version = sarama.V2_1_0_0
+	sc.Producer.RequiredAcks = sarama.WaitForAll
+	sc.Producer.Idempotent = true
+	sc.Net.MaxOpenRequests = 1
+	sc.Producer.Return.Successes = true
+	sc.Producer.Partitioner = sarama.NewMurmur2Partitioner
+	p, err := sarama.NewAsyncProducer(brokers, sc)
+	if err != nil {
+		return 0, err
+	}
+	defer p.Close()
+	value := make([]byte, cfg.ValueSize)
+	keys := make([][]byte, cfg.Keys)
+	for i := range keys {
+		keys[i] = []byte("key-" + strconv.Itoa(i))
+	}
+	id := []byte("0190c3b2-0000-7000-8000-000000000000")
+	var failed atomic.Int64
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for got := 0; got < n; got++ {
+			select {
+			case <-p.Successes():
+			case <-p.Errors():
+				failed.Add(1)
+			}
+		}
+	}()
+	start := time.Now()
+	for i := 0; i < n; i++ {
+		p.Input() <- &sarama.ProducerMessage{Topic: benchTopic, Key: sarama.ByteEncoder(keys[i%len(keys)]), Value: sarama.ByteEncoder(value),
+			Headers: []sarama.RecordHeader{{Key: []byte("x-outbox-message-id"), Value: id}}}
+	}
+	select {
+	case <-done:
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+	if f := failed.Load(); f > 0 {
+		return 0, fmt.Errorf("kafka ceiling: %d of %d failed", f, n)
+	}
+	return float64(n) / time.Since(start).Seconds(), nil
+}
+
+func drainScenario(ctx context.Context, cfg config, r *result) error {
+	broker, brokers, err := startBroker(ctx, cfg.Partitions, true)
+	if err != nil {
+		return err
+	}
+	defer broker.stop()
+	r.Params["messages"], r.Params["keys"], r.Params["value_bytes"] = cfg.N, cfg.Keys, cfg.ValueSize
+	r.Params["buckets"], r.Params["partitions"], r.Params["batch"] = cfg.Buckets, cfg.Partitions, cfg.BatchSize
+	dbRate, err := dbCeiling(ctx, cfg, cfg.N)
+	if err != nil {
+		return err
+	}
+	kRate, err := kafkaCeiling(ctx, cfg, brokers, cfg.N)
+	if err != nil {
+		return err
+	}
+	relayRate, _, err := relayDrain(ctx, cfg, brokers, cfg.N, false)
+	if err != nil {
+		return err
+	}
+	r.add("relay", relayRate, "msg/s")
+	r.add("db_ceiling", dbRate, "msg/s")
+	r.add("kafka_ceiling", kRate, "msg/s")
+	r.add("relay/db_ceiling", relayRate/dbRate, "ratio")
+	r.add("relay/kafka_ceiling", relayRate/kRate, "ratio")
+	return nil
+}
+
+func growthScenario(ctx context.Context, cfg config, r *result) error {
+	broker, brokers, err := startBroker(ctx, cfg.Partitions, true)
+	if err != nil {
+		return err
+	}
+	defer broker.stop()
+	r.Params["backlogs"] = cfg.Growth
+	var first, last float64
+	for i, n := range cfg.Growth {
+		largest := i == len(cfg.Growth)-1
+		rate, rss, err := relayDrain(ctx, cfg, brokers, n, largest)
+		if err != nil {
+			return fmt.Errorf("backlog %d: %w", n, err)
+		}
+		r.add(fmt.Sprintf("relay@%d", n), rate, "msg/s")
+		if i == 0 {
+			first = rate
+		}
+		last = rate
+		if largest && rss > 0 {
+			r.add(fmt.Sprintf("peak_rss@%d", n), float64(rss)/(1<<20), "MiB")
+		}
+	}
+	if len(cfg.Growth) > 1 {
+		r.add("cost_per_msg_largest/smallest", first/last, "ratio")
+	}
+	return nil
+}
+
+// resetPeakRSS clears the kernel's peak-RSS mark of this process.
+func resetPeakRSS() { _ = os.WriteFile("/proc/self/clear_refs", []byte("5"), 0) }
+
+// readPeakRSS returns VmHWM, the peak resident set size, in bytes.
+func readPeakRSS() int64 {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return 0
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(l, "VmHWM:") {
+			f := strings.Fields(l)
+			if len(f) >= 2 {
+				kb, _ := strconv.ParseInt(f[1], 10, 64)
+				return kb << 10
+			}
+		}
+	}
+	return 0
+}
+
+func latencyScenario(ctx context.Context, cfg config, r *result) error {
+	broker, brokers, err := startBroker(ctx, cfg.Partitions, false)
+	if err != nil {
+		return err
+	}
+	defer broker.stop()
+	r.Params["rate_tx_s"], r.Params["duration_s"] = cfg.Rate, cfg.Duration.Seconds()
+	for _, mode := range []string{"notify", "poll"} {
+		lat, lost, err := measureLatency(ctx, cfg, brokers, mode == "notify", benchTopic+"-latency-"+mode)
+		if err != nil {
+			return fmt.Errorf("%s: %w", mode, err)
+		}
+		if lost > 0 {
+			return fmt.Errorf("%s: %d messages never arrived", mode, lost)
+		}
+		r.add(mode+"_p50", float64(percentile(lat, 0.50).Microseconds())/1000, "ms")
+		r.add(mode+"_p99", float64(percentile(lat, 0.99).Microseconds())/1000, "ms")
+		r.add(mode+"_max", float64(lat[len(lat)-1].Microseconds())/1000, "ms")
+		r.add(mode+"_messages", float64(len(lat)), "msgs")
+	}
+	return nil
+}
+
+// measureLatency writes cfg.Rate one-message transactions per second for
+// cfg.Duration while a relay runs, and measures commit-return → consumer
+// receipt for each message.
+func measureLatency(ctx context.Context, cfg config, brokers []string, hints bool, topic string) ([]time.Duration, int, error) {
+	e, err := newEnv(ctx, cfg)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer e.close()
+	sc := sarama.NewConfig()
+	sc.ClientID = "outbox-bench-consumer"
+	sc.Version = sarama.V2_1_0_0
+	sc.Consumer.MaxWaitTime = 50 * time.Millisecond
+	sc.Metadata.AllowAutoTopicCreation = true
+	client, err := sarama.NewClient(brokers, sc)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer client.Close()
+	parts, err := client.Partitions(topic)
+	if err != nil {
+		return nil, 0, err
+	}
+	consumer, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer consumer.Close()
+	var mu sync.Mutex
+	recv := map[string]time.Time{}
+	for _, p := range parts {
+		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return nil, 0, err
+		}
+		defer pc.Close()
+		go func() {
+			for m := range pc.Messages() {
+				now := time.Now()
+				for _, h := range m.Headers {
+					if string(h.Key) == publisher.DefaultMessageIDHeader {
+						mu.Lock()
+						recv[string(h.Value)] = now
+						mu.Unlock()
+					}
+				}
+			}
+		}()
+	}
+	pub, err := newPublisher(brokers)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer pub.Close()
+	rl, err := e.startRelay(ctx, pub, hints)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer stopRelay(rl)
+
+	total := int(float64(cfg.Rate) * cfg.Duration.Seconds())
+	committed := make([]time.Time, total)
+	ids := make([]string, total)
+	jobs := make(chan int, total)
+	var wg sync.WaitGroup
+	var werr atomic.Value
+	for w := 0; w < 8; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range jobs {
+				m := &outbox.Message{Topic: topic, Key: []byte("k" + strconv.Itoa(i%cfg.Keys)), Value: []byte("v")}
+				err := e.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return e.plugin.Enqueue(tx, m) })
+				if err != nil {
+					werr.Store(err)
+					continue
+				}
+				committed[i], ids[i] = time.Now(), m.ID
+			}
+		}()
+	}
+	interval := time.Second / time.Duration(cfg.Rate)
+	start := time.Now()
+	for i := 0; i < total; i++ {
+		if d := time.Until(start.Add(time.Duration(i) * interval)); d > 0 {
+			time.Sleep(d) // pacing the writer, not synchronization
+		}
+		jobs <- i
+	}
+	close(jobs)
+	wg.Wait()
+	if err, _ := werr.Load().(error); err != nil {
+		return nil, 0, err
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		mu.Lock()
+		n := len(recv)
+		mu.Unlock()
+		if n >= total || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	lat := make([]time.Duration, 0, total)
+	lost := 0
+	for i, id := range ids {
+		at, ok := recv[id]
+		if !ok {
+			lost++
+			continue
+		}
+		d := at.Sub(committed[i])
+		if d < 0 {
+			d = 0 // received before the writer's goroutine read the clock
+		}
+		lat = append(lat, d)
+	}
+	sortDurations(lat)
+	if len(lat) == 0 {
+		return nil, lost, errors.New("no message arrived")
+	}
+	return lat, lost, nil
+}
+
+// BenchOrder is the business row of the write scenario.
+type BenchOrder struct {
+	ID     uint64 `gorm:"primaryKey"`
+	Status string `gorm:"size:32"`
+	Total  int64
+}
+
+func writeScenario(ctx context.Context, cfg config, r *result) error {
+	rule := outbox.OnCreate(func(c outbox.Change[*BenchOrder]) (*outbox.Message, error) {
+		return &outbox.Message{Topic: benchTopic, Key: []byte(strconv.FormatUint(c.Entity.ID, 10)), Value: make([]byte, cfg.ValueSize)}, nil
+	})
+	e, err := newEnv(ctx, cfg, rule)
+	if err != nil {
+		return err
+	}
+	defer e.close()
+	plain, err := openGorm(cfg.Driver, e.dbx.dsn)
+	if err != nil {
+		return err
+	}
+	defer closeGorm(plain)
+	if err := plain.AutoMigrate(&BenchOrder{}); err != nil {
+		return err
+	}
+	r.Params["transactions_per_side"] = cfg.WriteOps
+	const rounds = 10
+	per := max(cfg.WriteOps/rounds, 1)
+	var with, without time.Duration
+	for round := 0; round < rounds; round++ {
+		for _, side := range []struct {
+			db  *gorm.DB
+			acc *time.Duration
+		}{{plain, &without}, {e.db, &with}} {
+			start := time.Now()
+			for i := 0; i < per; i++ {
+				if err := side.db.WithContext(ctx).Create(&BenchOrder{Status: "new", Total: int64(i)}).Error; err != nil {
+					return err
+				}
+			}
+			*side.acc += time.Since(start)
+		}
+	}
+	n := float64(per * rounds)
+	r.add("with_outbox", n/with.Seconds(), "tx/s")
+	r.add("without_plugin", n/without.Seconds(), "tx/s")
+	r.add("overhead", with.Seconds()/without.Seconds(), "ratio")
+	var msgs int64
+	e.db.Raw("SELECT COUNT(*) FROM " + e.table()).Scan(&msgs)
+	if msgs != int64(per*rounds) {
+		return fmt.Errorf("write: %d messages for %d transactions", msgs, per*rounds)
+	}
+	return nil
+}
+
+func relaysScenario(ctx context.Context, cfg config, r *result) error {
+	broker, brokers, err := startBroker(ctx, cfg.Partitions, true)
+	if err != nil {
+		return err
+	}
+	defer broker.stop()
+	r.Params["messages"], r.Params["relay_processes"] = cfg.N, cfg.Relays
+	var base float64
+	for i, count := range cfg.Relays {
+		rate, err := multiRelayDrain(ctx, cfg, brokers, count)
+		if err != nil {
+			return fmt.Errorf("%d relays: %w", count, err)
+		}
+		r.add(fmt.Sprintf("relays=%d", count), rate, "msg/s")
+		if i == 0 {
+			base = rate
+		} else {
+			r.add(fmt.Sprintf("relays=%d/relays=%d", count, cfg.Relays[0]), rate/base, "ratio")
+		}
+	}
+	return nil
+}
+
+func multiRelayDrain(ctx context.Context, cfg config, brokers []string, count int) (float64, error) {
+	e, err := newEnv(ctx, cfg)
+	if err != nil {
+		return 0, err
+	}
+	defer e.close()
+	if err := e.prefill(ctx, cfg.N); err != nil {
+		return 0, err
+	}
+	env := []string{
+		"OUTBOX_BENCH_DRIVER=" + cfg.Driver, "OUTBOX_BENCH_DSN=" + e.dbx.dsn,
+		"OUTBOX_BENCH_BROKERS=" + strings.Join(brokers, ","),
+		"OUTBOX_BENCH_BUCKETS=" + strconv.Itoa(cfg.Buckets), "OUTBOX_BENCH_BATCH=" + strconv.Itoa(cfg.BatchSize),
+	}
+	start := time.Now()
+	var children []*child
+	defer func() {
+		for _, c := range children {
+			c.stop()
+		}
+	}()
+	for i := 0; i < count; i++ {
+		c, err := startChild(ctx, "relay", env, "READY")
+		if err != nil {
+			return 0, err
+		}
+		children = append(children, c)
+	}
+	if err := e.waitEmpty(ctx, 10*time.Minute); err != nil {
+		return 0, err
+	}
+	return float64(cfg.N) / time.Since(start).Seconds(), nil
+}
+
+// runRelayRole is a relay process of the relays scenario: it drains the
+// outbox named by its environment until interrupted.
+func runRelayRole() int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, "outbox-bench relay:", err)
+		return 1
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	buckets, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BUCKETS"))
+	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))
+	db, err := openGorm(os.Getenv("OUTBOX_BENCH_DRIVER"), os.Getenv("OUTBOX_BENCH_DSN"))
+	if err != nil {
+		return fail(err)
+	}
+	defer closeGorm(db)
+	store, err := outbox.NewStore(db, outbox.Config{BucketCount: buckets})
+	if err != nil {
+		return fail(err)
+	}
+	pub, err := newPublisher(strings.Split(os.Getenv("OUTBOX_BENCH_BROKERS"), ","))
+	if err != nil {
+		return fail(err)
+	}
+	defer pub.Close()
+	// Short renewals so the relays rebalance quickly as peers start.
+	rl, err := relay.New(store, pub, relay.Config{BucketCount: buckets, BatchSize: batch, Logger: quiet,
+		LeaseDuration: 3 * time.Second, LeaseRenewInterval: 500 * time.Millisecond, PollInterval: 50 * time.Millisecond})
+	if err != nil {
+		return fail(err)
+	}
+	if err := rl.Start(ctx); err != nil {
+		return fail(err)
+	}
+	fmt.Println("READY")
+	<-ctx.Done()
+	stopRelay(rl)
+	return 0
+}
+
+func strictScenario(ctx context.Context, cfg config, r *result) error {
+	r.Notes = append(r.Notes, "strict mode is not part of this build yet")
+	return nil
+}

@@ -43,6 +43,25 @@ func (n *Notifier) Notify(buckets []int) {
 	if len(buckets) == 0 {
 		return
 	}
+	n.record(buckets)
+	n.publish(buckets)
+}
+
+// NotifyReceived records hints that arrived from another process through a
+// cross-process Transport and wakes the reader, like Notify, but does not
+// pass them to subscribers: a received hint is never sent on again, so
+// hints cannot echo between processes. UnknownBucket (or any bucket outside
+// the configured range) requests a discovery query. It does not retain
+// buckets.
+func (n *Notifier) NotifyReceived(buckets []int) {
+	if len(buckets) == 0 {
+		return
+	}
+	n.record(buckets)
+}
+
+// record sets the bits of buckets and wakes the reader.
+func (n *Notifier) record(buckets []int) {
 	n.mu.Lock()
 	for _, b := range buckets {
 		if b < 0 || b >= len(n.bits)*64 {
@@ -54,17 +73,18 @@ func (n *Notifier) Notify(buckets []int) {
 	n.any = true
 	n.mu.Unlock()
 	n.wake()
-	n.publish(buckets)
 }
 
 // NotifyUnknown records that something committed in buckets that are not
-// known, so the relay must discover pending buckets itself.
+// known, so the relay must discover pending buckets itself. Subscribers
+// receive it as []int{UnknownBucket}.
 func (n *Notifier) NotifyUnknown() {
 	n.mu.Lock()
 	n.unknown = true
 	n.any = true
 	n.mu.Unlock()
 	n.wake()
+	n.publish([]int{UnknownBucket})
 }
 
 func (n *Notifier) wake() {
@@ -107,7 +127,9 @@ func (n *Notifier) Take(dst []int) (buckets []int, unknown bool) {
 // Subscribe registers fn to be called with the bucket ids of every
 // committed transaction, on the committing goroutine, after the local
 // wake-up. fn must not block: a cross-process transport hands the ids to
-// its own goroutine. It returns a function that removes the subscription.
+// its own goroutine. fn must not keep or modify the slice. Hints given to
+// NotifyReceived are not passed to fn. It returns a function that removes
+// the subscription.
 func (n *Notifier) Subscribe(fn func(buckets []int)) (cancel func()) {
 	n.subMu.Lock()
 	defer n.subMu.Unlock()

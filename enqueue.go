@@ -39,6 +39,12 @@ func EnqueueJSON(tx *gorm.DB, topic string, key []byte, v any, headers ...Header
 // negative partition, empty header name) writes nothing, returns a
 // *MessageError or *TooLargeError, and should make the caller roll back.
 // Enqueue fills in an empty Message.ID.
+//
+// When tx's context (tx.WithContext(ctx)) holds a valid OpenTelemetry span
+// context, Enqueue adds the W3C traceparent and tracestate headers to every
+// message that carries neither, so the consumer's span joins the request
+// that caused the event. Messages built by publish rules get them from the
+// write's context the same way.
 func (p *Plugin) Enqueue(tx *gorm.DB, msgs ...*Message) error {
 	if tx == nil || !inTransaction(tx.Statement.ConnPool) {
 		return ErrNoTransaction
@@ -87,6 +93,9 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 		if m == nil {
 			return &MessageError{Field: "Message", Reason: "nil message"}
 		}
+		// The trace of the request that writes the message travels with it
+		// (tracing.go); added first so the size check includes it.
+		injectTraceContext(tx.Statement.Context, m)
 		if err := m.validate(p.cfg.MaxMessageBytes); err != nil {
 			return err
 		}

@@ -5,9 +5,12 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -56,6 +59,14 @@ type Store struct {
 
 	// quoted table names for raw SQL
 	messages, leases, relays string
+
+	// the default failure policy (failure.go), built on first use
+	policyOnce sync.Once
+	policy     *FailurePolicy
+	logger     *slog.Logger // the outbox Config.Logger, for the policy
+
+	// schemaOK is set once CheckSchema passed (schema.go)
+	schemaOK atomic.Bool
 }
 
 var (
@@ -87,6 +98,7 @@ func NewStore(db *gorm.DB, cfg Config) (*Store, error) {
 		messages: sess.Statement.Quote(cfg.Tables.MessagesTable()),
 		leases:   sess.Statement.Quote(cfg.Tables.LeasesTable()),
 		relays:   sess.Statement.Quote(cfg.Tables.RelaysTable()),
+		logger:   cfg.Logger,
 	}, nil
 }
 
@@ -130,13 +142,10 @@ func (s *Store) missingTable(ctx context.Context) string {
 	if err := db.Raw("SELECT 1").Row().Scan(&one); err != nil {
 		return "" // the database is unreachable: not a schema problem
 	}
-	for _, t := range []struct{ name, quoted string }{
-		{s.tables.MessagesTable(), s.messages},
-		{s.tables.LeasesTable(), s.leases},
-		{s.tables.RelaysTable(), s.relays},
-	} {
-		if err := db.Exec("SELECT 1 FROM " + t.quoted + " WHERE 1 = 0").Error; err != nil {
-			return t.name
+	for _, t := range outboxTables { // every table, as in schema.go
+		name := s.tables.qualified(t.name(s.tables))
+		if err := db.Exec("SELECT 1 FROM " + db.Statement.Quote(name) + " WHERE 1 = 0").Error; err != nil {
+			return name
 		}
 	}
 	return ""
@@ -156,6 +165,9 @@ func (s *Store) AcquireLeases(ctx context.Context, req relay.AcquireRequest) (re
 	}
 	if req.RelayID == "" || req.LeaseDuration < time.Millisecond {
 		return relay.Acquired{}, fmt.Errorf("outbox: store acquire leases: relay id and a lease duration of at least 1ms are required")
+	}
+	if err := s.checkSchemaOnce(ctx); err != nil {
+		return relay.Acquired{}, err
 	}
 	db, ctx, cancel := s.op(ctx, "acquire leases")
 	defer cancel()
@@ -582,4 +594,39 @@ func truncateUTF8(s string, n int) string {
 		n--
 	}
 	return s[:n]
+}
+
+var _ relay.BacklogSampler = (*Store)(nil)
+
+// SampleBacklog implements relay.BacklogSampler for metrics: the pending
+// count and oldest pending message per bucket, with the grouped query of
+// Admin.Backlog, and the number of dead letters. It reads the whole
+// messages table, so the relay runs it only every sampling interval, on
+// its own goroutine and pooled connection, bounded by ctx.
+func (s *Store) SampleBacklog(ctx context.Context) (relay.Backlog, error) {
+	db, ctx, cancel := s.op(ctx, "sample backlog")
+	defer cancel()
+	var rows []struct {
+		Bucket  int
+		Pending int64
+		Oldest  int64
+	}
+	if err := db.Raw("SELECT bucket, COUNT(*) AS pending, MIN(created_at_ms) AS oldest FROM " + s.messages +
+		" GROUP BY bucket ORDER BY bucket").Scan(&rows).Error; err != nil {
+		return relay.Backlog{}, s.fail(ctx, "sample backlog", err)
+	}
+	var dead int64
+	if err := db.Raw("SELECT COUNT(*) FROM " + db.Statement.Quote(s.tables.DeadLettersTable())).Scan(&dead).Error; err != nil {
+		return relay.Backlog{}, s.fail(ctx, "sample backlog", err)
+	}
+	b := relay.Backlog{BucketCount: s.buckets, DeadLetters: dead, DeadLettersKnown: true, SampledAt: time.Now()}
+	for _, r := range rows {
+		oldest := time.UnixMilli(r.Oldest)
+		b.Buckets = append(b.Buckets, relay.BucketBacklog{Bucket: r.Bucket, Pending: r.Pending, Oldest: oldest})
+		b.Pending += r.Pending
+		if b.Oldest.IsZero() || oldest.Before(b.Oldest) {
+			b.Oldest = oldest
+		}
+	}
+	return b, nil
 }

@@ -1,5 +1,6 @@
 // Package publisher holds the relay's publishers: Kafka, a Kafka publisher
-// over github.com/IBM/sarama, and Func, an adapter for any other sink. Both
+// over github.com/IBM/sarama, Transactional, its strict mode (one Kafka
+// transaction per batch), and Func, an adapter for any other sink. All
 // implement relay.Publisher.
 //
 // # The prefix contract
@@ -61,7 +62,7 @@
 // retriable error outlasts the producer's retries for one batch while a
 // later batch of the same partition succeeds. Consumers that need strict
 // per-key order must deduplicate by message id and tolerate the reordering,
-// or the relay must quarantine the key (strict mode) instead of moving on.
+// or use strict mode (below) and read with isolation.level=read_committed.
 //
 // A record larger than the topic's max.message.bytes but below
 // MaxMessageBytes is rejected by the broker instead, with
@@ -96,6 +97,47 @@
 // publishes (Publish then returns ErrClosed), waits for the messages in
 // flight to be acknowledged or to fail, and stops the producer's
 // goroutines.
+//
+// # Strict mode: Transactional
+//
+// NewTransactional builds the strict-mode publisher. Each bucket publishes
+// through its own transactional producer, with transactional id
+// TransactionalConfig.TransactionalIDPrefix + bucket, the same on every
+// relay of the outbox, and every batch is one Kafka transaction: begin,
+// produce the whole batch, commit. What read_committed consumers see
+// (isolation.level=read_committed; for sarama consumers
+// Consumer.IsolationLevel = sarama.ReadCommitted with Version 0.11 or
+// newer):
+//
+//   - A batch is visible entirely or not at all. Any failure aborts it:
+//     Publish returns acked=0 and nothing of the batch becomes visible, so
+//     a later row of a key can never be seen before an earlier one that
+//     failed. The error still names the failed message (Error.Index,
+//     relay.FailedIndex); the relay publishes the messages before it on
+//     their own and hands the culprit to its failure policy. A message
+//     that cannot be sent at all (too large, no topic) fails the batch
+//     before the transaction begins.
+//   - A relay that lost its bucket is fenced by the broker. The relay that
+//     takes the bucket over initialises the same transactional id, which
+//     bumps the producer epoch and aborts the previous owner's open
+//     transaction; the previous owner's later produce, commit or abort is
+//     refused with PRODUCER_FENCED (or INVALID_PRODUCER_EPOCH), Publish
+//     returns an error for which relay.IsFenced reports true, and the relay
+//     drops the bucket without deleting anything. A stale relay's in-flight
+//     batch therefore never interleaves with the new owner's.
+//
+// read_uncommitted consumers (the default of most clients) see aborted
+// records too, so none of this holds for them. Delivery stays at least
+// once: a batch whose commit succeeded but whose rows could not be deleted
+// (a database error, a lease lost just after the commit) is published
+// again, as a whole and in order; deduplicate by message id.
+//
+// A relay holds one producer, with its own broker connections, per bucket
+// it owns. It starts it when it acquires the bucket (relay.LeaseAware),
+// which costs a metadata request, FindCoordinator and InitProducerID, and
+// closes it when it gives the bucket up. Each batch adds two coordinator
+// round trips (AddPartitionsToTxn, EndTxn) and the broker writes a marker
+// per partition; see docs/strict-mode.md.
 //
 // # Errors
 //

@@ -23,7 +23,9 @@ var ErrTooLarge = errors.New("publisher: message too large")
 
 // Error is the error Publish returns for the first message of a batch that
 // the sink did not acknowledge. Index is that message's position in the
-// batch and equals the acked count Publish returned alongside.
+// batch. For Kafka and Func it equals the acked count Publish returned
+// alongside; Transactional acknowledges nothing of a failed batch (acked is
+// 0) and Index names the message whose failure aborted the transaction.
 //
 // Err is the cause. For a cause that retrying cannot fix, Err is a
 // *relay.PermanentError, so relay.IsPermanent(err) reports true for the
@@ -46,6 +48,10 @@ func (e *Error) Error() string {
 
 // Unwrap returns the cause.
 func (e *Error) Unwrap() error { return e.Err }
+
+// FailedIndex returns Index. It lets relay.FailedIndex find the failed
+// message, so that the relay's failure policy deals with that message.
+func (e *Error) FailedIndex() int { return e.Index }
 
 // IsTooLarge reports whether err, or an error it wraps, says that a message
 // was too large for the sink (it wraps ErrTooLarge).

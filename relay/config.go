@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"time"
 )
@@ -97,12 +98,32 @@ type Config struct {
 	// FailureHandler, if set, is called after every failed publish with the
 	// first unacknowledged message; it decides whether the bucket backs
 	// off (the default) or retries at once because the handler moved the
-	// message out of the way (for example into a dead-letter table).
-	// Default: none, every failure backs off and retries.
+	// message out of the way (for example into a dead-letter table). If it
+	// also implements BatchFilter, it sees every batch before the publisher.
+	// Default: the Store itself when it implements FailureHandler (the GORM
+	// store brings the outbox's dead-letter policy, see
+	// outbox.FailurePolicy); otherwise none, and every failure backs off
+	// and retries forever.
 	FailureHandler FailureHandler
+
+	// RateLimit, if positive, paces publishing to at most this many
+	// messages per second across all the relay's buckets (a token bucket,
+	// golang.org/x/time/rate), for draining a large backlog without
+	// flooding the sink. Batches are then at most max(1, RateLimit)
+	// messages (and at most BatchSize), and the relay waits for tokens
+	// before each publish, holding no lock or transaction. The limit is per
+	// relay: N relays publish up to N times RateLimit. Default 0: no limit.
+	RateLimit float64
 
 	// Logger receives the relay's logs. Default: slog.Default().
 	Logger *slog.Logger
+
+	// Observer receives the relay's instrumentation events (leases,
+	// publishes, cycles, dead letters) for metrics; *metrics.Collector
+	// implements it for Prometheus. If it also implements BacklogObserver
+	// and the Store implements BacklogSampler, the started relay samples
+	// the backlog for it. Default: NopObserver.
+	Observer Observer
 }
 
 // WithDefaults returns a copy of c with every zero field set to its
@@ -135,6 +156,9 @@ func (c Config) WithDefaults() Config {
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	if c.Observer == nil {
+		c.Observer = NopObserver{}
+	}
 	return c
 }
 
@@ -163,6 +187,8 @@ func (c Config) validate() error {
 		return bad("BackoffMin", c.BackoffMin, "must be positive")
 	case c.BackoffMax < c.BackoffMin:
 		return bad("BackoffMax", c.BackoffMax, fmt.Sprintf("must be at least BackoffMin (%s)", c.BackoffMin))
+	case c.RateLimit < 0 || math.IsNaN(c.RateLimit) || math.IsInf(c.RateLimit, 0):
+		return bad("RateLimit", c.RateLimit, "must be a finite number of messages per second, or 0 for no limit")
 	}
 	return nil
 }
@@ -200,11 +226,15 @@ type Failure struct {
 	RelayID string
 	Lease   Lease
 	// Message is the first message the publisher did not acknowledge.
-	// Message.Attempts includes this failure when the store records
-	// attempts (FailureRecorder).
+	// When the publisher's error names a later message of the batch as the
+	// cause (FailedIndex; a transactional publisher acknowledges nothing of
+	// a failed batch), the relay first publishes the messages before that
+	// one on their own, without calling the handler, so the handler meets
+	// the culprit here. Message.Attempts includes this failure when the
+	// store records attempts (FailureRecorder).
 	Message Message
-	// Acked is how many messages before it were acknowledged; they have
-	// been deleted.
+	// Acked is how many leading messages of the batch were acknowledged;
+	// they have been deleted. It is 0 for a transactional publisher.
 	Acked int
 	// Err is the publisher's error. relay.IsPermanent tells a message the
 	// sink rejects from a transient failure.
@@ -238,4 +268,19 @@ type FailureHandlerFunc func(ctx context.Context, f Failure) (FailureAction, err
 // HandleFailure calls f.
 func (f FailureHandlerFunc) HandleFailure(ctx context.Context, fl Failure) (FailureAction, error) {
 	return f(ctx, fl)
+}
+
+// BatchFilter is an optional FailureHandler capability: it sees every
+// batch after it was read and before it is published, and may take
+// messages out of the bucket (outbox.FailurePolicy parks the messages of a
+// key whose earlier message was dead-lettered). It returns the messages to
+// publish, a subsequence of msgs in their order; every message it leaves
+// out must be gone from the bucket when it returns, written under the
+// lease guard like MarkPublished, or the relay would read it again. An
+// error wrapping ErrLeaseLost drops the bucket; any other error fails the
+// batch with backoff. When it leaves nothing, the bucket is read again at
+// once. The messages it leaves out are reported to
+// Observer.MessagesDeadLettered as parked.
+type BatchFilter interface {
+	FilterBatch(ctx context.Context, relayID string, lease Lease, msgs []Message) ([]Message, error)
 }

@@ -94,3 +94,77 @@ func IsPermanent(err error) bool {
 	var pe *PermanentError
 	return errors.As(err, &pe)
 }
+
+// FencedError marks a publish error that says the sink refused the relay's
+// writes for the bucket because another producer took the bucket's
+// identity over (Kafka: PRODUCER_FENCED for the bucket's transactional id).
+// It is the sink's view of a lost lease: errors.Is(err, ErrLeaseLost)
+// reports true for it. The relay treats it as "lease lost for this bucket":
+// it deletes nothing of the batch, forgets the lease locally, tells a
+// LeaseAware publisher that the bucket was released, and acquires again;
+// the failure policy is not run. Publishers wrap such errors with Fenced.
+type FencedError struct {
+	Err error
+}
+
+func (e *FencedError) Error() string { return "fenced: " + e.Err.Error() }
+
+// Unwrap returns the wrapped error.
+func (e *FencedError) Unwrap() error { return e.Err }
+
+// Is lets errors.Is(err, ErrLeaseLost) match.
+func (e *FencedError) Is(target error) bool { return target == ErrLeaseLost }
+
+// Fenced wraps err so that IsFenced reports true for it. It returns nil for
+// a nil err.
+func Fenced(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &FencedError{Err: err}
+}
+
+// IsFenced reports whether err, or any error it wraps, is a *FencedError.
+func IsFenced(err error) bool {
+	var fe *FencedError
+	return errors.As(err, &fe)
+}
+
+// FailedIndex returns the position in the batch of the message that a
+// publish error names as the cause of the failure: the first error in
+// err's chain with a method FailedIndex() int (publisher.Error has one).
+// It is usually the acknowledged count, but a publisher that acknowledges
+// nothing of a failed batch (a transactional one) names the message that
+// failed, possibly a later one. The relay then publishes the messages
+// before that one on their own, at once, so that the FailureHandler meets
+// the culprit at the head of the bucket with every earlier message
+// delivered.
+func FailedIndex(err error) (int, bool) {
+	var fi interface{ FailedIndex() int }
+	if errors.As(err, &fi) {
+		return fi.FailedIndex(), true
+	}
+	return 0, false
+}
+
+// LeaseAware is an optional Publisher capability: being told which buckets
+// the relay owns, so that the publisher can hold per-bucket resources (the
+// transactional publisher keeps one Kafka producer per bucket). The relay
+// discovers it by type assertion on the Publisher given to New; a wrapper
+// around a publisher should forward it.
+//
+// Both methods are called from the relay's loop goroutine, never while a
+// Publish of the same relay is in flight, and in lease order: a bucket is
+// released (under its old term) before it is acquired again under a new
+// one. Every bucket announced as acquired is announced as released when the
+// relay gives it up, loses it, stops trusting it, or stops.
+type LeaseAware interface {
+	// LeasesAcquired announces leases the relay gained. It should return
+	// quickly (start slow preparation in the background; Publish can wait
+	// for it). ctx ends when the leases can no longer be trusted. An error
+	// is logged, and a *MisconfigurationError stops the relay.
+	LeasesAcquired(ctx context.Context, leases []Lease) error
+	// LeasesReleased announces leases the relay no longer holds. It should
+	// return quickly.
+	LeasesReleased(ctx context.Context, leases []Lease)
+}

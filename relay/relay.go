@@ -7,6 +7,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"golang.org/x/time/rate"
 )
 
 // releaseTimeout bounds the release of leases when a relay stops. It runs
@@ -35,6 +37,12 @@ type Relay struct {
 	publisher Publisher
 	renewer   LeaseRenewer    // nil if the store cannot renew
 	recorder  FailureRecorder // nil if the store does not record attempts
+	filter    BatchFilter     // nil if the failure handler filters nothing
+	limiter   *rate.Limiter   // nil without Config.RateLimit
+
+	// leaseAware is told of lease changes; nil if the publisher does not
+	// implement LeaseAware.
+	leaseAware LeaseAware
 
 	mu         sync.Mutex
 	state      runState
@@ -47,8 +55,9 @@ type Relay struct {
 
 // New returns a relay draining store through publisher. cfg is completed
 // with WithDefaults and validated; an invalid field is reported as a
-// *ConfigError. Optional store capabilities (LeaseRenewer, FailureRecorder)
-// are detected here.
+// *ConfigError. Optional store capabilities (LeaseRenewer, FailureRecorder,
+// and FailureHandler as the default Config.FailureHandler), the failure
+// handler's BatchFilter and the publisher's LeaseAware are detected here.
 func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 	if store == nil {
 		return nil, &ConfigError{Field: "store", Value: nil, Reason: "a Store is required"}
@@ -69,6 +78,17 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 	}
 	r.renewer, _ = store.(LeaseRenewer)
 	r.recorder, _ = store.(FailureRecorder)
+	r.leaseAware, _ = publisher.(LeaseAware)
+	if r.cfg.FailureHandler == nil {
+		r.cfg.FailureHandler, _ = store.(FailureHandler)
+	}
+	r.filter, _ = r.cfg.FailureHandler.(BatchFilter)
+	if cfg.RateLimit > 0 {
+		// One publish takes a whole batch of tokens at once: the burst is
+		// the largest batch the pace allows.
+		burst := min(cfg.BatchSize, max(1, int(cfg.RateLimit)))
+		r.limiter = rate.NewLimiter(rate.Limit(cfg.RateLimit), burst)
+	}
 	return r, nil
 }
 
@@ -108,7 +128,9 @@ func (r *Relay) Start(ctx context.Context) error {
 func (r *Relay) run(ctx context.Context, w *worker, stopping <-chan struct{}) {
 	log := r.cfg.Logger
 	log.Debug("relay: started")
+	stopSampler := r.startSampler(ctx, w)
 	err := w.run(ctx, stopping)
+	stopSampler()
 	w.releaseAll(ctx)
 	r.mu.Lock()
 	r.err = err

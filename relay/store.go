@@ -23,7 +23,9 @@ import (
 // makes it drop the bucket; any other error is retried with backoff.
 //
 // Optional capabilities are discovered by type assertion: LeaseRenewer
-// (renewal during a slow publish) and FailureRecorder (attempt counting).
+// (renewal during a slow publish), FailureRecorder (attempt counting) and
+// FailureHandler (the store's own failure policy, used when
+// Config.FailureHandler is nil).
 // Further capabilities, such as backlog metrics, are added the same way,
 // so existing stores keep working.
 type Store interface {

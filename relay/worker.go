@@ -48,6 +48,13 @@ type worker struct {
 	storeFailures int
 	published     int
 	drainErrs     []error
+
+	// announced is what a LeaseAware publisher was last told the relay
+	// holds, bucket -> term (see syncLeases).
+	announced map[int]int64
+	// shrink caps a bucket's next batch at the messages before the one a
+	// publisher named as the cause of the last failure.
+	shrink map[int]int
 }
 
 func newWorker(r *Relay) *worker {
@@ -101,6 +108,9 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 			}
 		}
 		w.expireTrust()
+		if err := w.syncLeases(ctx); err != nil {
+			return err
+		}
 		owned := w.ownedCount()
 
 		if w.cfg.Hints != nil {
@@ -141,9 +151,11 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 				return err
 			}
 			if w.runnable(time.Now()) {
+				w.observeCycle(now)
 				continue
 			}
 		}
+		w.observeCycle(now)
 
 		// Idle: sleep until the next lease refresh, poll or backoff end, or
 		// a hint. A relay owning nothing waits for its next lease refresh
@@ -171,6 +183,9 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 // failed.
 func (w *worker) drainAll(ctx context.Context) (int, error) {
 	if err := w.acquire(ctx); err != nil {
+		return 0, err
+	}
+	if err := w.syncLeases(ctx); err != nil {
 		return 0, err
 	}
 	if err := w.discover(ctx); err != nil {
@@ -202,6 +217,9 @@ func (w *worker) sweep(ctx context.Context, stopping <-chan struct{}) error {
 		if err := w.maybeRenew(ctx); err != nil {
 			return err
 		}
+		if err := w.syncLeases(ctx); err != nil {
+			return err
+		}
 		lease, ok := w.lease(b)
 		if !ok {
 			w.forget(b)
@@ -212,6 +230,9 @@ func (w *worker) sweep(ctx context.Context, stopping <-chan struct{}) error {
 			return err
 		}
 		w.apply(b, out, err)
+		if err := w.syncLeases(ctx); err != nil {
+			return err
+		}
 	}
 	return nil
 }
@@ -247,7 +268,15 @@ func (w *worker) apply(b int, out outcome, err error) {
 // drainBatch reads, publishes and deletes one batch of a bucket.
 func (w *worker) drainBatch(ctx context.Context, lease Lease) (outcome, error) {
 	b := lease.Bucket
-	msgs, err := w.r.store.NextBatch(ctx, b, w.cfg.BatchSize)
+	limit := w.cfg.BatchSize
+	if w.r.limiter != nil {
+		limit = min(limit, w.r.limiter.Burst())
+	}
+	if n := w.shrink[b]; n > 0 {
+		limit = min(limit, n) // see the failure path below
+		delete(w.shrink, b)
+	}
+	msgs, err := w.r.store.NextBatch(ctx, b, limit)
 	if err != nil {
 		if isStop(ctx, err) {
 			return outStopped, nil
@@ -260,8 +289,18 @@ func (w *worker) drainBatch(ctx context.Context, lease Lease) (outcome, error) {
 	if len(msgs) == 0 {
 		return outEmpty, nil
 	}
-	if len(msgs) > w.cfg.BatchSize {
-		msgs = msgs[:w.cfg.BatchSize]
+	if len(msgs) > limit {
+		msgs = msgs[:limit]
+	}
+	full := len(msgs) == limit
+	if w.r.filter != nil {
+		var out outcome
+		if msgs, out, err = w.filterBatch(ctx, lease, msgs); msgs == nil {
+			return out, err
+		}
+	}
+	if w.r.limiter != nil && !w.waitTokens(ctx, len(msgs)) {
+		return outStopped, nil
 	}
 	// The read may have been slow: check the lease is still trusted before
 	// handing anything to the publisher.
@@ -269,12 +308,21 @@ func (w *worker) drainBatch(ctx context.Context, lease Lease) (outcome, error) {
 		return outLost, fmt.Errorf("%w: bucket %d: lease no longer trusted", ErrLeaseLost, b)
 	}
 
+	publishStart := time.Now()
 	acked, perr, lost := w.publish(ctx, lease, msgs)
 	if acked < 0 || acked > len(msgs) {
 		w.log.Error("relay: publisher reported an acknowledged count outside the batch; deleting nothing",
 			"bucket", b, "acked", acked, "batch", len(msgs))
 		perr = fmt.Errorf("relay: publisher acknowledged %d of a batch of %d", acked, len(msgs))
 		acked = 0
+	}
+	w.observePublish(ctx, b, len(msgs), acked, perr, lost, time.Since(publishStart))
+	if IsFenced(perr) {
+		// The sink refused the bucket's writes: another relay owns its
+		// identity there now. The rows are the new owner's; delete none.
+		w.log.Warn("relay: publisher fenced; leaving the bucket to its new owner without deleting anything",
+			"bucket", b, "term", lease.Term, "err", perr)
+		return outLost, perr
 	}
 	if acked > 0 {
 		// Acknowledged rows are deleted even when the relay is stopping:
@@ -302,12 +350,83 @@ func (w *worker) drainBatch(ctx context.Context, lease Lease) (outcome, error) {
 		if ctx.Err() != nil {
 			return outStopped, nil
 		}
+		if i, ok := FailedIndex(perr); ok && i > acked && i < len(msgs) {
+			// The publisher names a later message as the cause (a
+			// transactional one aborts the whole batch): publish the
+			// messages before it on their own, at once, so that the failure
+			// policy meets the culprit at the head of the bucket.
+			if w.shrink == nil {
+				w.shrink = map[int]int{}
+			}
+			w.shrink[b] = i - acked
+			w.log.Debug("relay: batch failed at a later message; publishing the messages before it first",
+				"bucket", b, "acked", acked, "failed_index", i, "err", perr)
+			return outRetry, nil
+		}
 		return w.fail(ctx, lease, msgs[acked], acked, perr)
 	}
-	if len(msgs) == w.cfg.BatchSize {
+	if full {
 		return outFull, nil
 	}
 	return outDrained, nil
+}
+
+// filterBatch hands a batch to the failure handler's BatchFilter and
+// returns the messages to publish. A nil result means the batch ends with
+// the returned outcome: the filter failed, or took every message out and
+// the bucket is read again.
+func (w *worker) filterBatch(ctx context.Context, lease Lease, msgs []Message) ([]Message, outcome, error) {
+	kept, err := w.r.filter.FilterBatch(ctx, w.cfg.RelayID, lease, msgs)
+	switch {
+	case err == nil:
+	case isStop(ctx, err):
+		return nil, outStopped, nil
+	case errors.Is(err, ErrLeaseLost):
+		return nil, outLost, err
+	case IsMisconfiguration(err):
+		return nil, outFailed, err
+	default:
+		w.log.Warn("relay: batch filter failed", "bucket", lease.Bucket, "err", err)
+		return nil, outFailed, err
+	}
+	if removed := len(msgs) - len(kept); removed > 0 {
+		w.cfg.Observer.MessagesDeadLettered(removed, true)
+	}
+	if len(kept) == 0 {
+		return nil, outRetry, nil
+	}
+	return kept, outFull, nil
+}
+
+// waitTokens waits until the rate limiter grants n messages, renewing the
+// leases on schedule meanwhile so a long wait keeps them. It reports false,
+// giving the tokens back, when ctx ends first or on a misconfiguration
+// (which the loop meets again at its next acquisition).
+func (w *worker) waitTokens(ctx context.Context, n int) bool {
+	res := w.r.limiter.ReserveN(time.Now(), n)
+	if !res.OK() {
+		return true // n above the burst cannot happen: batches are capped by it
+	}
+	until := time.Now().Add(res.Delay())
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	for {
+		d := time.Until(until)
+		if d <= 0 {
+			return true
+		}
+		t.Reset(min(d, w.cfg.LeaseRenewInterval/4))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			res.Cancel()
+			return false
+		}
+		if err := w.maybeRenew(ctx); err != nil {
+			res.Cancel()
+			return false
+		}
+	}
 }
 
 // fail runs the failure policy for the first unacknowledged message.
@@ -332,7 +451,9 @@ func (w *worker) fail(ctx context.Context, lease Lease, msg Message, acked int, 
 		case errors.Is(err, ErrLeaseLost):
 			return outLost, err
 		case err != nil:
-			w.log.Warn("relay: failure handler failed", "bucket", lease.Bucket, "message_id", msg.MessageID, "err", err)
+			if !isStop(ctx, err) { // a stop cancelling the handler is no failure
+				w.log.Warn("relay: failure handler failed", "bucket", lease.Bucket, "message_id", msg.MessageID, "err", err)
+			}
 		default:
 			action = a
 		}
@@ -340,6 +461,8 @@ func (w *worker) fail(ctx context.Context, lease Lease, msg Message, acked int, 
 	w.log.Warn("relay: publish failed", "bucket", lease.Bucket, "acked", acked,
 		"message_id", msg.MessageID, "attempts", msg.Attempts, "permanent", IsPermanent(perr), "err", perr)
 	if action == FailureRetry {
+		// The handler took the message out of the bucket.
+		w.cfg.Observer.MessagesDeadLettered(1, false)
 		return outRetry, nil
 	}
 	return outFailed, perr
@@ -499,6 +622,7 @@ func (w *worker) acquire(ctx context.Context) error {
 		w.log.Info("relay: leases changed", "owned", len(next), "acquired", gained, "released", released,
 			"live_relays", res.LiveRelays, "fair_share", res.FairShare)
 	}
+	w.observeAcquired(len(gained))
 	return nil
 }
 
@@ -542,6 +666,7 @@ func (w *worker) renewLeases(ctx context.Context) error {
 	if len(lost) > 0 {
 		w.log.Warn("relay: leases lost at renewal", "buckets", lost)
 	}
+	w.observeLost(len(lost))
 	return nil
 }
 
@@ -575,6 +700,8 @@ func (w *worker) releaseAll(ctx context.Context) {
 	held := sortedLeases(w.leases)
 	w.leases = map[int]int64{}
 	w.mu.Unlock()
+	w.cfg.Observer.OwnedBuckets(0)
+	_ = w.syncLeases(context.WithoutCancel(ctx)) // tell the publisher first; never a misconfiguration here
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
 	defer cancel()
 	if err := w.r.store.ReleaseLeases(rctx, w.cfg.RelayID, held); err != nil {
@@ -606,6 +733,7 @@ func (w *worker) expireTrust() {
 		w.forget(b)
 	}
 	w.log.Warn("relay: lease deadline passed without a successful renewal; stopped publishing until leases are acquired again", "buckets", len(dropped))
+	w.observeLost(len(dropped))
 }
 
 // lease returns the lease of bucket b if the relay holds it and still
@@ -644,11 +772,67 @@ func (w *worker) trustDeadline() time.Time {
 	return w.trustedUntil
 }
 
+// syncLeases tells a LeaseAware publisher how the held leases changed
+// since it was last told: first the released ones (a bucket re-acquired
+// under a new term counts as released, then acquired), then the acquired
+// ones. It runs on the loop goroutine only, so never while a publish is in
+// flight, and returns an error only for a misconfiguration.
+func (w *worker) syncLeases(ctx context.Context) error {
+	la := w.r.leaseAware
+	if la == nil {
+		return nil
+	}
+	w.mu.Lock()
+	cur := sortedLeases(w.leases)
+	w.mu.Unlock()
+	var acquired, released []Lease
+	for _, l := range cur {
+		if t, ok := w.announced[l.Bucket]; !ok || t != l.Term {
+			acquired = append(acquired, l)
+		}
+	}
+	if len(acquired) == 0 && len(cur) == len(w.announced) {
+		return nil
+	}
+	next := make(map[int]int64, len(cur))
+	for _, l := range cur {
+		next[l.Bucket] = l.Term
+	}
+	for b, t := range w.announced {
+		if nt, ok := next[b]; !ok || nt != t {
+			released = append(released, Lease{Bucket: b, Term: t})
+		}
+	}
+	w.announced = next
+	if len(released) > 0 {
+		slices.SortFunc(released, func(a, b Lease) int { return a.Bucket - b.Bucket })
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+		la.LeasesReleased(rctx, released)
+		cancel()
+	}
+	if len(acquired) > 0 {
+		actx, cancel := context.WithDeadline(ctx, w.trustDeadline())
+		err := la.LeasesAcquired(actx, acquired)
+		cancel()
+		if IsMisconfiguration(err) {
+			return err
+		}
+		if err != nil && !isStop(ctx, err) {
+			w.log.Warn("relay: publisher could not prepare for acquired leases", "buckets", len(acquired), "err", err)
+		}
+	}
+	return nil
+}
+
 func (w *worker) dropLease(b int) {
 	w.mu.Lock()
+	_, held := w.leases[b]
 	delete(w.leases, b)
 	w.needAcquire = true
 	w.mu.Unlock()
+	if held {
+		w.observeLost(1)
+	}
 }
 
 func (w *worker) takeNeedAcquire() bool {
@@ -664,6 +848,7 @@ func (w *worker) forget(b int) {
 	w.ready[b] = false
 	w.failures[b] = 0
 	w.retryAt[b] = time.Time{}
+	delete(w.shrink, b)
 }
 
 // runnable reports whether a ready bucket can be drained now.

@@ -6,6 +6,17 @@ cd "$(dirname "$0")/.."
 
 bash scripts/services.sh
 
+# promtool validates and unit-tests the shipped alert rules
+# (deploy/prometheus); Debian's prometheus package provides it.
+if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "== installing promtool (Debian package prometheus)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
+    || echo "warning: could not install promtool; the alert rule unit tests will be skipped"
+fi
+if [ "${CI:-}" = true ] && command -v promtool >/dev/null 2>&1; then
+  export OUTBOX_REQUIRE_PROMTOOL=1
+fi
+
 echo "== go vet"
 go vet ./...
 echo "== go test (library)"

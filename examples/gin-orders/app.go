@@ -24,6 +24,7 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/metrics"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -76,6 +77,7 @@ type App struct {
 	db       *gorm.DB
 	plugin   *outbox.Plugin
 	relay    *relay.Relay
+	metrics  *metrics.Collector
 	pub      *publisher.Kafka
 	broker   *kfake.Cluster
 	consumer *Consumer
@@ -135,7 +137,14 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if a.relay, err = relay.New(store, a.pub, relay.Config{Hints: a.plugin.Notifier(), Logger: a.log}); err != nil {
+	if a.metrics, err = metrics.New(metrics.Config{Outbox: a.plugin.Config().Name}); err != nil {
+		return nil, err
+	}
+	// The relay dead-letters a message that keeps failing (the store's
+	// default failure policy) and parks the later events of its order.
+	if a.relay, err = relay.New(store, outbox.TracingPublisher(a.pub, nil), relay.Config{
+		Hints: a.plugin.Notifier(), Observer: a.metrics, Logger: a.log,
+	}); err != nil {
 		return nil, err
 	}
 	if err = a.relay.Start(ctx); err != nil {
@@ -173,26 +182,19 @@ func (a *App) routes() http.Handler {
 	r.Use(gin.Recovery())
 	orderHandlers{db: a.db}.routes(r)
 
-	admin := a.plugin.Admin(a.db)
+	// Prometheus: the outbox collector (relay events and backlog samples)
+	// on the service's own registry, with the Go runtime.
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	reg.MustRegister(newBacklogCollector(admin))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), a.metrics)
 	r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
 
-	r.GET("/healthz", func(c *gin.Context) {
-		ctx, cancel := context.WithTimeout(c.Request.Context(), 2*time.Second)
-		defer cancel()
-		b, err := admin.Backlog(ctx)
-		if err != nil {
-			c.JSON(http.StatusServiceUnavailable, gin.H{"status": "error", "error": err.Error()})
-			return
-		}
-		status, code := "ok", http.StatusOK
-		if b.OldestAge() > a.cfg.HealthMaxAge {
-			status, code = "outbox backlog too old", http.StatusServiceUnavailable
-		}
-		c.JSON(code, gin.H{"status": status, "pending": b.Pending, "oldest_age_seconds": b.OldestAge().Seconds()})
-	})
+	admin := a.plugin.Admin(a.db)
+	// 503 while the oldest pending event is older than HealthMaxAge.
+	r.GET("/healthz", gin.WrapH(outbox.HealthHandler(admin, a.cfg.HealthMaxAge)))
+	// The operational API, read-only: it must sit behind the service's own
+	// authentication before AllowMutations is ever turned on.
+	adminAPI := http.StripPrefix("/admin/outbox", outbox.NewAdminHandler(admin, outbox.AdminHandlerOptions{Logger: a.log}))
+	r.Any("/admin/outbox/*path", gin.WrapH(adminAPI))
 	return r
 }
 
@@ -281,34 +283,4 @@ func mysqlDSN(raw string) (string, error) {
 		userinfo += "@"
 	}
 	return fmt.Sprintf("%stcp(%s)/%s?%s", userinfo, host, strings.TrimPrefix(u.Path, "/"), q.Encode()), nil
-}
-
-// backlogCollector exposes the outbox backlog, read at scrape time with a
-// timeout.
-type backlogCollector struct {
-	admin   *outbox.Admin
-	pending *prometheus.Desc
-	age     *prometheus.Desc
-}
-
-func newBacklogCollector(admin *outbox.Admin) *backlogCollector {
-	return &backlogCollector{
-		admin:   admin,
-		pending: prometheus.NewDesc("gin_orders_outbox_pending_messages", "Messages waiting in the outbox.", nil, nil),
-		age:     prometheus.NewDesc("gin_orders_outbox_oldest_pending_age_seconds", "Age of the oldest pending outbox message.", nil, nil),
-	}
-}
-
-func (c *backlogCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.pending; ch <- c.age }
-
-func (c *backlogCollector) Collect(ch chan<- prometheus.Metric) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	b, err := c.admin.Backlog(ctx)
-	if err != nil {
-		ch <- prometheus.NewInvalidMetric(c.pending, err)
-		return
-	}
-	ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(b.Pending))
-	ch <- prometheus.MustNewConstMetric(c.age, prometheus.GaugeValue, b.OldestAge().Seconds())
 }

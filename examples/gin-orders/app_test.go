@@ -225,11 +225,27 @@ func TestOrdersFlowToKafka(t *testing.T) {
 			require.NoError(t, err)
 			resp.Body.Close()
 			require.Equal(t, http.StatusOK, resp.StatusCode)
-			resp, err = http.Get("http://" + app.Addr() + "/metrics")
+			// The relay's metrics count every acknowledged event.
+			ackLine := fmt.Sprintf("outbox_messages_acknowledged_total{outbox=\"outbox_messages\"} %d", want)
+			require.Eventually(t, func() bool {
+				resp, err := http.Get("http://" + app.Addr() + "/metrics")
+				if err != nil {
+					return false
+				}
+				body, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				return strings.Contains(string(body), ackLine)
+			}, 5*time.Second, 20*time.Millisecond, "metrics show %s", ackLine)
+
+			// The admin API answers read-only requests and refuses mutations.
+			resp, err = http.Get("http://" + app.Addr() + "/admin/outbox/status")
 			require.NoError(t, err)
-			body, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()
-			require.True(t, strings.Contains(string(body), "gin_orders_outbox_pending_messages 0"), "the backlog drains to zero")
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			resp, err = http.Post("http://"+app.Addr()+"/admin/outbox/dead-letters/requeue", "application/json", strings.NewReader(`{"all":true}`))
+			require.NoError(t, err)
+			resp.Body.Close()
+			require.Equal(t, http.StatusForbidden, resp.StatusCode)
 		})
 	}
 }

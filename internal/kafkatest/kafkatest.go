@@ -295,23 +295,22 @@ type Record struct {
 	Headers   []Header
 }
 
-// ReadOption configures ReadAll.
-type ReadOption func(*[]kgo.Opt)
+// ReadOption configures ReadAll and ReadLog.
+type ReadOption func(*readOptions)
 
-// ReadCommitted makes ReadAll skip records of aborted or still open
-// transactions (isolation level read_committed). The default is
-// read_uncommitted.
-func ReadCommitted() ReadOption {
-	return func(o *[]kgo.Opt) { *o = append(*o, kgo.FetchIsolationLevel(kgo.ReadCommitted())) }
+type readOptions struct {
+	committed bool
 }
 
-// ReadAll consumes every partition of topic from its oldest offset until at
-// least want records arrived, and returns them ordered by partition, then
-// offset. It fails t if fewer than want arrived within timeout. It may
-// return more than want records if they arrived in the same fetch; callers
-// that need an exact count compare with RecordCount. ReadAll must be called
-// from the test's goroutine.
-func (c *Cluster) ReadAll(t testing.TB, topic string, want int, timeout time.Duration, opts ...ReadOption) []Record {
+// ReadCommitted makes ReadAll and ReadLog skip records of aborted or still
+// open transactions (isolation level read_committed). The default is
+// read_uncommitted.
+func ReadCommitted() ReadOption {
+	return func(o *readOptions) { o.committed = true }
+}
+
+// consumer returns a client consuming topic from its oldest offsets.
+func (c *Cluster) consumer(t testing.TB, topic string, ro readOptions, extra ...kgo.Opt) *kgo.Client {
 	t.Helper()
 	kopts := []kgo.Opt{
 		kgo.SeedBrokers(c.Brokers()...),
@@ -320,11 +319,113 @@ func (c *Cluster) ReadAll(t testing.TB, topic string, want int, timeout time.Dur
 		kgo.FetchMaxWait(100 * time.Millisecond),
 		kgo.MetadataMinAge(50 * time.Millisecond),
 	}
-	for _, opt := range opts {
-		opt(&kopts)
+	if ro.committed {
+		kopts = append(kopts, kgo.FetchIsolationLevel(kgo.ReadCommitted()))
 	}
-	cl, err := kgo.NewClient(kopts...)
+	cl, err := kgo.NewClient(append(kopts, extra...)...)
 	require.NoError(t, err, "kafkatest: consumer client")
+	return cl
+}
+
+func toRecord(r *kgo.Record) Record {
+	rec := Record{
+		Topic:     r.Topic,
+		Partition: r.Partition,
+		Offset:    r.Offset,
+		Key:       r.Key,
+		Value:     r.Value,
+	}
+	for _, h := range r.Headers {
+		rec.Headers = append(rec.Headers, Header{Key: h.Key, Value: h.Value})
+	}
+	return rec
+}
+
+func sortRecords(out []Record) {
+	slices.SortStableFunc(out, func(a, b Record) int {
+		if a.Partition != b.Partition {
+			return cmp.Compare(a.Partition, b.Partition)
+		}
+		return cmp.Compare(a.Offset, b.Offset)
+	})
+}
+
+// ReadLog returns exactly what a consumer sees of topic up to the end its
+// partitions have when ReadLog is called: every partition is consumed from
+// its oldest offset to its high watermark, or with ReadCommitted to its
+// last stable offset (so records of aborted transactions are skipped, and
+// an open transaction ends the read). Records are ordered by partition,
+// then offset; transaction markers are left out. Unlike ReadAll it needs no
+// expected count, so a test can assert that records are absent. It fails t
+// if the end is not reached within timeout. ReadLog must be called from the
+// test's goroutine.
+func (c *Cluster) ReadLog(t testing.TB, topic string, timeout time.Duration, opts ...ReadOption) []Record {
+	t.Helper()
+	var ro readOptions
+	for _, opt := range opts {
+		opt(&ro)
+	}
+	isolation := int8(0)
+	if ro.committed {
+		isolation = 1
+	}
+	end := c.listOffsets(t, topic, -1, isolation)
+	start := c.listOffsets(t, topic, -2, 0)
+	next := map[int32]int64{} // the offset after the last one consumed, markers included
+	done := func() bool {
+		for p, e := range end {
+			if max(next[p], start[p]) < e {
+				return false
+			}
+		}
+		return true
+	}
+
+	// Markers are kept so that the consumed position is known even when a
+	// partition ends with a transaction marker.
+	cl := c.consumer(t, topic, ro, kgo.KeepControlRecords())
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	var (
+		out     []Record
+		lastErr error
+	)
+	for !done() {
+		fetches := cl.PollFetches(ctx)
+		fetches.EachError(func(_ string, _ int32, err error) {
+			if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
+				lastErr = err
+			}
+		})
+		fetches.EachRecord(func(r *kgo.Record) {
+			next[r.Partition] = max(next[r.Partition], r.Offset+1)
+			if !r.Attrs.IsControl() && r.Offset < end[r.Partition] {
+				out = append(out, toRecord(r))
+			}
+		})
+		if ctx.Err() != nil && !done() {
+			t.Fatalf("kafkatest: read topic %q to offsets %v within %v: reached %v (last fetch error: %v)",
+				topic, end, timeout, next, lastErr)
+		}
+	}
+	sortRecords(out)
+	return out
+}
+
+// ReadAll consumes every partition of topic from its oldest offset until at
+// least want records arrived, and returns them ordered by partition, then
+// offset. It fails t if fewer than want arrived within timeout. It may
+// return more than want records if they arrived in the same fetch; callers
+// that need exactly what the topic holds use ReadLog. ReadAll must be
+// called from the test's goroutine.
+func (c *Cluster) ReadAll(t testing.TB, topic string, want int, timeout time.Duration, opts ...ReadOption) []Record {
+	t.Helper()
+	var ro readOptions
+	for _, opt := range opts {
+		opt(&ro)
+	}
+	cl := c.consumer(t, topic, ro)
 	defer cl.Close()
 
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
@@ -340,30 +441,13 @@ func (c *Cluster) ReadAll(t testing.TB, topic string, want int, timeout time.Dur
 				lastErr = err
 			}
 		})
-		fetches.EachRecord(func(r *kgo.Record) {
-			rec := Record{
-				Topic:     r.Topic,
-				Partition: r.Partition,
-				Offset:    r.Offset,
-				Key:       r.Key,
-				Value:     r.Value,
-			}
-			for _, h := range r.Headers {
-				rec.Headers = append(rec.Headers, Header{Key: h.Key, Value: h.Value})
-			}
-			out = append(out, rec)
-		})
+		fetches.EachRecord(func(r *kgo.Record) { out = append(out, toRecord(r)) })
 		if ctx.Err() != nil && len(out) < want {
 			t.Fatalf("kafkatest: read %d of %d records from topic %q within %v (last fetch error: %v)",
 				len(out), want, topic, timeout, lastErr)
 		}
 	}
-	slices.SortStableFunc(out, func(a, b Record) int {
-		if a.Partition != b.Partition {
-			return cmp.Compare(a.Partition, b.Partition)
-		}
-		return cmp.Compare(a.Offset, b.Offset)
-	})
+	sortRecords(out)
 	return out
 }
 
@@ -386,6 +470,13 @@ func (c *Cluster) RecordCount(t testing.TB, topic string) int64 {
 // earliest).
 func (c *Cluster) offsets(t testing.TB, topic string, timestamp int64) map[int32]int64 {
 	t.Helper()
+	return c.listOffsets(t, topic, timestamp, 0)
+}
+
+// listOffsets is offsets with an isolation level: with 1 (read_committed)
+// the latest offset is the last stable offset.
+func (c *Cluster) listOffsets(t testing.TB, topic string, timestamp int64, isolation int8) map[int32]int64 {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
 	defer cancel()
 
@@ -400,6 +491,7 @@ func (c *Cluster) offsets(t testing.TB, topic string, timestamp int64) map[int32
 
 	req := kmsg.NewPtrListOffsetsRequest()
 	req.ReplicaID = -1
+	req.IsolationLevel = isolation
 	lt := kmsg.NewListOffsetsRequestTopic()
 	lt.Topic = topic
 	for _, p := range mresp.Topics[0].Partitions {

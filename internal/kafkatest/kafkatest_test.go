@@ -109,6 +109,37 @@ func TestReadCommittedSkipsAbortedRecords(t *testing.T) {
 	require.Len(t, all, 2, "read_uncommitted sees the aborted record too")
 }
 
+func TestReadLogReadsToTheEnd(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	topic := c.Topic(t, 2)
+	require.Empty(t, c.ReadLog(t, topic, 10*time.Second), "an empty topic reads as empty")
+
+	cl := produce(t, c, nil, kgo.TransactionalID("kafkatest-log-"+topic), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	txn := func(commit kgo.TransactionEndTry, recs ...*kgo.Record) {
+		t.Helper()
+		require.NoError(t, cl.BeginTransaction())
+		require.NoError(t, cl.ProduceSync(ctx, recs...).FirstErr())
+		require.NoError(t, cl.EndTransaction(ctx, commit))
+	}
+	txn(kgo.TryCommit, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("c1")})
+	// Partition 1 ends with an aborted transaction and its marker.
+	txn(kgo.TryAbort, &kgo.Record{Topic: topic, Partition: 1, Value: []byte("a1")}, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("a2")})
+	txn(kgo.TryCommit, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("c2")})
+
+	values := func(recs []kafkatest.Record) []string {
+		var out []string
+		for _, r := range recs {
+			out = append(out, string(r.Value))
+		}
+		return out
+	}
+	require.Equal(t, []string{"c1", "c2"}, values(c.ReadLog(t, topic, 10*time.Second, kafkatest.ReadCommitted())))
+	require.Equal(t, []string{"c1", "a2", "c2", "a1"}, values(c.ReadLog(t, topic, 10*time.Second)))
+}
+
 func TestRequireFake(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)

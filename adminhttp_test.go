@@ -1,0 +1,157 @@
+package outbox_test
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
+)
+
+type httpClient struct {
+	t   *testing.T
+	srv *httptest.Server
+}
+
+// do sends a request and decodes the JSON answer into out (if non-nil).
+func (c httpClient) do(method, path, body string, out any) int {
+	c.t.Helper()
+	var rd io.Reader
+	if body != "" {
+		rd = strings.NewReader(body)
+	}
+	req, err := http.NewRequest(method, c.srv.URL+path, rd)
+	require.NoError(c.t, err)
+	resp, err := c.srv.Client().Do(req)
+	require.NoError(c.t, err)
+	defer resp.Body.Close()
+	require.Equal(c.t, "application/json", resp.Header.Get("Content-Type"))
+	raw, err := io.ReadAll(resp.Body)
+	require.NoError(c.t, err)
+	if out != nil {
+		require.NoError(c.t, json.Unmarshal(raw, out), "%s", raw)
+	}
+	return resp.StatusCode
+}
+
+type deadPage struct {
+	Items []map[string]any `json:"items"`
+	Next  string           `json:"next"`
+}
+
+// list GETs a page of dead letters.
+func (c httpClient) list(path string) deadPage {
+	c.t.Helper()
+	var p deadPage
+	require.Equal(c.t, http.StatusOK, c.do("GET", path, "", &p))
+	return p
+}
+
+func TestAdminHandler(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
+		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		require.NoError(t, err)
+		b.insert(t, outbox.MessageRow{ID: 100, MessageID: "p", Bucket: 1, Key: []byte("k"), Value: []byte("k/9")})
+		old := time.Now().Add(-72 * time.Hour).UnixMilli()
+		b.insertDead(t,
+			outbox.DeadLetterRow{ID: 1, Bucket: 1, Topic: "orders", Key: []byte("k"), Value: []byte("k/0"), LastError: ptr("rejected"), DeadAtMs: old},
+			outbox.DeadLetterRow{ID: 2, Bucket: 1, Topic: "orders", Key: []byte("k"), Value: []byte("k/1"), State: "parked", DeadAtMs: old},
+			outbox.DeadLetterRow{ID: 3, Bucket: 2, Topic: "payments", Value: []byte("n/0")},
+		)
+
+		ro := httpClient{t, httptest.NewServer(outbox.NewAdminHandler(admin, outbox.AdminHandlerOptions{Logger: testLogger(t)}))}
+		defer ro.srv.Close()
+
+		var st outbox.Status
+		require.Equal(t, http.StatusOK, ro.do("GET", "/status", "", &st))
+		require.EqualValues(t, 1, st.Pending)
+		require.Equal(t, outbox.DeadLetterCounts{Failed: 2, Parked: 1}, st.DeadLetters)
+		require.Len(t, st.Buckets, 4)
+
+		var page deadPage
+		page = ro.list("/dead-letters?topic=orders&limit=1")
+		require.Len(t, page.Items, 1)
+		require.EqualValues(t, 2, page.Items[0]["id"])
+		require.Equal(t, "k", page.Items[0]["key"])
+		require.Equal(t, "parked", page.Items[0]["state"])
+		require.NotEmpty(t, page.Next)
+		page = ro.list("/dead-letters?topic=orders&limit=1&cursor=" + page.Next)
+		require.EqualValues(t, 1, page.Items[0]["id"])
+		require.Empty(t, page.Next)
+		page = ro.list("/dead-letters?keyless=true")
+		require.Len(t, page.Items, 1)
+		page = ro.list("/dead-letters?until=24h")
+		require.Len(t, page.Items, 2)
+		page = ro.list("/dead-letters?key_base64=bm9uZQ==")
+		require.Empty(t, page.Items)
+
+		var one map[string]any
+		require.Equal(t, http.StatusOK, ro.do("GET", "/dead-letters/1", "", &one))
+		require.Equal(t, "rejected", one["last_error"])
+		require.Equal(t, "ay8w", one["value_base64"]) // "k/0"
+		var counts map[string]int64
+		require.Equal(t, http.StatusOK, ro.do("GET", "/dead-letters/count", "", &counts))
+		require.Equal(t, map[string]int64{"failed": 2, "parked": 1, "total": 3}, counts)
+
+		var e map[string]string
+		require.Equal(t, http.StatusNotFound, ro.do("GET", "/dead-letters/99", "", &e))
+		require.Contains(t, e["error"], "not found")
+		require.Equal(t, http.StatusBadRequest, ro.do("GET", "/dead-letters/x", "", &e))
+		require.Equal(t, http.StatusBadRequest, ro.do("GET", "/dead-letters?state=lost", "", &e))
+		require.Equal(t, http.StatusBadRequest, ro.do("GET", "/dead-letters?since=yesterday", "", &e))
+
+		// Mutations are refused unless the service opts in.
+		for _, m := range []struct{ method, path, body string }{
+			{"POST", "/dead-letters/requeue", `{"all":true}`},
+			{"POST", "/dead-letters/purge", `{"older_than":"1h"}`},
+			{"POST", "/dead-letters/discard", `{"ids":[1]}`},
+			{"DELETE", "/dead-letters/1", ""},
+			{"POST", "/buckets/1/pause", ""},
+			{"PUT", "/status", ""},
+		} {
+			e = nil
+			require.Equal(t, http.StatusForbidden, ro.do(m.method, m.path, m.body, &e), "%s %s", m.method, m.path)
+			require.Contains(t, e["error"], "AllowMutations")
+		}
+		require.Len(t, b.deadRows(t), 3, "nothing changed")
+		require.Empty(t, b.leaseRows(t))
+
+		rw := httpClient{t, httptest.NewServer(outbox.NewAdminHandler(admin, outbox.AdminHandlerOptions{AllowMutations: true, Logger: testLogger(t)}))}
+		defer rw.srv.Close()
+		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/requeue", `{"ids":[1],"key":"k"}`, &e))
+		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/requeue", `{"topic":"orders"}`, &e))
+		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/requeue", `{"bogus":1}`, &e))
+		var res outbox.RequeueResult
+		require.Equal(t, http.StatusOK, rw.do("POST", "/dead-letters/requeue", `{"key":"k"}`, &res))
+		require.Equal(t, outbox.RequeueResult{Requeued: 2, Moved: 1, Buckets: []int{1}}, res)
+		require.Equal(t, []string{"k/0", "k/1", "k/9"}, b.pendingValues(t))
+
+		var purged map[string]any
+		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/purge", `{}`, &e))
+		require.Equal(t, http.StatusOK, rw.do("POST", "/dead-letters/purge", `{"older_than":"1h"}`, &purged))
+		require.EqualValues(t, 0, purged["purged"])
+		require.Equal(t, http.StatusOK, rw.do("DELETE", "/dead-letters/3", "", nil))
+		require.Equal(t, http.StatusNotFound, rw.do("DELETE", "/dead-letters/3", "", &e))
+		require.Empty(t, b.deadRows(t))
+		require.Len(t, b.pendingValues(t), 3, "pending messages are never deleted")
+
+		require.Equal(t, http.StatusOK, rw.do("POST", "/buckets/2/pause", "", nil))
+		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/buckets/9/pause", "", &e))
+		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/buckets/x/pause", "", &e))
+		require.Equal(t, http.StatusOK, ro.do("GET", "/status", "", &st))
+		require.True(t, st.Buckets[2].Lease.Paused)
+		require.Equal(t, http.StatusOK, rw.do("POST", "/buckets/2/resume", "", nil))
+		require.Equal(t, http.StatusOK, ro.do("GET", "/status", "", &st))
+		require.False(t, st.Buckets[2].Lease.Paused)
+		require.Equal(t, http.StatusMethodNotAllowed, rw.do("POST", "/status", "", nil))
+	})
+}

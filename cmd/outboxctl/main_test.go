@@ -1,0 +1,328 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		goleak.IgnoreTopFunction("database/sql.(*DB).connectionOpener"),
+	)
+}
+
+func TestSecretsRedacted(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ dsn, secret string }{
+		{"host=db user=app password=s3cr3t dbname=x", "s3cr3t"},
+		{"host=db user=app password='s3 cr\\'et' dbname=x", "s3 cr'et"},
+		{"postgres://app:p%40ss@db:5432/x?sslmode=disable", "p@ss"},
+		{"app:hunter2@tcp(db:3306)/x?parseTime=true", "hunter2"},
+		{"mysql://app:hunter2@tcp(db:3306)/x", "hunter2"},
+		{"file:x.db?_auth&_auth_user=a&_auth_pass=topsecret", "topsecret"},
+	} {
+		r := redactor(secrets(c.dsn))
+		out := r.redact("error connecting with " + c.dsn + " and " + c.secret)
+		require.NotContains(t, out, c.secret, c.dsn)
+		require.Contains(t, out, "*****")
+	}
+	require.Empty(t, secrets("host=db user=app dbname=x"))
+}
+
+func TestResolveDriver(t *testing.T) {
+	t.Parallel()
+	for dsn, want := range map[string]string{
+		"host=db user=app":           "postgres",
+		"postgres://u@h/db":          "postgres",
+		"u:p@tcp(h:3306)/db":         "mysql",
+		"file:/tmp/x.db?_fk=1":       "sqlite",
+		"/var/lib/outbox/outbox.db":  "sqlite",
+		"postgresql://u:p@h:5432/db": "postgres",
+	} {
+		got, err := resolveDriver("", dsn)
+		require.NoError(t, err, dsn)
+		require.Equal(t, want, got, dsn)
+	}
+	_, err := resolveDriver("", "whatever")
+	require.Error(t, err)
+	got, err := resolveDriver("MariaDB", "whatever")
+	require.NoError(t, err)
+	require.Equal(t, "mysql", got)
+	_, err = resolveDriver("oracle", "")
+	require.Error(t, err)
+}
+
+func TestUsageErrors(t *testing.T) {
+	t.Parallel()
+	env := func(string) string { return "" }
+	for _, args := range [][]string{
+		{},
+		{"frobnicate"},
+		{"status", "--no-such-flag"},
+		{"status"}, // no DSN
+		{"requeue", "--dsn", "host=x"},
+		{"requeue", "1", "--all", "--dsn", "host=x"},
+		{"requeue", "--topic", "t", "--key", "k", "--dsn", "host=x"},
+		{"purge", "--dsn", "host=x"},
+		{"pause", "--dsn", "host=x"},
+		{"pause", "x", "--dsn", "host=x"},
+		{"dead-letters", "--dsn", "host=x"},
+		{"dead-letters", "show", "--dsn", "host=x"},
+		{"dead-letters", "show", "abc", "--dsn", "host=x"},
+		{"status", "--dsn", "nonsense"},
+	} {
+		var out, errOut bytes.Buffer
+		code := run(context.Background(), args, &out, &errOut, env)
+		require.Equal(t, exitUsage, code, "%q: %s", args, errOut.String())
+		require.Contains(t, errOut.String(), "outboxctl: ", "%q", args)
+	}
+	var out, errOut bytes.Buffer
+	require.Equal(t, exitOK, run(context.Background(), []string{"-h"}, &out, &errOut, env))
+	require.Contains(t, errOut.String(), "Usage:")
+	require.Equal(t, exitOK, run(context.Background(), []string{"requeue", "--help"}, &out, &errOut, env))
+}
+
+func TestParseInterleaved(t *testing.T) {
+	t.Parallel()
+	g := &globals{}
+	fs := newFlagSet(g)
+	var all bool
+	fs.BoolVar(&all, "all", false, "")
+	pos, err := parse(fs, []string{"1", "--json", "2", "--all", "--prefix", "p_", "3", "--", "--4"})
+	require.NoError(t, err)
+	require.Equal(t, []string{"1", "2", "3", "--4"}, pos)
+	require.True(t, g.json)
+	require.True(t, all)
+	require.Equal(t, "p_", g.prefix)
+}
+
+// cli is the built binary and the environment it runs with.
+type cli struct {
+	t   *testing.T
+	bin string
+	env []string
+}
+
+// run runs the binary and returns its exit code, stdout and stderr.
+func (c cli) run(args ...string) (int, string, string) {
+	c.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, c.bin, args...)
+	cmd.Env = append(os.Environ(), c.env...)
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err := cmd.Run()
+	code := 0
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		code = ee.ExitCode()
+	} else {
+		require.NoError(c.t, err)
+	}
+	return code, out.String(), errOut.String()
+}
+
+// runJSON runs the binary with --json, requires exit 0 and decodes stdout.
+func (c cli) runJSON(out any, args ...string) {
+	c.t.Helper()
+	code, stdout, stderr := c.run(append(args, "--json")...)
+	require.Equal(c.t, exitOK, code, "%q: %s", args, stderr)
+	require.NoError(c.t, json.Unmarshal([]byte(stdout), out), "%q: %s", args, stdout)
+}
+
+func buildCLI(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "outboxctl")
+	build := exec.Command("go", "build", "-o", bin, ".")
+	build.Stderr = os.Stderr
+	require.NoError(t, build.Run())
+	return bin
+}
+
+// The CLI end to end against PostgreSQL: status, dead letters, requeue,
+// purge, pause and resume, with exit codes and --json output, and the
+// DSN's password never printed.
+func TestCLIEndToEnd(t *testing.T) {
+	t.Parallel()
+	db := dbtest.Open(t, dbtest.Postgres)
+	ctx := context.Background()
+	cfg := outbox.Config{Tables: outbox.WithPrefix("ctl_"), BucketCount: 4}.WithDefaults()
+	require.NoError(t, cfg.Tables.AutoMigrate(ctx, db.DB))
+	bin := buildCLI(t)
+
+	now := time.Now()
+	dead := db.DB.Table(cfg.Tables.DeadLettersTable())
+	require.NoError(t, dead.Create([]outbox.DeadLetterRow{
+		{ID: 1, MessageID: "m1", Bucket: 1, Topic: "orders", Key: []byte("order-7"), Value: []byte(`{"id":7}`), CreatedAtMs: now.UnixMilli(),
+			Attempts: 10, LastError: ptr("broker said no"), DeadAtMs: now.Add(-72 * time.Hour).UnixMilli(), State: "failed"},
+		{ID: 2, MessageID: "m2", Bucket: 1, Topic: "orders", Key: []byte("order-7"), Value: []byte(`{"id":7,"v":2}`), CreatedAtMs: now.UnixMilli(),
+			DeadAtMs: now.Add(-72 * time.Hour).UnixMilli(), State: "parked"},
+		{ID: 3, MessageID: "m3", Bucket: 2, Topic: "payments", Value: []byte("x"), CreatedAtMs: now.UnixMilli(),
+			DeadAtMs: now.Add(-time.Hour).UnixMilli(), State: "failed"},
+	}).Error)
+	require.NoError(t, db.DB.Table(cfg.Tables.MessagesTable()).Create(&outbox.MessageRow{
+		ID: 10, MessageID: "p1", Bucket: 1, Topic: "orders", Key: []byte("order-7"), Value: []byte("pending"), CreatedAtMs: now.Add(-time.Minute).UnixMilli(),
+	}).Error)
+
+	// The trust-authenticated server ignores the password: it is there to
+	// check that it is never printed.
+	const password = "pw-do-not-print-8c1f"
+	dsn := db.DSN + " password=" + password
+	c := cli{t: t, bin: bin, env: []string{"OUTBOX_DSN=" + dsn, "OUTBOX_PREFIX=ctl_", "OUTBOX_BUCKETS=4"}}
+
+	var st outbox.Status
+	c.runJSON(&st, "status")
+	require.EqualValues(t, 1, st.Pending)
+	require.Equal(t, outbox.DeadLetterCounts{Failed: 2, Parked: 1}, st.DeadLetters)
+	require.Len(t, st.Buckets, 4)
+	require.GreaterOrEqual(t, st.OldestAgeMs, int64(time.Minute/time.Millisecond))
+
+	code, out, errOut := c.run("status")
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "BUCKET")
+	require.Contains(t, out, "1 pending")
+	require.Contains(t, out, "no relay heartbeats")
+	t.Logf("outboxctl status:\n%s", out)
+
+	var page struct {
+		Items []map[string]any `json:"items"`
+		Next  string           `json:"next"`
+	}
+	c.runJSON(&page, "dead-letters", "list", "--topic", "orders")
+	require.Len(t, page.Items, 2)
+	require.Equal(t, "order-7", page.Items[0]["key"])
+	c.runJSON(&page, "dead-letters", "list", "--limit", "1")
+	require.Len(t, page.Items, 1)
+	require.EqualValues(t, 3, page.Items[0]["id"])
+	require.NotEmpty(t, page.Next)
+	code, out, _ = c.run("dead-letters", "list", "--state", "parked")
+	require.Equal(t, exitOK, code)
+	require.Contains(t, out, "order-7")
+	require.Contains(t, out, "parked")
+	code, out, _ = c.run("dead-letters", "list")
+	require.Equal(t, exitOK, code)
+	t.Logf("outboxctl dead-letters list:\n%s", out)
+
+	var one map[string]any
+	c.runJSON(&one, "dead-letters", "show", "1")
+	require.Equal(t, "broker said no", one["last_error"])
+	code, out, _ = c.run("dead-letters", "show", "1")
+	require.Equal(t, exitOK, code)
+	require.Contains(t, out, `{"id":7}`)
+	t.Logf("outboxctl dead-letters show 1:\n%s", out)
+
+	// An unknown id fails with exit 1 and a JSON error under --json.
+	code, out, errOut = c.run("dead-letters", "show", "99", "--json")
+	require.Equal(t, exitFail, code)
+	require.Empty(t, out)
+	var e map[string]string
+	require.NoError(t, json.Unmarshal([]byte(errOut), &e), errOut)
+	require.Contains(t, e["error"], "not found")
+
+	// Requeue a key: the failed and parked messages come back in order,
+	// before the key's pending message.
+	var res outbox.RequeueResult
+	c.runJSON(&res, "requeue", "--key", "order-7")
+	require.Equal(t, outbox.RequeueResult{Requeued: 2, Moved: 1, Buckets: []int{1}}, res)
+	var values []string
+	require.NoError(t, db.DB.Table(cfg.Tables.MessagesTable()).Order("id").Pluck("msg_value", &values).Error)
+	require.Equal(t, []string{`{"id":7}`, `{"id":7,"v":2}`, "pending"}, values)
+
+	code, _, errOut = c.run("requeue", "424242")
+	require.Equal(t, exitFail, code, "no id was a dead letter")
+	require.Contains(t, errOut, "not found")
+
+	// Purge only touches dead letters.
+	var purged map[string]any
+	c.runJSON(&purged, "purge", "--older-than", "24h")
+	require.EqualValues(t, 0, purged["purged"])
+	c.runJSON(&purged, "purge", "--older-than", "30m")
+	require.EqualValues(t, 1, purged["purged"])
+	var n int64
+	require.NoError(t, db.DB.Table(cfg.Tables.MessagesTable()).Count(&n).Error)
+	require.EqualValues(t, 3, n)
+
+	// Pause and resume; an invalid bucket fails.
+	code, out, _ = c.run("pause", "3")
+	require.Equal(t, exitOK, code)
+	require.Contains(t, out, "bucket 3 paused")
+	c.runJSON(&st, "status")
+	require.True(t, st.Buckets[3].Lease.Paused)
+	c.runJSON(&map[string]any{}, "resume", "3")
+	c.runJSON(&st, "status")
+	require.False(t, st.Buckets[3].Lease.Paused)
+	code, _, errOut = c.run("pause", "4")
+	require.Equal(t, exitFail, code)
+	require.Contains(t, errOut, "outside 0..3")
+
+	// Flags instead of the environment, and the driver spelled out.
+	flags := cli{t: t, bin: bin, env: []string{"OUTBOX_DSN=", "OUTBOX_PREFIX="}}
+	flags.runJSON(&st, "--driver", "postgres", "--dsn", dsn, "--prefix", "ctl_", "--buckets", "4", "status")
+	require.EqualValues(t, 3, st.Pending)
+
+	// Failures never print the password: a missing table, an unreachable
+	// server.
+	var outputs []string
+	code, out, errOut = c.run("status", "--prefix", "missing_")
+	require.Equal(t, exitFail, code)
+	outputs = append(outputs, out, errOut)
+	bad := strings.Replace(dsn, "port=5432", "port=1", 1)
+	if bad == dsn {
+		bad = dsn + " port=1"
+	}
+	code, out, errOut = c.run("status", "--dsn", bad)
+	require.Equal(t, exitFail, code, errOut)
+	outputs = append(outputs, out, errOut)
+	code, out, errOut = c.run("status", "--dsn", "postgres://postgres:"+password+"@127.0.0.1:1/test?sslmode=disable&connect_timeout=2")
+	require.Equal(t, exitFail, code, errOut)
+	outputs = append(outputs, out, errOut)
+	code, out, errOut = c.run("status", "--dsn", "root:"+password+"@tcp(127.0.0.1:1)/test", "--driver", "mysql")
+	require.Equal(t, exitFail, code, errOut)
+	outputs = append(outputs, out, errOut)
+	for _, o := range outputs {
+		require.NotContains(t, o, password)
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+func TestSchemaCommand(t *testing.T) {
+	var out, errOut strings.Builder
+	code := run(context.Background(), []string{"--driver", "postgres", "--prefix", "billing_", "schema"}, &out, &errOut, func(string) string { return "" })
+	require.Equal(t, 0, code, errOut.String())
+	want, err := outbox.SchemaSQL("postgres", outbox.WithPrefix("billing_"))
+	require.NoError(t, err)
+	require.Equal(t, strings.Join(want, ";\n\n")+";\n", out.String())
+
+	dir := t.TempDir()
+	out.Reset()
+	code = run(context.Background(), []string{"schema", "--driver", "mysql", "--format", "golang-migrate", "--out", dir}, &out, &errOut, func(string) string { return "" })
+	require.Equal(t, 0, code, errOut.String())
+	files, err := outbox.MigrationFiles("mysql", outbox.WithPrefix(""), outbox.FormatGolangMigrate)
+	require.NoError(t, err)
+	for _, f := range files {
+		got, err := os.ReadFile(filepath.Join(dir, f.Name))
+		require.NoError(t, err)
+		require.Equal(t, f.Content, got)
+	}
+
+	code = run(context.Background(), []string{"schema"}, &out, &errOut, func(string) string { return "" })
+	require.Equal(t, 2, code, "no driver is a usage error")
+	code = run(context.Background(), []string{"--driver", "oracle", "schema"}, &out, &errOut, func(string) string { return "" })
+	require.Equal(t, 2, code)
+}

@@ -1,0 +1,180 @@
+package main
+
+import (
+	"encoding/base64"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/gorm-outbox/outbox"
+)
+
+func newTable(w io.Writer) *tabwriter.Writer {
+	return tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+}
+
+// age formats a duration for people: 0s, 1.2s, 3m4s, 5h6m, 7d8h.
+func age(d time.Duration) string {
+	switch {
+	case d <= 0:
+		return "-"
+	case d < time.Minute:
+		return d.Round(100 * time.Millisecond).String()
+	case d < time.Hour:
+		return d.Round(time.Second).String()
+	case d < 48*time.Hour:
+		return strings.TrimSuffix(d.Round(time.Minute).String(), "0s")
+	}
+	days := int(d / (24 * time.Hour))
+	return fmt.Sprintf("%dd%dh", days, int((d-time.Duration(days)*24*time.Hour)/time.Hour))
+}
+
+func printStatus(w io.Writer, st outbox.Status, cfg outbox.Config) {
+	fmt.Fprintf(w, "outbox %s: %d buckets, %d pending", cfg.Tables.MessagesTable(), st.BucketCount, st.Pending)
+	if st.Pending > 0 {
+		fmt.Fprintf(w, ", oldest %s old", age(st.OldestAge()))
+	}
+	fmt.Fprintf(w, ", dead letters %d failed + %d parked, %d live relay(s)\n\n", st.DeadLetters.Failed, st.DeadLetters.Parked, st.LiveRelays)
+
+	tw := newTable(w)
+	fmt.Fprintln(tw, "BUCKET\tPENDING\tOLDEST\tFAILED\tPARKED\tOWNER\tTERM\tEXPIRES IN\tPAUSED")
+	for _, b := range st.Buckets {
+		owner, expires := "-", "-"
+		if b.Lease.Owner != "" {
+			owner = b.Lease.Owner
+			if b.Lease.Held {
+				expires = age(b.Lease.ExpiresAt.Sub(st.SampledAt))
+			} else {
+				expires = "expired"
+			}
+		}
+		paused := "no"
+		if b.Lease.Paused {
+			paused = "PAUSED"
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%s\t%d\t%d\t%s\t%d\t%s\t%s\n", b.Bucket, b.Pending, age(time.Duration(b.OldestAgeMs)*time.Millisecond),
+			b.DeadLetters.Failed, b.DeadLetters.Parked, owner, b.Lease.Term, expires, paused)
+	}
+	tw.Flush()
+
+	fmt.Fprintln(w)
+	if len(st.Relays) == 0 {
+		fmt.Fprintln(w, "no relay heartbeats")
+		return
+	}
+	tw = newTable(w)
+	fmt.Fprintln(tw, "RELAY\tLIVE\tBUCKETS\tLAST SEEN\tUP")
+	for _, r := range st.Relays {
+		live := "no"
+		if r.Live {
+			live = "yes"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s ago\t%s\n", r.ID, live, r.Buckets, age(st.SampledAt.Sub(r.LastSeen)), age(r.LastSeen.Sub(r.StartedAt)))
+	}
+	tw.Flush()
+}
+
+// printable returns b as text when it is printable UTF-8, else as
+// base64:... Keyless is "(none)", the empty key "(empty)".
+func printable(b []byte, max int) string {
+	switch {
+	case b == nil:
+		return "(none)"
+	case len(b) == 0:
+		return "(empty)"
+	}
+	s := string(b)
+	ok := utf8.ValidString(s)
+	for _, r := range s {
+		if !ok || (!unicode.IsPrint(r) && r != ' ') {
+			ok = false
+			break
+		}
+	}
+	if !ok {
+		s = "base64:" + base64.StdEncoding.EncodeToString(b)
+	}
+	return clip(s, max)
+}
+
+func clip(s string, max int) string {
+	if max <= 0 || utf8.RuneCountInString(s) <= max {
+		return s
+	}
+	r := []rune(s)
+	return string(r[:max-1]) + "…"
+}
+
+func oneLine(s string) string {
+	return strings.Join(strings.Fields(s), " ")
+}
+
+func printDeadLetters(w io.Writer, page outbox.DeadLetterPage) {
+	if len(page.Items) == 0 {
+		fmt.Fprintln(w, "no dead letters")
+		return
+	}
+	tw := newTable(w)
+	fmt.Fprintln(tw, "ID\tDIED\tSTATE\tBUCKET\tTOPIC\tKEY\tATTEMPTS\tSIZE\tERROR")
+	for _, d := range page.Items {
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s\t%d\t%d\t%s\n", d.ID, d.DeadAt.UTC().Format(time.RFC3339), d.State, d.Bucket,
+			d.Topic, printable(d.Key, 32), d.Attempts, d.ValueSize, clip(oneLine(d.LastError), 60))
+	}
+	tw.Flush()
+	if page.Next != "" {
+		fmt.Fprintf(w, "\nmore: --cursor %s\n", page.Next)
+	}
+}
+
+func printDeadLetter(w io.Writer, d outbox.DeadLetter) {
+	tw := newTable(w)
+	row := func(k, v string) { fmt.Fprintf(tw, "%s\t%s\n", k, v) }
+	row("id", strconv.FormatInt(d.ID, 10))
+	row("message id", d.MessageID)
+	row("state", string(d.State))
+	row("bucket", strconv.Itoa(d.Bucket))
+	row("topic", d.Topic)
+	row("key", printable(d.Key, 0))
+	if d.Partition != nil {
+		row("partition", strconv.Itoa(int(*d.Partition)))
+	}
+	row("created", d.CreatedAt.UTC().Format(time.RFC3339Nano))
+	row("died", d.DeadAt.UTC().Format(time.RFC3339Nano))
+	row("attempts", strconv.Itoa(d.Attempts))
+	if d.LastError != "" {
+		row("last error", oneLine(d.LastError))
+	}
+	for _, h := range d.Headers {
+		row("header "+h.Key, printable(h.Value, 0))
+	}
+	if d.Value == nil {
+		row("value", "(tombstone)")
+	} else {
+		row("value", fmt.Sprintf("%d bytes", len(d.Value)))
+	}
+	tw.Flush()
+	if len(d.Value) > 0 {
+		fmt.Fprintln(w)
+		fmt.Fprintln(w, printable(d.Value, 4096))
+	}
+}
+
+func joinInts[T int | int64](xs []T) string {
+	parts := make([]string, len(xs))
+	for i, x := range xs {
+		parts[i] = strconv.FormatInt(int64(x), 10)
+	}
+	return strings.Join(parts, ",")
+}
+
+func decodeBase64(s string) ([]byte, error) {
+	if b, err := base64.StdEncoding.DecodeString(s); err == nil {
+		return b, nil
+	}
+	return base64.URLEncoding.DecodeString(s)
+}

@@ -1,0 +1,551 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// MaxAttemptsDefault is how many failed publish attempts the failure
+// policy allows a message before dead-lettering it.
+const MaxAttemptsDefault = 10
+
+// FailureMode is what the failure policy does with a message that keeps
+// failing.
+type FailureMode int
+
+const (
+	// ModeDeadLetter moves a message that failed permanently
+	// (relay.IsPermanent) or MaxAttempts times to the dead-letter table,
+	// so the rest of its bucket flows again. The default.
+	ModeDeadLetter FailureMode = iota
+	// ModeBlock never gives up on a message: the bucket backs off and retries
+	// it until it is published or an operator intervenes, however long
+	// that takes, and every later message of the bucket waits behind it.
+	// Choose it when losing order for a key is worse than a stalled bucket,
+	// and alert on the oldest pending age.
+	ModeBlock
+)
+
+func (m FailureMode) String() string {
+	switch m {
+	case ModeDeadLetter:
+		return "dead-letter"
+	case ModeBlock:
+		return "block"
+	}
+	return fmt.Sprintf("FailureMode(%d)", int(m))
+}
+
+// DeadLetterState is the state of a dead letter.
+type DeadLetterState string
+
+const (
+	// DeadLetterFailed is a message that exhausted the failure policy.
+	DeadLetterFailed DeadLetterState = "failed"
+	// DeadLetterParked is a message that did not fail itself but was held
+	// back because an earlier message of its key (in its bucket) is a dead
+	// letter: publishing it would deliver the key out of order.
+	DeadLetterParked DeadLetterState = "parked"
+)
+
+// FailurePolicyConfig configures a FailurePolicy. The zero value is the
+// default policy: dead-letter after 10 attempts or at the first permanent
+// error, with key quarantine.
+type FailurePolicyConfig struct {
+	// MaxAttempts is how many failed publish attempts a message gets before
+	// ModeDeadLetter gives up on it. A permanent error (relay.IsPermanent: too
+	// large, invalid topic, rejected) dead-letters at once whatever the
+	// count. Default MaxAttemptsDefault (10). Ignored by ModeBlock.
+	MaxAttempts int
+
+	// Mode is ModeDeadLetter (the default) or ModeBlock.
+	Mode FailureMode
+
+	// DisableQuarantine turns key quarantine off. By default, once a keyed
+	// message is dead-lettered, every later message of the same key in the
+	// same bucket is parked behind it (moved to the dead letters with state
+	// "parked") instead of published, until an operator requeues or purges
+	// the key's dead letters: a consumer never sees a key's later message
+	// before the failed one. Keyless messages are never quarantined. With
+	// DisableQuarantine, a dead-lettered message is skipped and the rest of
+	// its key is delivered without it.
+	DisableQuarantine bool
+
+	// Logger receives a line for every dead-lettered or parked message
+	// (ids and errors, never payloads). Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// FailurePolicy is the outbox's failure policy for the relay: a
+// relay.FailureHandler that dead-letters poison messages and a
+// relay.BatchFilter that parks the later messages of their keys.
+//
+// Every *Store carries a default policy (zero FailurePolicyConfig), and
+// relay.New uses it when relay.Config.FailureHandler is nil, so
+//
+//	relay.New(store, publisher, relay.Config{})
+//
+// dead-letters after 10 attempts with key quarantine. For other settings
+// build a policy on the same store and pass it explicitly:
+//
+//	policy, err := outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{MaxAttempts: 5})
+//	r, err := relay.New(store, publisher, relay.Config{FailureHandler: policy})
+//
+// A custom relay.FailureHandler that does not delegate to a FailurePolicy
+// (both HandleFailure and FilterBatch) turns dead-lettering and quarantine
+// off: dead letters written earlier then no longer hold their keys back.
+//
+// Dead-lettering runs in one database transaction that locks the bucket's
+// lease row, checks that the relay still holds it (owner, term, unexpired:
+// the guard of MarkPublished), inserts the dead letter with its attempts,
+// last error and times, and deletes the message. Parking works the same
+// way for a batch of messages. A relay that lost its lease changes
+// nothing.
+//
+// The quarantined keys of a bucket are read from the dead-letter table
+// once per lease term (one indexed query when a relay gains the bucket)
+// and kept in memory; a batch is checked against that set without a
+// query, so an outbox without dead letters pays nothing per batch. Admin
+// operations that remove dead letters (requeue, purge, discard) advance
+// the bucket's lease term in the same transaction, so a relay holding a
+// stale set loses the lease at its next guarded write and reloads.
+//
+// A FailurePolicy is safe for concurrent use by several relays.
+type FailurePolicy struct {
+	store *Store
+	cfg   FailurePolicyConfig
+	log   *slog.Logger
+	dead  string // quoted dead-letter table
+
+	mu         sync.Mutex
+	quarantine map[int]*quarantineSet // bucket -> keys under one term
+}
+
+// quarantineSet is the set of quarantined keys of one bucket as read
+// under one lease term.
+type quarantineSet struct {
+	term int64
+	keys map[string]struct{}
+}
+
+var (
+	_ relay.FailureHandler = (*FailurePolicy)(nil)
+	_ relay.BatchFilter    = (*FailurePolicy)(nil)
+	_ relay.FailureHandler = (*Store)(nil)
+	_ relay.BatchFilter    = (*Store)(nil)
+)
+
+// NewFailurePolicy returns a failure policy writing to store's tables.
+// cfg's zero fields take their defaults; a negative MaxAttempts or an
+// unknown Mode is refused with a *ConfigError.
+func NewFailurePolicy(store *Store, cfg FailurePolicyConfig) (*FailurePolicy, error) {
+	if store == nil {
+		return nil, &ConfigError{Field: "store", Value: nil, Reason: "a *Store is required"}
+	}
+	if cfg.MaxAttempts == 0 {
+		cfg.MaxAttempts = MaxAttemptsDefault
+	}
+	if cfg.MaxAttempts < 0 {
+		return nil, &ConfigError{Field: "MaxAttempts", Value: cfg.MaxAttempts, Reason: "must be positive (use Mode: ModeBlock to never give up)"}
+	}
+	if cfg.Mode != ModeDeadLetter && cfg.Mode != ModeBlock {
+		return nil, &ConfigError{Field: "Mode", Value: cfg.Mode, Reason: "must be ModeDeadLetter or ModeBlock"}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &FailurePolicy{
+		store:      store,
+		cfg:        cfg,
+		log:        cfg.Logger,
+		dead:       store.db.Statement.Quote(store.tables.DeadLettersTable()),
+		quarantine: map[int]*quarantineSet{},
+	}, nil
+}
+
+// Config returns the policy's configuration with defaults applied.
+func (p *FailurePolicy) Config() FailurePolicyConfig { return p.cfg }
+
+// FailurePolicy returns the store's default failure policy, the one
+// relay.New uses when relay.Config.FailureHandler is nil.
+func (s *Store) FailurePolicy() *FailurePolicy {
+	s.policyOnce.Do(func() {
+		s.policy, _ = NewFailurePolicy(s, FailurePolicyConfig{Logger: s.logger})
+	})
+	return s.policy
+}
+
+// HandleFailure implements relay.FailureHandler with the store's default
+// failure policy (see FailurePolicy). It is how relay.New finds the
+// policy when relay.Config.FailureHandler is nil.
+func (s *Store) HandleFailure(ctx context.Context, f relay.Failure) (relay.FailureAction, error) {
+	return s.FailurePolicy().HandleFailure(ctx, f)
+}
+
+// FilterBatch implements relay.BatchFilter with the store's default
+// failure policy.
+func (s *Store) FilterBatch(ctx context.Context, relayID string, lease relay.Lease, msgs []relay.Message) ([]relay.Message, error) {
+	return s.FailurePolicy().FilterBatch(ctx, relayID, lease, msgs)
+}
+
+// HandleFailure implements relay.FailureHandler. Under ModeBlock, or for a
+// transient error before MaxAttempts, it returns relay.FailureBackoff and
+// the bucket retries the message after its backoff. Otherwise it moves the
+// message to the dead-letter table (state "failed", with the error text
+// and attempts) and returns relay.FailureRetry; with quarantine, its key
+// is quarantined in its bucket from then on. It returns an error wrapping
+// relay.ErrLeaseLost when the relay no longer holds the bucket.
+func (p *FailurePolicy) HandleFailure(ctx context.Context, f relay.Failure) (relay.FailureAction, error) {
+	if p.cfg.Mode == ModeBlock {
+		return relay.FailureBackoff, nil
+	}
+	permanent := relay.IsPermanent(f.Err)
+	if !permanent && f.Message.Attempts < p.cfg.MaxAttempts {
+		return relay.FailureBackoff, nil
+	}
+	text := "unknown error"
+	if f.Err != nil {
+		text = truncateUTF8(f.Err.Error(), lastErrorMax)
+	}
+	msg := f.Message
+	moved, err := p.move(ctx, "dead-letter message", f.RelayID, f.Lease, []int64{msg.ID}, DeadLetterFailed, &text)
+	if err != nil {
+		return relay.FailureBackoff, err
+	}
+	if moved == 0 {
+		// The row is gone already (an operator moved it): nothing blocks
+		// the bucket any more.
+		return relay.FailureRetry, nil
+	}
+	if msg.Key != nil && !p.cfg.DisableQuarantine {
+		p.addQuarantined(f.Lease, msg.Key)
+	}
+	p.log.Warn("outbox: message dead-lettered", "bucket", f.Lease.Bucket, "message_id", msg.MessageID,
+		"topic", msg.Topic, "attempts", msg.Attempts, "permanent", permanent, "err", text)
+	return relay.FailureRetry, nil
+}
+
+// FilterBatch implements relay.BatchFilter: it parks the messages of the
+// batch whose key is quarantined in their bucket (moves them to the
+// dead-letter table with state "parked", under the lease guard) and
+// returns the others, in order. Without quarantined keys in the bucket it
+// returns msgs as they are, without a query (after the first call of a
+// lease term).
+func (p *FailurePolicy) FilterBatch(ctx context.Context, relayID string, lease relay.Lease, msgs []relay.Message) ([]relay.Message, error) {
+	if p.cfg.DisableQuarantine || len(msgs) == 0 {
+		return msgs, nil
+	}
+	keys, err := p.quarantined(ctx, lease)
+	if err != nil || len(keys) == 0 {
+		return msgs, err
+	}
+	var park []int64
+	keep := msgs[:0:0]
+	for _, m := range msgs {
+		if _, q := keys[string(m.Key)]; q && m.Key != nil {
+			park = append(park, m.ID)
+			continue
+		}
+		keep = append(keep, m)
+	}
+	if len(park) == 0 {
+		return msgs, nil
+	}
+	if _, err := p.move(ctx, "park messages", relayID, lease, park, DeadLetterParked, nil); err != nil {
+		return nil, err
+	}
+	p.log.Info("outbox: messages parked behind a dead letter of their key", "bucket", lease.Bucket, "parked", len(park))
+	return keep, nil
+}
+
+// quarantined returns the quarantined keys of lease's bucket, reading
+// them once per lease term. The returned map must not be modified.
+func (p *FailurePolicy) quarantined(ctx context.Context, lease relay.Lease) (map[string]struct{}, error) {
+	p.mu.Lock()
+	q := p.quarantine[lease.Bucket]
+	p.mu.Unlock()
+	if q != nil && q.term == lease.Term {
+		return q.keys, nil
+	}
+	s := p.store
+	db, ctx, cancel := s.op(ctx, "read quarantined keys")
+	defer cancel()
+	var keys [][]byte
+	err := db.Raw("SELECT DISTINCT msg_key FROM "+p.dead+" WHERE bucket = ? AND msg_key IS NOT NULL", lease.Bucket).Scan(&keys).Error
+	if err != nil {
+		return nil, p.fail(ctx, "read quarantined keys", err)
+	}
+	q = &quarantineSet{term: lease.Term, keys: make(map[string]struct{}, len(keys))}
+	for _, k := range keys {
+		q.keys[string(k)] = struct{}{}
+	}
+	p.mu.Lock()
+	p.quarantine[lease.Bucket] = q
+	p.mu.Unlock()
+	return q.keys, nil
+}
+
+// addQuarantined adds key to the bucket's set after this relay
+// dead-lettered a message of it under lease. The set is copied, so maps
+// handed out earlier stay unchanged.
+func (p *FailurePolicy) addQuarantined(lease relay.Lease, key []byte) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	q := p.quarantine[lease.Bucket]
+	if q == nil || q.term != lease.Term {
+		return // read afresh at the next batch
+	}
+	keys := make(map[string]struct{}, len(q.keys)+1)
+	for k := range q.keys {
+		keys[k] = struct{}{}
+	}
+	keys[string(key)] = struct{}{}
+	p.quarantine[lease.Bucket] = &quarantineSet{term: q.term, keys: keys}
+}
+
+// forget drops the bucket's set, so it is read again.
+func (p *FailurePolicy) forget(bucket int) {
+	p.mu.Lock()
+	delete(p.quarantine, bucket)
+	p.mu.Unlock()
+}
+
+// move moves the messages ids of lease's bucket to the dead-letter table
+// with state, in one transaction guarded by the lease. lastError, if set,
+// replaces the stored error text. It returns how many rows moved.
+func (p *FailurePolicy) move(ctx context.Context, name, relayID string, lease relay.Lease, ids []int64, state DeadLetterState, lastError *string) (int, error) {
+	s := p.store
+	db, ctx, cancel := s.op(ctx, name)
+	defer cancel()
+	moved := 0
+	err := db.Transaction(func(tx *gorm.DB) error {
+		if err := s.lockLease(tx, relayID, lease); err != nil {
+			return err
+		}
+		now := nowMs()
+		for chunk := range slices.Chunk(ids, storeChunk) {
+			rows, err := readRows(tx, s.messages, "bucket = ? AND id IN ?", lease.Bucket, chunk)
+			if err != nil {
+				return err
+			}
+			if len(rows) == 0 {
+				continue
+			}
+			for i := range rows {
+				rows[i].deadAtMs = now
+				rows[i].state = state
+				if lastError != nil {
+					rows[i].lastError = lastError
+				}
+			}
+			if err := insertRows(tx, p.dead, rows, true); err != nil {
+				return err
+			}
+			r := tx.Exec("DELETE FROM "+s.messages+" WHERE bucket = ? AND id IN ?", lease.Bucket, rowIDs(rows))
+			if r.Error != nil {
+				return r.Error
+			}
+			if int(r.RowsAffected) != len(rows) {
+				return fmt.Errorf("outbox: %s: deleted %d of %d rows read in the same transaction", name, r.RowsAffected, len(rows))
+			}
+			moved += len(rows)
+		}
+		return nil
+	})
+	if err != nil {
+		if !errors.Is(err, relay.ErrLeaseLost) {
+			// The commit may or may not have happened: read the
+			// quarantined keys again rather than trust the set.
+			p.forget(lease.Bucket)
+		}
+		return 0, p.fail(ctx, name, err)
+	}
+	return moved, nil
+}
+
+// fail wraps an error like Store.fail and reports a missing dead-letter
+// table as a misconfiguration.
+func (p *FailurePolicy) fail(ctx context.Context, name string, err error) error {
+	err = p.store.fail(ctx, name, err)
+	if relay.IsMisconfiguration(err) || errors.Is(err, relay.ErrLeaseLost) || ctx.Err() != nil {
+		return err
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.store.timeout)
+	defer cancel()
+	db := p.store.db.WithContext(cctx)
+	var one int
+	if db.Raw("SELECT 1").Row().Scan(&one) == nil && db.Exec("SELECT 1 FROM "+p.dead+" WHERE 1 = 0").Error != nil {
+		return &relay.MisconfigurationError{
+			Setting: "Tables",
+			Reason: fmt.Sprintf("table %s does not exist: run Tables.AutoMigrate (or your migrations) before starting the relay",
+				p.store.tables.DeadLettersTable()),
+			Err: err,
+		}
+	}
+	return err
+}
+
+// lockLease locks lease's row for the rest of tx and fails with
+// ErrLeaseLost unless relayID holds it under its term, unexpired. The lock
+// orders the relay's dead-letter writes with the admin's requeues, which
+// advance the term under the same lock. SQLite locks the whole database
+// for a writing transaction and needs no row lock.
+func (s *Store) lockLease(tx *gorm.DB, relayID string, lease relay.Lease) error {
+	q := "SELECT term FROM " + s.leases + " WHERE bucket = ? AND owner = ? AND term = ? AND expires_at_ms > ?"
+	if tx.Dialector.Name() != "sqlite" {
+		q += " FOR UPDATE"
+	}
+	var terms []int64
+	if err := tx.Raw(q, lease.Bucket, relayID, lease.Term, nowMs()).Scan(&terms).Error; err != nil {
+		return err
+	}
+	if len(terms) == 0 {
+		return fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+	}
+	return nil
+}
+
+// outboxRow is a row of the messages or the dead-letter table, as moved
+// between them byte for byte.
+type outboxRow struct {
+	id          int64
+	messageID   string
+	bucket      int32
+	topic       string
+	key         []byte
+	value       []byte
+	headers     []byte
+	partition   *int32
+	createdAtMs int64
+	attempts    int32
+	lastError   *string
+	// dead-letter columns
+	deadAtMs int64
+	state    DeadLetterState
+}
+
+const (
+	rowColumns  = "id, message_id, bucket, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts, last_error"
+	deadColumns = rowColumns + ", dead_at_ms, state"
+)
+
+// readRows reads the messages-table columns of the rows of table
+// matching where, in id order.
+func readRows(tx *gorm.DB, table, where string, args ...any) ([]outboxRow, error) {
+	return scanRows(tx, "SELECT "+rowColumns+" FROM "+table+" WHERE "+where+" ORDER BY id", false, args...)
+}
+
+// readDead reads dead letters matching where, in id order.
+func readDead(tx *gorm.DB, table, where string, args ...any) ([]outboxRow, error) {
+	return scanRows(tx, "SELECT "+deadColumns+" FROM "+table+" WHERE "+where+" ORDER BY id", true, args...)
+}
+
+func scanRows(tx *gorm.DB, query string, dead bool, args ...any) ([]outboxRow, error) {
+	rows, err := tx.Raw(query, args...).Rows()
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []outboxRow
+	for rows.Next() {
+		var (
+			r         outboxRow
+			partition sql.NullInt32
+			lastError sql.NullString
+			state     string
+		)
+		dest := []any{&r.id, &r.messageID, &r.bucket, &r.topic, &r.key, &r.value, &r.headers, &partition, &r.createdAtMs, &r.attempts, &lastError}
+		if dead {
+			dest = append(dest, &r.deadAtMs, &state)
+		}
+		if err := rows.Scan(dest...); err != nil {
+			return nil, err
+		}
+		if partition.Valid {
+			v := partition.Int32
+			r.partition = &v
+		}
+		if lastError.Valid {
+			v := lastError.String
+			r.lastError = &v
+		}
+		r.state = DeadLetterState(state)
+		out = append(out, r)
+	}
+	return out, rows.Err()
+}
+
+// insertRows inserts rows in their order, as raw SQL (no GORM callback
+// runs). Into the dead-letter table (dead) the rows keep their ids; into
+// the messages table they get new ids in the order given, with the
+// failure columns reset.
+func insertRows(tx *gorm.DB, table string, rows []outboxRow, dead bool) error {
+	cols, width := "(id, message_id, bucket, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts, last_error, dead_at_ms, state)", 13
+	if !dead {
+		cols, width = insertColumns, 8
+	}
+	place := "(" + strings.TrimSuffix(strings.Repeat("?,", width), ",") + ")"
+	for chunk := range slices.Chunk(rows, insertChunk) {
+		var sb strings.Builder
+		sb.WriteString("INSERT INTO " + table + " " + cols + " VALUES ")
+		args := make([]any, 0, len(chunk)*width)
+		for i, r := range chunk {
+			if i > 0 {
+				sb.WriteString(",")
+			}
+			sb.WriteString(place)
+			if dead {
+				args = append(args, r.id, r.messageID, r.bucket, r.topic, nullBytes(r.key), nullBytes(r.value), nullBytes(r.headers),
+					r.partition, r.createdAtMs, r.attempts, r.lastError, r.deadAtMs, string(r.state))
+			} else {
+				args = append(args, r.messageID, r.bucket, r.topic, nullBytes(r.key), nullBytes(r.value), nullBytes(r.headers),
+					r.partition, r.createdAtMs)
+			}
+		}
+		if err := tx.Exec(sb.String(), args...).Error; err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func rowIDs(rows []outboxRow) []int64 {
+	ids := make([]int64, len(rows))
+	for i, r := range rows {
+		ids[i] = r.id
+	}
+	return ids
+}
+
+// DrainOnce is the one-shot runner: it drains the outbox configured by cfg
+// on db once through pub, with a relay configured by rcfg (its BucketCount
+// defaults to cfg's), and returns how many messages were published. It is
+// relay.DrainOnce with the GORM store and the default failure policy
+// wired in: messages that exhaust the policy are dead-lettered and the
+// drain carries on. Meant for jobs, scripts and tests; with relays running
+// it drains only the buckets it could lease. See relay.Relay.DrainOnce for
+// the error semantics.
+func DrainOnce(ctx context.Context, db *gorm.DB, cfg Config, pub relay.Publisher, rcfg relay.Config) (int, error) {
+	store, err := NewStore(db, cfg)
+	if err != nil {
+		return 0, err
+	}
+	if rcfg.BucketCount == 0 {
+		rcfg.BucketCount = store.buckets
+	}
+	r, err := relay.New(store, pub, rcfg)
+	if err != nil {
+		return 0, err
+	}
+	return r.DrainOnce(ctx)
+}

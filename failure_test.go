@@ -1,0 +1,494 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// poison is a function publisher hook that fails every batch at the first
+// message whose value is in the set, with err, and acknowledges the
+// messages before it.
+type poison struct {
+	mu   sync.Mutex
+	bad  map[string]bool
+	err  error
+	seen map[string]int // publish attempts per value
+}
+
+func newPoison(err error, values ...string) *poison {
+	p := &poison{bad: map[string]bool{}, err: err, seen: map[string]int{}}
+	for _, v := range values {
+		p.bad[v] = true
+	}
+	return p
+}
+
+func (p *poison) heal() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.bad = map[string]bool{}
+}
+
+func (p *poison) hook(_ context.Context, msgs []relay.Message) (int, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i, m := range msgs {
+		p.seen[string(m.Value)]++
+		if p.bad[string(m.Value)] {
+			return i, p.err
+		}
+	}
+	return len(msgs), nil
+}
+
+// relayConfig is fastConfig with the bundle's bucket count.
+func (b *storeBundle) relayConfig(t testing.TB, id string) relay.Config {
+	cfg := fastConfig(t, id)
+	cfg.BucketCount = b.cfg.BucketCount
+	return cfg
+}
+
+// deadRows reads the dead-letter table in id order.
+func (b *storeBundle) deadRows(t testing.TB) []outbox.DeadLetterRow {
+	t.Helper()
+	var rows []outbox.DeadLetterRow
+	require.NoError(t, b.db.DB.Table(b.cfg.Tables.DeadLettersTable()).Order("id").Find(&rows).Error)
+	return rows
+}
+
+// pendingValues reads the values of the pending messages in id order.
+func (b *storeBundle) pendingValues(t testing.TB) []string {
+	t.Helper()
+	var rows []outbox.MessageRow
+	require.NoError(t, b.messages().Order("id").Find(&rows).Error)
+	out := make([]string, len(rows))
+	for i, r := range rows {
+		out[i] = string(r.Value)
+	}
+	return out
+}
+
+func deadValues(rows []outbox.DeadLetterRow) map[string]string {
+	out := map[string]string{}
+	for _, r := range rows {
+		out[string(r.Value)] = r.State
+	}
+	return out
+}
+
+// ackedValues returns the acknowledged values in acknowledgement order.
+func ackedValues(rec *recorder) []string {
+	var out []string
+	for _, m := range rec.acked() {
+		out = append(out, string(m.Value))
+	}
+	return out
+}
+
+// requireKeyOrder checks that the values "key/seq" of key were first
+// acknowledged in ascending seq order and that want is exactly the set.
+func requireKeyOrder(t testing.TB, acked []string, key string, want ...int) {
+	t.Helper()
+	seen := map[string]bool{}
+	var got []int
+	for _, v := range acked {
+		if seen[v] {
+			continue
+		}
+		seen[v] = true
+		k, seqText, ok := strings.Cut(v, "/")
+		if !ok || k != key {
+			continue
+		}
+		seq, err := strconv.Atoi(seqText)
+		require.NoError(t, err)
+		got = append(got, seq)
+	}
+	require.Equal(t, want, got, "deliveries of key %s", key)
+}
+
+// A transient failure is retried with backoff until MaxAttempts, then the
+// message is dead-lettered with its error and attempts, and the bucket
+// moves on.
+func TestFailurePolicyMaxAttempts(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
+		b.insert(t,
+			outbox.MessageRow{MessageID: "a0", Value: []byte("a/0")},
+			outbox.MessageRow{MessageID: "p", Key: []byte("p"), Value: []byte("p/0")},
+			outbox.MessageRow{MessageID: "a1", Value: []byte("a/1")},
+		)
+		created := time.Now()
+		pois := newPoison(errors.New("broker unavailable"), "p/0")
+		policy, err := outbox.NewFailurePolicy(b.store, outbox.FailurePolicyConfig{MaxAttempts: 3, Logger: testLogger(t)})
+		require.NoError(t, err)
+		rec := newRecorder()
+		cfg := b.relayConfig(t, "a")
+		cfg.FailureHandler = policy
+		startRelay(t, b.store, rec.publisher("a", pois.hook), cfg)
+
+		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		dead := b.deadRows(t)
+		require.Len(t, dead, 1)
+		d := dead[0]
+		require.Equal(t, "p", d.MessageID)
+		require.Equal(t, "failed", d.State)
+		require.EqualValues(t, 3, d.Attempts)
+		require.NotNil(t, d.LastError)
+		require.Contains(t, *d.LastError, "broker unavailable")
+		require.Equal(t, []byte("p"), d.Key)
+		require.Equal(t, []byte("p/0"), d.Value)
+		require.WithinDuration(t, created, time.UnixMilli(d.CreatedAtMs), 5*time.Second)
+		require.GreaterOrEqual(t, d.DeadAtMs, d.CreatedAtMs)
+		pois.mu.Lock()
+		require.Equal(t, 3, pois.seen["p/0"], "published exactly MaxAttempts times")
+		pois.mu.Unlock()
+		require.Equal(t, []string{"a/0", "a/1"}, ackedValues(rec))
+	})
+}
+
+// A permanent error dead-letters at once, through the store's default
+// policy: relay.Config.FailureHandler is not set.
+func TestFailurePolicyPermanentDefault(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
+		b.insert(t,
+			outbox.MessageRow{MessageID: "big", Value: []byte("big/0")},
+			outbox.MessageRow{MessageID: "ok", Value: []byte("ok/0")},
+		)
+		pois := newPoison(relay.Permanent(errors.New("message too large")), "big/0")
+		rec := newRecorder()
+		startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
+
+		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		dead := b.deadRows(t)
+		require.Len(t, dead, 1)
+		require.Equal(t, "failed", dead[0].State)
+		require.EqualValues(t, 1, dead[0].Attempts)
+		require.Contains(t, *dead[0].LastError, "message too large")
+		require.Nil(t, dead[0].Key)
+		require.Equal(t, []string{"ok/0"}, ackedValues(rec))
+	})
+}
+
+// Key quarantine: the poison key's later messages are parked, other keys
+// of the bucket flow; messages of the key enqueued later are parked too;
+// requeueing the key restores its order, including pending messages of
+// the key, and delivers everything in order.
+func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
+		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		require.NoError(t, err)
+		b.insert(t, keyed([]string{"k", "j"}, 3)...) // k/0 j/0 k/1 j/1 k/2 j/2
+		pois := newPoison(relay.Permanent(errors.New("rejected")), "k/0")
+		rec := newRecorder()
+		r := startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
+
+		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.Equal(t, map[string]string{"k/0": "failed", "k/1": "parked", "k/2": "parked"}, deadValues(b.deadRows(t)))
+		requireKeyOrder(t, ackedValues(rec), "j", 0, 1, 2)
+		requireKeyOrder(t, ackedValues(rec), "k")
+
+		// Later messages: the quarantined key is parked, the other flows.
+		b.insert(t, outbox.MessageRow{MessageID: "k-3", Key: []byte("k"), Value: []byte("k/3")},
+			outbox.MessageRow{MessageID: "j-3", Key: []byte("j"), Value: []byte("j/3")})
+		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.Equal(t, "parked", deadValues(b.deadRows(t))["k/3"])
+		requireKeyOrder(t, ackedValues(rec), "j", 0, 1, 2, 3)
+		requireKeyOrder(t, ackedValues(rec), "k")
+
+		// With no relay running, a pending message of the key stays pending
+		// and must come after the requeued ones.
+		stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		require.NoError(t, r.Stop(stopCtx))
+		b.insert(t, outbox.MessageRow{MessageID: "k-4", Key: []byte("k"), Value: []byte("k/4")})
+
+		counts, err := admin.CountDeadLetters(ctx)
+		require.NoError(t, err)
+		require.Equal(t, outbox.DeadLetterCounts{Failed: 1, Parked: 3}, counts)
+
+		pois.heal()
+		res, err := admin.RequeueKey(ctx, []byte("k"))
+		require.NoError(t, err)
+		require.EqualValues(t, 4, res.Requeued)
+		require.EqualValues(t, 1, res.Moved)
+		require.Equal(t, []int{0}, res.Buckets)
+		require.Empty(t, b.deadRows(t))
+		require.Equal(t, []string{"k/0", "k/1", "k/2", "k/3", "k/4"}, b.pendingValues(t))
+		var reset []outbox.MessageRow
+		require.NoError(t, b.messages().Order("id").Find(&reset).Error)
+		require.Equal(t, "k-0", reset[0].MessageID, "the message id is kept")
+		require.Zero(t, reset[0].Attempts)
+		require.Nil(t, reset[0].LastError)
+
+		startRelay(t, b.store, rec.publisher("b", pois.hook), b.relayConfig(t, "b"))
+		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		requireKeyOrder(t, ackedValues(rec), "k", 0, 1, 2, 3, 4)
+		require.Empty(t, b.deadRows(t))
+		rec.requireNoOverlap(t)
+	})
+}
+
+// A requeue while the relay runs and holds the bucket: the relay's cached
+// quarantine is revoked with its lease term, so the requeued messages are
+// delivered rather than parked again.
+func TestFailurePolicyRequeueWhileRunning(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
+		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		require.NoError(t, err)
+		b.insert(t, keyed([]string{"k"}, 3)...)
+		pois := newPoison(relay.Permanent(errors.New("rejected")), "k/0")
+		rec := newRecorder()
+		r := startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
+		require.Eventually(t, func() bool { return len(b.deadRows(t)) == 3 }, 10*time.Second, 10*time.Millisecond)
+		require.Equal(t, []relay.Lease{{Bucket: 0, Term: 1}}, r.Leases())
+
+		pois.heal()
+		res, err := admin.RequeueIDs(ctx, b.deadRows(t)[0].ID, 999_999)
+		require.NoError(t, err)
+		require.EqualValues(t, 3, res.Requeued, "a keyed dead letter brings its key group back")
+		require.Equal(t, []int64{999_999}, res.NotFound)
+
+		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.Empty(t, b.deadRows(t))
+		requireKeyOrder(t, ackedValues(rec), "k", 0, 1, 2)
+	})
+}
+
+// Block never gives up: the poison message stays, its bucket does not
+// advance, nothing is dead-lettered, and other buckets flow.
+func TestFailurePolicyBlock(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 2})
+		stuck, free := keyInBucket(t, 0, 2), keyInBucket(t, 1, 2)
+		b.insert(t, keyed([]string{stuck, free}, 3)...)
+		pois := newPoison(relay.Permanent(errors.New("rejected")), stuck+"/0")
+		policy, err := outbox.NewFailurePolicy(b.store, outbox.FailurePolicyConfig{Mode: outbox.ModeBlock, MaxAttempts: 2})
+		require.NoError(t, err)
+		require.Equal(t, outbox.ModeBlock, policy.Config().Mode)
+		rec := newRecorder()
+		cfg := b.relayConfig(t, "a")
+		cfg.FailureHandler = policy
+		startRelay(t, b.store, rec.publisher("a", pois.hook), cfg)
+
+		var head outbox.MessageRow
+		require.Eventually(t, func() bool {
+			head = outbox.MessageRow{}
+			return b.messages().Where("bucket = ?", 0).Order("id").Take(&head).Error == nil && head.Attempts >= 4
+		}, 10*time.Second, 10*time.Millisecond, "the poison message is retried past MaxAttempts")
+		require.Equal(t, stuck+"/0", string(head.Value))
+		require.Contains(t, *head.LastError, "rejected")
+		require.Len(t, b.ids(t, 0), 3, "the blocked bucket does not advance")
+		require.Empty(t, b.ids(t, 1), "the other bucket flows")
+		require.Empty(t, b.deadRows(t))
+		requireKeyOrder(t, ackedValues(rec), free, 0, 1, 2)
+		requireKeyOrder(t, ackedValues(rec), stuck)
+	})
+}
+
+// Keyless messages are never quarantined; DisableQuarantine lets the rest
+// of a key through.
+func TestFailurePolicyNoQuarantine(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
+		b.insert(t,
+			outbox.MessageRow{MessageID: "n0", Value: []byte("n/0")},
+			outbox.MessageRow{MessageID: "n1", Value: []byte("n/1")},
+			outbox.MessageRow{MessageID: "k0", Key: []byte("k"), Value: []byte("k/0")},
+			outbox.MessageRow{MessageID: "k1", Key: []byte("k"), Value: []byte("k/1")},
+			outbox.MessageRow{MessageID: "e0", Key: []byte{}, Value: []byte("e/0")},
+			outbox.MessageRow{MessageID: "e1", Key: []byte{}, Value: []byte("e/1")},
+		)
+		pois := newPoison(relay.Permanent(errors.New("rejected")), "n/0", "k/0")
+		policy, err := outbox.NewFailurePolicy(b.store, outbox.FailurePolicyConfig{DisableQuarantine: true})
+		require.NoError(t, err)
+		rec := newRecorder()
+		cfg := b.relayConfig(t, "a")
+		cfg.FailureHandler = policy
+		startRelay(t, b.store, rec.publisher("a", pois.hook), cfg)
+		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.Equal(t, map[string]string{"n/0": "failed", "k/0": "failed"}, deadValues(b.deadRows(t)))
+		require.Equal(t, []string{"n/1", "k/1", "e/0", "e/1"}, ackedValues(rec))
+	})
+}
+
+// The empty key is a real key: it is quarantined like any other and
+// requeued by RequeueKey([]byte{}).
+func TestFailurePolicyEmptyKey(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
+		b.insert(t,
+			outbox.MessageRow{MessageID: "e0", Key: []byte{}, Value: []byte("e/0")},
+			outbox.MessageRow{MessageID: "n0", Value: []byte("n/0")},
+			outbox.MessageRow{MessageID: "e1", Key: []byte{}, Value: []byte("e/1")},
+		)
+		pois := newPoison(relay.Permanent(errors.New("rejected")), "e/0")
+		rec := newRecorder()
+		r, err := relay.New(b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
+		require.NoError(t, err)
+		n, err := r.DrainOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		require.Equal(t, map[string]string{"e/0": "failed", "e/1": "parked"}, deadValues(b.deadRows(t)))
+
+		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		require.NoError(t, err)
+		pois.heal()
+		res, err := admin.RequeueKey(ctx, []byte{})
+		require.NoError(t, err)
+		require.EqualValues(t, 2, res.Requeued)
+		n, err = r.DrainOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 2, n)
+		require.Equal(t, []string{"n/0", "e/0", "e/1"}, ackedValues(rec))
+		require.Empty(t, b.deadRows(t))
+	})
+}
+
+// The one-shot runner drains everything once, dead-letters what fails
+// permanently and carries on.
+func TestDrainOnceRunner(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{})
+		rows := b.insert(t, keyed(keysN(10), 3)...)
+		pois := newPoison(relay.Permanent(errors.New("rejected")), "key-3/1")
+		rec := newRecorder()
+		cfg := b.relayConfig(t, "once")
+		n, err := outbox.DrainOnce(ctx, db.DB, b.cfg, rec.publisher("once", pois.hook), cfg)
+		require.NoError(t, err)
+		require.Equal(t, len(rows)-2, n)
+		require.Zero(t, b.count(t))
+		require.Equal(t, map[string]string{"key-3/1": "failed", "key-3/2": "parked"}, deadValues(b.deadRows(t)))
+		requireOrdered(t, rec.acked())
+
+		// Nothing left: a second run publishes nothing.
+		n, err = outbox.DrainOnce(ctx, db.DB, b.cfg, rec.publisher("once", nil), cfg)
+		require.NoError(t, err)
+		require.Zero(t, n)
+
+		// A new run (a new store, nothing cached) reads the quarantine from
+		// the dead-letter table: a later message of the key is parked.
+		b.insert(t, outbox.MessageRow{MessageID: "key-3-3", Key: []byte("key-3"), Value: []byte("key-3/3")},
+			outbox.MessageRow{MessageID: "key-4-3", Key: []byte("key-4"), Value: []byte("key-4/3")})
+		n, err = outbox.DrainOnce(ctx, db.DB, b.cfg, rec.publisher("once", nil), cfg)
+		require.NoError(t, err)
+		require.Equal(t, 1, n)
+		require.Equal(t, "parked", deadValues(b.deadRows(t))["key-3/3"])
+		requireKeyOrder(t, ackedValues(rec), "key-3", 0)
+	})
+}
+
+// The paced drain publishes at most RateLimit messages per second, in
+// batches no larger than the pace allows.
+func TestRelayRateLimit(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 2})
+		b.insert(t, keyed(keysN(4), 15)...) // 60 messages
+		rec := newRecorder()
+		cfg := b.relayConfig(t, "paced")
+		cfg.BatchSize = 100
+		cfg.RateLimit = 40 // burst 40: the first 40 at once, 20 more after 0.5s
+		start := time.Now()
+		r, err := relay.New(b.store, rec.publisher("paced", nil), cfg)
+		require.NoError(t, err)
+		n, err := r.DrainOnce(ctx)
+		require.NoError(t, err)
+		require.Equal(t, 60, n)
+		require.GreaterOrEqual(t, time.Since(start), 400*time.Millisecond)
+		for _, c := range rec.snapshot() {
+			require.LessOrEqual(t, len(c.msgs), 40)
+		}
+		requireOrdered(t, rec.acked())
+
+		_, err = relay.New(b.store, rec.publisher("x", nil), relay.Config{RateLimit: -1})
+		require.ErrorIs(t, err, relay.ErrInvalidConfig)
+	})
+}
+
+func TestFailurePolicyConfig(t *testing.T) {
+	t.Parallel()
+	db := dbtest.Open(t, dbtest.SQLite)
+	store, err := outbox.NewStore(db.DB, outbox.Config{})
+	require.NoError(t, err)
+	_, err = outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{MaxAttempts: -1})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	_, err = outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{Mode: 7})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	_, err = outbox.NewFailurePolicy(nil, outbox.FailurePolicyConfig{})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	p, err := outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{})
+	require.NoError(t, err)
+	require.Equal(t, outbox.MaxAttemptsDefault, p.Config().MaxAttempts)
+	require.Equal(t, outbox.ModeDeadLetter, p.Config().Mode)
+	require.Same(t, store.FailurePolicy(), store.FailurePolicy())
+	require.Equal(t, "block", outbox.ModeBlock.String())
+	require.True(t, slices.Contains([]string{"dead-letter"}, outbox.ModeDeadLetter.String()))
+}
+
+// The default wiring: the store brings the failure policy (dead-letter
+// after 10 attempts, key quarantine), and relay.New picks it up.
+func ExampleNewStore_failurePolicy() {
+	var db *gorm.DB // from gorm.Open, with the outbox tables migrated
+	var publisher relay.Publisher
+
+	store, err := outbox.NewStore(db, outbox.Config{})
+	if err != nil {
+		panic(err)
+	}
+	r, err := relay.New(store, publisher, relay.Config{})
+	if err != nil {
+		panic(err)
+	}
+	_ = r.Start(context.Background())
+}
+
+// A policy with other settings, passed to the relay explicitly.
+func ExampleNewFailurePolicy() {
+	var store *outbox.Store // from outbox.NewStore
+	var publisher relay.Publisher
+
+	policy, err := outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{
+		MaxAttempts: 5, // transient failures before dead-lettering
+	})
+	if err != nil {
+		panic(err)
+	}
+	r, err := relay.New(store, publisher, relay.Config{
+		FailureHandler: policy,
+		RateLimit:      200, // messages per second while draining a backlog
+	})
+	if err != nil {
+		panic(err)
+	}
+	_ = r.Start(context.Background())
+}

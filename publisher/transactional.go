@@ -1,0 +1,758 @@
+package publisher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+
+	"github.com/IBM/sarama"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// TransactionalConfig configures a Transactional publisher (strict mode).
+// Brokers and TransactionalIDPrefix are required; every other zero field
+// takes the default documented on it.
+type TransactionalConfig struct {
+	// Brokers are the bootstrap broker addresses, "host:port". Required.
+	Brokers []string
+
+	// TransactionalIDPrefix is the start of every producer's transactional
+	// id: bucket b publishes as TransactionalIDPrefix + strconv.Itoa(b),
+	// for example "orders-outbox-" gives "orders-outbox-0" to
+	// "orders-outbox-7". Required.
+	//
+	// Every relay of one outbox must use the same prefix: the relay that
+	// takes a bucket over initialises the same transactional id, and that
+	// is what makes the broker fence the previous owner. Two outboxes (two
+	// services, or two outbox tables of one service) must never share a
+	// prefix on one cluster: their relays would fence each other on every
+	// batch. The broker's transactional-id ACLs, if any, must allow the
+	// prefix (a PREFIXED ACL on it is the usual way).
+	TransactionalIDPrefix string
+
+	// Configure, if non-nil, adjusts the sarama configuration of every
+	// producer, as KafkaConfig.Configure does: client id (default
+	// DefaultClientID), TLS, SASL, Version (default sarama.DefaultVersion),
+	// compression, timeouts, and the transaction's own settings,
+	// Producer.Transaction.Timeout (sarama's default 1m: how long the
+	// broker lets a stalled relay's open transaction hold back
+	// read_committed consumers before aborting it) and
+	// Producer.Transaction.Retry. It is called once by NewTransactional and
+	// once for every producer started after that; an error it returns fails
+	// NewTransactional or that producer's start.
+	//
+	// After it runs, the publisher enforces what KafkaConfig.Configure
+	// lists (acks=all, idempotence with one request in flight, at least one
+	// retry, Kafka 0.11 or newer, Return.Successes and Return.Errors, the
+	// partitioner, MaxMessageBytes), and sets Producer.Transaction.ID to
+	// the bucket's transactional id. Setting Producer.Transaction.ID here
+	// is an error.
+	Configure func(*sarama.Config) error
+
+	// MessageIDHeader is the record header that carries
+	// relay.Message.MessageID, appended after the message's own headers.
+	// Default DefaultMessageIDHeader.
+	MessageIDHeader string
+
+	// MaxMessageBytes is the largest record, in bytes as sarama estimates
+	// them, that the publisher sends. A batch holding a larger record fails
+	// before any transaction begins, with a permanent error for which
+	// IsTooLarge reports true, naming that record. Keep it at or below the
+	// topic's max.message.bytes. Default DefaultMaxMessageBytes; it must be
+	// below sarama.MaxRequestSize.
+	MaxMessageBytes int
+
+	// Logger receives the publisher's logs: Debug for producer lifecycle
+	// and failed batches, Warn for fencing and failed aborts. Default
+	// slog.Default(). Payloads are never logged.
+	Logger *slog.Logger
+}
+
+// WithDefaults returns a copy of c with every unset optional field set to
+// its default.
+func (c TransactionalConfig) WithDefaults() TransactionalConfig {
+	if c.MessageIDHeader == "" {
+		c.MessageIDHeader = DefaultMessageIDHeader
+	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = DefaultMaxMessageBytes
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+func (c TransactionalConfig) validate() error {
+	if len(c.Brokers) == 0 {
+		return errors.New("publisher: TransactionalConfig.Brokers must name at least one broker")
+	}
+	if c.TransactionalIDPrefix == "" {
+		return errors.New("publisher: TransactionalConfig.TransactionalIDPrefix is required: a prefix unique to this outbox, shared by all of its relays")
+	}
+	if c.MaxMessageBytes <= 0 || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
+		return fmt.Errorf("publisher: TransactionalConfig.MaxMessageBytes must be between 1 and %d, got %d",
+			sarama.MaxRequestSize-1, c.MaxMessageBytes)
+	}
+	return nil
+}
+
+// saramaConfig builds the configuration of the producer with transactional
+// id txnID: defaults, the user's Configure, then the enforced guarantees.
+// An empty txnID builds the configuration NewTransactional connects with.
+// c has its defaults applied.
+func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) {
+	sc := sarama.NewConfig()
+	sc.ClientID = DefaultClientID
+	if c.Configure != nil {
+		if err := c.Configure(sc); err != nil {
+			return nil, fmt.Errorf("publisher: TransactionalConfig.Configure: %w", err)
+		}
+	}
+	if sc.Producer.Transaction.ID != "" {
+		return nil, errors.New("publisher: sarama Producer.Transaction.ID must be empty: the transactional publisher sets it to TransactionalIDPrefix plus the bucket")
+	}
+
+	sc.Producer.RequiredAcks = sarama.WaitForAll
+	sc.Producer.Idempotent = true
+	sc.Net.MaxOpenRequests = 1
+	if sc.Producer.Retry.Max < 1 {
+		sc.Producer.Retry.Max = DefaultRetryMax
+	}
+	if !sc.Version.IsAtLeast(MinKafkaVersion) {
+		sc.Version = MinKafkaVersion
+	}
+	sc.Producer.Return.Successes = true
+	sc.Producer.Return.Errors = true
+	sc.Producer.Partitioner = newPartitioner
+	sc.Producer.MaxMessageBytes = c.MaxMessageBytes
+	sc.Producer.Transaction.ID = txnID
+
+	if err := sc.Validate(); err != nil {
+		return nil, fmt.Errorf("publisher: invalid sarama configuration: %w", err)
+	}
+	return sc, nil
+}
+
+// Transactional is the strict-mode Kafka publisher: every batch is one Kafka
+// transaction of a producer that belongs to the batch's bucket, so a batch
+// becomes visible to read_committed consumers entirely or not at all, and a
+// relay that lost a bucket is fenced by the broker. It implements
+// relay.Publisher and relay.LeaseAware and is safe for concurrent use; see
+// the package documentation and docs/strict-mode.md for its guarantees.
+//
+// Each bucket has its own sarama client and transactional producer, with
+// transactional id TransactionalIDPrefix + bucket. The relay starts a
+// bucket's producer when it acquires the bucket (LeasesAcquired) and closes
+// it when it gives the bucket up (LeasesReleased); Publish starts one
+// itself for a bucket it was not told about. A relay therefore holds one
+// producer, with its own broker connections, per bucket it owns.
+type Transactional struct {
+	cfg      TransactionalConfig
+	idHeader []byte
+	logger   *slog.Logger
+
+	mu      sync.Mutex
+	closed  bool
+	buckets map[int]*txProducer // the current producer of each bucket
+	// bg counts the goroutines that use producers: starts, transactions
+	// and closes. Add is only called under mu while closed is false, or by
+	// one of those goroutines, so that Close's Wait covers them all.
+	bg sync.WaitGroup
+}
+
+var (
+	_ relay.Publisher  = (*Transactional)(nil)
+	_ relay.LeaseAware = (*Transactional)(nil)
+)
+
+// txProducer is one bucket's transactional producer.
+type txProducer struct {
+	bucket int
+	txnID  string
+	log    *slog.Logger
+
+	// sem is held, one at a time, by the transaction in progress (from
+	// BeginTxn to the end of its commit or abort) and finally by close.
+	sem chan struct{}
+
+	// ready is closed once start finished; the fields below it are set
+	// before that and read-only after.
+	ready      chan struct{}
+	client     sarama.Client
+	producer   sarama.AsyncProducer
+	err        error
+	dispatched chan struct{} // closed when dispatch returns
+
+	// broken is set, by the holder of sem, when the producer can no longer
+	// be used (fenced, or its transaction state is fatal or unknown).
+	broken bool
+	// closing is set under Transactional.mu once a close was scheduled.
+	closing bool
+}
+
+// NewTransactional checks cfg and that a broker answers, and returns the
+// strict-mode publisher. It starts no producer: those start per bucket, when
+// the relay acquires a bucket or on the bucket's first Publish.
+func NewTransactional(cfg TransactionalConfig) (*Transactional, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	sc, err := cfg.saramaConfig("")
+	if err != nil {
+		return nil, err
+	}
+	// Fail fast on unreachable brokers, as NewKafka does. The producers
+	// have clients of their own.
+	client, err := sarama.NewClient(cfg.Brokers, sc)
+	if err != nil {
+		return nil, fmt.Errorf("publisher: connect to Kafka: %w", err)
+	}
+	_ = client.Close()
+
+	t := &Transactional{
+		cfg:      cfg,
+		idHeader: []byte(cfg.MessageIDHeader),
+		logger:   cfg.Logger.With(slog.String("component", "outbox_publisher"), slog.Bool("transactional", true)),
+		buckets:  map[int]*txProducer{},
+	}
+	t.logger.Debug("transactional publisher ready", slog.Any("brokers", cfg.Brokers),
+		slog.String("transactional_id_prefix", cfg.TransactionalIDPrefix))
+	return t, nil
+}
+
+// TransactionalID returns the transactional id bucket's producer uses:
+// TransactionalIDPrefix followed by the bucket number in decimal.
+func (t *Transactional) TransactionalID(bucket int) string {
+	return t.cfg.TransactionalIDPrefix + strconv.Itoa(bucket)
+}
+
+// LeasesAcquired starts the producers of the newly owned buckets in the
+// background and returns at once; Publish waits for a bucket's producer to
+// be ready. Starting a producer costs a metadata request, a FindCoordinator
+// and an InitProducerID round trip; the InitProducerID is what fences the
+// bucket's previous owner and aborts its open transaction, if any. An
+// error starting a producer surfaces on the bucket's next Publish, which
+// starts it again. It implements relay.LeaseAware.
+func (t *Transactional) LeasesAcquired(_ context.Context, leases []relay.Lease) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return ErrClosed
+	}
+	for _, l := range leases {
+		if t.buckets[l.Bucket] == nil {
+			t.startLocked(l.Bucket)
+		}
+	}
+	return nil
+}
+
+// LeasesReleased closes the producers of buckets the relay gave up or lost,
+// in the background: a transaction in progress is finished first. It
+// implements relay.LeaseAware.
+func (t *Transactional) LeasesReleased(_ context.Context, leases []relay.Lease) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return
+	}
+	for _, l := range leases {
+		if p := t.buckets[l.Bucket]; p != nil {
+			t.retireLocked(p)
+		}
+	}
+}
+
+// startLocked starts bucket's producer in the background. t.mu is held and
+// t.closed is false.
+func (t *Transactional) startLocked(bucket int) *txProducer {
+	txnID := t.TransactionalID(bucket)
+	p := &txProducer{
+		bucket: bucket,
+		txnID:  txnID,
+		log:    t.logger.With(slog.Int("bucket", bucket), slog.String("transactional_id", txnID)),
+		sem:    make(chan struct{}, 1),
+		ready:  make(chan struct{}),
+	}
+	t.buckets[bucket] = p
+	t.bg.Add(1)
+	go func() {
+		defer t.bg.Done()
+		defer close(p.ready)
+		p.client, p.producer, p.err = t.newProducer(p.txnID)
+		if p.err != nil {
+			p.log.Debug("start transactional producer failed", slog.Any("error", p.err))
+			return
+		}
+		p.dispatched = make(chan struct{})
+		go p.dispatch(t.logger)
+		p.log.Debug("transactional producer started")
+	}()
+	return p
+}
+
+// newProducer connects a client and initialises a transactional producer
+// on it (FindCoordinator, InitProducerID). The producer does not own the
+// client: both must be closed.
+func (t *Transactional) newProducer(txnID string) (sarama.Client, sarama.AsyncProducer, error) {
+	sc, err := t.cfg.saramaConfig(txnID)
+	if err != nil {
+		return nil, nil, startError(txnID, err)
+	}
+	client, err := sarama.NewClient(t.cfg.Brokers, sc)
+	if err != nil {
+		return nil, nil, startError(txnID, err)
+	}
+	producer, err := sarama.NewAsyncProducerFromClient(client)
+	if err != nil {
+		_ = client.Close()
+		return nil, nil, startError(txnID, err)
+	}
+	return client, producer, nil
+}
+
+// startError wraps an error starting a producer. Errors that no retry can
+// fix (the transactional id is not authorized, the transaction timeout is
+// above the broker's maximum) are a *relay.MisconfigurationError, which
+// stops the relay.
+func startError(txnID string, err error) error {
+	err = fmt.Errorf("publisher: start transactional producer %q: %w", txnID, err)
+	switch {
+	case errors.Is(err, sarama.ErrTransactionalIDAuthorizationFailed):
+		return &relay.MisconfigurationError{Setting: "TransactionalIDPrefix",
+			Reason: "the broker does not authorize the transactional id; grant WRITE and DESCRIBE on it (a PREFIXED ACL on the prefix)", Err: err}
+	case errors.Is(err, sarama.ErrInvalidTransactionTimeout):
+		return &relay.MisconfigurationError{Setting: "Producer.Transaction.Timeout",
+			Reason: "it exceeds the broker's transaction.max.timeout.ms", Err: err}
+	}
+	return err
+}
+
+// dispatch routes every producer result to the transaction that sent the
+// message, until sarama closed both output channels.
+func (p *txProducer) dispatch(logger *slog.Logger) {
+	defer close(p.dispatched)
+	successes, errs := p.producer.Successes(), p.producer.Errors()
+	for successes != nil || errs != nil {
+		var (
+			msg *sarama.ProducerMessage
+			err error
+		)
+		select {
+		case m, ok := <-successes:
+			if !ok {
+				successes = nil
+				continue
+			}
+			msg = m
+		case perr, ok := <-errs:
+			if !ok {
+				errs = nil
+				continue
+			}
+			msg, err = perr.Msg, perr.Err
+		}
+		env, ok := msg.Metadata.(*envelope)
+		if !ok {
+			logger.Warn("kafka producer returned a message the publisher did not send", slog.String("topic", msg.Topic))
+			continue
+		}
+		select {
+		case env.call.results <- result{index: env.index, err: err}:
+		default:
+			logger.Warn("kafka producer reported a message twice", slog.String("topic", msg.Topic), slog.Int("index", env.index))
+		}
+	}
+}
+
+// retireLocked takes p out of service and closes it in the background once
+// its transaction in progress, if any, ended. t.mu is held, and t.closed is
+// false or the caller is counted in t.bg.
+func (t *Transactional) retireLocked(p *txProducer) {
+	if t.buckets[p.bucket] == p {
+		delete(t.buckets, p.bucket)
+	}
+	if p.closing {
+		return
+	}
+	p.closing = true
+	t.bg.Add(1)
+	go func() {
+		defer t.bg.Done()
+		<-p.ready
+		// Wait for the transaction in progress. A Publish that took p from
+		// the map before it was retired gets sem after us, finds p retired
+		// and starts a new producer.
+		p.sem <- struct{}{}
+		defer func() { <-p.sem }()
+		if p.producer == nil {
+			return
+		}
+		// Order matters: AsyncClose waits for the messages in flight,
+		// which needs the dispatcher draining; the client is not the
+		// producer's to close.
+		p.producer.AsyncClose()
+		<-p.dispatched
+		_ = p.client.Close()
+		p.log.Debug("transactional producer closed")
+	}()
+}
+
+func (t *Transactional) retire(p *txProducer) {
+	t.mu.Lock()
+	t.retireLocked(p)
+	t.mu.Unlock()
+}
+
+// Publish sends msgs as one Kafka transaction of their bucket's producer
+// and returns len(msgs), nil once the transaction committed. Every message
+// must come from the same bucket, msgs[0].Bucket, as the relay's batches
+// do.
+//
+// Any failure aborts the transaction: Publish returns 0 and nothing of the
+// batch becomes visible to read_committed consumers (read_uncommitted
+// consumers may see the aborted records). A failure caused by one message
+// is a *Error naming it: its Index is that message's position in the batch,
+// not the acknowledged count, so that the relay's failure policy can deal
+// with that message (relay.FailedIndex). A message that cannot be sent at
+// all (no topic, a negative partition, larger than MaxMessageBytes) fails
+// the batch before the transaction begins.
+//
+// When the broker fenced the producer, because another relay initialised
+// the bucket's transactional id after this one, Publish returns an error
+// for which relay.IsFenced reports true; the relay then drops the bucket
+// without deleting anything, and the producer is closed.
+//
+// If ctx ends first, Publish returns 0 and ctx.Err() at once, and the
+// transaction is aborted in the background (it may already have been
+// committed, in which case the batch is published again later: at least
+// once). The bucket's next Publish waits for that abort.
+//
+// Publish does not copy msgs' keys, values or header values; the producer
+// reads them until the transaction ended, also after an early return. Do
+// not modify them meanwhile.
+//
+// Publish calls for different buckets run concurrently; calls for one
+// bucket run one transaction at a time. After Close it returns ErrClosed.
+func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
+	t.mu.Lock()
+	closed := t.closed
+	t.mu.Unlock()
+	if closed {
+		return 0, ErrClosed
+	}
+	if len(msgs) == 0 {
+		return 0, nil
+	}
+	bucket := msgs[0].Bucket
+	for i := range msgs {
+		if msgs[i].Bucket != bucket {
+			return 0, fmt.Errorf("publisher: a transactional batch holds one bucket: message %d is in bucket %d, message 0 in bucket %d",
+				i, msgs[i].Bucket, bucket)
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	b, err := t.build(msgs)
+	if err != nil {
+		t.logFailure(msgs, err)
+		return 0, err
+	}
+	p, err := t.acquire(ctx, bucket)
+	if err != nil {
+		return 0, err
+	}
+
+	// The transaction runs on its own goroutine (counted in t.bg by
+	// acquire) so that Publish can return when ctx ends while the
+	// transaction is aborted, which has to wait for the records in flight.
+	done := make(chan txOutcome, 1)
+	go func() {
+		defer t.bg.Done()
+		done <- t.transact(ctx, p, msgs, b)
+	}()
+	select {
+	case o := <-done:
+		return o.acked, o.err
+	case <-ctx.Done():
+		select {
+		case o := <-done:
+			return o.acked, o.err
+		default:
+			return 0, ctx.Err()
+		}
+	}
+}
+
+// acquire returns bucket's producer, started and ready, with its sem held
+// and t.bg incremented for the transaction that will use it.
+func (t *Transactional) acquire(ctx context.Context, bucket int) (*txProducer, error) {
+	for {
+		t.mu.Lock()
+		if t.closed {
+			t.mu.Unlock()
+			return nil, ErrClosed
+		}
+		p := t.buckets[bucket]
+		if p == nil {
+			p = t.startLocked(bucket)
+		}
+		t.mu.Unlock()
+
+		select {
+		case <-p.ready:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		if p.err != nil {
+			t.retire(p) // the next Publish starts a new one
+			return nil, p.err
+		}
+		select {
+		case p.sem <- struct{}{}:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		t.mu.Lock()
+		usable := !t.closed && t.buckets[bucket] == p && !p.broken
+		if usable {
+			t.bg.Add(1)
+		}
+		t.mu.Unlock()
+		if usable {
+			return p, nil
+		}
+		<-p.sem // retired while we waited: take the current one
+	}
+}
+
+// txBatch is a batch converted for the producer.
+type txBatch struct {
+	pms  []sarama.ProducerMessage
+	envs []envelope
+	call *call
+}
+
+// build converts msgs to producer messages and checks each against what no
+// broker would accept, so that a batch that cannot succeed fails before
+// its transaction begins.
+func (t *Transactional) build(msgs []relay.Message) (*txBatch, error) {
+	n := len(msgs)
+	nHeaders := 0
+	for i := range msgs {
+		nHeaders += len(msgs[i].Headers) + 1
+	}
+	b := &txBatch{
+		pms:  make([]sarama.ProducerMessage, n),
+		envs: make([]envelope, n),
+		call: &call{results: make(chan result, n)},
+	}
+	headers := make([]sarama.RecordHeader, 0, nHeaders)
+	for i := range msgs {
+		m := &msgs[i]
+		if err := checkMessage(m); err != nil {
+			return nil, &Error{Index: i, MessageID: m.MessageID, Topic: m.Topic, Err: err}
+		}
+		env := &b.envs[i]
+		*env = envelope{call: b.call, index: i}
+		if m.Partition != nil {
+			env.pinned, env.partition = true, *m.Partition
+		}
+		start := len(headers)
+		for _, h := range m.Headers {
+			headers = append(headers, sarama.RecordHeader{Key: []byte(h.Key), Value: h.Value})
+		}
+		if m.MessageID != "" {
+			headers = append(headers, sarama.RecordHeader{Key: t.idHeader, Value: []byte(m.MessageID)})
+		}
+		pm := &b.pms[i]
+		pm.Topic = m.Topic
+		pm.Headers = headers[start:len(headers):len(headers)]
+		pm.Metadata = env
+		if m.Key != nil {
+			pm.Key = sarama.ByteEncoder(m.Key)
+		}
+		if m.Value != nil {
+			pm.Value = sarama.ByteEncoder(m.Value)
+		}
+		// The size sarama's dispatcher checks, record format v2 (the
+		// enforced Version is at least 0.11).
+		if size := pm.ByteSize(2); size > t.cfg.MaxMessageBytes {
+			return nil, &Error{Index: i, MessageID: m.MessageID, Topic: m.Topic, Err: relay.Permanent(
+				fmt.Errorf("%w: record of %d bytes exceeds MaxMessageBytes %d", ErrTooLarge, size, t.cfg.MaxMessageBytes))}
+		}
+	}
+	return b, nil
+}
+
+type txOutcome struct {
+	acked int
+	err   error
+}
+
+// transact runs one transaction on p, whose sem the caller holds; it
+// releases it. It returns only after the transaction committed or was
+// aborted (or the producer was found unusable and retired).
+func (t *Transactional) transact(ctx context.Context, p *txProducer, msgs []relay.Message, b *txBatch) (o txOutcome) {
+	defer func() {
+		if p.broken {
+			t.retire(p)
+		}
+		<-p.sem
+	}()
+	log := p.log
+
+	if err := p.producer.BeginTxn(); err != nil {
+		// A producer between transactions is Ready; anything else is a
+		// state it will not leave. Start a new one next time.
+		p.broken = true
+		return txOutcome{err: t.txnError(p, "begin transaction", err)}
+	}
+
+	input := p.producer.Input()
+	sent := 0
+send:
+	for i := range b.pms {
+		select {
+		case input <- &b.pms[i]:
+			sent++
+		case <-ctx.Done():
+			break send
+		}
+	}
+
+	// Wait for every result: the first error reported is the cause, later
+	// ones are usually its consequence (the transaction is in error and
+	// fails what follows).
+	failed, got := -1, 0
+	var cause error
+wait:
+	for got < sent {
+		select {
+		case r := <-b.call.results:
+			got++
+			if r.err != nil && failed < 0 {
+				failed, cause = r.index, r.err
+			}
+		case <-ctx.Done():
+			break wait
+		}
+	}
+
+	switch {
+	case failed >= 0:
+		abortErr := t.abort(p, log)
+		if isFenced(cause) || isFenced(abortErr) {
+			p.broken = true
+			return txOutcome{err: t.fenced(p, errors.Join(cause, abortErr))}
+		}
+		e := &Error{Index: failed, MessageID: msgs[failed].MessageID, Topic: msgs[failed].Topic, Err: classify(cause)}
+		t.logFailure(msgs, e)
+		return txOutcome{err: e}
+	case got < len(b.pms) || ctx.Err() != nil:
+		// Abandoned: AbortTxn waits for what is still in flight. Nobody
+		// waits for the outcome, so a fenced abort only retires p.
+		_ = t.abort(p, log)
+		log.Debug("transaction abandoned and aborted", slog.Int("sent", sent), slog.Int("batch", len(msgs)), slog.Any("error", ctx.Err()))
+		return txOutcome{err: ctx.Err()}
+	}
+
+	if err := p.producer.CommitTxn(); err != nil {
+		if isFenced(err) {
+			p.broken = true
+			return txOutcome{err: t.fenced(p, err)}
+		}
+		if p.producer.TxnStatus()&sarama.ProducerTxnFlagAbortableError != 0 {
+			if abortErr := t.abort(p, log); isFenced(abortErr) {
+				return txOutcome{err: t.fenced(p, errors.Join(err, abortErr))}
+			}
+		} else {
+			p.broken = true
+		}
+		log.Debug("commit failed", slog.Int("batch", len(msgs)), slog.Any("error", err))
+		return txOutcome{err: t.txnError(p, "commit transaction", err)}
+	}
+	return txOutcome{acked: len(msgs)}
+}
+
+// abort aborts p's transaction. A failed abort leaves the producer in an
+// unknown state: it is retired, and the transaction is aborted by the next
+// InitProducerID of the transactional id (this relay's next producer or the
+// next owner's) or by the broker's transaction timeout.
+func (t *Transactional) abort(p *txProducer, log *slog.Logger) error {
+	err := p.producer.AbortTxn()
+	if err == nil {
+		return nil
+	}
+	p.broken = true
+	if isFenced(err) {
+		log.Debug("abort refused: producer fenced", slog.Any("error", err))
+		return err
+	}
+	log.Warn("abort transaction failed; closing the producer", slog.Any("error", err))
+	return err
+}
+
+// fenced builds the error for a fenced producer and logs it.
+func (t *Transactional) fenced(p *txProducer, err error) error {
+	p.log.Warn("producer fenced: another producer initialised the transactional id; the relay leaves the bucket",
+		slog.Any("error", err))
+	return relay.Fenced(fmt.Errorf("publisher: transactional id %q fenced: %w", p.txnID, err))
+}
+
+// txnError wraps a transaction-level failure, one no single message caused.
+func (t *Transactional) txnError(p *txProducer, op string, err error) error {
+	if isFenced(err) {
+		return t.fenced(p, err)
+	}
+	return fmt.Errorf("publisher: %s %q: %w", op, p.txnID, err)
+}
+
+func (t *Transactional) logFailure(msgs []relay.Message, err error) {
+	var e *Error
+	if !errors.As(err, &e) {
+		return
+	}
+	t.logger.Debug("transactional publish failed; nothing of the batch is visible",
+		slog.Int("bucket", msgs[0].Bucket), slog.Int("index", e.Index), slog.String("message_id", e.MessageID),
+		slog.String("topic", e.Topic), slog.Int("batch", len(msgs)), slog.Bool("permanent", relay.IsPermanent(e.Err)),
+		slog.Any("error", e.Err))
+}
+
+// isFenced reports whether err says that the producer's epoch is no longer
+// the transactional id's current one: PRODUCER_FENCED (90; older sarama
+// versions print it as an unknown error code) or INVALID_PRODUCER_EPOCH
+// (47, what brokers answer to clients below protocol 2.7, and to a produce
+// request of a fenced producer).
+func isFenced(err error) bool {
+	return errors.Is(err, sarama.ErrProducerFenced) || errors.Is(err, sarama.ErrInvalidProducerEpoch)
+}
+
+// Close closes every producer, after the transaction in progress on it, if
+// any, committed or aborted (bounded by the producer's retry and network
+// timeouts). After Close, Publish returns ErrClosed. Close is safe to call
+// more than once; later calls wait for the first to finish. Stop the relay
+// before closing its publisher.
+func (t *Transactional) Close() error {
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		t.bg.Wait()
+		return nil
+	}
+	for _, p := range t.buckets {
+		t.retireLocked(p)
+	}
+	t.closed = true
+	t.mu.Unlock()
+	t.bg.Wait()
+	t.logger.Debug("transactional publisher closed")
+	return nil
+}

@@ -1,0 +1,484 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"gorm.io/gorm/schema"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+//go:generate go test -run TestMigrationFiles -update-migrations .
+
+// Dialects accepted by SchemaSQL, Migrations and MigrationFiles. They are
+// the names GORM's dialectors report, so db.Dialector.Name() can be passed
+// as is. "postgresql", "mariadb" and "sqlite3" are accepted as aliases.
+const (
+	DialectPostgres = "postgres"
+	DialectMySQL    = "mysql" // MySQL 8 and MariaDB 10.5+
+	DialectSQLite   = "sqlite"
+)
+
+// Migration file formats accepted by MigrationFiles.
+const (
+	// FormatGolangMigrate is github.com/golang-migrate/migrate: a pair of
+	// files per migration, 000001_outbox.up.sql and 000001_outbox.down.sql.
+	FormatGolangMigrate = "golang-migrate"
+	// FormatGoose is github.com/pressly/goose: one file per migration,
+	// 00001_outbox.sql, with "-- +goose Up" and "-- +goose Down" sections.
+	FormatGoose = "goose"
+)
+
+// SchemaVersion is the version of the outbox tables this release needs:
+// the Version of the last migration that Migrations returns. The relay's
+// store checks at start that the tables have every column up to this
+// version (see Store.CheckSchema).
+const SchemaVersion = 1
+
+// Migration is one step of the outbox schema, as SQL statements without
+// trailing semicolons, in the order they must run. Migrations are
+// append-only: a released migration never changes, a later release adds
+// the next one.
+type Migration struct {
+	// Version numbers the migrations from 1 without gaps.
+	Version int
+	// Name is a short snake_case description, e.g. "outbox".
+	Name string
+	// Up creates or changes the tables; Down reverts exactly that.
+	Up, Down []string
+}
+
+// ID is the migration's file name stem: the version on six digits and
+// the name, e.g. "000001_outbox".
+func (m Migration) ID() string { return fmt.Sprintf("%06d_%s", m.Version, m.Name) }
+
+// MigrationFile is one file of a migration tool's directory.
+type MigrationFile struct {
+	// Name is the base name, e.g. "000001_outbox.up.sql".
+	Name    string
+	Content []byte
+}
+
+// SchemaError reports outbox tables older than this release needs: a
+// table or a column is missing. Store.CheckSchema returns it, and the
+// relay stops on it at start with a *relay.MisconfigurationError that
+// wraps it. It wraps ErrSchemaOutdated.
+type SchemaError struct {
+	// Table is the schema-qualified table name.
+	Table string
+	// Column is the missing column, or "" when the whole table is missing.
+	Column string
+	// Migration is the ID of the migration that creates what is missing,
+	// e.g. "000001_outbox".
+	Migration string
+}
+
+// ErrSchemaOutdated is wrapped by every *SchemaError.
+var ErrSchemaOutdated = errors.New("outbox: the outbox tables are older than this release needs")
+
+func (e *SchemaError) Error() string {
+	fix := "apply the outbox migrations up to " + e.Migration + " (github.com/gorm-outbox/outbox/migrations, or outbox.Migrations) or run Tables.AutoMigrate before starting the relay"
+	if e.Column == "" {
+		return fmt.Sprintf("outbox: table %s does not exist: %s", e.Table, fix)
+	}
+	return fmt.Sprintf("outbox: table %s has no column %s: %s", e.Table, e.Column, fix)
+}
+
+// Is lets errors.Is(err, ErrSchemaOutdated) match.
+func (e *SchemaError) Is(target error) bool { return target == ErrSchemaOutdated }
+
+// column is one column of an outbox table, with its type and constraints
+// in each dialect, spelled as Tables.AutoMigrate creates it, and the
+// migration that added it.
+type column struct {
+	name              string
+	pg, mysql, sqlite string
+	since             int
+}
+
+type index struct {
+	suffix  string // the index name is idx_<table>_<suffix>
+	columns []string
+}
+
+// tableDef describes one outbox table. It is the single source of the
+// DDL, the migration files and the store's schema check; the schema tests
+// prove it equivalent to the GORM models of model.go on every database.
+type tableDef struct {
+	name    func(Tables) string // unqualified name
+	columns []column
+	pk      string
+	indexes []index
+}
+
+// The column types are exactly those GORM's migrators emit for the models
+// in model.go, so that AutoMigrate finds nothing to change on tables made
+// from this SQL, and vice versa.
+var outboxTables = []tableDef{
+	{
+		name: func(t Tables) string { return t.Messages },
+		columns: []column{
+			{"id", "bigserial", "bigint AUTO_INCREMENT", "integer PRIMARY KEY AUTOINCREMENT", 1},
+			{"message_id", "varchar(64) NOT NULL", "varchar(64) NOT NULL", "varchar(64) NOT NULL", 1},
+			{"bucket", "integer NOT NULL", "int NOT NULL", "integer NOT NULL", 1},
+			{"topic", "varchar(249) NOT NULL", "varchar(249) NOT NULL", "varchar(249) NOT NULL", 1},
+			{"msg_key", "bytea", "longblob", "blob", 1},
+			{"msg_value", "bytea", "longblob", "blob", 1},
+			{"headers", "bytea", "longblob", "blob", 1},
+			{"msg_partition", "integer", "int", "integer", 1},
+			{"created_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
+			{"attempts", "integer NOT NULL DEFAULT 0", "int NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
+			{"next_attempt_at_ms", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
+			{"last_error", "text", "text", "text", 1},
+		},
+		pk:      "id",
+		indexes: []index{{"bucket_id", []string{"bucket", "id"}}},
+	},
+	{
+		name: func(t Tables) string { return t.Leases },
+		columns: []column{
+			{"bucket", "integer", "int", "integer", 1},
+			{"owner", "varchar(128)", "varchar(128)", "varchar(128)", 1},
+			{"term", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
+			{"expires_at_ms", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
+			{"paused", "boolean NOT NULL DEFAULT false", "boolean NOT NULL DEFAULT false", "numeric NOT NULL DEFAULT false", 1},
+		},
+		pk: "bucket",
+	},
+	{
+		name: func(t Tables) string { return t.Relays },
+		columns: []column{
+			{"relay_id", "varchar(128)", "varchar(128)", "varchar(128)", 1},
+			{"last_seen_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
+			{"started_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
+		},
+		pk: "relay_id",
+	},
+	{
+		name: func(t Tables) string { return t.DeadLetters },
+		columns: []column{
+			{"id", "bigint", "bigint", "integer", 1},
+			{"message_id", "varchar(64) NOT NULL", "varchar(64) NOT NULL", "varchar(64) NOT NULL", 1},
+			{"bucket", "integer NOT NULL", "int NOT NULL", "integer NOT NULL", 1},
+			{"topic", "varchar(249) NOT NULL", "varchar(249) NOT NULL", "varchar(249) NOT NULL", 1},
+			{"msg_key", "bytea", "longblob", "blob", 1},
+			{"msg_value", "bytea", "longblob", "blob", 1},
+			{"headers", "bytea", "longblob", "blob", 1},
+			{"msg_partition", "integer", "int", "integer", 1},
+			{"created_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
+			{"attempts", "integer NOT NULL DEFAULT 0", "int NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
+			{"last_error", "text", "text", "text", 1},
+			{"dead_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
+			{"state", "varchar(16) NOT NULL", "varchar(16) NOT NULL", "varchar(16) NOT NULL", 1},
+		},
+		pk: "id",
+		indexes: []index{
+			{"bucket_id", []string{"bucket", "id"}},
+			{"dead_at_ms", []string{"dead_at_ms"}},
+		},
+	},
+}
+
+// migrationNames names each migration by version; index 0 is version 1.
+var migrationNames = []string{"outbox"}
+
+// normalizeDialect maps a dialect name or alias to its Dialect constant.
+func normalizeDialect(dialect string) (string, error) {
+	switch strings.ToLower(dialect) {
+	case DialectPostgres, "postgresql", "pgx", "pg":
+		return DialectPostgres, nil
+	case DialectMySQL, "mariadb":
+		return DialectMySQL, nil
+	case DialectSQLite, "sqlite3":
+		return DialectSQLite, nil
+	}
+	return "", &ConfigError{Field: "dialect", Value: fmt.Sprintf("%q", dialect), Reason: "must be postgres, mysql (MariaDB) or sqlite"}
+}
+
+// completeTables fills in the default names and validates them like
+// Config.Validate.
+func completeTables(tables Tables) (Tables, error) {
+	cfg := Config{Tables: tables}.WithDefaults()
+	if err := cfg.Validate(); err != nil {
+		return Tables{}, err
+	}
+	return cfg.Tables, nil
+}
+
+// ddl renders the statements of one dialect. Identifiers are quoted the
+// way GORM quotes them; Tables validation already limits them to
+// [A-Za-z_][A-Za-z0-9_]*.
+type ddl struct {
+	dialect string
+	tables  Tables
+}
+
+func (d ddl) quote(name string) string {
+	if d.dialect == DialectMySQL {
+		return "`" + name + "`"
+	}
+	return `"` + name + `"`
+}
+
+// table returns the quoted, schema-qualified table name.
+func (d ddl) table(name string) string {
+	if d.tables.Schema == "" {
+		return d.quote(name)
+	}
+	return d.quote(d.tables.Schema) + "." + d.quote(name)
+}
+
+func (d ddl) columnList(cols []string) string {
+	q := make([]string, len(cols))
+	for i, c := range cols {
+		q[i] = d.quote(c)
+	}
+	return strings.Join(q, ", ")
+}
+
+// indexName is the name GORM's default naming strategy gives the index:
+// idx_<table>_<suffix>, shortened with a hash past the identifier limit
+// GORM's dialector sets (63 characters on PostgreSQL, 64 elsewhere).
+func (d ddl) indexName(table, suffix string) string {
+	limit := 64
+	if d.dialect == DialectPostgres {
+		limit = 63
+	}
+	return schema.NamingStrategy{IdentifierMaxLength: limit}.IndexName(table, suffix)
+}
+
+func (d ddl) typeOf(c column) string {
+	switch d.dialect {
+	case DialectPostgres:
+		return c.pg
+	case DialectMySQL:
+		return c.mysql
+	}
+	return c.sqlite
+}
+
+// create returns the CREATE TABLE and CREATE INDEX statements of t for the
+// columns added up to version.
+func (d ddl) create(t tableDef, version int) []string {
+	name := t.name(d.tables)
+	var sb strings.Builder
+	sb.WriteString("CREATE TABLE IF NOT EXISTS " + d.table(name) + " (\n")
+	var defs []string
+	for _, c := range t.columns {
+		if c.since <= version {
+			defs = append(defs, "  "+d.quote(c.name)+" "+d.typeOf(c))
+		}
+	}
+	// SQLite declares an AUTOINCREMENT key on its column.
+	if !(d.dialect == DialectSQLite && strings.Contains(d.typeOf(t.columns[0]), "PRIMARY KEY")) {
+		defs = append(defs, "  PRIMARY KEY ("+d.quote(t.pk)+")")
+	}
+	if d.dialect == DialectMySQL {
+		// MySQL declares indexes inside CREATE TABLE, as GORM does: MySQL
+		// has no CREATE INDEX IF NOT EXISTS.
+		for _, ix := range t.indexes {
+			defs = append(defs, "  INDEX "+d.quote(d.indexName(name, ix.suffix))+" ("+d.columnList(ix.columns)+")")
+		}
+	}
+	sb.WriteString(strings.Join(defs, ",\n"))
+	sb.WriteString("\n)")
+	if d.dialect == DialectMySQL {
+		// The outbox needs transactions: never let a server default put
+		// the tables on a non-transactional engine.
+		sb.WriteString(" ENGINE=InnoDB")
+	}
+	stmts := []string{sb.String()}
+	if d.dialect == DialectMySQL {
+		return stmts
+	}
+	for _, ix := range t.indexes {
+		iname := d.quote(d.indexName(name, ix.suffix))
+		on := d.table(name)
+		if d.dialect == DialectSQLite && d.tables.Schema != "" {
+			// SQLite qualifies the index, not the table it is on.
+			iname = d.quote(d.tables.Schema) + "." + iname
+			on = d.quote(name)
+		}
+		stmts = append(stmts, "CREATE INDEX IF NOT EXISTS "+iname+" ON "+on+" ("+d.columnList(ix.columns)+")")
+	}
+	return stmts
+}
+
+// Migrations returns every migration of the outbox tables for the dialect
+// and table names, oldest first. Zero fields of tables take their default
+// names; invalid names are refused with a *ConfigError, like NewPlugin.
+//
+// Apply them in order with your migration tool (MigrationFiles writes them
+// in its format) or by executing the statements yourself. The statements
+// are idempotent (CREATE ... IF NOT EXISTS, DROP ... IF EXISTS), so the
+// first migration also adopts tables that Tables.AutoMigrate created
+// earlier.
+func Migrations(dialect string, tables Tables) ([]Migration, error) {
+	dialect, err := normalizeDialect(dialect)
+	if err != nil {
+		return nil, err
+	}
+	if tables, err = completeTables(tables); err != nil {
+		return nil, err
+	}
+	d := ddl{dialect: dialect, tables: tables}
+	ms := make([]Migration, 0, SchemaVersion)
+	// Version 1 creates the tables; a later version adds its ALTER
+	// statements here, and its columns to outboxTables with since set to
+	// it.
+	m := Migration{Version: 1, Name: migrationNames[0]}
+	for _, t := range outboxTables {
+		m.Up = append(m.Up, d.create(t, 1)...)
+	}
+	for i := len(outboxTables) - 1; i >= 0; i-- {
+		m.Down = append(m.Down, "DROP TABLE IF EXISTS "+d.table(outboxTables[i].name(tables)))
+	}
+	ms = append(ms, m)
+	return ms, nil
+}
+
+// SchemaSQL returns the statements that create the outbox tables and
+// their indexes, as this release needs them, for the dialect
+// ("postgres", "mysql" or "sqlite"; db.Dialector.Name() fits) and table
+// names (zero fields take their defaults; Schema qualifies every table).
+// The statements have no trailing semicolons; execute them in order. They
+// are the Up statements of every migration, and create the same columns,
+// types, nullability and indexes as Tables.AutoMigrate.
+func SchemaSQL(dialect string, tables Tables) ([]string, error) {
+	ms, err := Migrations(dialect, tables)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, m := range ms {
+		out = append(out, m.Up...)
+	}
+	return out, nil
+}
+
+// MigrationFiles renders Migrations(dialect, tables) as the files of a
+// migration tool: FormatGolangMigrate ("golang-migrate") or FormatGoose
+// ("goose"). The files shipped under migrations/<dialect>/ in this module
+// are MigrationFiles for the default table names; call it yourself for
+// custom names or a schema.
+func MigrationFiles(dialect string, tables Tables, format string) ([]MigrationFile, error) {
+	if format != FormatGolangMigrate && format != FormatGoose {
+		return nil, &ConfigError{Field: "format", Value: fmt.Sprintf("%q", format), Reason: "must be golang-migrate or goose"}
+	}
+	ms, err := Migrations(dialect, tables)
+	if err != nil {
+		return nil, err
+	}
+	var files []MigrationFile
+	for _, m := range ms {
+		// The header depends on the migration only, so a released file
+		// never changes when later migrations are added.
+		header := fmt.Sprintf("-- gorm-outbox schema migration %d (%s), %s dialect.\n"+
+			"-- Generated by outbox.MigrationFiles; do not edit.\n", m.Version, m.Name, dialectName(dialect))
+		switch format {
+		case FormatGolangMigrate:
+			files = append(files,
+				MigrationFile{Name: m.ID() + ".up.sql", Content: []byte(header + "\n" + sqlScript(m.Up))},
+				MigrationFile{Name: m.ID() + ".down.sql", Content: []byte(header + "\n" + sqlScript(m.Down))})
+		case FormatGoose:
+			files = append(files, MigrationFile{
+				Name: fmt.Sprintf("%05d_%s.sql", m.Version, m.Name),
+				Content: []byte(header + "\n-- +goose Up\n" + sqlScript(m.Up) +
+					"\n-- +goose Down\n" + sqlScript(m.Down)),
+			})
+		}
+	}
+	return files, nil
+}
+
+func dialectName(dialect string) string {
+	d, _ := normalizeDialect(dialect)
+	return d
+}
+
+// sqlScript joins statements into a script, one statement per paragraph,
+// each ending with a semicolon at the end of its last line (where goose
+// looks for it).
+func sqlScript(stmts []string) string {
+	var sb strings.Builder
+	for i, s := range stmts {
+		if i > 0 {
+			sb.WriteString("\n")
+		}
+		sb.WriteString(s)
+		sb.WriteString(";\n")
+	}
+	return sb.String()
+}
+
+// CheckSchema verifies that the outbox tables exist and have every column
+// this release needs, with one "SELECT <columns> FROM <table> WHERE 1 = 0"
+// per table: no rows are read and nothing is locked.
+// A missing table or column is reported as a *SchemaError naming it and
+// the migration that adds it; an unreachable database as a plain error.
+//
+// The relay calls it through the store at its first lease acquisition and
+// stops with a *relay.MisconfigurationError wrapping the *SchemaError.
+// Call it yourself in a readiness probe or after running migrations.
+func (s *Store) CheckSchema(ctx context.Context) error {
+	db, ctx, cancel := s.op(ctx, "check schema")
+	defer cancel()
+	for _, t := range outboxTables {
+		name := s.tables.qualified(t.name(s.tables))
+		quoted := db.Statement.Quote(name)
+		cols := make([]string, 0, len(t.columns))
+		for _, c := range t.columns {
+			if c.since <= SchemaVersion {
+				cols = append(cols, db.Statement.Quote(c.name))
+			}
+		}
+		err := db.Exec("SELECT " + strings.Join(cols, ", ") + " FROM " + quoted + " WHERE 1 = 0").Error
+		if err == nil {
+			continue
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("outbox: store check schema: %w", context.Cause(ctx))
+		}
+		var one int
+		if db.Raw("SELECT 1").Row().Scan(&one) != nil {
+			return fmt.Errorf("outbox: store check schema: %w", err) // unreachable: not a schema problem
+		}
+		if db.Exec("SELECT 1 FROM "+quoted+" WHERE 1 = 0").Error != nil {
+			return &SchemaError{Table: name, Migration: migrationID(1)}
+		}
+		for _, c := range t.columns {
+			if c.since <= SchemaVersion && db.Exec("SELECT "+db.Statement.Quote(c.name)+" FROM "+quoted+" WHERE 1 = 0").Error != nil {
+				return &SchemaError{Table: name, Column: c.name, Migration: migrationID(c.since)}
+			}
+		}
+		return fmt.Errorf("outbox: store check schema of %s: %w", name, err)
+	}
+	return nil
+}
+
+// checkSchemaOnce runs CheckSchema until it passes once, turning a
+// *SchemaError into the *relay.MisconfigurationError that stops the relay.
+// AcquireLeases calls it, so the check costs one statement per table at
+// relay start.
+func (s *Store) checkSchemaOnce(ctx context.Context) error {
+	if s.schemaOK.Load() {
+		return nil
+	}
+	err := s.CheckSchema(ctx)
+	var se *SchemaError
+	if errors.As(err, &se) {
+		return &relay.MisconfigurationError{Setting: "Tables", Reason: "the outbox schema is older than this release needs", Err: se}
+	}
+	if err != nil {
+		return err
+	}
+	s.schemaOK.Store(true)
+	return nil
+}
+
+func migrationID(version int) string {
+	return Migration{Version: version, Name: migrationNames[version-1]}.ID()
+}

@@ -31,6 +31,8 @@ type Plugin struct {
 	rules []Rule
 	// models caches, per model struct type, the rules that apply to it.
 	models sync.Map // reflect.Type -> *modelRules
+	// singleInsert caches the single-row INSERT per table and style.
+	singleInsert sync.Map // singleInsertKey -> string
 }
 
 type modelRules struct {

@@ -125,25 +125,8 @@ func ValidateIdentifier(field, name string) error {
 
 // Validate checks a configuration that WithDefaults has filled in.
 func (c Config) Validate() error {
-	if c.Tables.Schema != "" {
-		if err := ValidateIdentifier("Tables.Schema", c.Tables.Schema); err != nil {
-			return err
-		}
-	}
-	names := map[string]string{}
-	for _, t := range []struct{ field, name string }{
-		{"Tables.Messages", c.Tables.Messages},
-		{"Tables.Leases", c.Tables.Leases},
-		{"Tables.Relays", c.Tables.Relays},
-		{"Tables.DeadLetters", c.Tables.DeadLetters},
-	} {
-		if err := ValidateIdentifier(t.field, t.name); err != nil {
-			return err
-		}
-		if other, dup := names[t.name]; dup {
-			return &ConfigError{Field: t.field, Value: t.name, Reason: "same table name as " + other}
-		}
-		names[t.name] = t.field
+	if err := c.Tables.Validate(); err != nil {
+		return err
 	}
 	if c.BucketCount < 1 || c.BucketCount > BucketCountMax {
 		return &ConfigError{Field: "BucketCount", Value: c.BucketCount, Reason: fmt.Sprintf("must be between 1 and %d", BucketCountMax)}
@@ -152,6 +135,33 @@ func (c Config) Validate() error {
 		if r == nil {
 			return &ConfigError{Field: fmt.Sprintf("Rules[%d]", i), Value: nil, Reason: "nil rule"}
 		}
+	}
+	return nil
+}
+
+// Validate checks that every name is a plain identifier and that the four
+// tables are distinct. Empty names are refused: fill them in with
+// Config.WithDefaults or WithPrefix first.
+func (t Tables) Validate() error {
+	if t.Schema != "" {
+		if err := ValidateIdentifier("Tables.Schema", t.Schema); err != nil {
+			return err
+		}
+	}
+	names := map[string]string{}
+	for _, n := range []struct{ field, name string }{
+		{"Tables.Messages", t.Messages},
+		{"Tables.Leases", t.Leases},
+		{"Tables.Relays", t.Relays},
+		{"Tables.DeadLetters", t.DeadLetters},
+	} {
+		if err := ValidateIdentifier(n.field, n.name); err != nil {
+			return err
+		}
+		if other, dup := names[n.name]; dup {
+			return &ConfigError{Field: n.field, Value: n.name, Reason: "same table name as " + other}
+		}
+		names[n.name] = n.field
 	}
 	return nil
 }

@@ -3,6 +3,7 @@ package outbox
 import (
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"time"
@@ -101,12 +102,39 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 			return err
 		}
 	}
+	style := placeholderStyle(tx.Dialector.Name())
+	packetLimit := 0
+	if tx.Dialector.Name() == "mysql" {
+		packetLimit = p.mysqlPacketLimit(tx)
+	}
+	if packetLimit > 0 {
+		for _, m := range msgs {
+			if size := m.Size(); size+packetOverhead > packetLimit {
+				return &TooLargeError{Topic: m.Topic, Size: size, Limit: packetLimit - packetOverhead, Setting: "max_allowed_packet"}
+			}
+		}
+	}
+	budget := statementBytes
+	if packetLimit > 0 {
+		budget = min(budget, packetLimit-packetOverhead)
+	}
 	now := time.Now().UnixMilli()
 	conn := p.findTx(tx.Statement.ConnPool)
-	style := placeholderStyle(tx.Dialector.Name())
 	table := tx.Statement.Quote(p.cfg.Tables.MessagesTable())
-	for start := 0; start < len(msgs); start += insertChunk {
-		chunk := msgs[start:min(start+insertChunk, len(msgs))]
+	for start := 0; start < len(msgs); {
+		// One statement holds at most insertChunk rows and, unless a
+		// single message is larger, statementBytes of payload.
+		end, bytes := start, 0
+		for end < len(msgs) && end-start < insertChunk {
+			size := msgs[end].Size() + rowOverhead
+			if end > start && bytes+size > budget {
+				break
+			}
+			bytes += size
+			end++
+		}
+		chunk := msgs[start:end]
+		start = end
 		args := make([]any, 0, len(chunk)*insertArgs)
 		for _, m := range chunk {
 			if m.ID == "" {
@@ -131,6 +159,39 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 		}
 	}
 	return nil
+}
+
+const (
+	// statementBytes bounds the payload of one multi-row INSERT, so a
+	// batch of large messages becomes several statements of a sane size.
+	statementBytes = 4 << 20
+	// rowOverhead approximates the bytes of a row besides key, value and
+	// headers: id, topic, bucket, partition, time, placeholders.
+	rowOverhead = 400
+	// packetOverhead is the room left in MySQL's max_allowed_packet for
+	// the statement around one message.
+	packetOverhead = 16 << 10
+)
+
+// mysqlPacketLimit returns the server's max_allowed_packet, read once
+// through the write's connection; 0 when it cannot be read. A statement
+// larger than it makes MySQL and MariaDB drop the connection, which the
+// driver reports as "commands out of sync": refusing the message up front
+// gives the writer a clear, typed error instead.
+func (p *Plugin) mysqlPacketLimit(tx *gorm.DB) int {
+	if v := p.packetLimit.Load(); v != 0 {
+		return int(max(v, 0))
+	}
+	var limit int64
+	err := tx.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Raw("SELECT @@max_allowed_packet").Scan(&limit).Error
+	if err != nil || limit <= packetOverhead {
+		p.cfg.Logger.Warn("outbox: cannot read max_allowed_packet; large messages are not checked against it",
+			slog.String("outbox", p.cfg.Name), slog.Any("err", err))
+		p.packetLimit.Store(-1)
+		return 0
+	}
+	p.packetLimit.Store(limit)
+	return int(limit)
 }
 
 // insertArgs is the number of values of one row in insertColumns.

@@ -66,16 +66,24 @@ func (e *MessageError) Error() string {
 // Unwrap lets errors.Is(err, ErrInvalidMessage) match.
 func (e *MessageError) Unwrap() error { return ErrInvalidMessage }
 
-// TooLargeError is returned when a message exceeds Config.MaxMessageBytes.
-// It wraps ErrInvalidMessage.
+// TooLargeError is returned when a message exceeds Config.MaxMessageBytes,
+// or, on MySQL/MariaDB, the server's max_allowed_packet (a larger value
+// would make the server drop the connection mid-statement). It wraps
+// ErrInvalidMessage.
 type TooLargeError struct {
 	Topic string
 	Size  int // bytes counted: key + value + headers
 	Limit int
+	// Setting names the limit: "MaxMessageBytes" or "max_allowed_packet".
+	Setting string
 }
 
 func (e *TooLargeError) Error() string {
-	return fmt.Sprintf("outbox: message for topic %q is %d bytes, over MaxMessageBytes %d", e.Topic, e.Size, e.Limit)
+	setting := e.Setting
+	if setting == "" {
+		setting = "MaxMessageBytes"
+	}
+	return fmt.Sprintf("outbox: message for topic %q is %d bytes, over %s %d", e.Topic, e.Size, setting, e.Limit)
 }
 
 // Unwrap lets errors.Is(err, ErrInvalidMessage) match.

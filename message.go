@@ -117,7 +117,7 @@ func (m *Message) validate(maxBytes int) error {
 		return &MessageError{Field: "ID", Topic: m.Topic, Reason: "message id longer than 64 characters"}
 	}
 	if size := m.Size(); maxBytes > 0 && size > maxBytes {
-		return &TooLargeError{Topic: m.Topic, Size: size, Limit: maxBytes}
+		return &TooLargeError{Topic: m.Topic, Size: size, Limit: maxBytes, Setting: "MaxMessageBytes"}
 	}
 	return nil
 }

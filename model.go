@@ -93,8 +93,14 @@ func Models() []any {
 }
 
 // AutoMigrate creates or updates the outbox tables under the configured
-// names. Running it again changes nothing.
+// names; empty names take their defaults. Running it again changes
+// nothing. The names are validated first (see Validate): nothing runs for
+// a name that is not a plain identifier.
 func (t Tables) AutoMigrate(ctx context.Context, db *gorm.DB) error {
+	t = Config{Tables: t}.WithDefaults().Tables
+	if err := t.Validate(); err != nil {
+		return err
+	}
 	db = db.Session(&gorm.Session{NewDB: true, Context: ctx})
 	for _, m := range []struct {
 		table string

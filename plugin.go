@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"reflect"
 	"sync"
+	"sync/atomic"
 
 	"gorm.io/gorm"
 )
@@ -33,6 +34,9 @@ type Plugin struct {
 	models sync.Map // reflect.Type -> *modelRules
 	// singleInsert caches the single-row INSERT per table and style.
 	singleInsert sync.Map // singleInsertKey -> string
+	// packetLimit is MySQL's max_allowed_packet once read; -1 when it
+	// could not be read.
+	packetLimit atomic.Int64
 }
 
 type modelRules struct {

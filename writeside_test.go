@@ -680,3 +680,32 @@ func TestConcurrentCommitsAllNotified(t *testing.T) {
 		}
 	})
 }
+
+// A batch of large messages is split into statements of a sane size, so
+// it stays under MySQL's max_allowed_packet (16 MiB by default) even when
+// the whole batch is larger.
+func TestLargeBatchIsSplit(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b := setupWrite(t, dbt, outbox.Config{})
+		value := []byte(strings.Repeat("x", 100_000))
+		msgs := make([]*outbox.Message, 250) // 25 MB in one transaction
+		for i := range msgs {
+			msgs[i] = &outbox.Message{Topic: "big", Key: []byte(strconv.Itoa(i)), Value: value}
+		}
+		require.NoError(t, b.db.Transaction(func(tx *gorm.DB) error { return outbox.Enqueue(tx, msgs...) }))
+		var n int64
+		require.NoError(t, b.db.Table(b.plugin.Config().Tables.MessagesTable()).Count(&n).Error)
+		require.Equal(t, int64(len(msgs)), n)
+	})
+}
+
+func TestAutoMigrateRefusesHostileNames(t *testing.T) {
+	t.Parallel()
+	dbt := dbtest.Open(t, dbtest.SQLite)
+	require.NoError(t, dbt.DB.Exec("CREATE TABLE victims (id INTEGER)").Error)
+	tables := outbox.Tables{Messages: "t (id INTEGER); DROP TABLE victims; CREATE TABLE z", Leases: "l", Relays: "r", DeadLetters: "d"}
+	err := tables.AutoMigrate(context.Background(), dbt.DB)
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	require.True(t, dbt.DB.Migrator().HasTable("victims"), "nothing ran")
+}

@@ -1,0 +1,210 @@
+// Command chaos-relay is the relay process of the chaos test
+// (test/chaos): one outbox relay on PostgreSQL publishing to a
+// Kafka-protocol cluster, configured by flags and the environment, that
+// the test kills (SIGKILL), stops (SIGTERM), pauses (SIGSTOP/SIGCONT) and
+// restarts.
+//
+//	CHAOS_DSN='host=127.0.0.1 user=postgres dbname=test search_path=s application_name=chaos-relay-0' \
+//	  chaos-relay -brokers 127.0.0.1:9092 -buckets 16 -lease 2s -renew 500ms
+//
+// The DSN comes from the environment, not a flag, so that a password in it
+// never shows in a process listing. Set application_name in the DSN: the
+// test finds the relay's database backends by it to terminate them.
+//
+// SIGTERM or SIGINT stops the relay gracefully (relay.Stop, then the
+// publisher's Close) and exits 0. A relay that stops on its own, with a
+// misconfiguration, exits 2. Logs are JSON lines on stderr.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/IBM/sarama"
+	"gorm.io/driver/postgres"
+	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// Exit codes.
+const (
+	exitOK         = 0
+	exitSetup      = 1
+	exitRelayError = 2
+)
+
+type options struct {
+	brokers   string
+	relayID   string
+	buckets   int
+	batch     int
+	lease     time.Duration
+	renew     time.Duration
+	poll      time.Duration
+	backMin   time.Duration
+	backMax   time.Duration
+	mode      string
+	txnPrefix string
+	stopAfter time.Duration
+	logLevel  string
+	maxConns  int
+}
+
+func main() {
+	var o options
+	flag.StringVar(&o.brokers, "brokers", "", "comma-separated Kafka bootstrap brokers (required)")
+	flag.StringVar(&o.relayID, "id", "", "relay id (default: generated, unique per process)")
+	flag.IntVar(&o.buckets, "buckets", outbox.BucketCountDefault, "bucket count, as the writers'")
+	flag.IntVar(&o.batch, "batch", 200, "batch size")
+	flag.DurationVar(&o.lease, "lease", 2*time.Second, "lease duration")
+	flag.DurationVar(&o.renew, "renew", 500*time.Millisecond, "lease renew interval")
+	flag.DurationVar(&o.poll, "poll", 200*time.Millisecond, "poll interval")
+	flag.DurationVar(&o.backMin, "backoff-min", 50*time.Millisecond, "minimum backoff")
+	flag.DurationVar(&o.backMax, "backoff-max", time.Second, "maximum backoff")
+	flag.StringVar(&o.mode, "mode", "default", "publisher: default (idempotent producer) or strict (one Kafka transaction per batch)")
+	flag.StringVar(&o.txnPrefix, "txn-prefix", "chaos-", "strict mode: transactional id prefix, shared by all relays")
+	flag.DurationVar(&o.stopAfter, "stop-timeout", 10*time.Second, "graceful stop budget")
+	flag.StringVar(&o.logLevel, "log", "info", "log level: debug, info, warn, error")
+	flag.IntVar(&o.maxConns, "max-conns", 4, "database connections")
+	flag.Parse()
+	os.Exit(run(o))
+}
+
+func run(o options) int {
+	// Before anything else: a SIGTERM that arrives during setup must stop
+	// the relay gracefully too, not kill the process.
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
+
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(o.logLevel)); err != nil {
+		fmt.Fprintln(os.Stderr, "chaos-relay: -log:", err)
+		return exitSetup
+	}
+	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level})).With("pid", os.Getpid())
+
+	dsn := os.Getenv("CHAOS_DSN")
+	if dsn == "" || o.brokers == "" {
+		log.Error("chaos-relay: CHAOS_DSN and -brokers are required")
+		return exitSetup
+	}
+	brokers := strings.Split(o.brokers, ",")
+
+	db, err := gorm.Open(postgres.Open(dsn), &gorm.Config{Logger: logger.Discard})
+	if err != nil {
+		log.Error("chaos-relay: open database", "err", err)
+		return exitSetup
+	}
+	sqlDB, err := db.DB()
+	if err != nil {
+		log.Error("chaos-relay: database", "err", err)
+		return exitSetup
+	}
+	defer sqlDB.Close()
+	sqlDB.SetMaxOpenConns(o.maxConns)
+
+	ocfg := outbox.Config{BucketCount: o.buckets, Logger: log}
+	store, err := outbox.NewStore(db, ocfg)
+	if err != nil {
+		log.Error("chaos-relay: store", "err", err)
+		return exitSetup
+	}
+
+	configure := func(c *sarama.Config) error {
+		c.ClientID = "chaos-relay"
+		c.Net.DialTimeout = 2 * time.Second
+		c.Net.ReadTimeout = 5 * time.Second
+		c.Net.WriteTimeout = 5 * time.Second
+		c.Metadata.Retry.Backoff = 100 * time.Millisecond
+		c.Metadata.RefreshFrequency = 5 * time.Second
+		c.Producer.Retry.Backoff = 100 * time.Millisecond
+		c.Producer.Retry.Max = 5
+		c.Producer.Timeout = 5 * time.Second
+		c.Producer.Transaction.Timeout = 10 * time.Second
+		c.Producer.Transaction.Retry.Backoff = 100 * time.Millisecond
+		return nil
+	}
+	var (
+		pub      relay.Publisher
+		closePub func() error
+	)
+	switch o.mode {
+	case "default":
+		k, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Configure: configure, Logger: log})
+		if err != nil {
+			log.Error("chaos-relay: publisher", "err", err)
+			return exitSetup
+		}
+		pub, closePub = k, k.Close
+	case "strict":
+		k, err := publisher.NewTransactional(publisher.TransactionalConfig{
+			Brokers: brokers, TransactionalIDPrefix: o.txnPrefix, Configure: configure, Logger: log,
+		})
+		if err != nil {
+			log.Error("chaos-relay: publisher", "err", err)
+			return exitSetup
+		}
+		pub, closePub = k, k.Close
+	default:
+		log.Error("chaos-relay: -mode must be default or strict", "mode", o.mode)
+		return exitSetup
+	}
+	defer func() {
+		start := time.Now()
+		if err := closePub(); err != nil {
+			log.Warn("chaos-relay: close publisher", "err", err)
+		}
+		log.Info("chaos-relay: publisher closed", "took", time.Since(start).String())
+	}()
+
+	r, err := relay.New(store, pub, relay.Config{
+		RelayID:            o.relayID,
+		BucketCount:        o.buckets,
+		BatchSize:          o.batch,
+		PollInterval:       o.poll,
+		LeaseDuration:      o.lease,
+		LeaseRenewInterval: o.renew,
+		BackoffMin:         o.backMin,
+		BackoffMax:         o.backMax,
+		Logger:             log,
+	})
+	if err != nil {
+		log.Error("chaos-relay: relay", "err", err)
+		return exitSetup
+	}
+
+	if err := r.Start(context.Background()); err != nil {
+		log.Error("chaos-relay: start", "err", err)
+		return exitSetup
+	}
+	log.Info("chaos-relay: started", "mode", o.mode)
+
+	select {
+	case s := <-sig:
+		log.Info("chaos-relay: stopping", "signal", s.String())
+		ctx, cancel := context.WithTimeout(context.Background(), o.stopAfter)
+		err := r.Stop(ctx)
+		cancel()
+		if err != nil && !errors.Is(err, context.DeadlineExceeded) {
+			log.Error("chaos-relay: stop", "err", err)
+		}
+		log.Info("chaos-relay: stopped", "abandoned_batch", err != nil)
+		return exitOK
+	case <-r.Stopped():
+		err := r.Err()
+		log.Error("chaos-relay: relay stopped by itself", "err", err, "misconfiguration", relay.IsMisconfiguration(err))
+		return exitRelayError
+	}
+}

@@ -3,11 +3,13 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -59,6 +61,8 @@ type Store struct {
 
 	// quoted table names for raw SQL
 	messages, leases, relays string
+	// postgres: delete by an id array (see MarkPublished)
+	postgres bool
 
 	// the default failure policy (failure.go), built on first use
 	policyOnce sync.Once
@@ -98,6 +102,7 @@ func NewStore(db *gorm.DB, cfg Config) (*Store, error) {
 		messages: sess.Statement.Quote(cfg.Tables.MessagesTable()),
 		leases:   sess.Statement.Quote(cfg.Tables.LeasesTable()),
 		relays:   sess.Statement.Quote(cfg.Tables.RelaysTable()),
+		postgres: sess.Dialector.Name() == DialectPostgres,
 		logger:   cfg.Logger,
 	}, nil
 }
@@ -446,22 +451,38 @@ func (s *Store) ReleaseLeases(ctx context.Context, relayID string, leases []rela
 	return nil
 }
 
+// bucketRange is the WHERE condition that selects one bucket's rows, with
+// the bucket as both of its arguments, for statements that read them
+// through the (bucket, id) index in order (ORDER BY bucket, id).
+//
+// It is a range rather than "bucket = ?" on purpose. With an equality,
+// PostgreSQL drops the constant bucket from the sort order and, since the
+// buckets' rows are interleaved in the table, usually prefers to walk the
+// primary key in id order (or the table itself), filtering out the other
+// buckets' rows. That walk also steps over every row deleted since the
+// last vacuum, in all buckets: each read of a draining backlog then costs
+// more than the one before. Through (bucket, id) a read steps over the
+// deleted rows of its own bucket only. The range leaves "bucket, id" as
+// the sort order, which only that index provides. MySQL and SQLite use the
+// index either way.
+const bucketRange = "bucket >= ? AND bucket <= ?"
+
 // PendingBuckets implements relay.Store with one index probe per bucket
-// (SELECT ... WHERE bucket = ? LIMIT 1, UNION ALL), so its cost does not
-// grow with the backlog.
+// (the first row of the bucket through the (bucket, id) index, UNION ALL),
+// so its cost does not grow with the backlog.
 func (s *Store) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {
 	db, ctx, cancel := s.op(ctx, "find pending buckets")
 	defer cancel()
 	var out []int
 	for chunk := range slices.Chunk(bs, probeChunk) {
 		var sb strings.Builder
-		args := make([]any, 0, len(chunk))
+		args := make([]any, 0, 2*len(chunk))
 		for i, b := range chunk {
 			if i > 0 {
 				sb.WriteString(" UNION ALL ")
 			}
-			fmt.Fprintf(&sb, "SELECT b FROM (SELECT bucket AS b FROM %s WHERE bucket = ? LIMIT 1) p%d", s.messages, i)
-			args = append(args, b)
+			fmt.Fprintf(&sb, "SELECT b FROM (SELECT bucket AS b FROM %s WHERE %s ORDER BY bucket, id LIMIT 1) p%d", s.messages, bucketRange, i)
+			args = append(args, b, b)
 		}
 		var found []int
 		if err := db.Raw(sb.String(), args...).Scan(&found).Error; err != nil {
@@ -473,27 +494,44 @@ func (s *Store) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {
 	return out, nil
 }
 
+// batchCapMin is the capacity NextBatch starts a batch with when the limit
+// is larger: a relay woken for a few new messages should not allocate a
+// whole BatchSize of Message structs each time.
+const batchCapMin = 64
+
 // NextBatch implements relay.Store: the oldest limit rows of bucket by id,
-// read through the (bucket, id) index.
+// read through the (bucket, id) index (see bucketRange).
 func (s *Store) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Message, error) {
 	db, ctx, cancel := s.op(ctx, "read batch")
 	defer cancel()
 	rows, err := db.Raw("SELECT id, message_id, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts FROM "+
-		s.messages+" WHERE bucket = ? ORDER BY id LIMIT ?", bucket, limit).Rows()
+		s.messages+" WHERE "+bucketRange+" ORDER BY bucket, id LIMIT ?", bucket, bucket, limit).Rows()
 	if err != nil {
 		return nil, s.fail(ctx, "read batch", err)
 	}
 	defer rows.Close()
-	msgs := make([]relay.Message, 0, min(limit, 64))
+	// Every row is scanned through the same destinations, so that nothing
+	// but the column values themselves is allocated per row.
+	var (
+		m         relay.Message
+		headers   []byte
+		partition sql.NullInt32
+		created   int64
+		attempts  int64
+	)
+	dest := []any{&m.ID, &m.MessageID, &m.Topic, &m.Key, &m.Value, &headers, &partition, &created, &attempts}
+	var msgs []relay.Message
 	for rows.Next() {
-		var (
-			m         relay.Message
-			headers   []byte
-			partition sql.NullInt32
-			created   int64
-			attempts  int64
-		)
-		if err := rows.Scan(&m.ID, &m.MessageID, &m.Topic, &m.Key, &m.Value, &headers, &partition, &created, &attempts); err != nil {
+		if msgs == nil {
+			msgs = make([]relay.Message, 0, min(limit, batchCapMin))
+		} else if len(msgs) == cap(msgs) {
+			// A full first chunk says a backlog: grow to the limit at once
+			// rather than by doubling.
+			msgs = slices.Grow(msgs, limit-len(msgs))
+		}
+		m = relay.Message{}
+		headers = nil
+		if err := rows.Scan(dest...); err != nil {
 			return nil, s.fail(ctx, "read batch", err)
 		}
 		if m.Headers, err = DecodeHeaders(headers); err != nil {
@@ -545,11 +583,22 @@ func (s *Store) MarkPublished(ctx context.Context, relayID string, lease relay.L
 	for i, m := range msgs {
 		ids[i] = m.ID
 	}
+	// PostgreSQL takes the ids as one parameter (see int8Array). With one
+	// parameter per id it plans the statement again at every execution,
+	// which takes longer than the delete itself, and the client allocates
+	// per id.
+	del := "DELETE FROM " + s.messages + " WHERE bucket = ? AND id IN ? AND " + s.leaseHeld()
+	if s.postgres {
+		del = "DELETE FROM " + s.messages + " WHERE bucket = ? AND id = ANY(CAST(CAST(? AS text) AS bigint[])) AND " + s.leaseHeld()
+	}
 	// Chunks are deleted in order, so a refused chunk still leaves a
 	// contiguous suffix of the batch pending.
 	for chunk := range slices.Chunk(ids, storeChunk) {
-		r := db.Exec("DELETE FROM "+s.messages+" WHERE bucket = ? AND id IN ? AND "+s.leaseHeld(),
-			lease.Bucket, chunk, lease.Bucket, relayID, lease.Term, nowMs())
+		var list any = chunk
+		if s.postgres {
+			list = int8Array(chunk)
+		}
+		r := db.Exec(del, lease.Bucket, list, lease.Bucket, relayID, lease.Term, nowMs())
 		if r.Error != nil {
 			return s.fail(ctx, "delete published messages", r.Error)
 		}
@@ -562,6 +611,27 @@ func (s *Store) MarkPublished(ctx context.Context, relayID string, lease relay.L
 		}
 	}
 	return nil
+}
+
+// int8Array is a list of ids for PostgreSQL, passed as one parameter in
+// the text form of an array, "{1,2,3}", which the statement casts to
+// bigint[]. GORM hands a driver.Valuer to the driver as one value instead
+// of expanding the slice into a parameter per element, and a text
+// parameter is sent as is (pgx would parse and re-encode a bigint[] one
+// element by element).
+type int8Array []int64
+
+// Value implements driver.Valuer.
+func (a int8Array) Value() (driver.Value, error) {
+	b := make([]byte, 0, 2+len(a)*8)
+	b = append(b, '{')
+	for i, v := range a {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = strconv.AppendInt(b, v, 10)
+	}
+	return string(append(b, '}')), nil
 }
 
 // RecordFailure implements relay.FailureRecorder: it increments the

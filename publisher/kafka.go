@@ -221,6 +221,18 @@ func (k *Kafka) dispatch() {
 	defer close(k.dispatched)
 	successes, errs := k.producer.Successes(), k.producer.Errors()
 	for successes != nil || errs != nil {
+		// Successes are the common case: take one that is waiting without
+		// the cost of waiting on both channels.
+		select {
+		case msg, ok := <-successes:
+			if !ok {
+				successes = nil
+				continue
+			}
+			k.deliver(msg, nil)
+			continue
+		default:
+		}
 		select {
 		case msg, ok := <-successes:
 			if !ok {
@@ -298,18 +310,32 @@ func (k *Kafka) send(ctx context.Context, msgs []relay.Message) (c *call, sent i
 	}
 
 	n := len(msgs)
-	nHeaders := 0
+	nHeaders, nBytes := 0, 0
 	for i := range msgs {
 		nHeaders += len(msgs[i].Headers) + 1
+		nBytes += len(msgs[i].MessageID)
+		for _, h := range msgs[i].Headers {
+			nBytes += len(h.Key)
+		}
 	}
 	c = &call{results: make(chan result, n)}
-	// One allocation each for all of the batch's messages, envelopes and
-	// headers: the producer holds pointers into them until it reports.
+	// One allocation each for all of the batch's messages, envelopes,
+	// headers, key and value encoders, and header key and message id bytes:
+	// the producer holds pointers into them until it reports. (A
+	// ByteEncoder stored in an Encoder would be allocated on its own; a
+	// pointer to one is not.)
 	pms := make([]sarama.ProducerMessage, n)
 	envs := make([]envelope, n)
 	headers := make([]sarama.RecordHeader, 0, nHeaders)
+	encoders := make([]sarama.ByteEncoder, 2*n)
+	text := make([]byte, 0, nBytes)
+	bytesOf := func(s string) []byte {
+		start := len(text)
+		text = append(text, s...)
+		return text[start:len(text):len(text)]
+	}
 
-	input := k.producer.Input()
+	input, done := k.producer.Input(), ctx.Done()
 	for i := range msgs {
 		m := &msgs[i]
 		if err := checkMessage(m); err != nil {
@@ -322,10 +348,10 @@ func (k *Kafka) send(ctx context.Context, msgs []relay.Message) (c *call, sent i
 		}
 		start := len(headers)
 		for _, h := range m.Headers {
-			headers = append(headers, sarama.RecordHeader{Key: []byte(h.Key), Value: h.Value})
+			headers = append(headers, sarama.RecordHeader{Key: bytesOf(h.Key), Value: h.Value})
 		}
 		if m.MessageID != "" {
-			headers = append(headers, sarama.RecordHeader{Key: k.idHeader, Value: []byte(m.MessageID)})
+			headers = append(headers, sarama.RecordHeader{Key: k.idHeader, Value: bytesOf(m.MessageID)})
 		}
 		pm := &pms[i]
 		pm.Topic = m.Topic
@@ -334,14 +360,29 @@ func (k *Kafka) send(ctx context.Context, msgs []relay.Message) (c *call, sent i
 		// A nil []byte must become a nil Encoder, not a ByteEncoder(nil):
 		// only the former is a keyless record or a tombstone.
 		if m.Key != nil {
-			pm.Key = sarama.ByteEncoder(m.Key)
+			encoders[2*i] = m.Key
+			pm.Key = &encoders[2*i]
 		}
 		if m.Value != nil {
-			pm.Value = sarama.ByteEncoder(m.Value)
+			encoders[2*i+1] = m.Value
+			pm.Value = &encoders[2*i+1]
+		}
+		// Stop as soon as ctx ends; otherwise hand the message over at once
+		// if the producer's input has room, which is cheaper than waiting
+		// on both channels.
+		select {
+		case <-done:
+			return c, i, ctx.Err()
+		default:
 		}
 		select {
 		case input <- pm:
-		case <-ctx.Done():
+			continue
+		default:
+		}
+		select {
+		case input <- pm:
+		case <-done:
 			return c, i, ctx.Err()
 		}
 	}
@@ -379,6 +420,14 @@ func (k *Kafka) collect(ctx context.Context, msgs []relay.Message, c *call, sent
 		}
 	}
 	for got < sent {
+		// Results come in bursts, a produce response at a time: take one
+		// that is waiting before waiting on both channels.
+		select {
+		case r := <-c.results:
+			record(r)
+			continue
+		default:
+		}
 		select {
 		case r := <-c.results:
 			record(r)

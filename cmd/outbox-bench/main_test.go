@@ -39,9 +39,7 @@ func TestSmoke(t *testing.T) {
 			require.Len(t, results, len(allScenarios))
 			for _, r := range results {
 				require.Empty(t, r.Err, "%s: %s", r.Scenario, r.Err)
-				if r.Scenario != "strict" {
-					require.NotEmpty(t, r.Figures, r.Scenario)
-				}
+				require.NotEmpty(t, r.Figures, r.Scenario)
 			}
 		})
 	}

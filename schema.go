@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"gorm.io/gorm/schema"
@@ -114,26 +115,34 @@ type tableDef struct {
 	indexes []index
 }
 
+// messageColumns are the columns a dead letter keeps of its message, in
+// the order both tables have them.
+var messageColumns = []column{
+	{"message_id", "varchar(64) NOT NULL", "varchar(64) NOT NULL", "varchar(64) NOT NULL", 1},
+	{"bucket", "integer NOT NULL", "int NOT NULL", "integer NOT NULL", 1},
+	{"topic", "varchar(249) NOT NULL", "varchar(249) NOT NULL", "varchar(249) NOT NULL", 1},
+	{"msg_key", "bytea", "longblob", "blob", 1},
+	{"msg_value", "bytea", "longblob", "blob", 1},
+	{"headers", "bytea", "longblob", "blob", 1},
+	{"msg_partition", "integer", "int", "integer", 1},
+	{"created_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
+	{"attempts", "integer NOT NULL DEFAULT 0", "int NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
+}
+
 // The column types are exactly those GORM's migrators emit for the models
 // in model.go, so that AutoMigrate finds nothing to change on tables made
 // from this SQL, and vice versa.
 var outboxTables = []tableDef{
 	{
 		name: func(t Tables) string { return t.Messages },
-		columns: []column{
-			{"id", "bigserial", "bigint AUTO_INCREMENT", "integer PRIMARY KEY AUTOINCREMENT", 1},
-			{"message_id", "varchar(64) NOT NULL", "varchar(64) NOT NULL", "varchar(64) NOT NULL", 1},
-			{"bucket", "integer NOT NULL", "int NOT NULL", "integer NOT NULL", 1},
-			{"topic", "varchar(249) NOT NULL", "varchar(249) NOT NULL", "varchar(249) NOT NULL", 1},
-			{"msg_key", "bytea", "longblob", "blob", 1},
-			{"msg_value", "bytea", "longblob", "blob", 1},
-			{"headers", "bytea", "longblob", "blob", 1},
-			{"msg_partition", "integer", "int", "integer", 1},
-			{"created_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
-			{"attempts", "integer NOT NULL DEFAULT 0", "int NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
-			{"next_attempt_at_ms", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
-			{"last_error", "text", "text", "text", 1},
-		},
+		columns: slices.Concat(
+			[]column{{"id", "bigserial", "bigint AUTO_INCREMENT", "integer PRIMARY KEY AUTOINCREMENT", 1}},
+			messageColumns,
+			[]column{
+				{"next_attempt_at_ms", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
+				{"last_error", "text", "text", "text", 1},
+			},
+		),
 		pk:      "id",
 		indexes: []index{{"bucket_id", []string{"bucket", "id"}}},
 	},
@@ -159,21 +168,15 @@ var outboxTables = []tableDef{
 	},
 	{
 		name: func(t Tables) string { return t.DeadLetters },
-		columns: []column{
-			{"id", "bigint", "bigint", "integer", 1},
-			{"message_id", "varchar(64) NOT NULL", "varchar(64) NOT NULL", "varchar(64) NOT NULL", 1},
-			{"bucket", "integer NOT NULL", "int NOT NULL", "integer NOT NULL", 1},
-			{"topic", "varchar(249) NOT NULL", "varchar(249) NOT NULL", "varchar(249) NOT NULL", 1},
-			{"msg_key", "bytea", "longblob", "blob", 1},
-			{"msg_value", "bytea", "longblob", "blob", 1},
-			{"headers", "bytea", "longblob", "blob", 1},
-			{"msg_partition", "integer", "int", "integer", 1},
-			{"created_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
-			{"attempts", "integer NOT NULL DEFAULT 0", "int NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
-			{"last_error", "text", "text", "text", 1},
-			{"dead_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
-			{"state", "varchar(16) NOT NULL", "varchar(16) NOT NULL", "varchar(16) NOT NULL", 1},
-		},
+		columns: slices.Concat(
+			[]column{{"id", "bigint", "bigint", "integer", 1}},
+			messageColumns,
+			[]column{
+				{"last_error", "text", "text", "text", 1},
+				{"dead_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
+				{"state", "varchar(16) NOT NULL", "varchar(16) NOT NULL", "varchar(16) NOT NULL", 1},
+			},
+		),
 		pk: "id",
 		indexes: []index{
 			{"bucket_id", []string{"bucket", "id"}},

@@ -156,8 +156,22 @@ func stopRelay(r *relay.Relay) {
 	_ = r.Stop(ctx)
 }
 
-// relayDrain prefills n messages and times one relay draining them.
+// relayDrain prefills n messages and times one relay draining them
+// through the default Kafka publisher.
 func relayDrain(ctx context.Context, cfg config, brokers []string, n int, rss bool) (rate float64, peakRSS int64, err error) {
+	return drainWith(ctx, cfg, n, rss, func() (relay.Publisher, func(), error) {
+		p, err := newPublisher(brokers)
+		if err != nil {
+			return nil, nil, err
+		}
+		return p, func() { p.Close() }, nil
+	})
+}
+
+// drainWith prefills n messages and times one relay draining them through
+// the publisher newPub builds; with rss it also returns the peak resident
+// set size of the drain.
+func drainWith(ctx context.Context, cfg config, n int, rss bool, newPub func() (relay.Publisher, func(), error)) (rate float64, peakRSS int64, err error) {
 	e, err := newEnv(ctx, cfg)
 	if err != nil {
 		return 0, 0, err
@@ -166,11 +180,11 @@ func relayDrain(ctx context.Context, cfg config, brokers []string, n int, rss bo
 	if err := e.prefill(ctx, n); err != nil {
 		return 0, 0, err
 	}
-	pub, err := newPublisher(brokers)
+	pub, closePub, err := newPub()
 	if err != nil {
 		return 0, 0, err
 	}
-	defer pub.Close()
+	defer closePub()
 	if rss {
 		runtime.GC()
 		debug.FreeOSMemory()
@@ -194,8 +208,9 @@ func relayDrain(ctx context.Context, cfg config, brokers []string, n int, rss bo
 }
 
 // dbCeiling prefills n messages and drains them with plain SQL: the
-// oldest rows of each bucket in batches, deleted by id. No Kafka, no
-// leases: the database's own limit for this access pattern.
+// oldest rows of each bucket in batches, deleted by id, with the store's
+// statement shapes. No Kafka, no leases: the database's own limit for
+// this access pattern.
 func dbCeiling(ctx context.Context, cfg config, n int) (float64, error) {
 	e, err := newEnv(ctx, cfg)
 	if err != nil {
@@ -719,17 +734,11 @@ func strictScenario(ctx context.Context, cfg config, r *result) error {
 	}
 	defer broker.stop()
 	r.Params["messages"] = cfg.N
-	def, err := drainWith(ctx, cfg, cfg.N, func() (relay.Publisher, func(), error) {
-		p, err := newPublisher(brokers)
-		if err != nil {
-			return nil, nil, err
-		}
-		return p, func() { p.Close() }, nil
-	})
+	def, _, err := relayDrain(ctx, cfg, brokers, cfg.N, false)
 	if err != nil {
 		return fmt.Errorf("default mode: %w", err)
 	}
-	strict, err := drainWith(ctx, cfg, cfg.N, func() (relay.Publisher, func(), error) {
+	strict, _, err := drainWith(ctx, cfg, cfg.N, false, func() (relay.Publisher, func(), error) {
 		p, err := publisher.NewTransactional(publisher.TransactionalConfig{
 			Brokers: brokers, TransactionalIDPrefix: "outbox-bench-" + randomSuffix() + ".", Logger: quiet,
 		})
@@ -745,34 +754,4 @@ func strictScenario(ctx context.Context, cfg config, r *result) error {
 	r.add("strict", strict, "msg/s")
 	r.add("strict/default", strict/def, "ratio")
 	return nil
-}
-
-// drainWith prefills n messages and times one relay draining them through
-// the publisher newPub builds.
-func drainWith(ctx context.Context, cfg config, n int, newPub func() (relay.Publisher, func(), error)) (float64, error) {
-	e, err := newEnv(ctx, cfg)
-	if err != nil {
-		return 0, err
-	}
-	defer e.close()
-	if err := e.prefill(ctx, n); err != nil {
-		return 0, err
-	}
-	pub, closePub, err := newPub()
-	if err != nil {
-		return 0, err
-	}
-	defer closePub()
-	start := time.Now()
-	rl, err := e.startRelay(ctx, pub, true)
-	if err != nil {
-		return 0, err
-	}
-	err = e.waitEmpty(ctx, 10*time.Minute)
-	elapsed := time.Since(start)
-	stopRelay(rl)
-	if err != nil {
-		return 0, err
-	}
-	return float64(n) / elapsed.Seconds(), nil
 }

@@ -46,20 +46,21 @@ const (
 )
 
 type options struct {
-	brokers   string
-	relayID   string
-	buckets   int
-	batch     int
-	lease     time.Duration
-	renew     time.Duration
-	poll      time.Duration
-	backMin   time.Duration
-	backMax   time.Duration
-	mode      string
-	txnPrefix string
-	stopAfter time.Duration
-	logLevel  string
-	maxConns  int
+	brokers     string
+	relayID     string
+	buckets     int
+	batch       int
+	lease       time.Duration
+	renew       time.Duration
+	poll        time.Duration
+	backMin     time.Duration
+	backMax     time.Duration
+	maxAttempts int
+	mode        string
+	txnPrefix   string
+	stopAfter   time.Duration
+	logLevel    string
+	maxConns    int
 }
 
 func main() {
@@ -73,6 +74,7 @@ func main() {
 	flag.DurationVar(&o.poll, "poll", 200*time.Millisecond, "poll interval")
 	flag.DurationVar(&o.backMin, "backoff-min", 50*time.Millisecond, "minimum backoff")
 	flag.DurationVar(&o.backMax, "backoff-max", time.Second, "maximum backoff")
+	flag.IntVar(&o.maxAttempts, "max-attempts", 300, "failed attempts before a message is dead-lettered (scaled to the compressed backoff)")
 	flag.StringVar(&o.mode, "mode", "default", "publisher: default (idempotent producer) or strict (one Kafka transaction per batch)")
 	flag.StringVar(&o.txnPrefix, "txn-prefix", "chaos-", "strict mode: transactional id prefix, shared by all relays")
 	flag.DurationVar(&o.stopAfter, "stop-timeout", 10*time.Second, "graceful stop budget")
@@ -169,7 +171,18 @@ func run(o options) int {
 		log.Info("chaos-relay: publisher closed", "took", time.Since(start).String())
 	}()
 
+	// The backoff is compressed about 30 times against the defaults
+	// (1 s instead of 30 s at most), so the attempts a message may fail
+	// before it is dead-lettered are scaled up as much: a broker outage of
+	// a few seconds must not dead-letter messages here when the defaults
+	// (10 attempts, up to 30 s apart) would ride it out for minutes.
+	policy, err := outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{MaxAttempts: o.maxAttempts, Logger: log})
+	if err != nil {
+		log.Error("chaos-relay: failure policy", "err", err)
+		return exitSetup
+	}
 	r, err := relay.New(store, pub, relay.Config{
+		FailureHandler:     policy,
 		RelayID:            o.relayID,
 		BucketCount:        o.buckets,
 		BatchSize:          o.batch,

@@ -241,12 +241,27 @@ func TestStrictCulpritWithFailurePolicy(t *testing.T) {
 // Publish ignores cancellation, like a process frozen in the middle of a
 // publish whose in-flight transaction outlives its lease. It forwards
 // LeaseAware through the embedded publisher.
+//
+// With hold set, its first Publish waits for release before it reaches the
+// producer: the process stalls after reading its batch and before any of
+// it reaches the broker. That stall needs no broker fault, so it runs on
+// Apache Kafka as well as on kfake.
 type stalledPublisher struct {
 	*publisher.Transactional
 	results chan error
+
+	hold          bool
+	once          sync.Once
+	held, release chan struct{}
 }
 
 func (p *stalledPublisher) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
+	if p.hold {
+		p.once.Do(func() {
+			close(p.held)
+			<-p.release
+		})
+	}
 	acked, err := p.Transactional.Publish(context.WithoutCancel(ctx), msgs)
 	select {
 	case p.results <- err:
@@ -298,10 +313,19 @@ func holdRequest(fake *kfake.Cluster, key kmsg.Key, match func(kmsg.Request) boo
 // bucket and deletes nothing. A read_committed consumer sees every key in
 // enqueue order, exactly once, with no stale copy after a newer message;
 // only a read_uncommitted consumer sees A's aborted copies.
+//
+// HeldAtEndTxn and HeldAtProduce hold A's request in the broker, a fault
+// only kfake can inject; HeldBeforeProduce stalls A in its own process
+// after it read its batch, and runs on Apache Kafka too, where the fencing
+// errors are the ones the real broker returns.
 func TestStrictTakeoverFencesStaleRelay(t *testing.T) {
 	t.Parallel()
-	for _, at := range []kmsg.Key{kmsg.EndTxn, kmsg.Produce} {
-		t.Run("HeldAt"+at.Name(), func(t *testing.T) {
+	for _, at := range []kmsg.Key{kmsg.EndTxn, kmsg.Produce, heldBeforeProduce} {
+		name := "HeldAt" + at.Name()
+		if at == heldBeforeProduce {
+			name = "HeldBeforeProduce"
+		}
+		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 				testStrictTakeover(t, db, at)
@@ -310,12 +334,19 @@ func TestStrictTakeoverFencesStaleRelay(t *testing.T) {
 	}
 }
 
+// heldBeforeProduce is testStrictTakeover's client-side stall: no request
+// key, A never reaches the broker before it is fenced.
+const heldBeforeProduce kmsg.Key = -1
+
 func testStrictTakeover(t *testing.T, db *dbtest.DB, at kmsg.Key) {
 	const buckets, bucket = 2, 1
 	c := kafkatest.Start(t)
-	fake := c.RequireFake(t)
+	var fake *kfake.Cluster
+	if at != heldBeforeProduce {
+		fake = c.RequireFake(t) // kfake only: the broker holds A's request
+	}
 	partitions := int32(3)
-	if at == kmsg.Produce {
+	if at != kmsg.EndTxn {
 		// One partition: when a transaction spanning several partitions
 		// fails at produce, sarama's retry goroutines race on the
 		// transaction manager's last error (IBM/sarama#2913), which -race
@@ -338,12 +369,18 @@ func testStrictTakeover(t *testing.T, db *dbtest.DB, at kmsg.Key) {
 	}
 	b.insert(t, rows...)
 
-	held, release := holdRequest(fake, at, func(req kmsg.Request) bool {
-		if r, ok := req.(*kmsg.EndTxnRequest); ok {
-			return r.TransactionalID == pubA.TransactionalID(bucket) && r.Commit
-		}
-		return true // the first produce request is A's
-	})
+	var held, release chan struct{}
+	if at == heldBeforeProduce {
+		held, release = make(chan struct{}), make(chan struct{})
+		pubA.hold, pubA.held, pubA.release = true, held, release
+	} else {
+		held, release = holdRequest(fake, at, func(req kmsg.Request) bool {
+			if r, ok := req.(*kmsg.EndTxnRequest); ok {
+				return r.TransactionalID == pubA.TransactionalID(bucket) && r.Commit
+			}
+			return true // the first produce request is A's
+		})
+	}
 	cfg := func(id string) relay.Config {
 		cfg := fastConfig(t, id)
 		cfg.BucketCount = buckets
@@ -398,7 +435,7 @@ func testStrictTakeover(t *testing.T, db *dbtest.DB, at kmsg.Key) {
 	} else {
 		require.Zero(t, stale, "A's produce came after the fencing and was refused")
 	}
-	t.Logf("held at %s: read_committed %d records, read_uncommitted %d stale aborted copies", at.Name(), 45, stale)
+	t.Logf("%s: read_committed %d records, read_uncommitted %d stale aborted copies", t.Name(), 45, stale)
 }
 
 // relay.IsFenced and the *publisher.Error both reach through the error the

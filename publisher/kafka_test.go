@@ -77,7 +77,7 @@ func TestKafkaHeadersAndKeys(t *testing.T) {
 func TestKafkaBatchInFlightAtOnce(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)
-	fake := c.RequireFake(t)
+	fake := c.RequireFake(t) // kfake only: counts the produce requests the broker receives
 	topic := c.Topic(t, 2)
 	k := newKafka(t, c)
 	requests := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Observe: true, Count: -1})
@@ -344,7 +344,9 @@ func TestKafkaPartialFailure(t *testing.T) {
 func TestKafkaUnknownTopicIsRetryable(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)
-	c.RequireFake(t) // a real cluster may auto-create topics
+	if c.AutoCreatesTopics(t) {
+		t.Skip("the cluster creates topics on demand (auto.create.topics.enable); scripts/kafka.sh runs Apache Kafka without it")
+	}
 	k := newKafka(t, c)
 
 	acked, err := k.Publish(testCtx(t), publishertest.Messages("no-such-topic", "x", 2))
@@ -356,7 +358,7 @@ func TestKafkaUnknownTopicIsRetryable(t *testing.T) {
 func TestKafkaAuthorizationFailureIsPermanent(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)
-	fake := c.RequireFake(t)
+	fake := c.RequireFake(t) // kfake only: the test cluster runs without an authorizer
 	topic := c.Topic(t, 1)
 	k := newKafka(t, c)
 
@@ -383,7 +385,7 @@ func publishAndCount(t *testing.T, c *kafkatest.Cluster, k *publisher.Kafka, top
 func TestKafkaFaultNotLeaderOnce(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)
-	fake := c.RequireFake(t)
+	fake := c.RequireFake(t) // kfake only: the broker answers NOT_LEADER once on demand
 	topic := c.Topic(t, 1)
 	k := newKafka(t, c)
 
@@ -400,7 +402,7 @@ func TestKafkaFaultNotLeaderOnce(t *testing.T) {
 func TestKafkaFaultAppendedButFailed(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)
-	fake := c.RequireFake(t)
+	fake := c.RequireFake(t) // kfake only: the broker appends and still answers REQUEST_TIMED_OUT
 	topic := c.Topic(t, 1)
 	k := newKafka(t, c)
 
@@ -414,7 +416,7 @@ func TestKafkaFaultAppendedButFailed(t *testing.T) {
 func TestKafkaFaultDroppedReply(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)
-	fake := c.RequireFake(t)
+	fake := c.RequireFake(t) // kfake only: the broker swallows a produce request
 	topic := c.Topic(t, 1)
 	k := newKafka(t, c, func(cfg *publisher.KafkaConfig) {
 		cfg.Configure = func(sc *sarama.Config) error {
@@ -458,7 +460,7 @@ func holdProduce(fake *kfake.Cluster) (held, release chan struct{}) {
 func TestKafkaContextCancelledMidPublish(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)
-	fake := c.RequireFake(t)
+	fake := c.RequireFake(t) // kfake only: the broker holds the produce request
 	topic := c.Topic(t, 1)
 	k := newKafka(t, c)
 	held, release := holdProduce(fake)
@@ -499,7 +501,7 @@ func TestKafkaContextCancelledMidPublish(t *testing.T) {
 func TestKafkaCloseFlushes(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)
-	fake := c.RequireFake(t)
+	fake := c.RequireFake(t) // kfake only: the broker holds the produce request
 	topic := c.Topic(t, 2)
 	k, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: c.Brokers(), Configure: fastConfig})
 	require.NoError(t, err)
@@ -603,7 +605,7 @@ func TestKafkaConcurrentPublish(t *testing.T) {
 func TestKafkaBrokerRemovedMidBatch(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t, kafkatest.NumBrokers(3))
-	fake := c.RequireFake(t)
+	fake := c.RequireFake(t) // kfake only: a broker removed while it holds a request; real broker kills run in test/chaos
 	const partitions = 6
 	topic := c.Topic(t, partitions)
 	k := newKafka(t, c)

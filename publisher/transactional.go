@@ -232,25 +232,42 @@ func (t *Transactional) TransactionalID(bucket int) string {
 	return t.cfg.TransactionalIDPrefix + strconv.Itoa(bucket)
 }
 
-// LeasesAcquired starts the producers of the newly owned buckets in the
-// background and returns at once; Publish waits for a bucket's producer to
-// be ready. Starting a producer costs a metadata request, a FindCoordinator
-// and an InitProducerID round trip; the InitProducerID is what fences the
-// bucket's previous owner and aborts its open transaction, if any. An
-// error starting a producer surfaces on the bucket's next Publish, which
-// starts it again. It implements relay.LeaseAware.
-func (t *Transactional) LeasesAcquired(_ context.Context, leases []relay.Lease) error {
+// LeasesAcquired starts the producers of the newly owned buckets, all at
+// once, and returns when they are ready or ctx ends. Starting a producer
+// costs a metadata request, a FindCoordinator and an InitProducerID round
+// trip; the InitProducerID is what fences the bucket's previous owner and
+// aborts its open transaction, if any, so when LeasesAcquired returns nil
+// the previous owner can no longer commit, before this relay reads its
+// first batch. A producer that failed to start is reported and started
+// again by the bucket's next Publish. It implements relay.LeaseAware.
+func (t *Transactional) LeasesAcquired(ctx context.Context, leases []relay.Lease) error {
 	t.mu.Lock()
-	defer t.mu.Unlock()
 	if t.closed {
+		t.mu.Unlock()
 		return ErrClosed
 	}
+	var started []*txProducer
 	for _, l := range leases {
-		if t.buckets[l.Bucket] == nil {
-			t.startLocked(l.Bucket)
+		p := t.buckets[l.Bucket]
+		if p == nil {
+			p = t.startLocked(l.Bucket)
+		}
+		started = append(started, p)
+	}
+	t.mu.Unlock()
+
+	var errs []error
+	for _, p := range started {
+		select {
+		case <-p.ready:
+			if p.err != nil {
+				errs = append(errs, p.err)
+			}
+		case <-ctx.Done():
+			return fmt.Errorf("publisher: starting transactional producers: %w", ctx.Err())
 		}
 	}
-	return nil
+	return errors.Join(errs...)
 }
 
 // LeasesReleased closes the producers of buckets the relay gave up or lost,

@@ -159,10 +159,11 @@ func FailedIndex(err error) (int, bool) {
 // one. Every bucket announced as acquired is announced as released when the
 // relay gives it up, loses it, stops trusting it, or stops.
 type LeaseAware interface {
-	// LeasesAcquired announces leases the relay gained. It should return
-	// quickly (start slow preparation in the background; Publish can wait
-	// for it). ctx ends when the leases can no longer be trusted. An error
-	// is logged, and a *MisconfigurationError stops the relay.
+	// LeasesAcquired announces leases the relay gained, before the relay
+	// reads from those buckets. It may block while it prepares (the
+	// strict-mode publisher fences the previous owner here), at most until
+	// ctx ends, which it does when the leases can no longer be trusted. An
+	// error is logged, and a *MisconfigurationError stops the relay.
 	LeasesAcquired(ctx context.Context, leases []Lease) error
 	// LeasesReleased announces leases the relay no longer holds. It should
 	// return quickly.

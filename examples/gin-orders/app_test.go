@@ -158,6 +158,9 @@ func TestOrdersFlowToKafka(t *testing.T) {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
 			topic := "orders_" + kind
+			if brokers := os.Getenv("KAFKA_BROKERS"); brokers != "" {
+				topic = createTopic(t, brokers, topic)
+			}
 			ctx := context.Background()
 			app, err := Start(ctx, Config{
 				Addr:         "127.0.0.1:0",
@@ -257,4 +260,19 @@ func TestMySQLDSN(t *testing.T) {
 	dsn, err = mysqlDSN("mysql://root@localhost/shop")
 	require.NoError(t, err)
 	require.Equal(t, "root@tcp(localhost:3306)/shop?parseTime=true", dsn)
+}
+
+// createTopic creates a topic unique to this run on the real cluster in
+// brokers (clusters usually refuse to create topics on demand) and returns
+// its name.
+func createTopic(t *testing.T, brokers, base string) string {
+	t.Helper()
+	name := fmt.Sprintf("%s_%d", base, time.Now().UnixNano())
+	cfg := sarama.NewConfig()
+	cfg.Version = sarama.V2_1_0_0
+	admin, err := sarama.NewClusterAdmin(strings.Split(brokers, ","), cfg)
+	require.NoError(t, err)
+	defer admin.Close()
+	require.NoError(t, admin.CreateTopic(name, &sarama.TopicDetail{NumPartitions: 3, ReplicationFactor: -1}, false))
+	return name
 }

@@ -147,7 +147,7 @@ func (c *Cluster) Fake() *kfake.Cluster { return c.fake }
 func (c *Cluster) RequireFake(t testing.TB) *kfake.Cluster {
 	t.Helper()
 	if c.fake == nil {
-		t.Skipf("kafkatest: needs fault injection, not available on the real cluster in %s", EnvBrokers)
+		t.Skipf("kafkatest: kfake only: this test injects a broker fault or observes requests, which Apache Kafka (%s) cannot be made to do on demand; it runs on kfake in the default pass", EnvBrokers)
 	}
 	return c.fake
 }
@@ -236,6 +236,37 @@ func (c *Cluster) createTopic(t testing.TB, name string, partitions int32, confi
 		}
 	}
 	c.waitForLeaders(t, ctx, name, partitions)
+}
+
+// AutoCreatesTopics reports whether the cluster creates a topic when a
+// client asks for its metadata (auto.create.topics.enable). A kfake
+// cluster does not.
+func (c *Cluster) AutoCreatesTopics(t testing.TB) bool {
+	t.Helper()
+	if c.fake != nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), adminTimeout)
+	defer cancel()
+	meta, err := kmsg.NewPtrMetadataRequest().RequestWith(ctx, c.admin)
+	require.NoError(t, err, "kafkatest: metadata")
+	require.NotEmpty(t, meta.Brokers, "kafkatest: metadata lists no broker")
+	req := kmsg.NewPtrDescribeConfigsRequest()
+	rr := kmsg.NewDescribeConfigsRequestResource()
+	rr.ResourceType = kmsg.ConfigResourceTypeBroker
+	rr.ResourceName = fmt.Sprint(meta.Brokers[0].NodeID)
+	rr.ConfigNames = []string{"auto.create.topics.enable"}
+	req.Resources = append(req.Resources, rr)
+	resp, err := req.RequestWith(ctx, c.admin)
+	require.NoError(t, err, "kafkatest: describe broker config")
+	for _, r := range resp.Resources {
+		for _, cfg := range r.Configs {
+			if cfg.Name == "auto.create.topics.enable" && cfg.Value != nil {
+				return *cfg.Value == "true"
+			}
+		}
+	}
+	return true // the broker default
 }
 
 // waitForLeaders polls metadata until the topic has all its partitions

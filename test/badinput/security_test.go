@@ -177,7 +177,7 @@ func TestSecretsNeverLogged(t *testing.T) {
 
 	dbtest.ForEach(t, func(t *testing.T, base *dbtest.DB) {
 		cluster := kafkatest.Start(t)
-		fake := cluster.RequireFake(t)
+		fake := cluster.RequireFake(t) // kfake only: the broker refuses the topic on demand
 		e := newEnv(t, base, cluster, outbox.Config{Logger: log}, true)
 
 		// A sink that is down, then a broker that refuses the topic

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: starts the databases if needed, then vets and
-# tests every module of the repository with the race detector.
+# Runs the whole test suite: starts the databases if needed, vets and
+# tests every module of the repository with the race detector on kfake (the
+# in-process Kafka-protocol broker), then runs every Kafka-facing test again
+# on Apache Kafka (scripts/kafka.sh: one node, then the chaos suite on
+# three) when Java and Maven are present. In CI (CI=true) a real broker that
+# cannot start fails the run; OUTBOX_REAL_KAFKA=0 skips that pass outside CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,4 +28,51 @@ go test -race -count=1 -timeout 15m ./...
 if [ -f examples/gin-orders/go.mod ]; then
   echo "== go test (examples/gin-orders)"
   (cd examples/gin-orders && go vet ./... && go test -race -count=1 -timeout 10m ./...)
+fi
+
+# ------------------------------------------------------------ Apache Kafka
+real_kafka_pass() {
+  local kafka="$PWD/scripts/kafka.sh" log bootstrap pass=0 fail=0 skip=0
+  trap 'bash "$kafka" stop >/dev/null 2>&1 || true' EXIT
+  log=$(mktemp -d)/real-kafka.log
+
+  echo "== Apache Kafka: one node"
+  bootstrap=$(bash "$kafka" start --nodes 1)
+  echo "== go test on Apache Kafka ($bootstrap): publisher, strict mode, relay, outboxtest, bad input, example"
+  (
+    set -o pipefail
+    KAFKA_BROKERS=$bootstrap go test -race -count=1 -timeout 15m -v \
+      . ./publisher/... ./outboxtest/... ./internal/kafkatest/... ./test/badinput/... ./cmd/outbox-bench/... 2>&1
+    (cd examples/gin-orders && KAFKA_BROKERS=$bootstrap go test -race -count=1 -timeout 10m -v ./... 2>&1)
+  ) >"$log.1" || { grep -E -- '--- FAIL|^FAIL|panic:' "$log.1" | head -40; tail -80 "$log.1"; return 1; }
+  bash "$kafka" stop
+
+  echo "== Apache Kafka: three nodes (replication factor 3, min.insync.replicas 2)"
+  bootstrap=$(bash "$kafka" start --nodes 3)
+  echo "== chaos suite on Apache Kafka ($bootstrap) with real broker faults"
+  (
+    set -o pipefail
+    KAFKA_BROKERS=$bootstrap OUTBOX_KAFKA_SCRIPT=$kafka go test -race -count=1 -timeout 20m -v ./test/chaos/... 2>&1
+  ) >"$log.2" || { grep -E -- '--- FAIL|^FAIL|panic:|chaos summary' "$log.2" | head -40; tail -80 "$log.2"; return 1; }
+  grep -E 'chaos summary|faults by kind' "$log.2" | sed 's/^ *//'
+  bash "$kafka" stop
+  trap - EXIT
+
+  pass=$(cat "$log.1" "$log.2" | grep -cE -- '--- PASS' || true)
+  fail=$(cat "$log.1" "$log.2" | grep -cE -- '--- FAIL' || true)
+  skip=$(cat "$log.1" "$log.2" | grep -cE -- '--- SKIP' || true)
+  echo "== Apache Kafka pass: tests (and subtests) run against the real broker; skipped ones inject faults only kfake offers and ran in the kfake pass above"
+  grep -E -- '--- SKIP' "$log.1" "$log.2" | sed 's/^[^:]*: *//' | sort | uniq | head -40
+  echo "apache-kafka: $pass passed, $fail failed, $skip skipped"
+}
+
+if [ "${OUTBOX_REAL_KAFKA:-1}" = 0 ] && [ "${CI:-}" != true ]; then
+  echo "== Apache Kafka pass skipped (OUTBOX_REAL_KAFKA=0): the Kafka tests ran on kfake only"
+elif command -v java >/dev/null 2>&1 && command -v mvn >/dev/null 2>&1; then
+  real_kafka_pass
+elif [ "${CI:-}" = true ]; then
+  echo "ERROR: CI needs Java 17+ and Maven to run Apache Kafka (scripts/kafka.sh)" >&2
+  exit 1
+else
+  echo "== Apache Kafka pass skipped: no Java/Maven here, so the Kafka tests ran on kfake only (install Java 17+ and Maven, or see README)"
 fi

@@ -547,3 +547,137 @@ func (c *Cluster) listOffsets(t testing.TB, topic string, timestamp int64, isola
 	require.Len(t, out, len(mresp.Topics[0].Partitions), "kafkatest: list offsets for %q", topic)
 	return out
 }
+
+// MoveLeader moves the leadership of one partition of topic to another of
+// its in-sync replicas: it rotates the partition's replica list so that
+// replica becomes the preferred leader, then asks for a preferred leader
+// election. It returns the old and the new leader. It is for fault
+// injection on a real cluster and may be called from any goroutine.
+func (c *Cluster) MoveLeader(ctx context.Context, topic string, partition int32) (from, to int32, err error) {
+	p, err := c.partitionMeta(ctx, topic, partition)
+	if err != nil {
+		return -1, -1, err
+	}
+	from = p.Leader
+	var target int32 = -1
+	for _, r := range p.ISR {
+		if r != from {
+			target = r
+			break
+		}
+	}
+	if target < 0 {
+		return from, -1, fmt.Errorf("kafkatest: partition %s/%d has no other in-sync replica (ISR %v)", topic, partition, p.ISR)
+	}
+	replicas := []int32{target}
+	for _, r := range p.Replicas {
+		if r != target {
+			replicas = append(replicas, r)
+		}
+	}
+
+	alter := kmsg.NewPtrAlterPartitionAssignmentsRequest()
+	at := kmsg.NewAlterPartitionAssignmentsRequestTopic()
+	at.Topic = topic
+	ap := kmsg.NewAlterPartitionAssignmentsRequestTopicPartition()
+	ap.Partition, ap.Replicas = partition, replicas
+	at.Partitions = append(at.Partitions, ap)
+	alter.Topics = append(alter.Topics, at)
+	aresp, err := alter.RequestWith(ctx, c.admin)
+	if err != nil {
+		return from, target, fmt.Errorf("kafkatest: reassign %s/%d: %w", topic, partition, err)
+	}
+	if err := kerr.ErrorForCode(aresp.ErrorCode); err != nil {
+		return from, target, fmt.Errorf("kafkatest: reassign %s/%d: %w", topic, partition, err)
+	}
+	for _, t := range aresp.Topics {
+		for _, pr := range t.Partitions {
+			if err := kerr.ErrorForCode(pr.ErrorCode); err != nil {
+				return from, target, fmt.Errorf("kafkatest: reassign %s/%d: %w", topic, partition, err)
+			}
+		}
+	}
+
+	elect := kmsg.NewPtrElectLeadersRequest()
+	elect.ElectionType = 0 // the preferred replica
+	et := kmsg.NewElectLeadersRequestTopic()
+	et.Topic, et.Partitions = topic, []int32{partition}
+	elect.Topics = append(elect.Topics, et)
+	// The reordered assignment reaches the controller's metadata shortly
+	// after the reassignment returns; until then the election finds the
+	// old leader preferred (ELECTION_NOT_NEEDED). Retry until it moves.
+	for {
+		eresp, err := elect.RequestWith(ctx, c.admin)
+		if err != nil {
+			return from, target, fmt.Errorf("kafkatest: elect leader of %s/%d: %w", topic, partition, err)
+		}
+		var perr error = kerr.ErrorForCode(eresp.ErrorCode)
+		for _, t := range eresp.Topics {
+			for _, pr := range t.Partitions {
+				if e := kerr.ErrorForCode(pr.ErrorCode); e != nil && perr == nil {
+					perr = e
+				}
+			}
+		}
+		if perr == nil {
+			return from, target, nil
+		}
+		if !errors.Is(perr, kerr.ElectionNotNeeded) && !errors.Is(perr, kerr.PreferredLeaderNotAvailable) {
+			return from, target, fmt.Errorf("kafkatest: elect leader of %s/%d: %w", topic, partition, perr)
+		}
+		if p, err := c.partitionMeta(ctx, topic, partition); err == nil && p.Leader == target {
+			return from, target, nil
+		}
+		select {
+		case <-ctx.Done():
+			return from, target, fmt.Errorf("kafkatest: elect leader of %s/%d: %w (last: %v)", topic, partition, ctx.Err(), perr)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// FullyReplicated reports whether every partition of every topic,
+// internal ones included, has a leader and all its replicas in sync; when
+// not, the reason names the first partition that is not. It is for fault
+// injection on a real cluster (no second broker fault before the first
+// healed) and may be called from any goroutine.
+func (c *Cluster) FullyReplicated(ctx context.Context) (ok bool, reason string, err error) {
+	meta, err := kmsg.NewPtrMetadataRequest().RequestWith(ctx, c.admin) // nil Topics: all of them
+	if err != nil {
+		return false, "", fmt.Errorf("kafkatest: metadata: %w", err)
+	}
+	for _, t := range meta.Topics {
+		name := ""
+		if t.Topic != nil {
+			name = *t.Topic
+		}
+		if err := kerr.ErrorForCode(t.ErrorCode); err != nil {
+			return false, fmt.Sprintf("topic %s: %v", name, err), nil
+		}
+		for _, p := range t.Partitions {
+			if p.Leader < 0 || len(p.ISR) < len(p.Replicas) {
+				return false, fmt.Sprintf("%s/%d: leader %d, replicas %v, in sync %v", name, p.Partition, p.Leader, p.Replicas, p.ISR), nil
+			}
+		}
+	}
+	return true, "", nil
+}
+
+func (c *Cluster) partitionMeta(ctx context.Context, topic string, partition int32) (kmsg.MetadataResponseTopicPartition, error) {
+	req := kmsg.NewPtrMetadataRequest()
+	rt := kmsg.NewMetadataRequestTopic()
+	rt.Topic = &topic
+	req.Topics = append(req.Topics, rt)
+	resp, err := req.RequestWith(ctx, c.admin)
+	if err != nil {
+		return kmsg.MetadataResponseTopicPartition{}, fmt.Errorf("kafkatest: metadata of %s: %w", topic, err)
+	}
+	for _, t := range resp.Topics {
+		for _, p := range t.Partitions {
+			if p.Partition == partition {
+				return p, nil
+			}
+		}
+	}
+	return kmsg.MetadataResponseTopicPartition{}, fmt.Errorf("kafkatest: %s/%d not in metadata", topic, partition)
+}

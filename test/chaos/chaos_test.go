@@ -179,13 +179,30 @@ func runChaos(t *testing.T, p params) {
 	sqlDB.SetMaxOpenConns(p.writers + 4)
 	tables := plugin.Config().Tables
 
-	// The cluster, in this process so that the test can break it.
+	// The cluster: kfake in this process, so that the test can break it
+	// from inside, or the Apache Kafka cluster of scripts/kafka.sh, whose
+	// broker processes it kills, stops and resumes.
 	cluster := kafkatest.Start(t, kafkatest.NumBrokers(p.brokers))
-	fake := cluster.RequireFake(t)
 	topic := cluster.Topic(t, p.partitions)
+	real := newRealBrokers(t, cluster, topic)
+	fake := cluster.Fake()
 	nodeIDs := map[string]int32{}
-	for i, a := range fake.ListenAddrs() {
-		nodeIDs[a] = int32(i) // kfake numbers its initial brokers in order
+	if fake != nil {
+		for i, a := range fake.ListenAddrs() {
+			nodeIDs[a] = int32(i) // kfake numbers its initial brokers in order
+		}
+	} else {
+		p.brokers = real.nodes
+		// A stopped broker is fenced only after the session timeout and a
+		// restarted one takes seconds to rejoin: a longer window lets each
+		// kind of real broker fault happen more than once.
+		if p.minChaos < 45*time.Second && !p.soak {
+			p.minChaos = 45 * time.Second
+			if os.Getenv(EnvRate) == "" {
+				p.rate = float64(p.messages) / p.minChaos.Seconds()
+			}
+		}
+		t.Logf("chaos %s: on Apache Kafka (%s), %d nodes; faults for %s at %.0f messages/s", mode, strings.Join(cluster.Brokers(), ","), real.nodes, p.minChaos, p.rate)
 	}
 
 	// The relays.
@@ -206,7 +223,7 @@ func runChaos(t *testing.T, p params) {
 			bin:     bin,
 			dsn:     d.DSN,
 			tag:     "chaos-" + d.Namespace,
-			brokers: fake.ListenAddrs,
+			brokers: cluster.Brokers,
 			logDir:  logDir,
 			flags: []string{
 				"-mode", mode,
@@ -230,15 +247,17 @@ func runChaos(t *testing.T, p params) {
 
 	// The fault injector.
 	in := &injector{
-		t:       t,
-		rng:     rand.New(rand.NewPCG(p.seed, p.seed^0x9e3779b97f4a7c15)),
-		procs:   pr,
-		fake:    fake,
-		db:      d.DB,
-		log:     events,
-		lease:   p.lease,
-		every:   p.faultEvery,
-		nodeIDs: nodeIDs,
+		t:          t,
+		rng:        rand.New(rand.NewPCG(p.seed, p.seed^0x9e3779b97f4a7c15)),
+		procs:      pr,
+		fake:       fake,
+		real:       real,
+		partitions: p.partitions,
+		db:         d.DB,
+		log:        events,
+		lease:      p.lease,
+		every:      p.faultEvery,
+		nodeIDs:    nodeIDs,
 	}
 	stopChaos, chaosDone := make(chan struct{}), make(chan struct{})
 	var stopOnce sync.Once
@@ -283,7 +302,7 @@ func runChaos(t *testing.T, p params) {
 	}
 
 	// What was delivered.
-	got := consume(t, fake.ListenAddrs(), topic, p.strict, expected, 2*time.Minute)
+	got := consume(t, cluster.Brokers(), topic, p.strict, expected, 2*time.Minute)
 
 	// Count.
 	var lost []string
@@ -310,7 +329,7 @@ func runChaos(t *testing.T, p params) {
 		" | write=%s chaos=%s drain=%s total=%s seed=%d",
 		mode, p.messages, len(expected), p.keys, p.relays, p.brokers, p.buckets,
 		events.count(evKill), events.count(evTerm), events.count(evBackendKill), in.backends,
-		events.count(brokerFaultKinds...), events.count(evNodeBounce), events.count(evPause),
+		events.count(append(brokerFaultKinds, evBrokerKill, evBrokerStop, evLeaderMove)...), events.count(evNodeBounce), events.count(evPause),
 		len(lost), dups, got.records, got.maxCopies, len(got.violations), byTakeover, explained, kinds,
 		dead, remaining, len(logs.takeovers), logs.publishFailed, slowExits, longestExit.Round(100*time.Millisecond),
 		writeTime.Round(time.Second), chaosTime.Round(time.Second), drainTime.Round(time.Second), totalTime.Round(time.Second), p.seed)

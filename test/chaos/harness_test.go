@@ -530,11 +530,14 @@ type injector struct {
 	t     *testing.T
 	rng   *rand.Rand
 	procs *procs
-	fake  *kfake.Cluster
-	db    *gorm.DB // for pg_terminate_backend
-	log   *eventLog
-	lease time.Duration
-	every time.Duration
+	fake  *kfake.Cluster // nil on Apache Kafka
+	real  *realBrokers   // nil on kfake
+	// partitions of the topic
+	partitions int32
+	db         *gorm.DB // for pg_terminate_backend
+	log        *eventLog
+	lease      time.Duration
+	every      time.Duration
 
 	pending  []scheduled
 	handles  []*kfake.FaultHandle
@@ -635,15 +638,21 @@ func (in *injector) inject() {
 		{2, in.sigterm},
 		{2, in.pause},
 		{3, in.killBackends},
-		// Counts above the relay's producer retries (5) make a publish
-		// fail: the relay's own backoff and retry path.
-		{2, in.brokerFault(evNotLeader, kerr.NotLeaderForPartition, 1, 12)},
-		{2, in.brokerFault(evTimeoutAfter, kerr.RequestTimedOut, 1, 8)},
-		{1, in.brokerFault(evReplicasAfter, kerr.NotEnoughReplicasAfterAppend, 1, 8)},
-		{2, in.delay},
-		{1, in.dropConnection},
-		{1, in.bounceNode},
-		{1, in.shuffleLeaders},
+	}
+	if in.real != nil {
+		actions = append(actions, in.real.actions(in)...)
+	} else {
+		actions = append(actions,
+			// Counts above the relay's producer retries (5) make a publish
+			// fail: the relay's own backoff and retry path.
+			action{2, in.brokerFault(evNotLeader, kerr.NotLeaderForPartition, 1, 12)},
+			action{2, in.brokerFault(evTimeoutAfter, kerr.RequestTimedOut, 1, 8)},
+			action{1, in.brokerFault(evReplicasAfter, kerr.NotEnoughReplicasAfterAppend, 1, 8)},
+			action{2, in.delay},
+			action{1, in.dropConnection},
+			action{1, in.bounceNode},
+			action{1, in.shuffleLeaders},
+		)
 	}
 	// The first faults go through every kind once, in random order, so
 	// that every run covers them all; then kinds are drawn by weight.
@@ -967,6 +976,9 @@ func (in *injector) heal() {
 	if in.removed != nil {
 		in.readdNode()
 		in.runDue(true)
+	}
+	if in.real != nil {
+		in.real.heal(in)
 	}
 	for _, rp := range in.procs.slots {
 		if rp.state == procPaused {

@@ -1,0 +1,202 @@
+package chaos_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gorm-outbox/outbox/internal/kafkatest"
+)
+
+// EnvKafkaScript names scripts/kafka.sh when KAFKA_BROKERS points at the
+// Apache Kafka cluster that script runs: the chaos suite then injects real
+// broker faults (SIGKILL and restart of a broker process, SIGSTOP past the
+// broker session timeout and SIGCONT, leader moves) instead of kfake's.
+// scripts/test.sh sets both.
+const EnvKafkaScript = "OUTBOX_KAFKA_SCRIPT"
+
+// Real broker fault kinds.
+const (
+	evBrokerKill  = "broker_sigkill"
+	evBrokerStop  = "broker_sigstop"
+	evLeaderMove  = "broker_leader_move"
+	brokerSession = 9 * time.Second // broker.session.timeout.ms in scripts/kafka.sh
+)
+
+// realBrokers drives the nodes of a cluster started by scripts/kafka.sh.
+// At most one broker is down (killed or stopped) at a time, and the next
+// broker fault waits until every partition, internal ones included, is
+// fully replicated again: with three nodes and min.insync.replicas 2 the
+// cluster then always accepts acks=all writes, and what the suite measures
+// is the relay's recovery, not an unavailable cluster.
+type realBrokers struct {
+	script  string
+	cluster *kafkatest.Cluster
+	topic   string
+	nodes   int
+
+	down     int    // the node that is killed or stopped, 0 when none
+	downKind string // evBrokerKill or evBrokerStop
+	healing  bool   // down's fault was undone; waiting for full replication
+	healBy   time.Time
+}
+
+// newRealBrokers returns the controller of the real cluster, or nil when
+// the suite runs on kfake. With KAFKA_BROKERS set and no script it skips,
+// or fails in CI.
+func newRealBrokers(t *testing.T, cluster *kafkatest.Cluster, topic string) *realBrokers {
+	if cluster.Fake() != nil {
+		return nil
+	}
+	script := os.Getenv(EnvKafkaScript)
+	if script == "" {
+		msg := fmt.Sprintf("chaos on a real cluster (%s) injects broker faults through scripts/kafka.sh: set %s to its path", kafkatest.EnvBrokers, EnvKafkaScript)
+		if os.Getenv("CI") == "true" || os.Getenv("CI") == "1" {
+			t.Fatal(msg)
+		}
+		t.Skip(msg)
+	}
+	rb := &realBrokers{script: script, cluster: cluster, topic: topic}
+	out, err := rb.run("status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	for sc.Scan() {
+		if f := strings.Fields(sc.Text()); len(f) >= 6 && f[0] == "node" && f[5] == "running" {
+			rb.nodes++
+		}
+	}
+	if rb.nodes < 3 {
+		t.Fatalf("chaos needs a 3-node cluster (scripts/kafka.sh start --nodes 3); %s reports:\n%s", script, out)
+	}
+	return rb
+}
+
+func (rb *realBrokers) run(args ...string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "bash", append([]string{rb.script}, args...)...).CombinedOutput()
+	if err != nil {
+		return out, fmt.Errorf("chaos: %s %s: %v: %s", rb.script, strings.Join(args, " "), err, out)
+	}
+	return out, nil
+}
+
+// actions are the real broker faults, drawn with the relay and database
+// faults of the injector.
+func (rb *realBrokers) actions(in *injector) []action {
+	return []action{
+		{2, func() bool { return rb.kill(in) }},
+		{2, func() bool { return rb.stop(in) }},
+		{2, func() bool { return rb.moveLeader(in) }},
+	}
+}
+
+// kill SIGKILLs a broker and starts it again a few seconds later.
+func (rb *realBrokers) kill(in *injector) bool {
+	if rb.down != 0 {
+		return false
+	}
+	node := 1 + in.rng.IntN(rb.nodes)
+	if _, err := rb.run("kill", strconv.Itoa(node)); err != nil {
+		in.t.Log(err)
+		return false
+	}
+	rb.down, rb.downKind = node, evBrokerKill
+	d := in.jitter(2*time.Second, 6*time.Second)
+	now := time.Now()
+	in.log.add(event{Kind: evBrokerKill, Slot: -1, Start: now, End: now.Add(d), Note: fmt.Sprintf("node %d down %s", node, d)})
+	in.after(d, func() { rb.undo(in) })
+	return true
+}
+
+// stop SIGSTOPs a broker past the broker session timeout, so that the
+// controller fences it and its partitions move, then resumes it.
+func (rb *realBrokers) stop(in *injector) bool {
+	if rb.down != 0 {
+		return false
+	}
+	node := 1 + in.rng.IntN(rb.nodes)
+	if _, err := rb.run("pause", strconv.Itoa(node)); err != nil {
+		in.t.Log(err)
+		return false
+	}
+	rb.down, rb.downKind = node, evBrokerStop
+	d := brokerSession + in.jitter(time.Second, 4*time.Second)
+	now := time.Now()
+	in.log.add(event{Kind: evBrokerStop, Slot: -1, Start: now, End: now.Add(d), Note: fmt.Sprintf("node %d stopped %s", node, d)})
+	in.after(d, func() { rb.undo(in) })
+	return true
+}
+
+// undo restarts or resumes the broker that is down, then waits (polling
+// from the injector's loop) until the cluster is fully replicated.
+func (rb *realBrokers) undo(in *injector) {
+	if rb.down == 0 || rb.healing {
+		return
+	}
+	verb := "start-node"
+	if rb.downKind == evBrokerStop {
+		verb = "resume"
+	}
+	if _, err := rb.run(verb, strconv.Itoa(rb.down)); err != nil {
+		in.t.Log(err)
+		in.after(time.Second, func() { rb.undo(in) })
+		return
+	}
+	rb.healing, rb.healBy = true, time.Now().Add(3*time.Minute)
+	in.after(500*time.Millisecond, func() { rb.checkHealed(in) })
+}
+
+func (rb *realBrokers) checkHealed(in *injector) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ok, reason, err := rb.cluster.FullyReplicated(ctx)
+	cancel()
+	if ok {
+		in.log.end(rb.downKind, -1, time.Now())
+		rb.down, rb.downKind, rb.healing = 0, "", false
+		return
+	}
+	if time.Now().After(rb.healBy) {
+		in.t.Logf("chaos: node %d did not rejoin within 3 minutes (%s %v); giving up on it", rb.down, reason, err)
+		rb.down, rb.downKind, rb.healing = 0, "", false
+		return
+	}
+	in.after(500*time.Millisecond, func() { rb.checkHealed(in) })
+}
+
+// moveLeader moves the leadership of one partition of the topic to another
+// in-sync replica.
+func (rb *realBrokers) moveLeader(in *injector) bool {
+	if rb.down != 0 {
+		return false // a partition may have a single in-sync replica
+	}
+	partition := int32(in.rng.IntN(int(in.partitions)))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	from, to, err := rb.cluster.MoveLeader(ctx, rb.topic, partition)
+	if err != nil {
+		in.t.Logf("chaos: %v", err)
+		return false
+	}
+	now := time.Now()
+	in.log.add(event{Kind: evLeaderMove, Slot: -1, Start: now, End: now.Add(time.Second), Note: fmt.Sprintf("partition %d: %d -> %d", partition, from, to)})
+	return true
+}
+
+// heal undoes the broker fault in progress and waits until the cluster is
+// fully replicated.
+func (rb *realBrokers) heal(in *injector) {
+	if rb.down != 0 && !rb.healing {
+		rb.undo(in)
+	}
+	in.runDue(true)
+}

@@ -68,6 +68,23 @@ func (b *bundle) listenerPIDs(t *testing.T, app string) []int32 {
 	return pids
 }
 
+// requireClosed waits until no connection named app is left: the server
+// ends a backend shortly after its client closed the connection, not at
+// once.
+func (b *bundle) requireClosed(t *testing.T, app, msg string) {
+	t.Helper()
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		rows, err := b.admin.Query(context.Background(),
+			"SELECT pid FROM pg_stat_activity WHERE application_name = $1 ORDER BY pid", app)
+		if !assert.NoError(c, err) {
+			return
+		}
+		pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+		assert.NoError(c, err)
+		assert.Empty(c, pids)
+	}, 15*time.Second, 20*time.Millisecond, msg)
+}
+
 // listening is a running Listen call.
 type listening struct {
 	got    chan int
@@ -307,7 +324,7 @@ func TestCancelWhileCallbackRuns(t *testing.T) {
 	mu.Lock()
 	assert.False(t, inCallback)
 	mu.Unlock()
-	require.Empty(t, b.listenerPIDs(t, c.ApplicationName()), "listener connection closed")
+	b.requireClosed(t, c.ApplicationName(), "listener connection closed")
 }
 
 // A listener that cannot connect keeps retrying with backoff and stops

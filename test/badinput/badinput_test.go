@@ -515,22 +515,12 @@ func backendKilledMidBatch(t *testing.T, e *env) {
 			if ok {
 				killed++
 			}
-			// The pool opens a new session: find it for the next kill
-			// (the first statement on the dead session fails).
-			for range 5 {
-				if relayDB.Raw("SELECT pg_backend_pid()").Scan(&session).Error == nil {
-					break
-				}
-			}
+			session = nextSession(t, relayDB, "SELECT pg_backend_pid()", session)
 		case dbtest.MySQL:
 			if e.db.Exec(fmt.Sprintf("KILL %d", session)).Error == nil {
 				killed++
 			}
-			for range 5 {
-				if relayDB.Raw("SELECT CONNECTION_ID()").Scan(&session).Error == nil {
-					break
-				}
-			}
+			session = nextSession(t, relayDB, "SELECT CONNECTION_ID()", session)
 		case dbtest.SQLite:
 			// No server to end the session: drop the pool's idle
 			// connection instead, so the next statement reconnects.
@@ -553,6 +543,26 @@ func backendKilledMidBatch(t *testing.T, e *env) {
 	got := s.ids()
 	for _, m := range msgs {
 		require.GreaterOrEqual(t, got[m.ID], 1, "message %s delivered", m.ID)
+	}
+}
+
+// nextSession returns the id of the session the one-connection pool of db
+// opens after session old was ended. The server ends a session
+// asynchronously: until it has, the old session may still answer, and the
+// first statement after it ended fails; poll until a new id answers.
+func nextSession(t *testing.T, db *gorm.DB, query string, old int64) int64 {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var id int64
+		if db.Raw(query).Scan(&id).Error == nil && id != old {
+			return id
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("no new session replaced session %d within 30 s", old)
+			return old
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 

@@ -31,9 +31,10 @@ if [ -f examples/gin-orders/go.mod ]; then
 fi
 
 # ------------------------------------------------------------ Apache Kafka
+KAFKA_SH="$PWD/scripts/kafka.sh"
 real_kafka_pass() {
-  local kafka="$PWD/scripts/kafka.sh" log bootstrap pass=0 fail=0 skip=0
-  trap 'bash "$kafka" stop >/dev/null 2>&1 || true' EXIT
+  local kafka="$KAFKA_SH" log bootstrap pass=0 fail=0 skip=0
+  trap 'bash "$KAFKA_SH" stop >/dev/null 2>&1 || true' EXIT
   log=$(mktemp -d)/real-kafka.log
 
   echo "== Apache Kafka: one node"

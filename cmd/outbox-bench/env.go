@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"database/sql"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -14,6 +15,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/IBM/sarama"
+
+	"github.com/gorm-outbox/outbox/publisher"
 	"gorm.io/driver/mysql"
 	"gorm.io/driver/postgres"
 	"gorm.io/driver/sqlite"
@@ -176,6 +180,9 @@ func startChild(ctx context.Context, role string, env []string, prefix string) (
 
 // stop asks the child to stop (SIGTERM) and waits.
 func (c *child) stop() {
+	if c.cmd == nil {
+		return // a real cluster: nothing was started
+	}
 	_ = c.cmd.Process.Signal(os.Interrupt)
 	select {
 	case <-c.done:
@@ -185,8 +192,29 @@ func (c *child) stop() {
 	}
 }
 
-// startBroker starts a Kafka-protocol broker in its own process.
+// externalBrokers is the real cluster the scenarios use, if any.
+var externalBrokers []string
+
+// useExternalBrokers makes startBroker use the cluster in brokers instead
+// of starting a broker process, with topics unique to this run.
+func useExternalBrokers(brokers []string) {
+	if len(brokers) == 0 {
+		return
+	}
+	externalBrokers = brokers
+	benchTopic = "bench-" + randomSuffix()
+}
+
+// startBroker starts a Kafka-protocol broker in its own process, or, with
+// a real cluster configured, creates the run's topics there. blackhole has
+// no effect on a real cluster: it stores every record.
 func startBroker(ctx context.Context, partitions int, blackhole bool) (*child, []string, error) {
+	if len(externalBrokers) > 0 {
+		if err := createTopics(externalBrokers, partitions, benchTopic, benchTopic+"-latency-notify", benchTopic+"-latency-poll"); err != nil {
+			return nil, nil, err
+		}
+		return &child{}, externalBrokers, nil
+	}
 	env := []string{fmt.Sprintf("OUTBOX_BENCH_PARTITIONS=%d", partitions)}
 	if blackhole {
 		env = append(env, "OUTBOX_BENCH_BLACKHOLE=1")
@@ -196,4 +224,23 @@ func startBroker(ctx context.Context, partitions int, blackhole bool) (*child, [
 		return nil, nil, err
 	}
 	return c, strings.Split(c.line, ","), nil
+}
+
+// createTopics creates the topics that do not exist yet, each with
+// partitions partitions and the cluster's default replication factor.
+func createTopics(brokers []string, partitions int, names ...string) error {
+	sc := sarama.NewConfig()
+	sc.Version = publisher.MinKafkaVersion
+	admin, err := sarama.NewClusterAdmin(brokers, sc)
+	if err != nil {
+		return fmt.Errorf("connect to %v: %w", brokers, err)
+	}
+	defer admin.Close()
+	for _, name := range names {
+		err := admin.CreateTopic(name, &sarama.TopicDetail{NumPartitions: int32(partitions), ReplicationFactor: -1}, false)
+		if err != nil && !errors.Is(err, sarama.ErrTopicAlreadyExists) {
+			return fmt.Errorf("create topic %s: %w", name, err)
+		}
+	}
+	return nil
 }

@@ -48,6 +48,9 @@ type config struct {
 	Relays     []int
 	JSON       bool
 	TmpDir     string
+	// Brokers is an Apache Kafka cluster to run against instead of the
+	// Kafka-protocol broker the harness starts in its own process.
+	Brokers []string
 }
 
 var allScenarios = []string{"drain", "latency", "write", "growth", "relays", "strict"}
@@ -105,8 +108,15 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&relays, "relays", "1,2,4", "relays: relay process counts")
 	fs.BoolVar(&c.JSON, "json", false, "print one JSON object per scenario instead of a table")
 	fs.BoolVar(&smoke, "smoke", false, "tiny sizes: check every scenario runs (CI), measure nothing")
+	var brokers string
+	fs.StringVar(&brokers, "brokers", os.Getenv("KAFKA_BROKERS"), "comma-separated brokers of a real Kafka cluster (env KAFKA_BROKERS); empty starts a kfake broker process")
 	if err := fs.Parse(args); err != nil {
 		return c, err
+	}
+	for _, b := range strings.Split(brokers, ",") {
+		if b = strings.TrimSpace(b); b != "" {
+			c.Brokers = append(c.Brokers, b)
+		}
 	}
 	var err error
 	if c.Growth, err = parseInts(growth); err != nil {
@@ -184,6 +194,7 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
+	useExternalBrokers(cfg.Brokers)
 	results, err := run(ctx, cfg, os.Stderr)
 	print(os.Stdout, cfg, results)
 	if err != nil {

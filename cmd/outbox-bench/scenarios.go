@@ -24,7 +24,9 @@ import (
 	"github.com/gorm-outbox/outbox/relay"
 )
 
-const benchTopic = "bench"
+// benchTopic is the topic the scenarios publish to; on a real cluster it
+// gets a suffix unique to the run (useExternalBrokers).
+var benchTopic = "bench"
 
 // env is one scenario run's database with the outbox on it.
 type env struct {

@@ -142,26 +142,44 @@ func run(o options) int {
 		pub      relay.Publisher
 		closePub func() error
 	)
-	switch o.mode {
-	case "default":
-		k, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Configure: configure, Logger: log})
-		if err != nil {
-			log.Error("chaos-relay: publisher", "err", err)
-			return exitSetup
-		}
-		pub, closePub = k, k.Close
-	case "strict":
-		k, err := publisher.NewTransactional(publisher.TransactionalConfig{
-			Brokers: brokers, TransactionalIDPrefix: o.txnPrefix, Configure: configure, Logger: log,
-		})
-		if err != nil {
-			log.Error("chaos-relay: publisher", "err", err)
-			return exitSetup
-		}
-		pub, closePub = k, k.Close
-	default:
+	if o.mode != "default" && o.mode != "strict" {
 		log.Error("chaos-relay: -mode must be default or strict", "mode", o.mode)
 		return exitSetup
+	}
+	// The publishers check at construction that the cluster answers (the
+	// default one also initialises its idempotent producer id). A relay
+	// restarted while a broker is down can fail that check, so retry for a
+	// while, as a service supervisor restarting the process would.
+	startDeadline := time.Now().Add(2 * time.Minute)
+	for attempt := 1; ; attempt++ {
+		var err error
+		if o.mode == "default" {
+			var k *publisher.Kafka
+			if k, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Configure: configure, Logger: log}); err == nil {
+				pub, closePub = k, k.Close
+			}
+		} else {
+			var k *publisher.Transactional
+			if k, err = publisher.NewTransactional(publisher.TransactionalConfig{
+				Brokers: brokers, TransactionalIDPrefix: o.txnPrefix, Configure: configure, Logger: log,
+			}); err == nil {
+				pub, closePub = k, k.Close
+			}
+		}
+		if err == nil {
+			break
+		}
+		if time.Now().After(startDeadline) {
+			log.Error("chaos-relay: publisher", "err", err, "attempts", attempt)
+			return exitSetup
+		}
+		log.Warn("chaos-relay: publisher not started; retrying", "err", err, "attempt", attempt)
+		select {
+		case s := <-sig:
+			log.Info("chaos-relay: stopped before the publisher started", "signal", s.String())
+			return exitOK
+		case <-time.After(500 * time.Millisecond):
+		}
 	}
 	defer func() {
 		start := time.Now()

@@ -251,7 +251,31 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 		}
 	}
 	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
-	return relay.Acquired{Leases: held, LiveRelays: live, FairShare: share}, nil
+	res := relay.Acquired{Leases: held, LiveRelays: live, FairShare: share}
+	if len(held) < share {
+		res.Waiting = waitingFor(rows, me, now, share)
+	}
+	return res, nil
+}
+
+// waitingFor returns the unexpired leases of the relays other than me
+// that hold more than share buckets (see relay.Acquired.Waiting).
+func waitingFor(rows []LeaseRow, me string, now int64, share int) []relay.HeldLease {
+	var others []LeaseRow
+	count := map[string]int{}
+	for _, r := range rows {
+		if r.Owner != nil && *r.Owner != me && r.ExpiresAtMs > now && !r.Paused {
+			others = append(others, r)
+			count[*r.Owner]++
+		}
+	}
+	var waiting []relay.HeldLease
+	for _, r := range others {
+		if count[*r.Owner] > share {
+			waiting = append(waiting, relay.HeldLease{Bucket: int(r.Bucket), Owner: *r.Owner, ExpiresAt: time.UnixMilli(r.ExpiresAtMs)})
+		}
+	}
+	return waiting
 }
 
 // heartbeat records that relay me is alive.

@@ -41,9 +41,9 @@ const (
 // (relay.Store) with the relay.LeaseRenewer and relay.FailureRecorder
 // capabilities, on PostgreSQL, MySQL/MariaDB and SQLite.
 //
-// Every operation is one or a few short, indexed statements outside any
-// transaction; the concurrency model is the guarded conditional UPDATE of
-// the lease rows described in package relay. The lease rows for buckets
+// The relay.Store operations are each one or a few short, indexed
+// statements outside any transaction; the concurrency model is the guarded
+// conditional UPDATE of the lease rows described in package relay. The lease rows for buckets
 // 0..BucketCount-1 are created on first use. Times are Unix milliseconds
 // from this host's clock.
 //
@@ -51,8 +51,13 @@ const (
 // relay holding it releases it at its next acquisition: an operator can
 // stop publishing one bucket without stopping the relays.
 //
-// Store never opens a transaction and never holds a lock while the
-// publisher runs. It is safe for concurrent use.
+// The one exception is the failure policy the Store brings
+// (HandleFailure, FilterBatch; see FailurePolicy): moving messages to the
+// dead-letter table is one short transaction that locks the bucket's
+// lease row (SELECT ... FOR UPDATE; SQLite's write lock) to check the lease
+// before copying and deleting. It runs between publishes, so the Store
+// never holds a transaction or a lock while the publisher runs. It is safe
+// for concurrent use.
 type Store struct {
 	db      *gorm.DB
 	tables  Tables

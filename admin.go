@@ -402,34 +402,39 @@ type DeadLetter struct {
 	State     DeadLetterState
 }
 
+// deadLetterJSON is the JSON form of a DeadLetter.
+type deadLetterJSON struct {
+	ID          int64           `json:"id"`
+	MessageID   string          `json:"message_id"`
+	Bucket      int             `json:"bucket"`
+	Topic       string          `json:"topic"`
+	Key         *string         `json:"key,omitempty"`
+	KeyBase64   *string         `json:"key_base64,omitempty"`
+	Keyless     bool            `json:"keyless,omitempty"`
+	ValueBase64 *string         `json:"value_base64,omitempty"`
+	ValueSize   int             `json:"value_size"`
+	Headers     []headerJSON    `json:"headers,omitempty"`
+	Partition   *int32          `json:"partition,omitempty"`
+	CreatedAt   time.Time       `json:"created_at"`
+	DeadAt      time.Time       `json:"dead_at"`
+	Attempts    int             `json:"attempts"`
+	LastError   string          `json:"last_error,omitempty"`
+	State       DeadLetterState `json:"state"`
+}
+
+type headerJSON struct {
+	Key         string  `json:"key"`
+	Value       *string `json:"value,omitempty"`
+	ValueBase64 *string `json:"value_base64,omitempty"`
+}
+
 // MarshalJSON encodes a dead letter with snake_case names. The key is
 // given as text ("key") when it is valid UTF-8 and as base64
-// ("key_base64") otherwise; the value, when loaded, as base64
-// ("value_base64"); header values as text or base64 likewise.
+// ("key_base64") otherwise, and "keyless" is true for a keyless message;
+// the value, when loaded, as base64 ("value_base64"); header values as
+// text or base64 likewise. UnmarshalJSON reads it back.
 func (d DeadLetter) MarshalJSON() ([]byte, error) {
-	type header struct {
-		Key         string  `json:"key"`
-		Value       *string `json:"value,omitempty"`
-		ValueBase64 *string `json:"value_base64,omitempty"`
-	}
-	v := struct {
-		ID          int64           `json:"id"`
-		MessageID   string          `json:"message_id"`
-		Bucket      int             `json:"bucket"`
-		Topic       string          `json:"topic"`
-		Key         *string         `json:"key,omitempty"`
-		KeyBase64   *string         `json:"key_base64,omitempty"`
-		Keyless     bool            `json:"keyless,omitempty"`
-		ValueBase64 *string         `json:"value_base64,omitempty"`
-		ValueSize   int             `json:"value_size"`
-		Headers     []header        `json:"headers,omitempty"`
-		Partition   *int32          `json:"partition,omitempty"`
-		CreatedAt   time.Time       `json:"created_at"`
-		DeadAt      time.Time       `json:"dead_at"`
-		Attempts    int             `json:"attempts"`
-		LastError   string          `json:"last_error,omitempty"`
-		State       DeadLetterState `json:"state"`
-	}{ID: d.ID, MessageID: d.MessageID, Bucket: d.Bucket, Topic: d.Topic, ValueSize: d.ValueSize, Partition: d.Partition,
+	v := deadLetterJSON{ID: d.ID, MessageID: d.MessageID, Bucket: d.Bucket, Topic: d.Topic, ValueSize: d.ValueSize, Partition: d.Partition,
 		CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, Attempts: d.Attempts, LastError: d.LastError, State: d.State}
 	v.Key, v.KeyBase64 = textOrBase64(d.Key)
 	v.Keyless = d.Key == nil
@@ -439,9 +444,46 @@ func (d DeadLetter) MarshalJSON() ([]byte, error) {
 	}
 	for _, h := range d.Headers {
 		t, b := textOrBase64(h.Value)
-		v.Headers = append(v.Headers, header{Key: h.Key, Value: t, ValueBase64: b})
+		v.Headers = append(v.Headers, headerJSON{Key: h.Key, Value: t, ValueBase64: b})
 	}
 	return json.Marshal(v)
+}
+
+// UnmarshalJSON decodes the form MarshalJSON writes, as the admin HTTP
+// API and outboxctl --json print it.
+func (d *DeadLetter) UnmarshalJSON(b []byte) error {
+	var v deadLetterJSON
+	if err := json.Unmarshal(b, &v); err != nil {
+		return err
+	}
+	out := DeadLetter{ID: v.ID, MessageID: v.MessageID, Bucket: v.Bucket, Topic: v.Topic, ValueSize: v.ValueSize, Partition: v.Partition,
+		CreatedAt: v.CreatedAt, DeadAt: v.DeadAt, Attempts: v.Attempts, LastError: v.LastError, State: v.State}
+	var err error
+	if out.Key, err = fromTextOrBase64(v.Key, v.KeyBase64); err != nil {
+		return fmt.Errorf("outbox: dead letter %d: key_base64: %w", v.ID, err)
+	}
+	if out.Value, err = fromTextOrBase64(nil, v.ValueBase64); err != nil {
+		return fmt.Errorf("outbox: dead letter %d: value_base64: %w", v.ID, err)
+	}
+	for _, h := range v.Headers {
+		val, err := fromTextOrBase64(h.Value, h.ValueBase64)
+		if err != nil {
+			return fmt.Errorf("outbox: dead letter %d: header %q: %w", v.ID, h.Key, err)
+		}
+		out.Headers = append(out.Headers, Header{Key: h.Key, Value: val})
+	}
+	*d = out
+	return nil
+}
+
+func fromTextOrBase64(text, b64 *string) ([]byte, error) {
+	switch {
+	case text != nil:
+		return []byte(*text), nil
+	case b64 != nil:
+		return base64.StdEncoding.DecodeString(*b64)
+	}
+	return nil, nil
 }
 
 func textOrBase64(b []byte) (text, b64 *string) {

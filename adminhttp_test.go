@@ -1,7 +1,9 @@
 package outbox_test
 
 import (
+	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -153,5 +155,66 @@ func TestAdminHandler(t *testing.T) {
 		require.Equal(t, http.StatusOK, ro.do("GET", "/status", "", &st))
 		require.False(t, st.Buckets[2].Lease.Paused)
 		require.Equal(t, http.StatusMethodNotAllowed, rw.do("POST", "/status", "", nil))
+	})
+}
+
+// roundTripDeadLetters covers every shape of key, value and header a dead
+// letter can have: text, binary, empty, keyless or tombstone, nil.
+func roundTripDeadLetters() []outbox.DeadLetterRow {
+	part := int32(3)
+	return []outbox.DeadLetterRow{
+		{ID: 1, Bucket: 1, Topic: "orders", Key: []byte("order-7"), Value: []byte(`{"id":7}`), Partition: &part, Attempts: 10,
+			LastError: ptr(`publisher: message 0 (id "m", topic "orders"): permanent: boom`),
+			Headers:   outbox.EncodeHeaders([]outbox.Header{{Key: "text", Value: []byte("v")}, {Key: "bin", Value: []byte{0xff, 0}}, {Key: "nil"}})},
+		{ID: 2, Bucket: 1, Topic: "orders", Key: []byte{0xff, 0xfe}, Value: []byte{0, 1, 2}, State: "parked"},
+		{ID: 3, Bucket: 2, Topic: "orders", Key: []byte{}, Value: []byte{}},
+		{ID: 4, Bucket: 2, Topic: "orders"}, // keyless tombstone
+	}
+}
+
+// utcTimes makes dead letters comparable after a JSON round trip, which
+// keeps the instant but not the *time.Location.
+func utcTimes(ds ...outbox.DeadLetter) []outbox.DeadLetter {
+	for i := range ds {
+		ds[i].CreatedAt, ds[i].DeadAt = ds[i].CreatedAt.UTC(), ds[i].DeadAt.UTC()
+	}
+	return ds
+}
+
+// The admin API's dead-letter JSON decodes back into the Go types.
+func TestAdminHandlerJSONRoundTrip(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
+		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		require.NoError(t, err)
+		b.insertDead(t, roundTripDeadLetters()...)
+		c := httpClient{t, httptest.NewServer(outbox.NewAdminHandler(admin, outbox.AdminHandlerOptions{Logger: testLogger(t)}))}
+		defer c.srv.Close()
+
+		want, err := admin.DeadLetters(ctx, outbox.DeadLetterQuery{})
+		require.NoError(t, err)
+		require.Len(t, want.Items, 4)
+		var got outbox.DeadLetterPage
+		require.Equal(t, http.StatusOK, c.do("GET", "/dead-letters", "", &got))
+		require.Equal(t, utcTimes(want.Items...), utcTimes(got.Items...))
+		require.Equal(t, want.Next, got.Next)
+
+		for _, d := range want.Items {
+			one, err := admin.DeadLetter(ctx, d.ID)
+			require.NoError(t, err)
+			var gotOne outbox.DeadLetter
+			require.Equal(t, http.StatusOK, c.do("GET", fmt.Sprintf("/dead-letters/%d", d.ID), "", &gotOne))
+			require.Equal(t, utcTimes(one), utcTimes(gotOne), "dead letter %d", d.ID)
+		}
+		// The shapes survive: nil stays nil, empty stays empty.
+		var keyless, empty outbox.DeadLetter
+		require.Equal(t, http.StatusOK, c.do("GET", "/dead-letters/4", "", &keyless))
+		require.Nil(t, keyless.Key)
+		require.Nil(t, keyless.Value)
+		require.Equal(t, http.StatusOK, c.do("GET", "/dead-letters/3", "", &empty))
+		require.Equal(t, []byte{}, empty.Key)
+		require.Equal(t, []byte{}, empty.Value)
 	})
 }

@@ -1,7 +1,8 @@
 package outbox
 
 // Operation is the kind of write a publish rule reacts to. Operations
-// combine as flags: OnCreate|OnUpdate.
+// combine as flags: On(Insert|Update, fn) reacts to both; OnCreate,
+// OnUpdate and OnDelete are On with a single operation.
 type Operation uint8
 
 const (

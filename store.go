@@ -41,9 +41,9 @@ const (
 // (relay.Store) with the relay.LeaseRenewer and relay.FailureRecorder
 // capabilities, on PostgreSQL, MySQL/MariaDB and SQLite.
 //
-// Every operation is one or a few short, indexed statements outside any
-// transaction; the concurrency model is the guarded conditional UPDATE of
-// the lease rows described in package relay. The lease rows for buckets
+// The relay.Store operations are each one or a few short, indexed
+// statements outside any transaction; the concurrency model is the guarded
+// conditional UPDATE of the lease rows described in package relay. The lease rows for buckets
 // 0..BucketCount-1 are created on first use. Times are Unix milliseconds
 // from this host's clock.
 //
@@ -51,8 +51,13 @@ const (
 // relay holding it releases it at its next acquisition: an operator can
 // stop publishing one bucket without stopping the relays.
 //
-// Store never opens a transaction and never holds a lock while the
-// publisher runs. It is safe for concurrent use.
+// The one exception is the failure policy the Store brings
+// (HandleFailure, FilterBatch; see FailurePolicy): moving messages to the
+// dead-letter table is one short transaction that locks the bucket's
+// lease row (SELECT ... FOR UPDATE; SQLite's write lock) to check the lease
+// before copying and deleting. It runs between publishes, so the Store
+// never holds a transaction or a lock while the publisher runs. It is safe
+// for concurrent use.
 type Store struct {
 	db      *gorm.DB
 	tables  Tables
@@ -251,7 +256,31 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 		}
 	}
 	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
-	return relay.Acquired{Leases: held, LiveRelays: live, FairShare: share}, nil
+	res := relay.Acquired{Leases: held, LiveRelays: live, FairShare: share}
+	if len(held) < share {
+		res.Waiting = waitingFor(rows, me, now, share)
+	}
+	return res, nil
+}
+
+// waitingFor returns the unexpired leases of the relays other than me
+// that hold more than share buckets (see relay.Acquired.Waiting).
+func waitingFor(rows []LeaseRow, me string, now int64, share int) []relay.HeldLease {
+	var others []LeaseRow
+	count := map[string]int{}
+	for _, r := range rows {
+		if r.Owner != nil && *r.Owner != me && r.ExpiresAtMs > now && !r.Paused {
+			others = append(others, r)
+			count[*r.Owner]++
+		}
+	}
+	var waiting []relay.HeldLease
+	for _, r := range others {
+		if count[*r.Owner] > share {
+			waiting = append(waiting, relay.HeldLease{Bucket: int(r.Bucket), Owner: *r.Owner, ExpiresAt: time.UnixMilli(r.ExpiresAtMs)})
+		}
+	}
+	return waiting
 }
 
 // heartbeat records that relay me is alive.

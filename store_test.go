@@ -150,6 +150,13 @@ func TestStoreLeasesFairShare(t *testing.T) {
 		require.Empty(t, bb.Leases)
 		require.Equal(t, 2, bb.LiveRelays)
 		require.Equal(t, 4, bb.FairShare)
+		// It is told what it waits for: the incumbent's surplus, with the
+		// expiry of each lease.
+		require.Len(t, bb.Waiting, 8)
+		for _, h := range bb.Waiting {
+			require.Equal(t, "a", h.Owner)
+			require.WithinDuration(t, time.Now().Add(time.Minute), h.ExpiresAt, 30*time.Second)
+		}
 
 		// The incumbent gives back its surplus, the newcomer takes it under
 		// a new term.
@@ -157,6 +164,7 @@ func TestStoreLeasesFairShare(t *testing.T) {
 		require.Equal(t, []int{0, 1, 2, 3}, leaseBuckets(a.Leases))
 		bb = acquire(t, b.store, "b", 8, time.Minute)
 		require.Equal(t, []int{4, 5, 6, 7}, leaseBuckets(bb.Leases))
+		require.Empty(t, bb.Waiting)
 		for _, l := range bb.Leases {
 			require.EqualValues(t, 2, l.Term)
 		}

@@ -36,18 +36,30 @@ type Broker struct {
 // on first use: create others with CreateTopic.
 func StartBroker(tb testing.TB, topics ...string) *Broker {
 	tb.Helper()
+	b, err := NewBroker(topics...)
+	if err != nil {
+		failure(tb, "%v", err)
+		return nil
+	}
+	tb.Cleanup(b.Close)
+	return b
+}
+
+// NewBroker starts a broker with the given topics, one partition each,
+// outside a test: for a development service or a demo that needs a
+// Kafka-protocol endpoint without a Kafka installation. It keeps everything
+// in memory; Close stops it. `go run ./cmd/kfake-broker` runs the same
+// broker as a process of its own.
+func NewBroker(topics ...string) (*Broker, error) {
 	opts := []kfake.Opt{kfake.NumBrokers(1)}
 	if len(topics) > 0 {
 		opts = append(opts, kfake.SeedTopics(1, topics...))
 	}
 	cluster, err := kfake.NewCluster(opts...)
 	if err != nil {
-		failure(tb, "start the Kafka-protocol broker: %v", err)
-		return nil
+		return nil, fmt.Errorf("outboxtest: start the Kafka-protocol broker: %w", err)
 	}
-	b := &Broker{cluster: cluster}
-	tb.Cleanup(b.Close)
-	return b
+	return &Broker{cluster: cluster}, nil
 }
 
 // Brokers returns the bootstrap addresses, for publisher.KafkaConfig.Brokers.
@@ -103,6 +115,19 @@ func (r Record) Header(name string) (string, bool) { return header(r.Headers, na
 // offset. It fails the test if fewer than n arrive within ReadTimeout.
 func (b *Broker) Read(tb testing.TB, topic string, n int) []Record {
 	tb.Helper()
+	ctx, cancel := context.WithTimeoutCause(context.Background(), ReadTimeout, fmt.Errorf("the read timeout of %v", ReadTimeout))
+	defer cancel()
+	out, err := b.ReadContext(ctx, topic, n)
+	if err != nil {
+		failure(tb, "%v", err)
+		return nil
+	}
+	return out
+}
+
+// ReadContext is Read outside a test: it returns an error when fewer than
+// n records arrived before ctx ended.
+func (b *Broker) ReadContext(ctx context.Context, topic string, n int) ([]Record, error) {
 	cl, err := kgo.NewClient(
 		kgo.SeedBrokers(b.Brokers()...),
 		kgo.ConsumeTopics(topic),
@@ -110,12 +135,9 @@ func (b *Broker) Read(tb testing.TB, topic string, n int) []Record {
 		kgo.FetchMaxWait(100*time.Millisecond),
 	)
 	if err != nil {
-		failure(tb, "read %s: %v", topic, err)
-		return nil
+		return nil, fmt.Errorf("read %s: %w", topic, err)
 	}
 	defer cl.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), ReadTimeout)
-	defer cancel()
 	var (
 		out     []Record
 		lastErr error
@@ -135,12 +157,11 @@ func (b *Broker) Read(tb testing.TB, topic string, n int) []Record {
 			out = append(out, rec)
 		})
 		if ctx.Err() != nil && len(out) < n {
-			msg := fmt.Sprintf("read %d of %d records from topic %s within %v", len(out), n, topic, ReadTimeout)
+			msg := fmt.Sprintf("read %d of %d records from topic %s before %v", len(out), n, topic, context.Cause(ctx))
 			if lastErr != nil {
 				msg += fmt.Sprintf(" (last error: %v)", lastErr)
 			}
-			failure(tb, "%s", msg)
-			return nil
+			return out, errors.New(msg)
 		}
 	}
 	slices.SortStableFunc(out, func(a, b Record) int {
@@ -149,5 +170,5 @@ func (b *Broker) Read(tb testing.TB, topic string, n int) []Record {
 		}
 		return cmp.Compare(a.Offset, b.Offset)
 	})
-	return out
+	return out, nil
 }

@@ -144,14 +144,27 @@
 //
 // Lease expiries and heartbeats are written from the relay hosts' clocks
 // (Unix milliseconds) and compared on the database server, identically on
-// every database. Relay clocks must therefore agree, and the tolerated skew
-// is the renewal slack, LeaseDuration - LeaseRenewInterval (20s with the
-// defaults): a healthy relay renews every LeaseRenewInterval, so its lease
-// always reaches at least that far into the future, and a peer whose clock
-// runs ahead by less than the slack still sees it as live. Larger skew lets
-// a fast-clocked relay take over a live peer's buckets early. Even then the
+// every database. Relay clocks must therefore agree. The tolerated skew
+// depends on whether the owner's renewals succeed:
+//
+//   - While they succeed it is the renewal slack, LeaseDuration -
+//     LeaseRenewInterval (20s with the defaults): the owner renews about
+//     every LeaseRenewInterval, so its stored expiry always reaches at least
+//     that far ahead of its own clock, and a peer whose clock runs ahead by
+//     less still sees the lease as live.
+//   - While they fail (database unreachable from the owner only, a stalled
+//     process) it is half that, (LeaseDuration - LeaseRenewInterval)/2 (10s
+//     with the defaults): the owner stops publishing at the end of its
+//     trust window, which ends that long before the stored expiry by its
+//     own clock, and a peer takes the bucket over at the stored expiry by
+//     the peer's clock. A peer running ahead by more than the margin takes
+//     over while the old owner may still be publishing.
+//
+// Larger skew lets a fast-clocked relay take over a peer's buckets early,
+// so two relays can publish a bucket at once. Even then the
 // term guard keeps the stale relay from deleting or renewing anything; the
-// cost is duplicate deliveries, not loss. Ordinary NTP is far inside the
+// cost is duplicate deliveries and a possibly broken order per key, not
+// loss. Ordinary NTP is far inside the
 // tolerance.
 //
 // # Lifecycle

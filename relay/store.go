@@ -87,6 +87,20 @@ type Acquired struct {
 	LiveRelays int
 	// FairShare is the number of buckets the relay aimed for.
 	FairShare int
+	// Waiting lists, when the relay holds fewer than FairShare leases, the
+	// unexpired leases of other relays that hold more than their fair
+	// share: the buckets this relay waits for. A live owner gives them up
+	// at its next acquisition; an owner that exited without releasing them
+	// (a crash, a kill) loses them when they expire. Optional: a store may
+	// leave it empty; the relay only logs it.
+	Waiting []HeldLease
+}
+
+// HeldLease is a lease held by another relay, as AcquireLeases saw it.
+type HeldLease struct {
+	Bucket    int
+	Owner     string
+	ExpiresAt time.Time
 }
 
 // LeaseRenewer is an optional Store capability: extending held leases

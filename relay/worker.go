@@ -48,6 +48,7 @@ type worker struct {
 	storeFailures int
 	published     int
 	drainErrs     []error
+	waitingFor    string // the Acquired.Waiting last logged, to log a change once
 
 	// announced is what a LeaseAware publisher was last told the relay
 	// holds, bucket -> term (see syncLeases).
@@ -622,8 +623,52 @@ func (w *worker) acquire(ctx context.Context) error {
 		w.log.Info("relay: leases changed", "owned", len(next), "acquired", gained, "released", released,
 			"live_relays", res.LiveRelays, "fair_share", res.FairShare)
 	}
+	w.logWaiting(res.Waiting)
 	w.observeAcquired(len(gained))
 	return nil
+}
+
+// logWaiting says, once per change, which buckets the relay waits for and
+// until when: after an unclean exit the restarted relay (a new relay id)
+// cannot take its predecessor's buckets before their leases expire.
+func (w *worker) logWaiting(waiting []HeldLease) {
+	byOwner := map[string][]HeldLease{}
+	var owners []string
+	for _, h := range waiting {
+		if byOwner[h.Owner] == nil {
+			owners = append(owners, h.Owner)
+		}
+		byOwner[h.Owner] = append(byOwner[h.Owner], h)
+	}
+	slices.Sort(owners)
+	key := ""
+	for _, o := range owners {
+		key += fmt.Sprint(o, bucketsOf(byOwner[o]), ";")
+	}
+	if key == w.waitingFor {
+		return
+	}
+	w.waitingFor = key
+	for _, o := range owners {
+		until := byOwner[o][0].ExpiresAt
+		for _, h := range byOwner[o][1:] {
+			if h.ExpiresAt.After(until) {
+				until = h.ExpiresAt
+			}
+		}
+		w.log.Info("relay: waiting for buckets another relay holds beyond its fair share; "+
+			"it releases them at its next renewal, or, if it exited without releasing them, they are taken over when its leases expire",
+			"owner", o, "buckets", bucketsOf(byOwner[o]), "until", until)
+	}
+}
+
+func bucketsOf(hs []HeldLease) []int {
+	bs := make([]int, len(hs))
+	for i, h := range hs {
+		bs[i] = h.Bucket
+	}
+	slices.Sort(bs)
+	return bs
 }
 
 // renewLeases extends the held leases through the LeaseRenewer.

@@ -8,6 +8,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Nothing built or downloaded belongs in the repository: refuse any tracked
+# file over 1 MB (binaries, jars, databases, caches) before anything else runs.
+echo "== tracked files over 1 MB"
+too_large=$({ git ls-files -z | xargs -0 -r stat -c '%s %n' 2>/dev/null || true; } | awk '$1 > 1048576 { printf "  %s (%.1f MB)\n", substr($0, index($0, " ") + 1), $1 / 1048576 }')
+if [ -n "$too_large" ]; then
+  echo "error: these tracked files are over 1 MB; build outputs and downloads must not be committed." >&2
+  echo "$too_large" >&2
+  echo "Remove them with 'git rm --cached <file>' and add them to .gitignore." >&2
+  exit 1
+fi
+
 bash scripts/services.sh
 
 # promtool validates and unit-tests the shipped alert rules

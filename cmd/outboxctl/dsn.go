@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"net/url"
+	"os"
 	"regexp"
 	"strings"
 
@@ -44,6 +45,60 @@ func resolveDriver(name, dsn string) (string, error) {
 	return "", fmt.Errorf("cannot tell the database from the DSN: set --driver (or OUTBOX_DRIVER) to postgres, mysql or sqlite")
 }
 
+// checkDriver refuses a DSN that plainly belongs to another driver than the
+// one given, naming both: otherwise the driver's parser fails with a
+// message about syntax that does not say the two were mixed up.
+func checkDriver(driver, dsn string) error {
+	looks, err := resolveDriver("", dsn)
+	if err != nil || looks == driver {
+		return nil
+	}
+	return fmt.Errorf("--driver (or OUTBOX_DRIVER) is %s but the DSN looks like a %s DSN: fix one of them, or leave --driver unset to guess it from the DSN", driver, looks)
+}
+
+// mysqlURL turns mysql://user:pass@host:port/db?params, the URL form
+// services commonly take, into the driver's
+// user:pass@tcp(host:port)/db?parseTime=true&params. A DSN already in the
+// driver's form after mysql:// (user:pass@tcp(...)/db) is passed through.
+func mysqlURL(raw string) (string, error) {
+	rest := strings.TrimPrefix(raw, "mysql://")
+	if strings.Contains(rest, "@tcp(") || strings.Contains(rest, "@unix(") || strings.HasPrefix(rest, "tcp(") || strings.HasPrefix(rest, "unix(") {
+		return rest, nil
+	}
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "", fmt.Errorf("mysql:// DSN: %w", err)
+	}
+	if u.Host == "" {
+		return "", fmt.Errorf("mysql:// DSN: no host (want mysql://user:pass@host:3306/database)")
+	}
+	host := u.Host
+	if u.Port() == "" {
+		host += ":3306"
+	}
+	q := u.Query()
+	q.Set("parseTime", "true")
+	userinfo := ""
+	if u.User != nil {
+		userinfo = u.User.Username()
+		if p, ok := u.User.Password(); ok {
+			userinfo += ":" + p
+		}
+		userinfo += "@"
+	}
+	return fmt.Sprintf("%stcp(%s)/%s?%s", userinfo, host, strings.TrimPrefix(u.Path, "/"), q.Encode()), nil
+}
+
+// sqliteFile returns the file a SQLite DSN names, or "" for an in-memory
+// database.
+func sqliteFile(dsn string) string {
+	path, query, _ := strings.Cut(strings.TrimPrefix(dsn, "file:"), "?")
+	if path == ":memory:" || path == "" || strings.Contains(query, "mode=memory") {
+		return ""
+	}
+	return path
+}
+
 // openDB opens a GORM connection with its logger silenced: GORM would
 // otherwise print failing SQL to stdout.
 func openDB(driver, dsn string) (*gorm.DB, error) {
@@ -52,8 +107,22 @@ func openDB(driver, dsn string) (*gorm.DB, error) {
 	case "postgres":
 		dl = postgres.Open(dsn)
 	case "mysql":
-		dl = mysql.Open(strings.TrimPrefix(dsn, "mysql://"))
+		if strings.HasPrefix(dsn, "mysql://") {
+			converted, err := mysqlURL(dsn)
+			if err != nil {
+				return nil, err
+			}
+			dsn = converted
+		}
+		dl = mysql.Open(dsn)
 	case "sqlite":
+		// The driver would create a missing file and then report missing
+		// tables: a mistyped path is named instead.
+		if f := sqliteFile(dsn); f != "" {
+			if _, err := os.Stat(f); err != nil {
+				return nil, fmt.Errorf("SQLite database file: %w", err)
+			}
+		}
 		dl = sqlite.Open(dsn)
 	default:
 		return nil, fmt.Errorf("unknown driver %q", driver)

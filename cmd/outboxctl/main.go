@@ -13,13 +13,16 @@
 //	outboxctl [flags] pause BUCKET
 //	outboxctl [flags] resume BUCKET
 //
-// Connection: --dsn (or OUTBOX_DSN) and --driver postgres|mysql|sqlite (or
-// OUTBOX_DRIVER; guessed from the DSN when unset). Tables: --prefix, or
+// Connection: --dsn (or OUTBOX_DSN; mysql://user:pass@host:3306/db URLs
+// are accepted) and --driver postgres|mysql|sqlite (or OUTBOX_DRIVER;
+// guessed from the DSN when unset, refused when the DSN plainly belongs to
+// another driver). Tables: --prefix, or
 // --messages-table and friends, --schema, and --buckets (the outbox's
 // BucketCount). --json prints JSON for scripts instead of tables.
 //
 // Exit status: 0 on success, 1 when the operation failed (database error,
-// unknown dead letter, invalid bucket), 2 on a usage error. The DSN is
+// missing tables, unknown dead letter or key, invalid bucket), 2 on a
+// usage error. The DSN is
 // never printed, and its password is scrubbed from every error message.
 package main
 
@@ -36,6 +39,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
 )
@@ -77,6 +82,9 @@ type globals struct {
 	getenv      func(string) string
 	redact      redactor
 	admin       *outbox.Admin
+	db          *gorm.DB
+	runCtx      context.Context
+	closeDB     func()
 }
 
 // newFlagSet returns a flag set with the global flags bound to g.
@@ -129,7 +137,12 @@ Flags (accepted before or after the command):
 
 // run is the whole program, for tests.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
-	g := &globals{out: stdout, errOut: stderr, getenv: getenv, connectTimeout: 10 * time.Second}
+	g := &globals{out: stdout, errOut: stderr, getenv: getenv, connectTimeout: 10 * time.Second, runCtx: ctx}
+	defer func() {
+		if g.closeDB != nil {
+			g.closeDB()
+		}
+	}()
 	err := g.dispatch(ctx, args)
 	switch {
 	case err == nil:
@@ -145,7 +158,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		fmt.Fprintln(stderr, "run 'outboxctl -h' for usage")
 		return exitUsage
 	default:
-		g.printErr(err)
+		g.printErr(g.explain(ctx, err))
 		return exitFail
 	}
 }
@@ -278,6 +291,9 @@ func (g *globals) connect(ctx context.Context) error {
 	if err != nil {
 		return usageError{err.Error()}
 	}
+	if err := checkDriver(driver, g.dsn); err != nil {
+		return usageError{err.Error()}
+	}
 	if g.prefix == "" {
 		g.prefix = g.getenv("OUTBOX_PREFIX")
 	}
@@ -298,10 +314,15 @@ func (g *globals) connect(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("open %s database: %w", driver, err)
 	}
-	go func() {
-		<-ctx.Done()
+	// Closing the pool aborts the queries in flight when the program is
+	// interrupted; run closes it at the end otherwise. The command's own
+	// deadline ends its queries through ctx, and leaves the pool open for
+	// explain.
+	stop := context.AfterFunc(g.runCtx, func() { sqlDB.Close() })
+	g.closeDB = func() {
+		stop()
 		sqlDB.Close()
-	}()
+	}
 	pctx, cancel := context.WithTimeout(ctx, g.connectTimeout)
 	defer cancel()
 	if err := sqlDB.PingContext(pctx); err != nil {
@@ -312,7 +333,56 @@ func (g *globals) connect(ctx context.Context) error {
 		return usageError{err.Error()}
 	}
 	g.admin = admin.WithLiveWindow(g.liveWindow)
+	g.db = db
 	return nil
+}
+
+// missingTablesError says which outbox tables the database does not have
+// and how to point outboxctl at the right ones.
+type missingTablesError struct {
+	missing []string
+	schema  string
+	err     error
+}
+
+func (e *missingTablesError) Error() string {
+	where := "the connection's default schema"
+	if e.schema != "" {
+		where = "schema " + e.schema
+	}
+	return fmt.Sprintf("outbox table(s) %s not found in %s. The service's outbox.Config.Tables names them: "+
+		"pass its schema with --schema (a PostgreSQL schema or MySQL database) and its prefix with --prefix "+
+		"(outbox.WithPrefix), or each name with --messages-table, --leases-table, --relays-table, --dead-letters-table; "+
+		"a new outbox creates them with Plugin.AutoMigrate or the DDL of 'outboxctl schema'",
+		strings.Join(e.missing, ", "), where)
+}
+
+func (e *missingTablesError) Unwrap() error { return e.err }
+
+// explain replaces a failed query's error by a missingTablesError when
+// the database answers but outbox tables are missing.
+func (g *globals) explain(ctx context.Context, err error) error {
+	if g.db == nil || errors.As(err, new(usageError)) {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), g.connectTimeout)
+	defer cancel()
+	db := g.db.WithContext(ctx)
+	var one int
+	if db.Raw("SELECT 1").Row().Scan(&one) != nil {
+		return err // the database does not answer: not a schema problem
+	}
+	t := g.admin.Config().Tables
+	var missing []string
+	for _, name := range []string{t.MessagesTable(), t.LeasesTable(), t.RelaysTable(), t.DeadLettersTable()} {
+		if db.Exec("SELECT 1 FROM "+db.Statement.Quote(name)+" WHERE 1 = 0").Error != nil {
+			missing = append(missing, name)
+		}
+	}
+	if len(missing) == 0 {
+		return err
+	}
+	return &missingTablesError{missing: missing, schema: t.Schema, err: err}
 }
 
 // tables returns the table names the flags and OUTBOX_PREFIX select.
@@ -557,6 +627,9 @@ func (g *globals) requeue(ctx context.Context, fs *flag.FlagSet, args []string) 
 		res, err = g.admin.RequeueIDs(ctx, ids...)
 	case k != nil:
 		res, err = g.admin.RequeueKey(ctx, k)
+		if err == nil && res.Requeued == 0 {
+			return fmt.Errorf("%w: no dead letter has key %s", outbox.ErrNotFound, printable(k, 0))
+		}
 	default:
 		res, err = g.admin.RequeueAll(ctx, topic)
 	}

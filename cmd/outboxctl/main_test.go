@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,11 +14,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
+	mysqldrv "github.com/go-sql-driver/mysql"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 func TestMain(m *testing.M) {
@@ -325,4 +331,158 @@ func TestSchemaCommand(t *testing.T) {
 	require.Equal(t, 2, code, "no driver is a usage error")
 	code = run(context.Background(), []string{"--driver", "oracle", "schema"}, &out, &errOut, func(string) string { return "" })
 	require.Equal(t, 2, code)
+}
+
+// runCLI runs the command in process and returns its exit code, stdout and
+// stderr.
+func runCLI(args ...string) (int, string, string) {
+	var out, errOut bytes.Buffer
+	code := run(context.Background(), args, &out, &errOut, func(string) string { return "" })
+	return code, out.String(), errOut.String()
+}
+
+// mysqlURLOf turns a go-sql-driver DSN into the mysql:// URL services take.
+func mysqlURLOf(t *testing.T, dsn string) string {
+	t.Helper()
+	cfg, err := mysqldrv.ParseDSN(dsn)
+	require.NoError(t, err)
+	u := url.URL{Scheme: "mysql", Host: cfg.Addr, Path: "/" + cfg.DBName, User: url.UserPassword(cfg.User, cfg.Passwd)}
+	if cfg.Passwd == "" {
+		u.User = url.User(cfg.User)
+	}
+	return u.String()
+}
+
+func TestMySQLURL(t *testing.T) {
+	t.Parallel()
+	for in, want := range map[string]string{
+		"mysql://u:p%40ss@db:3307/shop?tls=true":    "u:p@ss@tcp(db:3307)/shop?parseTime=true&tls=true",
+		"mysql://root@localhost/shop":               "root@tcp(localhost:3306)/shop?parseTime=true",
+		"mysql://root:pw@tcp(db:3306)/shop?x=1":     "root:pw@tcp(db:3306)/shop?x=1",
+		"mysql://app@unix(/run/mysqld.sock)/orders": "app@unix(/run/mysqld.sock)/orders",
+	} {
+		got, err := mysqlURL(in)
+		require.NoError(t, err, in)
+		require.Equal(t, want, got, in)
+	}
+	_, err := mysqlURL("mysql:///shop")
+	require.ErrorContains(t, err, "no host")
+}
+
+// A driver that does not match the DSN is named, with the driver the DSN
+// looks like, before anything connects.
+func TestDriverMismatch(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ driver, dsn, looks string }{
+		{"postgres", "root:@tcp(127.0.0.1:3306)/test", "mysql"},
+		{"mysql", "host=127.0.0.1 port=5432 user=postgres dbname=test", "postgres"},
+		{"sqlite", "postgres://postgres@127.0.0.1:5432/test", "postgres"},
+		{"postgres", "mysql://root@127.0.0.1:3306/test", "mysql"},
+	} {
+		code, _, errOut := runCLI("status", "--driver", c.driver, "--dsn", c.dsn)
+		require.Equal(t, exitUsage, code, errOut)
+		require.Contains(t, errOut, "--driver (or OUTBOX_DRIVER) is "+c.driver+" but the DSN looks like a "+c.looks+" DSN", c.dsn)
+	}
+}
+
+func TestFailureCause(t *testing.T) {
+	t.Parallel()
+	tooLarge := sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 2000066 > 1000000")
+	for _, c := range []struct {
+		err  error
+		want string
+	}{
+		{&publisher.Error{Index: 4, MessageID: "01a2b3c4-0000-7000-8000-000000000000", Topic: "orders",
+			Err: relay.Permanent(fmt.Errorf("%w: %w", publisher.ErrTooLarge, tooLarge))}, tooLarge.Error()},
+		{&publisher.Error{Index: 0, MessageID: `odd "id"`, Topic: "t", Err: relay.Permanent(sarama.ErrTopicAuthorizationFailed)},
+			sarama.ErrTopicAuthorizationFailed.Error()},
+		{&publisher.Error{Index: 1, MessageID: "m", Topic: "t", Err: errors.New("dial tcp 10.0.0.1:9092: connect: connection refused")},
+			"dial tcp 10.0.0.1:9092: connect: connection refused"},
+		{errors.New("broker said no"), "broker said no"},
+		{relay.Permanent(errors.New("permanent:")), "permanent:"}, // never stripped to nothing
+	} {
+		require.Equal(t, c.want, failureCause(c.err.Error()), c.err.Error())
+	}
+}
+
+// What an operator meets at 3 a.m., on every database: the dead letters'
+// JSON decodes back into outbox.DeadLetter, the ERROR column shows the
+// cause, an unknown key fails, and missing tables get a hint instead of
+// the database's error. MySQL is reached through a mysql:// URL.
+func TestCLIOperator(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		cfg := outbox.Config{Tables: outbox.WithPrefix("op_"), BucketCount: 4}.WithDefaults()
+		require.NoError(t, cfg.Tables.AutoMigrate(ctx, db.DB))
+		part := int32(3)
+		cause := sarama.ErrTopicAuthorizationFailed
+		lastError := (&publisher.Error{Index: 4, MessageID: "01a2b3c4-0000-7000-8000-000000000000", Topic: "orders", Err: relay.Permanent(cause)}).Error()
+		now := time.Now().UnixMilli()
+		require.NoError(t, db.DB.Table(cfg.Tables.DeadLettersTable()).Create([]outbox.DeadLetterRow{
+			{ID: 1, MessageID: "m1", Bucket: 1, Topic: "orders", Key: []byte("order-7"), Value: []byte(`{"id":7}`), Partition: &part,
+				Headers:  outbox.EncodeHeaders([]outbox.Header{{Key: "text", Value: []byte("v")}, {Key: "bin", Value: []byte{0xff}}, {Key: "nil"}}),
+				Attempts: 10, LastError: &lastError, CreatedAtMs: now, DeadAtMs: now, State: "failed"},
+			{ID: 2, MessageID: "m2", Bucket: 1, Topic: "orders", Key: []byte{0xff, 0xfe}, Value: []byte{0, 1}, CreatedAtMs: now, DeadAtMs: now, State: "parked"},
+			{ID: 3, MessageID: "m3", Bucket: 2, Topic: "orders", Key: []byte{}, Value: []byte{}, CreatedAtMs: now, DeadAtMs: now, State: "failed"},
+			{ID: 4, MessageID: "m4", Bucket: 2, Topic: "orders", CreatedAtMs: now, DeadAtMs: now, State: "failed"},
+		}).Error)
+		admin, err := outbox.NewAdmin(db.DB, cfg)
+		require.NoError(t, err)
+
+		dsn := db.DSN
+		if db.Dialect == dbtest.MySQL {
+			dsn = mysqlURLOf(t, db.DSN)
+		}
+		flags := []string{"--dsn", dsn, "--prefix", "op_", "--buckets", "4"}
+		runOK := func(args ...string) string {
+			t.Helper()
+			code, out, errOut := runCLI(append(args, flags...)...)
+			require.Equal(t, exitOK, code, "%q: %s", args, errOut)
+			return out
+		}
+
+		want, err := admin.DeadLetters(ctx, outbox.DeadLetterQuery{})
+		require.NoError(t, err)
+		var page outbox.DeadLetterPage
+		require.NoError(t, json.Unmarshal([]byte(runOK("dead-letters", "list", "--json")), &page))
+		require.Equal(t, utcTimes(want.Items...), utcTimes(page.Items...))
+		for _, d := range want.Items {
+			wantOne, err := admin.DeadLetter(ctx, d.ID)
+			require.NoError(t, err)
+			var got outbox.DeadLetter
+			require.NoError(t, json.Unmarshal([]byte(runOK("dead-letters", "show", fmt.Sprint(d.ID), "--json")), &got))
+			require.Equal(t, utcTimes(wantOne), utcTimes(got), "dead letter %d", d.ID)
+		}
+
+		// The ERROR column and `show` give the cause, not the wrappers.
+		list := runOK("dead-letters", "list")
+		require.Contains(t, list, clip(cause.Error(), 60))
+		require.NotContains(t, list, "publisher: message 4")
+		require.Contains(t, runOK("dead-letters", "show", "1"), cause.Error())
+
+		// An unknown key is an operation that failed.
+		code, out, errOut := runCLI(append([]string{"requeue", "--key", "no-such-key"}, flags...)...)
+		require.Equal(t, exitFail, code, out)
+		require.Contains(t, errOut, "not found: no dead letter has key no-such-key")
+
+		// Tables that are not there: which ones, and the flags that fix it.
+		code, _, errOut = runCLI("status", "--dsn", dsn, "--prefix", "missing_")
+		require.Equal(t, exitFail, code)
+		require.Contains(t, errOut, "outbox table(s) missing_outbox_messages, missing_outbox_leases, missing_outbox_relays, missing_outbox_dead_letters not found")
+		require.Contains(t, errOut, "--schema")
+		require.Contains(t, errOut, "--prefix")
+		for _, raw := range []string{"SQLSTATE", "1146", "no such table", "does not exist"} {
+			require.NotContains(t, errOut, raw)
+		}
+	})
+}
+
+// utcTimes makes dead letters comparable after a JSON round trip, which
+// keeps the instant but not the *time.Location.
+func utcTimes(ds ...outbox.DeadLetter) []outbox.DeadLetter {
+	for i := range ds {
+		ds[i].CreatedAt, ds[i].DeadAt = ds[i].CreatedAt.UTC(), ds[i].DeadAt.UTC()
+	}
+	return ds
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/base64"
 	"fmt"
 	"io"
+	"regexp"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -110,6 +111,26 @@ func clip(s string, max int) string {
 	return string(r[:max-1]) + "…"
 }
 
+// errorWrappers are the prefixes the publishers and the relay put before
+// a message's failure: the failed message's position and id
+// (publisher.Error), the permanent mark (relay.PermanentError) and the
+// too-large class (publisher.ErrTooLarge). They say nothing an operator
+// reading a dead letter does not already see in its row.
+var errorWrappers = regexp.MustCompile(`^(?:publisher: message \d+ \(id "(?:[^"\\]|\\.)*", topic "(?:[^"\\]|\\.)*"\): |permanent: |publisher: message too large: )`)
+
+// failureCause returns the innermost cause of a recorded failure: the
+// stored text without the wrappers the outbox put around the sink's error.
+func failureCause(lastError string) string {
+	s := oneLine(lastError)
+	for {
+		loc := errorWrappers.FindStringIndex(s)
+		if loc == nil || loc[1] == len(s) {
+			return s
+		}
+		s = s[loc[1]:]
+	}
+}
+
 func oneLine(s string) string {
 	return strings.Join(strings.Fields(s), " ")
 }
@@ -123,7 +144,7 @@ func printDeadLetters(w io.Writer, page outbox.DeadLetterPage) {
 	fmt.Fprintln(tw, "ID\tDIED\tSTATE\tBUCKET\tTOPIC\tKEY\tATTEMPTS\tSIZE\tERROR")
 	for _, d := range page.Items {
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s\t%d\t%d\t%s\n", d.ID, d.DeadAt.UTC().Format(time.RFC3339), d.State, d.Bucket,
-			d.Topic, printable(d.Key, 32), d.Attempts, d.ValueSize, clip(oneLine(d.LastError), 60))
+			d.Topic, printable(d.Key, 32), d.Attempts, d.ValueSize, clip(failureCause(d.LastError), 60))
 	}
 	tw.Flush()
 	if page.Next != "" {
@@ -147,6 +168,7 @@ func printDeadLetter(w io.Writer, d outbox.DeadLetter) {
 	row("died", d.DeadAt.UTC().Format(time.RFC3339Nano))
 	row("attempts", strconv.Itoa(d.Attempts))
 	if d.LastError != "" {
+		row("cause", failureCause(d.LastError))
 		row("last error", oneLine(d.LastError))
 	}
 	for _, h := range d.Headers {

@@ -13,13 +13,13 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/gin-gonic/gin"
+	"github.com/glebarez/sqlite"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"gorm.io/driver/mysql"
 	"gorm.io/driver/postgres"
-	"gorm.io/driver/sqlite"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
 
@@ -86,7 +86,9 @@ type App struct {
 	brokers  []string
 }
 
-// Start builds and starts every part of the service. Close stops them.
+// Start builds and starts every part of the service; ctx bounds the start
+// (cancelling it abandons a start in progress), not the service's life.
+// Close stops the service.
 func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	cfg = cfg.withDefaults()
 	a := &App{cfg: cfg, log: cfg.Logger}
@@ -147,7 +149,9 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	}); err != nil {
 		return nil, err
 	}
-	if err = a.relay.Start(ctx); err != nil {
+	// The relay runs until Close stops it gracefully; a cancelled Start
+	// context would stop it abruptly instead.
+	if err = a.relay.Start(context.WithoutCancel(ctx)); err != nil {
 		return nil, err
 	}
 
@@ -245,8 +249,11 @@ func openDatabase(raw string) (*gorm.DB, error) {
 		}
 		return gorm.Open(mysql.Open(dsn), cfg)
 	default:
+		// github.com/glebarez/sqlite is GORM's dialector over the pure-Go
+		// modernc.org/sqlite: the example builds without cgo or a C
+		// compiler. (The library's own tests use gorm.io/driver/sqlite.)
 		path := strings.TrimPrefix(raw, "sqlite://")
-		db, err := gorm.Open(sqlite.Open("file:"+path+"?_busy_timeout=10000&_journal_mode=WAL&_txlock=immediate"), cfg)
+		db, err := gorm.Open(sqlite.Open("file:"+path+"?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_txlock=immediate"), cfg)
 		if err != nil {
 			return nil, err
 		}

@@ -167,13 +167,23 @@ func TestOrdersFlowToKafka(t *testing.T) {
 				DatabaseURL:  databaseURL(t, kind),
 				KafkaBrokers: os.Getenv("KAFKA_BROKERS"),
 				Topic:        topic,
+				Consume:      true, // the demo consumer too: Close must stop it
 				Logger:       slog.New(slog.NewTextHandler(io.Discard, nil)),
 			})
 			require.NoError(t, err)
 			t.Cleanup(func() {
 				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 				defer cancel()
-				app.Close(ctx)
+				closed := make(chan struct{})
+				go func() {
+					app.Close(ctx)
+					close(closed)
+				}()
+				select {
+				case <-closed:
+				case <-time.After(processDeadline):
+					t.Errorf("Close did not return within %v", processDeadline)
+				}
 			})
 			c := client{t: t, base: "http://" + app.Addr()}
 

@@ -16,9 +16,10 @@ const MessageIDHeader = "x-outbox-message-id"
 // id it has already processed. A real service keeps the processed ids in
 // its own database, in the transaction that applies the event.
 type Consumer struct {
-	consumer sarama.Consumer
-	log      *slog.Logger
-	wg       sync.WaitGroup
+	consumer   sarama.Consumer
+	partitions []sarama.PartitionConsumer
+	log        *slog.Logger
+	wg         sync.WaitGroup
 
 	mu   sync.Mutex
 	seen map[string]bool
@@ -42,9 +43,10 @@ func StartConsumer(brokers []string, topic string, log *slog.Logger) (*Consumer,
 	for _, p := range parts {
 		pc, err := sc.ConsumePartition(topic, p, sarama.OffsetOldest)
 		if err != nil {
-			sc.Close()
+			c.Close()
 			return nil, err
 		}
+		c.partitions = append(c.partitions, pc)
 		c.wg.Add(1)
 		go func() {
 			defer c.wg.Done()
@@ -80,8 +82,16 @@ func (c *Consumer) handle(m *sarama.ConsumerMessage) {
 		slog.String("message_id", id))
 }
 
-// Close stops consuming.
+// Close stops consuming. sarama's Consumer.Close waits until every
+// partition consumer is closed, so those are closed first: AsyncClose ends
+// each Messages channel once the records already fetched were handed over,
+// which ends the goroutines reading them.
 func (c *Consumer) Close() {
-	c.consumer.Close()
+	for _, pc := range c.partitions {
+		pc.AsyncClose()
+	}
 	c.wg.Wait()
+	if err := c.consumer.Close(); err != nil {
+		c.log.Warn("consumer close", slog.Any("error", err))
+	}
 }

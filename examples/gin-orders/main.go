@@ -2,13 +2,17 @@
 // Kafka through gorm-outbox.
 //
 // With no configuration it keeps its data in the SQLite file gin-orders.db
-// and starts a Kafka-protocol broker in the process, so it runs anywhere:
+// (through a pure-Go SQLite driver, so no C compiler is needed) and starts a
+// Kafka-protocol broker in the process, so it runs anywhere Go does:
 //
 //	go run .
 //
 // Against real services:
 //
 //	DATABASE_URL=postgres://user:pass@localhost:5432/shop KAFKA_BROKERS=localhost:9092 go run .
+//
+// SIGINT (Ctrl-C) or SIGTERM shuts the service down in order within
+// -shutdown-timeout; a second signal exits at once.
 package main
 
 import (
@@ -29,19 +33,34 @@ func main() {
 		Topic:        env("TOPIC", "orders"),
 		Consume:      env("CONSUME", "true") == "true",
 	}
+	var shutdownTimeout time.Duration
 	flag.StringVar(&cfg.Addr, "addr", cfg.Addr, "HTTP listen address (env ADDR)")
 	flag.StringVar(&cfg.DatabaseURL, "database-url", cfg.DatabaseURL, "postgres://..., mysql://... or a SQLite file; default the SQLite file gin-orders.db (env DATABASE_URL)")
 	flag.StringVar(&cfg.KafkaBrokers, "kafka-brokers", cfg.KafkaBrokers, "comma-separated Kafka brokers; empty starts an in-process broker (env KAFKA_BROKERS)")
 	flag.StringVar(&cfg.Topic, "topic", cfg.Topic, "topic for order events (env TOPIC)")
 	flag.BoolVar(&cfg.Consume, "consume", cfg.Consume, "run the demo consumer that logs each event once (env CONSUME)")
 	flag.DurationVar(&cfg.HealthMaxAge, "health-max-age", time.Minute, "oldest pending outbox age above which /healthz fails")
+	flag.DurationVar(&shutdownTimeout, "shutdown-timeout", 15*time.Second, "time the shutdown may take after SIGINT or SIGTERM before the process exits anyway")
 	flag.Parse()
 
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	cfg.Logger = log
 
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
+	// The first SIGINT or SIGTERM cancels ctx, which ends a start still in
+	// progress or begins the shutdown; a second one exits at once.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	signals := make(chan os.Signal, 2)
+	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM)
+	go func() {
+		sig := <-signals
+		log.Info("shutting down; a second signal exits at once",
+			slog.String("signal", sig.String()), slog.Duration("timeout", shutdownTimeout))
+		cancel()
+		sig = <-signals
+		log.Warn("second signal: exiting without finishing the shutdown", slog.String("signal", sig.String()))
+		os.Exit(1)
+	}()
 
 	app, err := Start(ctx, cfg)
 	if err != nil {
@@ -49,10 +68,21 @@ func main() {
 		os.Exit(1)
 	}
 	<-ctx.Done()
-	log.Info("shutting down")
-	shutdown, cancel := context.WithTimeout(context.Background(), 15*time.Second)
-	defer cancel()
-	app.Close(shutdown)
+
+	shutdown, cancelShutdown := context.WithTimeout(context.Background(), shutdownTimeout)
+	defer cancelShutdown()
+	closed := make(chan struct{})
+	go func() {
+		app.Close(shutdown)
+		close(closed)
+	}()
+	select {
+	case <-closed:
+		log.Info("stopped")
+	case <-shutdown.Done():
+		log.Error("shutdown did not finish within its timeout; exiting", slog.Duration("timeout", shutdownTimeout))
+		os.Exit(1)
+	}
 }
 
 func env(name, def string) string {

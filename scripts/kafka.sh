@@ -191,7 +191,8 @@ cmd_start() {
       bootstrap
       return 0
     fi
-    die "a $(node_count)-node cluster is running; scripts/kafka.sh stop first"
+    log "stopping the $(node_count)-node cluster left running in $STATE"
+    cmd_stop
   fi
   rm -rf "$STATE"
   mkdir -p "$STATE"

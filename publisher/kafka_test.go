@@ -531,6 +531,49 @@ func TestKafkaCloseFlushes(t *testing.T) {
 	require.Equal(t, len(msgs), r.acked)
 }
 
+// TestKafkaCloseDuringPublish closes the publisher while a large batch is
+// on its way, with no broker fault, so it runs on Apache Kafka as well:
+// Close waits for what was handed to the producer, the Publish returns
+// (with the whole batch or an acknowledged prefix and an error), and every
+// record it reports acknowledged is on the broker.
+func TestKafkaCloseDuringPublish(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	topic := c.Topic(t, 2)
+	k, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: c.Brokers(), Configure: fastConfig})
+	require.NoError(t, err)
+
+	msgs := publishertest.Messages(topic, "close", 5000)
+	done := make(chan publishResult, 1)
+	go func() {
+		acked, err := k.Publish(context.Background(), msgs)
+		done <- publishResult{acked, err}
+	}()
+	// Wait until the batch is on its way: the first records are stored.
+	// (Polled on the test goroutine: RecordCount fails t on an admin error.)
+	for deadline := time.Now().Add(30 * time.Second); c.RecordCount(t, topic) == 0; {
+		require.True(t, time.Now().Before(deadline), "no record of the batch reached the broker within 30 s")
+		time.Sleep(time.Millisecond)
+	}
+
+	require.NoError(t, k.Close())
+	r := <-done // Close returned, so Publish has its answer
+	if r.err == nil {
+		require.Equal(t, len(msgs), r.acked)
+	} else {
+		require.ErrorIs(t, r.err, publisher.ErrClosed)
+	}
+	require.GreaterOrEqual(t, c.RecordCount(t, topic), int64(r.acked), "every acknowledged record is on the broker")
+	got := ids(toMessages(t, c.ReadLog(t, topic, 30*time.Second), publisher.DefaultMessageIDHeader))
+	seen := map[string]bool{}
+	for _, id := range got {
+		seen[id] = true
+	}
+	for _, m := range msgs[:r.acked] {
+		require.True(t, seen[m.MessageID], "acknowledged message %s is on the broker", m.MessageID)
+	}
+}
+
 func TestKafkaPublishAfterClose(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)

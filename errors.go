@@ -72,7 +72,7 @@ func (e *MessageError) Unwrap() error { return ErrInvalidMessage }
 // ErrInvalidMessage.
 type TooLargeError struct {
 	Topic string
-	Size  int // bytes counted: key + value + headers
+	Size  int // bytes counted by Message.Size, as the Kafka producer counts them
 	Limit int
 	// Setting names the limit: "MaxMessageBytes" or "max_allowed_packet".
 	Setting string

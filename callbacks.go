@@ -100,6 +100,9 @@ func (p *Plugin) beginTx(db *gorm.DB) {
 
 // endTx commits or rolls back the transaction beginTx opened.
 func (p *Plugin) endTx(db *gorm.DB) {
+	if !db.Config.SkipDefaultTransaction {
+		return // beginTx opened nothing; checked first: InstanceGet formats a key
+	}
 	if _, ok := db.InstanceGet(keyStartedTx); !ok {
 		return
 	}
@@ -221,14 +224,15 @@ func (p *Plugin) beforeCreate(db *gorm.DB) {
 // checkCreated checks, right after the INSERT of an upsert, that the rows
 // it affected agree with the plan beforeCreate made.
 func (p *Plugin) checkCreated(db *gorm.DB) {
-	if db.Error != nil || db.DryRun {
-		return
+	c, ok := db.Statement.Clauses["ON CONFLICT"]
+	if !ok || db.Error != nil || db.DryRun {
+		return // checked first: InstanceGet formats a key
 	}
 	v, ok := db.InstanceGet(keyUpsert)
 	if !ok {
 		return
 	}
-	oc, _ := db.Statement.Clauses["ON CONFLICT"].Expression.(clause.OnConflict)
+	oc, _ := c.Expression.(clause.OnConflict)
 	if err := p.checkUpsert(db, v.(*upsertPlan), oc); err != nil {
 		_ = db.AddError(err)
 	}
@@ -246,8 +250,10 @@ func (p *Plugin) afterCreate(db *gorm.DB) {
 		return
 	}
 	var plan *upsertPlan
-	if v, ok := db.InstanceGet(keyUpsert); ok {
-		plan = v.(*upsertPlan)
+	if _, upsert := db.Statement.Clauses["ON CONFLICT"]; upsert {
+		if v, ok := db.InstanceGet(keyUpsert); ok {
+			plan = v.(*upsertPlan)
+		}
 	}
 	all := db.Statement.Schema.DBNames
 	var updated []string

@@ -156,6 +156,9 @@ func TestPrepareStmtPoolStaysAssertable(t *testing.T) {
 			got, _ := b.taken()
 			require.Equal(t, []int{bucketOf(key(o.ID))}, got)
 			require.NotEmpty(t, ps.Stmts.Keys(), "statements went through the prepared-statement pool")
+			for _, k := range ps.Stmts.Keys() {
+				require.NotContains(t, k, "outbox_messages", "the outbox's own INSERT is not cached among the application's statements")
+			}
 		})
 	}
 }

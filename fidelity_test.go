@@ -157,7 +157,7 @@ func TestPrepareStmtPoolStaysAssertable(t *testing.T) {
 			require.Equal(t, []int{bucketOf(key(o.ID))}, got)
 			require.NotEmpty(t, ps.Stmts.Keys(), "statements went through the prepared-statement pool")
 			for _, k := range ps.Stmts.Keys() {
-				require.NotContains(t, k, "outbox_messages", "the outbox's own INSERT is not cached among the application's statements")
+				require.False(t, strings.HasPrefix(k, "INSERT INTO "+b.db.Statement.Quote("outbox_messages")), "the outbox's own INSERT is not cached among the application's statements")
 			}
 		})
 	}

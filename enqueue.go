@@ -183,7 +183,14 @@ func (p *Plugin) mysqlPacketLimit(tx *gorm.DB) int {
 		return int(max(v, 0))
 	}
 	var limit int64
-	err := tx.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Raw("SELECT @@max_allowed_packet").Scan(&limit).Error
+	var err error
+	const q = "SELECT @@max_allowed_packet"
+	if conn := p.findTx(tx.Statement.ConnPool); conn != nil {
+		// Below GORM's prepared-statement cache, like the INSERT.
+		err = conn.QueryRowContext(tx.Statement.Context, q).Scan(&limit)
+	} else {
+		err = tx.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Raw(q).Scan(&limit).Error
+	}
 	if err != nil || limit <= packetOverhead {
 		p.cfg.Logger.Warn("outbox: cannot read max_allowed_packet; large messages are not checked against it",
 			slog.String("outbox", p.cfg.Name), slog.Any("err", err))

@@ -1,26 +1,31 @@
 package outbox
 
 import (
+	"database/sql/driver"
 	"fmt"
 	"reflect"
 
 	"gorm.io/gorm"
 	"gorm.io/gorm/callbacks"
 	"gorm.io/gorm/clause"
+	"gorm.io/gorm/schema"
 )
 
 // Instance keys the callbacks keep on a statement.
 const (
-	keyStartedTx  = "outbox:started_transaction"
-	keyBefore     = "outbox:before"
-	keyUpsertKeys = "outbox:upsert_keys_known"
-	keySetAdded   = "outbox:set_added"
+	keyStartedTx = "outbox:started_transaction"
+	keyBefore    = "outbox:before"
+	keyUpsert    = "outbox:upsert"
+	keySetAdded  = "outbox:set_added"
 )
 
 // registerCallbacks places the plugin's callbacks. Every callback that
 // writes is anchored before gorm:commit_or_rollback_transaction: one
 // registered only after gorm:create would run after the implicit
-// transaction committed, outside it.
+// transaction committed, outside it. The plugin's own begin and end run
+// first and last in the chain ("*"): with SkipDefaultTransaction set at
+// gorm.Open, GORM compiles its begin and commit out of the chain, and an
+// anchor on a callback that is not there places nothing.
 func (p *Plugin) registerCallbacks(db *gorm.DB) error {
 	prefix := "outbox:" + p.cfg.Name + ":"
 	steps := []struct {
@@ -30,17 +35,18 @@ func (p *Plugin) registerCallbacks(db *gorm.DB) error {
 		before string
 		fn     func(*gorm.DB)
 	}{
-		{"create", "begin", "", "gorm:begin_transaction", p.beginTx},
+		{"create", "begin", "", "*", p.beginTx},
 		{"create", "before_create", "gorm:before_create", "gorm:create", p.beforeCreate},
+		{"create", "check_upsert", "gorm:create", "gorm:save_after_associations", p.checkCreated},
 		{"create", "after_create", "gorm:after_create", "gorm:commit_or_rollback_transaction", p.afterCreate},
-		{"create", "end", "gorm:commit_or_rollback_transaction", "", p.endTx},
-		{"update", "begin", "", "gorm:begin_transaction", p.beginTx},
+		{"create", "end", "*", "", p.endTx},
+		{"update", "begin", "", "*", p.beginTx},
 		{"update", "before_update", "gorm:save_before_associations", "gorm:update", p.beforeUpdate},
 		{"update", "after_update", "gorm:after_update", "gorm:commit_or_rollback_transaction", p.afterUpdate},
-		{"update", "end", "gorm:commit_or_rollback_transaction", "", p.endTx},
-		{"delete", "begin", "", "gorm:begin_transaction", p.beginTx},
+		{"update", "end", "*", "", p.endTx},
+		{"delete", "begin", "", "*", p.beginTx},
 		{"delete", "after_delete", "gorm:after_delete", "gorm:commit_or_rollback_transaction", p.afterDelete},
-		{"delete", "end", "gorm:commit_or_rollback_transaction", "", p.endTx},
+		{"delete", "end", "*", "", p.endTx},
 	}
 	for _, s := range steps {
 		name := prefix + s.kind + ":" + s.name
@@ -94,6 +100,9 @@ func (p *Plugin) beginTx(db *gorm.DB) {
 
 // endTx commits or rolls back the transaction beginTx opened.
 func (p *Plugin) endTx(db *gorm.DB) {
+	if !db.Config.SkipDefaultTransaction {
+		return // beginTx opened nothing; checked first: InstanceGet formats a key
+	}
 	if _, ok := db.InstanceGet(keyStartedTx); !ok {
 		return
 	}
@@ -186,9 +195,14 @@ func unsupported(db *gorm.DB, format string, args ...any) {
 	_ = db.AddError(fmt.Errorf("%w: %s: %s", ErrUnsupportedWrite, db.Statement.Schema.Name, fmt.Sprintf(format, args...)))
 }
 
-// beforeCreate refuses upserts whose written keys GORM cannot report.
+// beforeCreate plans an upsert of a model with rules: which of its
+// entities' keys already exist (see upsert.go).
 func (p *Plugin) beforeCreate(db *gorm.DB) {
-	if db.Error != nil || p.statementRules(db, Insert) == nil {
+	if db.Error != nil || db.DryRun || db.Statement.Schema == nil {
+		return
+	}
+	m := p.rulesFor(db.Statement.Schema.ModelType)
+	if !m.for_(Insert | Update) {
 		return
 	}
 	c, ok := db.Statement.Clauses["ON CONFLICT"]
@@ -196,54 +210,75 @@ func (p *Plugin) beforeCreate(db *gorm.DB) {
 		return
 	}
 	oc, ok := c.Expression.(clause.OnConflict)
-	if !ok || oc.DoNothing {
+	if !ok || entityCount(db) == 0 {
 		return
 	}
-	// An upsert that may update: GORM reports wrong keys for batches
-	// (go-gorm/gorm#7393) and, on MySQL, for a row whose key the database
-	// generates. Only a single entity with a known key is described
-	// faithfully.
-	if entityCount(db) != 1 {
-		unsupported(db, "batch upsert (ON CONFLICT ... UPDATE): GORM cannot report which key each row got; write the rows one by one")
+	plan, err := p.planUpsert(db, oc)
+	if err != nil {
+		_ = db.AddError(err)
 		return
 	}
-	known := true
-	_ = entities(db, func(ptr reflect.Value) error {
-		known = primaryKeyKnown(db, ptr)
-		return nil
-	})
-	if !known {
-		unsupported(db, "upsert (ON CONFLICT ... UPDATE) of an entity without its primary key: the key of the written row cannot be known; set the key, or insert and update separately")
-		return
-	}
-	db.InstanceSet(keyUpsertKeys, true)
+	db.InstanceSet(keyUpsert, plan)
 }
 
-// afterCreate runs the Insert rules for every created entity.
+// checkCreated checks, right after the INSERT of an upsert, that the rows
+// it affected agree with the plan beforeCreate made.
+func (p *Plugin) checkCreated(db *gorm.DB) {
+	c, ok := db.Statement.Clauses["ON CONFLICT"]
+	if !ok || db.Error != nil || db.DryRun {
+		return // checked first: InstanceGet formats a key
+	}
+	v, ok := db.InstanceGet(keyUpsert)
+	if !ok {
+		return
+	}
+	oc, _ := c.Expression.(clause.OnConflict)
+	if err := p.checkUpsert(db, v.(*upsertPlan), oc); err != nil {
+		_ = db.AddError(err)
+	}
+}
+
+// afterCreate runs the Insert rules for every created entity and, for an
+// upsert, the Update rules for every entity whose row existed and was
+// updated.
 func (p *Plugin) afterCreate(db *gorm.DB) {
-	m := p.statementRules(db, Insert)
-	if db.Error != nil || m == nil || db.DryRun {
+	if db.Error != nil || db.DryRun || db.Statement.Schema == nil {
 		return
 	}
-	n := entityCount(db)
-	if n == 0 {
+	m := p.rulesFor(db.Statement.Schema.ModelType)
+	if !m.for_(Insert|Update) || entityCount(db) == 0 {
 		return
 	}
-	if c, ok := db.Statement.Clauses["ON CONFLICT"]; ok {
-		if oc, ok := c.Expression.(clause.OnConflict); ok && oc.DoNothing {
-			if db.RowsAffected == 0 && n == 1 {
-				return // the row existed: nothing was written
-			}
-			if db.RowsAffected != int64(n) {
-				unsupported(db, "ON CONFLICT DO NOTHING skipped %d of %d rows: which rows were written cannot be known", int64(n)-db.RowsAffected, n)
-				return
-			}
+	var plan *upsertPlan
+	if _, upsert := db.Statement.Clauses["ON CONFLICT"]; upsert {
+		if v, ok := db.InstanceGet(keyUpsert); ok {
+			plan = v.(*upsertPlan)
 		}
 	}
-	changed := db.Statement.Schema.DBNames
+	all := db.Statement.Schema.DBNames
+	var updated []string
+	if plan != nil && !plan.doNothing {
+		updated = upsertColumns(db)
+	}
 	var msgs []*Message
+	i := 0
 	err := entities(db, func(ptr reflect.Value) error {
-		out, err := p.runRules(db, m, Insert, &change{entity: ptr, changed: changed, rowsAffected: db.RowsAffected})
+		existed := plan != nil && i < len(plan.existed) && plan.existed[i]
+		i++
+		var c *change
+		var op Operation
+		switch {
+		case !existed:
+			op, c = Insert, &change{entity: ptr, changed: all, rowsAffected: db.RowsAffected}
+		case plan.doNothing:
+			return nil // the row existed: nothing was written
+		default:
+			op, c = Update, &change{entity: ptr, changed: updated, rowsAffected: db.RowsAffected}
+		}
+		if !m.for_(op) {
+			return nil
+		}
+		out, err := p.runRules(db, m, op, c)
 		msgs = append(msgs, out...)
 		return err
 	})
@@ -261,7 +296,7 @@ func (p *Plugin) beforeUpdate(db *gorm.DB) {
 	}
 	// When the model is also the source of the values (Save, Updates on
 	// the model itself), it already holds the new values.
-	if db.Statement.Dest != db.Statement.Model && db.Statement.ReflectValue.Kind() == reflect.Struct {
+	if db.Statement.ReflectValue.Kind() == reflect.Struct && !sameValue(db.Statement.Dest, db.Statement.Model) {
 		rv := db.Statement.ReflectValue
 		cp := reflect.New(rv.Type())
 		cp.Elem().Set(rv)
@@ -276,6 +311,24 @@ func (p *Plugin) beforeUpdate(db *gorm.DB) {
 	}
 }
 
+// sameValue reports whether the statement's Dest and Model are the same
+// value. They are interfaces that may hold structs of types that cannot be
+// compared with == (slice or map fields), as in
+// db.Where(...).Updates(User{...}), where GORM sets Model to Dest.
+func sameValue(a, b any) bool {
+	if a == nil || b == nil {
+		return a == nil && b == nil
+	}
+	va, vb := reflect.ValueOf(a), reflect.ValueOf(b)
+	if va.Type() != vb.Type() {
+		return false
+	}
+	if va.Comparable() {
+		return va.Equal(vb)
+	}
+	return reflect.DeepEqual(a, b)
+}
+
 // setColumns returns the columns of the statement's SET clause.
 func setColumns(db *gorm.DB) []string {
 	c, ok := db.Statement.Clauses["SET"]
@@ -286,6 +339,11 @@ func setColumns(db *gorm.DB) []string {
 	if !ok {
 		return nil
 	}
+	return columnNames(set)
+}
+
+// columnNames returns the columns a SET (or DO UPDATE SET) assigns.
+func columnNames(set clause.Set) []string {
 	cols := make([]string, 0, len(set))
 	for _, a := range set {
 		cols = append(cols, a.Column.Name)
@@ -304,8 +362,17 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 	if db.Error != nil || m == nil || db.DryRun {
 		return
 	}
-	if db.RowsAffected == 0 {
-		return // nothing was written
+	affected := db.RowsAffected
+	if affected == 0 {
+		affected = p.matchedUnchanged(db)
+		if sel := db.Statement.Selects; affected > 0 && len(sel) == 1 && sel[0] == "*" {
+			// Save: GORM answers 0 rows affected with a second write, an
+			// upsert that saves every association again. The row matched.
+			db.RowsAffected = affected
+		}
+	}
+	if affected == 0 {
+		return // no row matched: nothing was written
 	}
 	var before reflect.Value
 	if v, ok := db.InstanceGet(keyBefore); ok {
@@ -321,11 +388,11 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 	var msgs []*Message
 	var err error
 	if len(targets) == 0 {
-		msgs, err = p.runBulk(db, m, Update, changed)
+		msgs, err = p.runBulk(db, m, Update, changed, false)
 	} else {
 		for _, ptr := range targets {
 			var out []*Message
-			out, err = p.runRules(db, m, Update, &change{entity: ptr, before: before, changed: changed, rowsAffected: db.RowsAffected})
+			out, err = p.runRules(db, m, Update, &change{entity: ptr, before: before, changed: changed, rowsAffected: affected})
 			msgs = append(msgs, out...)
 			if err != nil {
 				break
@@ -333,6 +400,30 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 		}
 	}
 	p.finish(db, msgs, err)
+}
+
+// matchedUnchanged returns, on MySQL and MariaDB, how many rows an update
+// that reported 0 rows affected matched: they count only the rows whose
+// values changed, where PostgreSQL and SQLite count every row the WHERE
+// matched. Re-reading the same WHERE is exact: nothing changed. So an
+// update rule runs for a same-value update on every database.
+func (p *Plugin) matchedUnchanged(db *gorm.DB) int64 {
+	if db.Dialector.Name() != "mysql" {
+		return 0
+	}
+	where, ok := db.Statement.Clauses["WHERE"]
+	if !ok {
+		return 0
+	}
+	var n int64
+	q := db.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Unscoped().
+		Model(reflect.New(db.Statement.Schema.ModelType).Interface()).Table(db.Statement.Table)
+	q.Statement.AddClause(where.Expression.(clause.Where))
+	if err := q.Count(&n).Error; err != nil {
+		_ = db.AddError(fmt.Errorf("outbox: %s: count the rows an unchanged update matched: %w", db.Statement.Schema.Name, err))
+		return 0
+	}
+	return n
 }
 
 // afterDelete runs the Delete rules for every deleted entity; for a delete
@@ -355,14 +446,19 @@ func (p *Plugin) afterDelete(db *gorm.DB) {
 	if len(targets) == 0 {
 		targets = keysFromWhere(db)
 	}
+	// A soft delete (a model with gorm.DeletedAt, not Unscoped) is an
+	// UPDATE of the deleted-at column: GORM leaves its SET clause on the
+	// statement.
+	changed := setColumns(db)
+	soft := changed != nil
 	var msgs []*Message
 	var err error
 	if len(targets) == 0 {
-		msgs, err = p.runBulk(db, m, Delete, nil)
+		msgs, err = p.runBulk(db, m, Delete, changed, soft)
 	} else {
 		for _, ptr := range targets {
 			var out []*Message
-			out, err = p.runRules(db, m, Delete, &change{entity: ptr, keyOnly: onlyPrimaryKey(db, ptr), rowsAffected: db.RowsAffected})
+			out, err = p.runRules(db, m, Delete, &change{entity: ptr, keyOnly: onlyPrimaryKey(db, ptr), changed: changed, soft: soft, rowsAffected: db.RowsAffected})
 			msgs = append(msgs, out...)
 			if err != nil {
 				break
@@ -385,7 +481,18 @@ func keysFromWhere(db *gorm.DB) []reflect.Value {
 		return nil
 	}
 	where, ok := c.Expression.(clause.Where)
-	if !ok || len(where.Exprs) != 1 {
+	if !ok {
+		return nil
+	}
+	// A soft delete adds "deleted_at IS NULL": it narrows nothing the keys
+	// do not already name.
+	exprs := make([]clause.Expression, 0, len(where.Exprs))
+	for _, e := range where.Exprs {
+		if !isSoftDeleteCondition(s, e) {
+			exprs = append(exprs, e)
+		}
+	}
+	if len(exprs) != 1 {
 		return nil
 	}
 	pk := s.PrioritizedPrimaryField
@@ -399,7 +506,7 @@ func keysFromWhere(db *gorm.DB) []reflect.Value {
 		return false
 	}
 	var values []any
-	switch e := where.Exprs[0].(type) {
+	switch e := exprs[0].(type) {
 	case clause.IN:
 		if !isPK(e.Column) {
 			return nil
@@ -424,25 +531,54 @@ func keysFromWhere(db *gorm.DB) []reflect.Value {
 	return out
 }
 
+// isSoftDeleteCondition reports whether e is the "deleted_at IS NULL"
+// condition GORM adds for a model with a gorm.DeletedAt field.
+func isSoftDeleteCondition(s *schema.Schema, e clause.Expression) bool {
+	eq, ok := e.(clause.Eq)
+	if !ok {
+		return false
+	}
+	// GORM compares with a null sql.NullString.
+	if v, ok := eq.Value.(driver.Valuer); ok {
+		if dv, err := v.Value(); err != nil || dv != nil {
+			return false
+		}
+	} else if eq.Value != nil {
+		return false
+	}
+	col, ok := eq.Column.(clause.Column)
+	if !ok {
+		return false
+	}
+	f := s.LookUpField(col.Name)
+	return f != nil && f.FieldType == reflect.TypeFor[gorm.DeletedAt]()
+}
+
 // runBulk runs the rules for a statement by condition that names no
 // entity: only rules that opted in with AllowBulk may see it; any other
 // rule makes the write fail.
-func (p *Plugin) runBulk(db *gorm.DB, m *modelRules, op Operation, changed []string) ([]*Message, error) {
+func (p *Plugin) runBulk(db *gorm.DB, m *modelRules, op Operation, changed []string, soft bool) ([]*Message, error) {
 	for _, r := range m.rules {
 		if r.operations()&op != 0 && !r.allowsBulk() {
 			return nil, fmt.Errorf("%w: %s: %s by condition without an entity: %s needs the entity; load the rows and write them one by one, or build the rule with AllowBulk", ErrUnsupportedWrite, db.Statement.Schema.Name, op, r)
 		}
 	}
-	return p.runRules(db, m, op, &change{bulk: true, changed: changed, rowsAffected: db.RowsAffected})
+	return p.runRules(db, m, op, &change{bulk: true, changed: changed, soft: soft, rowsAffected: db.RowsAffected})
 }
 
 // runRules calls every rule of m that covers op and returns their
-// messages.
-func (p *Plugin) runRules(db *gorm.DB, m *modelRules, op Operation, c *change) ([]*Message, error) {
+// messages. A rule that panics fails the write with a *RuleError instead
+// of unwinding through GORM, which would leave the write's transaction,
+// and its connection, open.
+func (p *Plugin) runRules(db *gorm.DB, m *modelRules, op Operation, c *change) (out []*Message, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = &RuleError{Model: db.Statement.Schema.ModelType.String(), Operation: op, Err: fmt.Errorf("rule panicked: %v", v)}
+		}
+	}()
 	c.ctx = db.Statement.Context
 	c.tx = db.Session(&gorm.Session{NewDB: true})
 	c.op = op
-	var out []*Message
 	for _, r := range m.rules {
 		if r.operations()&op == 0 {
 			continue

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"log/slog"
 	"regexp"
+
+	"github.com/gorm-outbox/outbox/internal/recordsize"
 )
 
 // Defaults applied by Config.WithDefaults.
@@ -13,9 +15,11 @@ const (
 	BucketCountDefault = 8
 	// BucketCountMax is the largest accepted BucketCount.
 	BucketCountMax = 4096
-	// MaxMessageBytesDefault is the largest message (key + value + headers)
-	// accepted at enqueue: 1 MiB, Kafka's default message.max.bytes.
-	MaxMessageBytesDefault = 1 << 20
+	// MaxMessageBytesDefault is the largest message accepted at enqueue,
+	// counted by Message.Size as the Kafka producer counts a record: the
+	// default of the Kafka publisher (publisher.DefaultMaxMessageBytes,
+	// 1,000,000), so nothing the default publisher would refuse commits.
+	MaxMessageBytesDefault = recordsize.MaxMessageBytesDefault
 
 	MessagesTableDefault    = "outbox_messages"
 	LeasesTableDefault      = "outbox_leases"
@@ -54,8 +58,8 @@ func WithPrefix(prefix string) Tables {
 }
 
 // Config configures one outbox: its tables, its buckets and its publish
-// rules. The zero value is usable: default table names, 8 buckets, 1 MiB
-// messages, no rules.
+// rules. The zero value is usable: default table names, 8 buckets,
+// messages up to MaxMessageBytesDefault, no rules.
 type Config struct {
 	// Name identifies the outbox in the plugin name, logs and metrics.
 	// Default: the messages table name.
@@ -68,10 +72,12 @@ type Config struct {
 	// owns, which the relay reports as a misconfiguration and stops.
 	// Changing it requires draining the table and deleting the lease rows.
 	BucketCount int
-	// MaxMessageBytes is the largest message, counting key, value and
-	// headers, that Enqueue and publish rules accept. Default 1 MiB. Keep
-	// it at or below the broker's message.max.bytes for the topic. A
-	// negative value disables the check.
+	// MaxMessageBytes is the largest message, counted by Message.Size as
+	// the Kafka producer counts the record it becomes, that Enqueue and
+	// publish rules accept. Default MaxMessageBytesDefault (1,000,000),
+	// the Kafka publisher's own default. Keep it at or below the
+	// publisher's MaxMessageBytes and the broker's message.max.bytes for
+	// the topic. A negative value disables the check.
 	MaxMessageBytes int
 	// Rules are the declarative publish rules, built with OnCreate,
 	// OnUpdate, OnDelete or On. More can be added with Plugin.AddRule

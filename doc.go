@@ -27,9 +27,11 @@
 //	})
 //
 // Rules run inside the write's transaction, after the model's own hooks
-// and before COMMIT; a rule's error rolls the write back. Writes the rules
-// cannot describe faithfully (a delete by condition with no entity, a batch
-// upsert) are refused with ErrUnsupportedWrite unless a rule opts in.
+// and before COMMIT; a rule's error rolls the write back. Upserts, including
+// the ones GORM issues to save associations, publish an Insert or an Update
+// per entity, found out inside the transaction. Updates and deletes by
+// condition with no entity are refused with ErrUnsupportedWrite unless
+// every rule opts in with AllowBulk.
 // Enqueue outside a transaction returns ErrNoTransaction and writes
 // nothing.
 //

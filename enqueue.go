@@ -154,7 +154,7 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 				conn.record(bucket)
 			}
 		}
-		if err := p.insert(tx, style, table, len(chunk), args); err != nil {
+		if err := p.insert(tx, conn, style, table, len(chunk), args); err != nil {
 			return fmt.Errorf("outbox: write %d message(s) to %s: %w", len(chunk), p.cfg.Tables.MessagesTable(), err)
 		}
 	}
@@ -183,7 +183,14 @@ func (p *Plugin) mysqlPacketLimit(tx *gorm.DB) int {
 		return int(max(v, 0))
 	}
 	var limit int64
-	err := tx.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Raw("SELECT @@max_allowed_packet").Scan(&limit).Error
+	var err error
+	const q = "SELECT @@max_allowed_packet"
+	if conn := p.findTx(tx.Statement.ConnPool); conn != nil {
+		// Below GORM's prepared-statement cache, like the INSERT.
+		err = conn.QueryRowContext(tx.Statement.Context, q).Scan(&limit)
+	} else {
+		err = tx.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Raw(q).Scan(&limit).Error
+	}
 	if err != nil || limit <= packetOverhead {
 		p.cfg.Logger.Warn("outbox: cannot read max_allowed_packet; large messages are not checked against it",
 			slog.String("outbox", p.cfg.Name), slog.Any("err", err))
@@ -253,7 +260,10 @@ func insertSQL(table string, rows, style int) string {
 // single-row write; the single-row statement text is built once. Others
 // go through db.Exec. Either way no GORM callback, and so no outbox rule,
 // runs for the outbox row, and the statement is traced to GORM's logger.
-func (p *Plugin) insert(tx *gorm.DB, style int, table string, rows int, args []any) error {
+// It runs on the plugin's own transaction (conn) when there is one, below
+// GORM's prepared-statement wrapper: the outbox's INSERT is not one of the
+// application's statements to cache.
+func (p *Plugin) insert(tx *gorm.DB, conn *txConn, style int, table string, rows int, args []any) error {
 	if style == styleUnknown {
 		sql := insertSQL(table, rows, styleQuestion)
 		return tx.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Exec(sql, args...).Error
@@ -272,7 +282,11 @@ func (p *Plugin) insert(tx *gorm.DB, style int, table string, rows int, args []a
 	}
 	ctx := tx.Statement.Context
 	begin := time.Now()
-	res, err := tx.Statement.ConnPool.ExecContext(ctx, sql, args...)
+	var exec gorm.ConnPool = tx.Statement.ConnPool
+	if conn != nil {
+		exec = conn
+	}
+	res, err := exec.ExecContext(ctx, sql, args...)
 	tx.Logger.Trace(ctx, begin, func() (string, int64) {
 		var n int64 = -1
 		if res != nil {

@@ -25,8 +25,9 @@ var (
 
 	// ErrUnsupportedWrite is returned, and the write rolled back, when a
 	// model with publish rules is written in a way the rules cannot describe
-	// faithfully (a batch upsert whose keys GORM cannot report, a bulk update
-	// or delete that no rule opted in to).
+	// faithfully: a bulk update or delete that no rule opted in to, or an
+	// upsert whose outcome (which rows were inserted, which updated) did not
+	// check out.
 	ErrUnsupportedWrite = errors.New("outbox: write not supported for a model with publish rules")
 
 	// ErrInvalidConfig is wrapped by every *ConfigError.
@@ -72,7 +73,7 @@ func (e *MessageError) Unwrap() error { return ErrInvalidMessage }
 // ErrInvalidMessage.
 type TooLargeError struct {
 	Topic string
-	Size  int // bytes counted: key + value + headers
+	Size  int // bytes counted by Message.Size, as the Kafka producer counts them
 	Limit int
 	// Setting names the limit: "MaxMessageBytes" or "max_allowed_packet".
 	Setting string

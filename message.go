@@ -8,6 +8,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/gorm-outbox/outbox/internal/recordsize"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -89,14 +90,25 @@ func ValidateTopic(name string) error {
 }
 
 // Size is the number of bytes of the message that count against
-// MaxMessageBytes: key, value, header names and values.
+// MaxMessageBytes, counted as the Kafka producer counts the record the
+// publisher makes of it: key, value, header names and values, the framing
+// of the record and of each header, and the message-id header the
+// publisher adds (x-outbox-message-id with the message's id; a message
+// without an ID yet counts the 36 characters of the UUID it will get).
 func (m *Message) Size() int {
-	n := len(m.Key) + len(m.Value)
+	hb := 0
 	for _, h := range m.Headers {
-		n += len(h.Key) + len(h.Value)
+		hb += len(h.Key) + len(h.Value)
 	}
-	return n
+	idLen := len(m.ID)
+	if idLen == 0 {
+		idLen = uuidLen
+	}
+	return recordsize.Record(len(m.Key), len(m.Value), hb, len(m.Headers), idLen)
 }
+
+// uuidLen is the length of the id newMessageID returns.
+const uuidLen = 36
 
 // validate checks the message against the rules Kafka and the outbox
 // enforce, so a bad message fails in the writer's transaction and not

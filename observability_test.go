@@ -528,12 +528,12 @@ func TestTraceContextReachesKafka(t *testing.T) {
 func TestTraceContextSizeAndAbsence(t *testing.T) {
 	t.Parallel()
 	db := dbtest.Open(t, dbtest.SQLite)
-	p, err := outbox.NewPlugin(outbox.Config{MaxMessageBytes: 60})
+	msg := func() *outbox.Message { return &outbox.Message{Topic: "t", Value: make([]byte, 40)} }
+	p, err := outbox.NewPlugin(outbox.Config{MaxMessageBytes: msg().Size() + 20})
 	require.NoError(t, err)
 	require.NoError(t, db.DB.Use(p))
 	require.NoError(t, p.AutoMigrate(context.Background(), db.DB))
 
-	msg := func() *outbox.Message { return &outbox.Message{Topic: "t", Value: make([]byte, 40)} }
 	require.NoError(t, db.DB.Transaction(func(tx *gorm.DB) error { return outbox.Enqueue(tx, msg()) }), "fits without a trace")
 
 	ctx := trace.ContextWithSpanContext(context.Background(), spanContext(t, "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"))

@@ -96,7 +96,14 @@ func (p *Plugin) rulesFor(model reflect.Type) *modelRules {
 	if v, ok := p.models.Load(model); ok {
 		return v.(*modelRules)
 	}
+	// The cache is filled under the read lock, so AddRule (which clears it
+	// under the write lock) cannot run between computing the rules and
+	// storing them: a stale entry would hide the new rule for good.
 	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if v, ok := p.models.Load(model); ok {
+		return v.(*modelRules)
+	}
 	var m *modelRules
 	for _, r := range p.rules {
 		if r.matches(model) {
@@ -107,7 +114,6 @@ func (p *Plugin) rulesFor(model reflect.Type) *modelRules {
 			m.rules = append(m.rules, r)
 		}
 	}
-	p.mu.RUnlock()
 	p.models.Store(model, m)
 	return m
 }
@@ -122,6 +128,14 @@ func (p *Plugin) AutoMigrate(ctx context.Context, db *gorm.DB) error {
 func (p *Plugin) Initialize(db *gorm.DB) error {
 	if db.ConnPool == nil {
 		return fmt.Errorf("outbox: %s: the *gorm.DB has no connection pool", p.Name())
+	}
+	// With PrepareStmt set at gorm.Open the pool is a *gorm.PreparedStmtDB,
+	// which GORM documents as assertable (db.ConnPool.(*gorm.PreparedStmtDB)):
+	// wrap what it prepares on instead of hiding it. Its transactions are
+	// then *gorm.PreparedStmtTX around a *txConn, which findTx unwraps.
+	if ps, ok := db.ConnPool.(*gorm.PreparedStmtDB); ok {
+		ps.ConnPool = &pool{ConnPool: ps.ConnPool, plugin: p}
+		return p.registerCallbacks(db)
 	}
 	wrapped := &pool{ConnPool: db.ConnPool, plugin: p}
 	db.ConnPool = wrapped

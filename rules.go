@@ -32,8 +32,14 @@ type Change[T any] struct {
 	Before T
 	// Changed lists the columns the write set: every column for an insert,
 	// the SET columns of an update (including updated_at when GORM sets
-	// it), nil for a delete.
+	// it), the DO UPDATE columns of an upsert that found the row, the
+	// deleted-at column of a soft delete, nil for a hard delete.
 	Changed []string
+	// SoftDelete is true for a delete that GORM turned into an UPDATE of
+	// the model's gorm.DeletedAt column: the row is still there, hidden
+	// from ordinary queries. It is false for a hard delete, of a model
+	// without DeletedAt or with Unscoped.
+	SoftDelete bool
 	// KeyOnly is true for a delete that knows only the primary key: a
 	// delete by key (db.Delete(&Order{}, 7)) or of an entity whose other
 	// fields are all zero. The rule must not rely on other fields.
@@ -91,6 +97,7 @@ type change struct {
 	before       reflect.Value // pointer to a copy, or invalid
 	changed      []string
 	keyOnly      bool
+	soft         bool
 	bulk         bool
 	rowsAffected int64
 }
@@ -164,6 +171,7 @@ func (r *typedRule[T]) build(c *change) (*Message, error) {
 		Op:           c.op,
 		Changed:      c.changed,
 		KeyOnly:      c.keyOnly,
+		SoftDelete:   c.soft,
 		Bulk:         c.bulk,
 		RowsAffected: c.rowsAffected,
 	}

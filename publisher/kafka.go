@@ -9,6 +9,7 @@ import (
 
 	"github.com/IBM/sarama"
 
+	"github.com/gorm-outbox/outbox/internal/recordsize"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -16,13 +17,14 @@ const (
 	// DefaultMessageIDHeader is the record header the Kafka publisher stamps
 	// with relay.Message.MessageID unless KafkaConfig.MessageIDHeader says
 	// otherwise.
-	DefaultMessageIDHeader = "x-outbox-message-id"
+	DefaultMessageIDHeader = recordsize.MessageIDHeaderDefault
 
 	// DefaultMaxMessageBytes is KafkaConfig.MaxMessageBytes's default: just
 	// under the broker's default message.max.bytes (1048588), so that sarama
 	// rejects an oversized record on its own before the broker would fail
-	// the whole batch it travels in.
-	DefaultMaxMessageBytes = 1_000_000
+	// the whole batch it travels in. The write side refuses at enqueue what
+	// this default would refuse (internal/recordsize holds both).
+	DefaultMaxMessageBytes = recordsize.MaxMessageBytesDefault
 
 	// DefaultClientID is the Kafka client id the publisher sets before
 	// KafkaConfig.Configure runs, which may change it.

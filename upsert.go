@@ -1,0 +1,308 @@
+package outbox
+
+import (
+	"fmt"
+	"reflect"
+	"strings"
+
+	"gorm.io/gorm"
+	"gorm.io/gorm/clause"
+	"gorm.io/gorm/schema"
+)
+
+// An upsert (INSERT … ON CONFLICT, MySQL's ON DUPLICATE KEY UPDATE) of a
+// model with rules inserts some rows and updates or skips the others, and
+// no supported database tells which did what: PostgreSQL and SQLite count
+// an inserted and an updated row alike, MySQL counts 1 per inserted, 2 per
+// changed and 0 per unchanged row. GORM issues such upserts on its own:
+// Save of a slice, Save of a row the update did not change (MySQL), and
+// every association it saves with its parent (ON CONFLICT (id) DO UPDATE
+// SET fk = …, or DO NOTHING).
+//
+// So the plugin finds out inside the transaction, before the INSERT, which
+// of the entities' conflict keys already exist (locking those rows on
+// PostgreSQL and MySQL, where a concurrent delete could otherwise turn an
+// update into an insert), and checks after it that the rows affected agree
+// with that plan. An entity whose key existed is an Update (or nothing for
+// DO NOTHING), one whose key did not is an Insert. When the count
+// disagrees (a conflict on another unique key than the one checked, or a
+// concurrent insert of the same new key) the write is refused with
+// ErrUnsupportedWrite and rolled back rather than described wrongly.
+
+// upsertPlan is what beforeCreate learned of an upsert's entities.
+type upsertPlan struct {
+	existed   []bool          // per entity, in entities order
+	fields    []*schema.Field // the conflict key
+	doNothing bool
+	inserts   int
+	updates   int
+}
+
+// planUpsert reads which conflict keys of the statement's entities exist.
+func (p *Plugin) planUpsert(db *gorm.DB, oc clause.OnConflict) (*upsertPlan, error) {
+	s := db.Statement.Schema
+	var fields []*schema.Field
+	for _, c := range oc.Columns {
+		f := s.LookUpField(c.Name)
+		if f == nil {
+			return nil, fmt.Errorf("%w: %s: upsert on conflict column %q that is not a field of the model", ErrUnsupportedWrite, s.Name, c.Name)
+		}
+		fields = append(fields, f)
+	}
+	if len(fields) == 0 {
+		fields = s.PrimaryFields
+	}
+	if len(fields) == 0 {
+		return nil, fmt.Errorf("%w: %s: upsert of a model without a primary key: which rows were inserted cannot be known", ErrUnsupportedWrite, s.Name)
+	}
+	onlyPK := true
+	for _, f := range fields {
+		onlyPK = onlyPK && f.PrimaryKey
+	}
+	ctx := db.Statement.Context
+	plan := &upsertPlan{doNothing: oc.DoNothing, fields: fields}
+	var keys []string  // per entity, "" for a key the database generates
+	var lookup [][]any // distinct keys to look up
+	seen := map[string]bool{}
+	_ = entities(db, func(ptr reflect.Value) error {
+		vals := make([]any, len(fields))
+		generated := false
+		for i, f := range fields {
+			v, zero := f.ValueOf(ctx, ptr.Elem())
+			if zero && onlyPK && (f.AutoIncrement || f.HasDefaultValue) {
+				generated = true
+			}
+			vals[i] = v
+		}
+		if generated {
+			keys = append(keys, "")
+			return nil
+		}
+		k := keyString(vals)
+		keys = append(keys, k)
+		if !seen[k] {
+			seen[k] = true
+			lookup = append(lookup, vals)
+		}
+		return nil
+	})
+	existing := map[string]bool{}
+	for start := 0; start < len(lookup); start += insertChunk {
+		chunk := lookup[start:min(start+insertChunk, len(lookup))]
+		found, err := p.existingKeys(db, fields, chunk, true)
+		if err != nil {
+			return nil, err
+		}
+		for _, k := range found {
+			existing[k] = true
+		}
+	}
+	plan.existed = make([]bool, len(keys))
+	for i, k := range keys {
+		plan.existed[i] = k != "" && existing[k]
+		if plan.existed[i] {
+			plan.updates++
+		} else {
+			plan.inserts++
+		}
+	}
+	return plan, nil
+}
+
+// existingKeys returns, as keyString values, which of keys exist in the
+// statement's table, soft-deleted rows included (they conflict too).
+func (p *Plugin) existingKeys(db *gorm.DB, fields []*schema.Field, keys [][]any, lock bool, extra ...clause.Expression) ([]string, error) {
+	s := db.Statement.Schema
+	cols := make([]string, len(fields))
+	for i, f := range fields {
+		cols[i] = f.DBName
+	}
+	var cond clause.Expression
+	if len(fields) == 1 {
+		vals := make([]any, len(keys))
+		for i, k := range keys {
+			vals[i] = k[0]
+		}
+		cond = clause.IN{Column: clause.Column{Table: clause.CurrentTable, Name: cols[0]}, Values: vals}
+	} else {
+		ors := make([]clause.Expression, len(keys))
+		for i, k := range keys {
+			ands := make([]clause.Expression, len(fields))
+			for j := range fields {
+				ands[j] = clause.Eq{Column: clause.Column{Table: clause.CurrentTable, Name: cols[j]}, Value: k[j]}
+			}
+			ors[i] = clause.And(ands...)
+		}
+		cond = clause.Or(ors...)
+	}
+	q := db.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Unscoped().Table(db.Statement.Table).Select(cols).Where(cond)
+	for _, e := range extra {
+		q = q.Where(e)
+	}
+	switch db.Dialector.Name() {
+	case "postgres", "mysql":
+		if !lock {
+			break
+		}
+		q = q.Clauses(clause.Locking{Strength: clause.LockingStrengthUpdate})
+	}
+	found := reflect.New(reflect.SliceOf(s.ModelType))
+	if err := q.Find(found.Interface()).Error; err != nil {
+		return nil, fmt.Errorf("outbox: %s: read which keys of the upsert exist: %w", s.Name, err)
+	}
+	ctx := db.Statement.Context
+	rows := found.Elem()
+	out := make([]string, 0, rows.Len())
+	for i := 0; i < rows.Len(); i++ {
+		vals := make([]any, len(fields))
+		for j, f := range fields {
+			vals[j], _ = f.ValueOf(ctx, rows.Index(i))
+		}
+		out = append(out, keyString(vals))
+	}
+	return out, nil
+}
+
+// keyString is a comparable form of a key's field values.
+func keyString(vals []any) string {
+	var sb strings.Builder
+	for i, v := range vals {
+		if i > 0 {
+			sb.WriteByte(0)
+		}
+		fmt.Fprintf(&sb, "%v", reflect.Indirect(reflect.ValueOf(v)))
+	}
+	return sb.String()
+}
+
+// checkUpsert compares the rows the upsert affected with its plan.
+func (p *Plugin) checkUpsert(db *gorm.DB, plan *upsertPlan, oc clause.OnConflict) error {
+	r := db.RowsAffected
+	ins, upd := int64(plan.inserts), int64(plan.updates)
+	var ok bool
+	switch {
+	case plan.doNothing && db.Dialector.Name() == "mysql":
+		// GORM's MySQL dialect writes DO NOTHING as ON DUPLICATE KEY
+		// UPDATE id = id: 0 per existing row (1 with CLIENT_FOUND_ROWS).
+		ok = r >= ins && r <= ins+upd
+	case plan.doNothing:
+		// GORM's count is no help here: with RETURNING it counts the
+		// entities it walked, not the rows inserted. Check the rows.
+		return p.checkInserted(db, plan)
+	case db.Dialector.Name() == "mysql":
+		// 1 per inserted row, 2 per changed and 0 (1 with
+		// CLIENT_FOUND_ROWS) per unchanged updated row.
+		ok = r >= ins && r <= ins+2*upd
+	case len(oc.Where.Exprs) > 0:
+		// DO UPDATE … WHERE may skip rows: which cannot be known.
+		ok = upd == 0 && r == ins
+	default:
+		ok = r == ins+upd
+	}
+	if ok {
+		return p.checkNotUpdated(db, plan)
+	}
+	if !ok {
+		return fmt.Errorf("%w: %s: upsert affected %d rows where %d inserts and %d existing keys were expected: it conflicted on another unique key than the one checked, or a concurrent transaction wrote the same keys; which rows were inserted cannot be known",
+			ErrUnsupportedWrite, db.Statement.Schema.Name, r, ins, upd)
+	}
+	return nil
+}
+
+// plannedInserts returns the conflict keys of the entities planned as
+// inserts, as they are after the INSERT (with the keys the database
+// generated), and how many of them still have no key.
+func plannedInserts(db *gorm.DB, plan *upsertPlan) (keys [][]any, missing int) {
+	ctx := db.Statement.Context
+	i := 0
+	_ = entities(db, func(ptr reflect.Value) error {
+		existed := i < len(plan.existed) && plan.existed[i]
+		i++
+		if existed {
+			return nil
+		}
+		vals := make([]any, len(plan.fields))
+		for j, f := range plan.fields {
+			v, zero := f.ValueOf(ctx, ptr.Elem())
+			if zero && f.PrimaryKey && (f.AutoIncrement || f.HasDefaultValue) {
+				missing++
+				return nil
+			}
+			vals[j] = v
+		}
+		keys = append(keys, vals)
+		return nil
+	})
+	return keys, missing
+}
+
+// countKeys counts the rows with the given keys that also meet extra.
+func (p *Plugin) countKeys(db *gorm.DB, plan *upsertPlan, keys [][]any, extra ...clause.Expression) (int, error) {
+	n := 0
+	for start := 0; start < len(keys); start += insertChunk {
+		found, err := p.existingKeys(db, plan.fields, keys[start:min(start+insertChunk, len(keys))], false, extra...)
+		if err != nil {
+			return 0, err
+		}
+		n += len(found)
+	}
+	return n, nil
+}
+
+// checkInserted checks, after an ON CONFLICT DO NOTHING, that every
+// entity planned as an insert was: a generated key was returned for it,
+// and a row with its known key now exists. A conflict on another unique
+// key than the one checked would leave either unmet.
+func (p *Plugin) checkInserted(db *gorm.DB, plan *upsertPlan) error {
+	keys, missing := plannedInserts(db, plan)
+	found := 0
+	if missing == 0 {
+		var err error
+		if found, err = p.countKeys(db, plan, keys); err != nil {
+			return err
+		}
+	}
+	if missing > 0 || found != len(keys) {
+		return fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING skipped rows whose keys did not exist: they conflicted on another unique key than the one checked; which rows were inserted cannot be known",
+			ErrUnsupportedWrite, db.Statement.Schema.Name)
+	}
+	return nil
+}
+
+// checkNotUpdated checks on PostgreSQL, after an ON CONFLICT DO UPDATE,
+// that no row planned as an insert was updated instead: its key existed
+// after all (a sequence behind keys inserted explicitly, or a concurrent
+// transaction that inserted the same new key). A row the upsert updated
+// carries the transaction's id in xmax; one it inserted has none, as long
+// as nothing locked it since, which is why this runs right after
+// gorm:create, before the associations are saved (their foreign key
+// checks lock the parent row).
+func (p *Plugin) checkNotUpdated(db *gorm.DB, plan *upsertPlan) error {
+	if db.Dialector.Name() != "postgres" || plan.inserts == 0 {
+		return nil
+	}
+	keys, _ := plannedInserts(db, plan)
+	n, err := p.countKeys(db, plan, keys, clause.Expr{SQL: "xmax::text <> '0'"})
+	if err != nil {
+		return err
+	}
+	if n > 0 {
+		return fmt.Errorf("%w: %s: the upsert updated %d row(s) whose keys did not exist when it began: the keys were generated by a sequence behind keys inserted explicitly, or a concurrent transaction inserted them; which rows were inserted cannot be known",
+			ErrUnsupportedWrite, db.Statement.Schema.Name, n)
+	}
+	return nil
+}
+
+// upsertColumns returns the columns an upsert's DO UPDATE sets, as GORM
+// finally built them (it turns UpdateAll into DoUpdates).
+func upsertColumns(db *gorm.DB) []string {
+	c, ok := db.Statement.Clauses["ON CONFLICT"]
+	if !ok {
+		return nil
+	}
+	oc, ok := c.Expression.(clause.OnConflict)
+	if !ok {
+		return nil
+	}
+	return columnNames(oc.DoUpdates)
+}

@@ -102,37 +102,29 @@ func (rb *realBrokers) actions(in *injector) []action {
 
 // kill SIGKILLs a broker and starts it again a few seconds later.
 func (rb *realBrokers) kill(in *injector) bool {
-	if rb.down != 0 {
-		return false
-	}
-	node := 1 + in.rng.IntN(rb.nodes)
-	if _, err := rb.run("kill", strconv.Itoa(node)); err != nil {
-		in.t.Log(err)
-		return false
-	}
-	rb.down, rb.downKind = node, evBrokerKill
-	d := in.jitter(2*time.Second, 6*time.Second)
-	now := time.Now()
-	in.log.add(event{Kind: evBrokerKill, Slot: -1, Start: now, End: now.Add(d), Note: fmt.Sprintf("node %d down %s", node, d)})
-	in.after(d, func() { rb.undo(in) })
-	return true
+	return rb.takeDown(in, "kill", evBrokerKill, in.jitter(2*time.Second, 6*time.Second))
 }
 
 // stop SIGSTOPs a broker past the broker session timeout, so that the
 // controller fences it and its partitions move, then resumes it.
 func (rb *realBrokers) stop(in *injector) bool {
+	return rb.takeDown(in, "pause", evBrokerStop, brokerSession+in.jitter(time.Second, 4*time.Second))
+}
+
+// takeDown applies verb (kafka.sh kill or pause) to a random node for d,
+// unless a broker is already down.
+func (rb *realBrokers) takeDown(in *injector, verb, kind string, d time.Duration) bool {
 	if rb.down != 0 {
 		return false
 	}
 	node := 1 + in.rng.IntN(rb.nodes)
-	if _, err := rb.run("pause", strconv.Itoa(node)); err != nil {
+	if _, err := rb.run(verb, strconv.Itoa(node)); err != nil {
 		in.t.Log(err)
 		return false
 	}
-	rb.down, rb.downKind = node, evBrokerStop
-	d := brokerSession + in.jitter(time.Second, 4*time.Second)
+	rb.down, rb.downKind = node, kind
 	now := time.Now()
-	in.log.add(event{Kind: evBrokerStop, Slot: -1, Start: now, End: now.Add(d), Note: fmt.Sprintf("node %d stopped %s", node, d)})
+	in.log.add(event{Kind: kind, Slot: -1, Start: now, End: now.Add(d), Note: fmt.Sprintf("node %d for %s", node, d)})
 	in.after(d, func() { rb.undo(in) })
 	return true
 }

@@ -363,6 +363,19 @@ func (w *worker) drainBatch(ctx context.Context, lease Lease) (outcome, error) {
 				"bucket", b, "acked", acked, "failed_index", i, "err", perr)
 			return outRetry, nil
 		}
+		if rest := len(msgs) - acked; rest > 1 && IsBatchRejected(perr) {
+			// The sink refused several messages at once for what one of
+			// them may have caused: publish the first half on its own, at
+			// once, until the refused batch is a single message. Only that
+			// message meets the failure policy.
+			if w.shrink == nil {
+				w.shrink = map[int]int{}
+			}
+			w.shrink[b] = rest / 2
+			w.log.Info("relay: the sink rejected the batch as a whole; splitting it to find the message that caused it",
+				"bucket", b, "acked", acked, "rejected", rest, "next_batch", rest/2, "err", perr)
+			return outRetry, nil
+		}
 		return w.fail(ctx, lease, msgs[acked], acked, perr)
 	}
 	if full {
@@ -429,8 +442,16 @@ func (w *worker) waitTokens(ctx context.Context, n int) bool {
 	}
 }
 
-// fail runs the failure policy for the first unacknowledged message.
+// fail runs the failure policy for the first unacknowledged message. A
+// failure that is not about the message (IsUnavailable) only backs off: it
+// is neither recorded against the message nor handed to the failure
+// handler, so an outage of any length dead-letters nothing.
 func (w *worker) fail(ctx context.Context, lease Lease, msg Message, acked int, perr error) (outcome, error) {
+	if IsUnavailable(perr) {
+		w.log.Warn("relay: publish failed: the sink is unavailable; retrying after backoff, not counted against the message",
+			"bucket", lease.Bucket, "acked", acked, "message_id", msg.MessageID, "err", perr)
+		return outFailed, perr
+	}
 	if w.r.recorder != nil {
 		err := w.r.recorder.RecordFailure(ctx, w.cfg.RelayID, lease, msg, perr)
 		switch {
@@ -490,8 +511,18 @@ func (w *worker) publish(ctx context.Context, lease Lease, msgs []Message) (acke
 		defer cancelDeadline()
 	}
 
-	acked, err = w.r.publisher.Publish(pctx, msgs)
+	tctx, cancelTimeout := context.WithTimeoutCause(pctx, w.cfg.PublishTimeout, errPublishTimedOut)
+	start := time.Now()
+	acked, err = w.r.publisher.Publish(tctx, msgs)
+	timedOut := errors.Is(context.Cause(tctx), errPublishTimedOut) && ctx.Err() == nil
+	cancelTimeout()
 	lost = errors.Is(context.Cause(pctx), ErrLeaseLost)
+	if timedOut && !lost && (err != nil || acked < len(msgs)) {
+		// Not about the messages: the sink (or the publisher) stopped
+		// answering. The bucket backs off like after any outage.
+		err = Unavailable(fmt.Errorf("%w: bucket %d: %s with %d of %d messages acknowledged",
+			ErrPublishTimeout, lease.Bucket, time.Since(start).Round(time.Millisecond), acked, len(msgs)))
+	}
 	cancel(nil)
 	if renewDone != nil {
 		<-renewDone

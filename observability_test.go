@@ -197,7 +197,7 @@ func TestObservabilityDrainMetrics(t *testing.T) {
 	for label, age := range gather(t, reg, metrics.NameBucketOldestAge) {
 		require.Zero(t, age, label)
 	}
-	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 0}, gather(t, reg, metrics.NamePublishFailures))
+	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 0, "kind=unavailable": 0, "kind=timeout": 0}, gather(t, reg, metrics.NamePublishFailures))
 	require.Equal(t, 8.0, one(t, reg, metrics.NameLeaseAcquisitions))
 	require.Zero(t, one(t, reg, metrics.NameLeaseExpirations))
 	require.GreaterOrEqual(t, one(t, reg, metrics.NamePublishDuration), 8.0, "one publish per bucket at least")
@@ -295,7 +295,7 @@ func TestObservabilityPublishFailures(t *testing.T) {
 	require.Eventually(t, func() bool { return sb.count(t) == 0 }, 10*time.Second, 5*time.Millisecond)
 	require.Eventually(t, func() bool { return one(t, reg, metrics.NameAcknowledged) == float64(len(rows)) }, 5*time.Second, 5*time.Millisecond)
 	require.EqualValues(t, len(rows), acked.Load())
-	require.Equal(t, map[string]float64{"kind=retryable": 1, "kind=permanent": 1}, gather(t, reg, metrics.NamePublishFailures))
+	require.Equal(t, map[string]float64{"kind=retryable": 1, "kind=permanent": 1, "kind=unavailable": 0, "kind=timeout": 0}, gather(t, reg, metrics.NamePublishFailures))
 	require.Equal(t, 3.0, one(t, reg, metrics.NamePublishDuration), "three calls, each timed")
 	require.Equal(t, 0.0, one(t, reg, metrics.NamePendingAvailable), "sampling disabled: unavailable")
 }
@@ -326,7 +326,7 @@ func TestObservabilityDeadLetters(t *testing.T) {
 	}, 10*time.Second, 5*time.Millisecond)
 	require.Equal(t, map[string]float64{"state=failed": 1, "state=parked": 2}, gather(t, reg, metrics.NameDeadLettered))
 	require.Equal(t, 2.0, one(t, reg, metrics.NameAcknowledged))
-	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 1}, gather(t, reg, metrics.NamePublishFailures))
+	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 1, "kind=unavailable": 0, "kind=timeout": 0}, gather(t, reg, metrics.NamePublishFailures))
 	require.Len(t, rows, 5)
 }
 

@@ -642,36 +642,59 @@ func TestRelayMisconfiguration(t *testing.T) {
 		return r.Err()
 	}
 
+	startErr := func(t *testing.T, s relay.Store, cfg relay.Config) error {
+		t.Helper()
+		r, err := relay.New(s, relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) {
+			t.Error("a misconfigured relay published")
+			return 0, nil
+		}), cfg)
+		require.NoError(t, err)
+		return r.Start(context.Background())
+	}
+
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		// Rows in a bucket no relay can own: stop, publish nothing, delete
-		// nothing.
+		// Rows in a bucket no relay can own: Start refuses, nothing is
+		// published or deleted.
 		b := newStoreBundle(t, db, outbox.Config{})
 		b.insert(t, keyed(keysN(5), 2)...)
 		b.insert(t, outbox.MessageRow{MessageID: "wide", Bucket: 8, Value: []byte("x")})
-		rec := newRecorder()
-		r := startRelay(t, b.store, rec.publisher("a", nil), fastConfig(t, "a"))
-		err := waitStopped(t, r)
 		var me *relay.MisconfigurationError
-		require.ErrorAs(t, err, &me)
+		require.ErrorAs(t, startErr(t, b.store, fastConfig(t, "a")), &me)
 		require.Equal(t, "BucketCount", me.Setting)
 		require.Contains(t, me.Error(), "bucket 8")
 		require.EqualValues(t, 11, b.count(t))
-		require.Empty(t, rec.snapshot())
+		require.NoError(t, b.messages().Where("message_id = ?", "wide").Delete(&outbox.MessageRow{}).Error)
 
 		// A relay with a different bucket count than the store.
 		cfg := fastConfig(t, "c")
 		cfg.BucketCount = 16
-		r = startRelay(t, b.store, rec.publisher("c", nil), cfg)
-		require.ErrorAs(t, waitStopped(t, r), &me)
+		require.ErrorAs(t, startErr(t, b.store, cfg), &me)
 		require.Equal(t, "BucketCount", me.Setting)
 
 		// Started before AutoMigrate.
 		bare, err := outbox.NewStore(db.DB, outbox.Config{Tables: outbox.WithPrefix("later_")})
 		require.NoError(t, err)
-		r = startRelay(t, bare, rec.publisher("d", nil), fastConfig(t, "d"))
-		require.ErrorAs(t, waitStopped(t, r), &me)
+		require.ErrorAs(t, startErr(t, bare, fastConfig(t, "d")), &me)
 		require.Equal(t, "Tables", me.Setting)
 		require.Contains(t, me.Error(), "AutoMigrate")
+
+		// A writer with a larger BucketCount after the relay started: the
+		// relay notices at its next discovery poll, stops, and releases
+		// its leases.
+		rec := newRecorder()
+		started := time.Now()
+		r := startRelay(t, b.store, rec.publisher("e", nil), fastConfig(t, "e"))
+		assert.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, b.count(t)) }, 20*time.Second, 10*time.Millisecond)
+		wrote := time.Now()
+		b.insert(t, outbox.MessageRow{MessageID: "wide-later", Bucket: 8, Value: []byte("x")})
+		err = waitStopped(t, r)
+		require.ErrorAs(t, err, &me)
+		require.Equal(t, "BucketCount", me.Setting)
+		t.Logf("misconfiguration noticed %s after the write (poll interval %s; relay up for %s)",
+			time.Since(wrote).Round(time.Millisecond), fastConfig(t, "e").PollInterval, wrote.Sub(started).Round(time.Millisecond))
+		for _, l := range b.leaseRows(t) {
+			require.Nil(t, l.Owner, "bucket %d: leases released by the stopped relay", l.Bucket)
+		}
 	})
 }
 

@@ -16,6 +16,10 @@ import (
 // buckets locked until their leases expire.
 const releaseTimeout = 5 * time.Second
 
+// StopOverrun is the longest Relay.Stop waits for the relay after its
+// context ended: the bound on Stop overrunning its context.
+const StopOverrun = 5 * time.Second
+
 type runState int
 
 const (
@@ -95,14 +99,28 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 // ID returns the relay's id, as written to lease owners and heartbeats.
 func (r *Relay) ID() string { return r.cfg.RelayID }
 
-// Start starts the relay in the background and returns at once. The relay
-// runs until Stop is called, ctx is cancelled, or it meets a
-// misconfiguration (see Err). Cancelling ctx is an abrupt stop: the
-// in-flight publish is cancelled, then leases are released as with Stop.
+// Start checks the store and starts the relay in the background. If the
+// Store implements StartChecker (the GORM store does), Start first runs
+// its check synchronously, bounded by ctx, and returns its error: missing
+// or outdated tables, a BucketCount that differs from the store's, rows or
+// leases outside the buckets (a *MisconfigurationError), or the database
+// being unreachable. The relay then runs until Stop is called, ctx is
+// cancelled, or it meets a misconfiguration later (see Err); a relay that
+// stops on one releases its leases like Stop. Cancelling ctx is an abrupt
+// stop: the in-flight publish is cancelled, then leases are released as
+// with Stop.
 //
 // Start on a running relay does nothing; on a stopped relay it returns
 // ErrStopped; during DrainOnce it returns ErrBusy.
 func (r *Relay) Start(ctx context.Context) error {
+	r.mu.Lock()
+	idle := r.state == stateIdle
+	r.mu.Unlock()
+	if sc, ok := r.store.(StartChecker); ok && idle {
+		if err := sc.CheckStart(ctx, r.cfg.BucketCount); err != nil {
+			return fmt.Errorf("relay: start: %w", err)
+		}
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	switch r.state {
@@ -152,8 +170,11 @@ func (r *Relay) run(ctx context.Context, w *worker, stopping <-chan struct{}) {
 // acquisition instead of after the leases expire. If ctx ends first, the
 // in-flight publish is cancelled (its rows stay pending for the next owner),
 // the leases are still released, and Stop returns ctx's error once the
-// relay has stopped. Publishers must honour their context for that bound to
-// hold.
+// relay has stopped, or at most StopOverrun after ctx ended: a publisher
+// that ignores its context, or a database that does not answer the final
+// delete and release (each bounded by its own timeout), can hold the
+// relay longer, and it then finishes stopping in the background (watch
+// Stopped). The worst-case overrun of Stop past ctx is StopOverrun (5s).
 //
 // Stop before Start and a second Stop do nothing and return nil.
 func (r *Relay) Stop(ctx context.Context) error {
@@ -176,8 +197,14 @@ func (r *Relay) Stop(ctx context.Context) error {
 	case <-ctx.Done():
 	}
 	cancel(fmt.Errorf("relay: stop: %w", context.Cause(ctx)))
-	<-r.stopped
-	return fmt.Errorf("relay: stop: in-flight batch abandoned: %w", ctx.Err())
+	t := time.NewTimer(StopOverrun)
+	defer t.Stop()
+	select {
+	case <-r.stopped:
+		return fmt.Errorf("relay: stop: in-flight batch abandoned: %w", ctx.Err())
+	case <-t.C:
+		return fmt.Errorf("relay: stop: still stopping %s after the stop context ended (a publish or store call ignoring cancellation); it finishes in the background: %w", StopOverrun, ctx.Err())
+	}
 }
 
 // Stopped returns a channel closed when the relay has stopped, whether by

@@ -166,3 +166,61 @@ func TestPublishTimeout(t *testing.T) {
 		require.NoError(t, obs.events[1].Err)
 	})
 }
+
+// DrainOnce says which buckets with pending messages it could not own,
+// instead of returning a silent partial count.
+func TestDrainOnceReportsUnownedBuckets(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		for b := range 8 {
+			s.add(b, 2)
+		}
+		s.allowed = func(_ string, b int) bool { return b != 3 && b != 6 } // held elsewhere
+		r, err := relay.New(s, relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil }), config("a"))
+		require.NoError(t, err)
+		n, err := r.DrainOnce(t.Context())
+		require.Equal(t, 12, n)
+		require.ErrorIs(t, err, relay.ErrNotOwned)
+		var no *relay.NotOwnedError
+		require.ErrorAs(t, err, &no)
+		require.Equal(t, []int{3, 6}, no.Buckets)
+		require.Equal(t, 4, s.pending())
+	})
+}
+
+// A lease that lapses in the middle of DrainOnce (a slow store) is
+// acquired again, and the drain completes.
+func TestDrainOnceReacquiresLostLease(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(2, 30)
+		cfg := config("a")
+		renewals := 0
+		s.renew = func(held []relay.Lease) []relay.Lease {
+			renewals++
+			if renewals == 1 {
+				return nil // the first renewal during the publish finds the lease gone
+			}
+			return held
+		}
+		slow := true
+		var log pubLog
+		r, err := relay.New(s, log.publisher(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			if slow {
+				slow = false
+				<-ctx.Done() // cancelled when the lease is lost
+				return 0, ctx.Err()
+			}
+			return len(msgs), nil
+		}), cfg)
+		require.NoError(t, err)
+		n, err := r.DrainOnce(t.Context())
+		require.NoError(t, err)
+		require.Equal(t, 30, n)
+		require.Zero(t, s.pending())
+		require.Equal(t, 1, renewals)
+		require.Equal(t, 4, log.n(), "the lost batch, then the three batches after re-acquiring")
+	})
+}

@@ -48,6 +48,7 @@ type worker struct {
 	storeFailures int
 	published     int
 	drainErrs     []error
+	failedOnce    map[int]struct{} // DrainOnce: buckets whose publish failed
 
 	// announced is what a LeaseAware publisher was last told the relay
 	// holds, bucket -> term (see syncLeases).
@@ -179,25 +180,60 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 	}
 }
 
+// drainRoundsMax bounds DrainOnce's rounds: a round acquires, drains
+// every owned bucket, and looks for pending rows in buckets it did not
+// own; a lease that lapsed mid-drain (a slow database) is acquired again
+// in the next round.
+const drainRoundsMax = 4
+
 // drainAll is DrainOnce: acquire, drain every owned bucket until empty or
-// failed.
+// failed, again while buckets with pending rows were lost and progress is
+// made, and report the buckets with pending rows it could not own.
 func (w *worker) drainAll(ctx context.Context) (int, error) {
-	if err := w.acquire(ctx); err != nil {
-		return 0, err
+	all := make([]int, w.cfg.BucketCount)
+	for b := range all {
+		all[b] = b
 	}
-	if err := w.syncLeases(ctx); err != nil {
-		return 0, err
-	}
-	if err := w.discover(ctx); err != nil {
-		return 0, err
-	}
-	for w.anyReady() {
-		if err := ctx.Err(); err != nil {
-			w.drainErrs = append(w.drainErrs, err)
+	for round := 1; ; round++ {
+		if err := w.acquire(ctx); err != nil {
+			return w.published, err
+		}
+		if err := w.syncLeases(ctx); err != nil {
+			return w.published, err
+		}
+		if err := w.discover(ctx); err != nil {
+			return w.published, err
+		}
+		before := w.published
+		for w.anyReady() {
+			if err := ctx.Err(); err != nil {
+				return w.published, errors.Join(append(w.drainErrs, err)...)
+			}
+			if err := w.sweep(ctx, nil); err != nil {
+				return w.published, err
+			}
+		}
+		pending, err := w.r.store.PendingBuckets(ctx, all)
+		if err != nil {
+			return w.published, errors.Join(append(w.drainErrs, err)...)
+		}
+		var unowned []int
+		for _, b := range pending {
+			if _, failed := w.failedOnce[b]; failed {
+				continue // reported with its error
+			}
+			if _, ok := w.lease(b); !ok {
+				unowned = append(unowned, b)
+			}
+		}
+		if len(unowned) == 0 {
 			break
 		}
-		if err := w.sweep(ctx, nil); err != nil {
-			return w.published, err
+		// Stop after a round that acquired again and still made no
+		// progress: peers hold those buckets.
+		if round == drainRoundsMax || (round > 1 && w.published == before) {
+			w.drainErrs = append(w.drainErrs, &NotOwnedError{Buckets: unowned})
+			break
 		}
 	}
 	return w.published, errors.Join(w.drainErrs...)
@@ -250,16 +286,22 @@ func (w *worker) apply(b int, out outcome, err error) {
 	case outFailed:
 		if w.oneShot {
 			w.ready[b] = false
+			if w.failedOnce == nil {
+				w.failedOnce = map[int]struct{}{}
+			}
+			w.failedOnce[b] = struct{}{}
 			w.drainErrs = append(w.drainErrs, fmt.Errorf("bucket %d: %w", b, err))
 			return
 		}
 		w.failures[b]++
 		w.retryAt[b] = time.Now().Add(backoff(w.cfg, w.failures[b]))
 	case outLost:
+		// DrainOnce acquires again in its next round and reports the
+		// buckets it could not get back (NotOwnedError).
 		w.dropLease(b)
 		w.forget(b)
 		if w.oneShot {
-			w.drainErrs = append(w.drainErrs, fmt.Errorf("bucket %d: %w", b, err))
+			w.log.Info("relay: drain lost a bucket; acquiring again", "bucket", b, "err", err)
 		}
 	case outStopped:
 	}

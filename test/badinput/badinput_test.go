@@ -322,15 +322,10 @@ func bucketMismatch(t *testing.T, e *env) {
 	// Store and relay both at 8: rows in buckets 8..31 nobody can own.
 	cfg := e.relayConfig("eight")
 	cfg.BucketCount = 8
-	r := e.startRelay(e.store(nil, 8), &sink{}, cfg)
-	select {
-	case <-r.Stopped():
-	case <-time.After(30 * time.Second):
-		t.Fatal("the relay did not stop on rows outside its buckets")
-	}
+	_, err := e.startErr(e.store(nil, 8), &sink{}, cfg)
 	var mis *relay.MisconfigurationError
-	require.ErrorAs(t, r.Err(), &mis)
-	require.True(t, relay.IsMisconfiguration(r.Err()))
+	require.ErrorAs(t, err, &mis, "Start refuses rows outside the relay's buckets")
+	require.True(t, relay.IsMisconfiguration(err))
 	require.Equal(t, "BucketCount", mis.Setting)
 	require.Equal(t, total, e.pending(), "nothing deleted by the misconfigured relay")
 
@@ -340,6 +335,8 @@ func bucketMismatch(t *testing.T, e *env) {
 	r2, err := relay.New(e.store(nil, 32), &sink{}, cfg)
 	require.NoError(t, err)
 	_, err = r2.DrainOnce(context.Background())
+	require.True(t, relay.IsMisconfiguration(err), "relay 8 vs store 32: %v", err)
+	_, err = e.startErr(e.store(nil, 32), &sink{}, cfg)
 	require.True(t, relay.IsMisconfiguration(err), "relay 8 vs store 32: %v", err)
 	require.Equal(t, total, e.pending())
 
@@ -360,14 +357,8 @@ func bucketMismatch(t *testing.T, e *env) {
 // relayBeforeMigrate: a relay on tables that do not exist stops with a
 // *relay.MisconfigurationError that names the table and the fix.
 func relayBeforeMigrate(t *testing.T, e *env) {
-	r := e.startRelay(e.store(nil, 0), &sink{}, e.relayConfig("early"))
-	select {
-	case <-r.Stopped():
-	case <-time.After(30 * time.Second):
-		t.Fatal("the relay did not stop on missing tables")
-	}
-	err := r.Err()
-	require.True(t, relay.IsMisconfiguration(err), "%v", err)
+	_, err := e.startErr(e.store(nil, 0), &sink{}, e.relayConfig("early"))
+	require.True(t, relay.IsMisconfiguration(err), "Start refuses missing tables: %v", err)
 	text := err.Error()
 	require.True(t, strings.Contains(text, e.cfg.Tables.Messages) || strings.Contains(text, e.cfg.Tables.Leases) ||
 		strings.Contains(text, e.cfg.Tables.Relays) || strings.Contains(text, e.cfg.Tables.DeadLetters),

@@ -125,7 +125,7 @@ func TestBrokerOutageIsNotPoison(t *testing.T) {
 		b.insert(t, rows(0, 5)...)
 		waitEmpty := func(within time.Duration) {
 			t.Helper()
-			assert.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, b.count(t)) }, within, 20*time.Millisecond)
+			require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, b.count(t)) }, within, 20*time.Millisecond)
 		}
 		waitEmpty(30 * time.Second)
 
@@ -134,7 +134,7 @@ func TestBrokerOutageIsNotPoison(t *testing.T) {
 		b.insert(t, rows(5, 25)...)
 		// Outlast MaxAttempts many times over in every bucket that holds
 		// messages.
-		assert.EventuallyWithT(t, func(c *assert.CollectT) {
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
 			n, _ := stats.get()
 			assert.GreaterOrEqual(c, n, 3*maxAttempts*cfg.BucketCount)
 		}, 2*time.Minute, 20*time.Millisecond)

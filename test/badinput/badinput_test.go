@@ -497,12 +497,17 @@ func backendKilledMidBatch(t *testing.T, e *env) {
 	case dbtest.MySQL:
 		require.NoError(t, relayDB.Raw("SELECT CONNECTION_ID()").Scan(&session).Error)
 	}
+	// kill runs on the relay's goroutine (in the publisher): it records
+	// errors for the test goroutine instead of failing there.
 	killed := 0
+	var killErrs []error
 	kill := func() {
 		switch e.dialect {
 		case dbtest.Postgres:
 			var ok bool
-			require.NoError(t, e.db.Raw("SELECT pg_terminate_backend(?)", session).Scan(&ok).Error)
+			if err := e.db.Raw("SELECT pg_terminate_backend(?)", session).Scan(&ok).Error; err != nil {
+				killErrs = append(killErrs, err)
+			}
 			if ok {
 				killed++
 			}
@@ -538,8 +543,12 @@ func backendKilledMidBatch(t *testing.T, e *env) {
 	}}
 	cfg := e.relayConfig("victim")
 	cfg.BatchSize = 20
-	e.startRelay(e.store(relayDB, 0), s, cfg)
+	r := e.startRelay(e.store(relayDB, 0), s, cfg)
 	e.waitPending(0, 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, r.Stop(ctx)) // no publisher call runs any more
+	require.Empty(t, killErrs, "terminating the relay's database session")
 	require.Equal(t, 3, killed, "sessions ended mid-batch")
 	got := s.ids()
 	for _, m := range msgs {

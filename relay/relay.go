@@ -101,10 +101,12 @@ func (r *Relay) ID() string { return r.cfg.RelayID }
 
 // Start checks the store and starts the relay in the background. If the
 // Store implements StartChecker (the GORM store does), Start first runs
-// its check synchronously, bounded by ctx, and returns its error: missing
-// or outdated tables, a BucketCount that differs from the store's, rows or
-// leases outside the buckets (a *MisconfigurationError), or the database
-// being unreachable. The relay then runs until Stop is called, ctx is
+// its check synchronously, bounded by ctx, and returns a
+// *MisconfigurationError it reports: missing or outdated tables, a
+// BucketCount that differs from the store's, rows or leases outside the
+// buckets. Any other check failure (the database down or slow) is logged
+// and the relay starts anyway, retrying in the background. The relay then
+// runs until Stop is called, ctx is
 // cancelled, or it meets a misconfiguration later (see Err); a relay that
 // stops on one releases its leases like Stop. Cancelling ctx is an abrupt
 // stop: the in-flight publish is cancelled, then leases are released as
@@ -117,8 +119,16 @@ func (r *Relay) Start(ctx context.Context) error {
 	idle := r.state == stateIdle
 	r.mu.Unlock()
 	if sc, ok := r.store.(StartChecker); ok && idle {
-		if err := sc.CheckStart(ctx, r.cfg.BucketCount); err != nil {
+		err := sc.CheckStart(ctx, r.cfg.BucketCount)
+		switch {
+		case err == nil:
+		case IsMisconfiguration(err) || ctx.Err() != nil:
 			return fmt.Errorf("relay: start: %w", err)
+		default:
+			// The database is down or slow: not a misconfiguration. The
+			// loop retries with backoff and meets any misconfiguration at
+			// its first acquisition.
+			r.cfg.Logger.Warn("relay: start check failed; starting anyway and retrying in the background", "err", err)
 		}
 	}
 	r.mu.Lock()

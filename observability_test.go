@@ -201,8 +201,12 @@ func TestObservabilityDrainMetrics(t *testing.T) {
 		require.Zero(t, age, label)
 	}
 	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 0, "kind=unavailable": 0, "kind=timeout": 0}, gather(t, reg, metrics.NamePublishFailures))
-	require.Equal(t, 8.0, one(t, reg, metrics.NameLeaseAcquisitions))
-	require.Zero(t, one(t, reg, metrics.NameLeaseExpirations))
+	// Eight buckets acquired; on a busy machine a lease may lapse (the
+	// trust window is a few hundred milliseconds here) and be acquired
+	// again: every acquisition past the eight follows a counted loss.
+	acquired, expired := one(t, reg, metrics.NameLeaseAcquisitions), one(t, reg, metrics.NameLeaseExpirations)
+	require.GreaterOrEqual(t, acquired, 8.0)
+	require.LessOrEqual(t, acquired-8, expired, "every re-acquisition follows a counted loss")
 	require.GreaterOrEqual(t, one(t, reg, metrics.NamePublishDuration), 8.0, "one publish per bucket at least")
 	require.Positive(t, one(t, reg, metrics.NameCycleDuration))
 

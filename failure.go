@@ -377,7 +377,7 @@ func (p *FailurePolicy) move(ctx context.Context, name, relayID string, lease re
 // table as a misconfiguration.
 func (p *FailurePolicy) fail(ctx context.Context, name string, err error) error {
 	err = p.store.fail(ctx, name, err)
-	if relay.IsMisconfiguration(err) || errors.Is(err, relay.ErrLeaseLost) || ctx.Err() != nil {
+	if relay.IsMisconfiguration(err) || errors.Is(err, relay.ErrLeaseLost) || ctx.Err() != nil || !maybeSchemaError(err) {
 		return err
 	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.store.timeout)

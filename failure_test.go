@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
 
@@ -62,8 +63,8 @@ func (b *storeBundle) relayConfig(t testing.TB, id string) relay.Config {
 }
 
 // deadRows reads the dead-letter table in id order.
-func (b *storeBundle) deadRows(t testing.TB) []outbox.DeadLetterRow {
-	t.Helper()
+func (b *storeBundle) deadRows(t require.TestingT) []outbox.DeadLetterRow {
+	helper(t)
 	var rows []outbox.DeadLetterRow
 	require.NoError(t, b.db.DB.Table(b.cfg.Tables.DeadLettersTable()).Order("id").Find(&rows).Error)
 	return rows
@@ -141,7 +142,7 @@ func TestFailurePolicyMaxAttempts(t *testing.T) {
 		cfg.FailureHandler = policy
 		startRelay(t, b.store, rec.publisher("a", pois.hook), cfg)
 
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 		dead := b.deadRows(t)
 		require.Len(t, dead, 1)
 		d := dead[0]
@@ -175,7 +176,7 @@ func TestFailurePolicyPermanentDefault(t *testing.T) {
 		rec := newRecorder()
 		startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
 
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 		dead := b.deadRows(t)
 		require.Len(t, dead, 1)
 		require.Equal(t, "failed", dead[0].State)
@@ -202,7 +203,7 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 		rec := newRecorder()
 		r := startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
 
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 		require.Equal(t, map[string]string{"k/0": "failed", "k/1": "parked", "k/2": "parked"}, deadValues(b.deadRows(t)))
 		requireKeyOrder(t, ackedValues(rec), "j", 0, 1, 2)
 		requireKeyOrder(t, ackedValues(rec), "k")
@@ -210,7 +211,7 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 		// Later messages: the quarantined key is parked, the other flows.
 		b.insert(t, outbox.MessageRow{MessageID: "k-3", Key: []byte("k"), Value: []byte("k/3")},
 			outbox.MessageRow{MessageID: "j-3", Key: []byte("j"), Value: []byte("j/3")})
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 		require.Equal(t, "parked", deadValues(b.deadRows(t))["k/3"])
 		requireKeyOrder(t, ackedValues(rec), "j", 0, 1, 2, 3)
 		requireKeyOrder(t, ackedValues(rec), "k")
@@ -241,7 +242,7 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 		require.Nil(t, reset[0].LastError)
 
 		startRelay(t, b.store, rec.publisher("b", pois.hook), b.relayConfig(t, "b"))
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 		requireKeyOrder(t, ackedValues(rec), "k", 0, 1, 2, 3, 4)
 		require.Empty(t, b.deadRows(t))
 		rec.requireNoOverlap(t)
@@ -262,7 +263,7 @@ func TestFailurePolicyRequeueWhileRunning(t *testing.T) {
 		pois := newPoison(relay.Permanent(errors.New("rejected")), "k/0")
 		rec := newRecorder()
 		r := startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
-		require.Eventually(t, func() bool { return len(b.deadRows(t)) == 3 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, len(b.deadRows(c)) == 3) }, 10*time.Second, 10*time.Millisecond)
 		require.Equal(t, []relay.Lease{{Bucket: 0, Term: 1}}, r.Leases())
 
 		pois.heal()
@@ -271,7 +272,7 @@ func TestFailurePolicyRequeueWhileRunning(t *testing.T) {
 		require.EqualValues(t, 3, res.Requeued, "a keyed dead letter brings its key group back")
 		require.Equal(t, []int64{999_999}, res.NotFound)
 
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 		require.Empty(t, b.deadRows(t))
 		requireKeyOrder(t, ackedValues(rec), "k", 0, 1, 2)
 	})
@@ -330,7 +331,7 @@ func TestFailurePolicyNoQuarantine(t *testing.T) {
 		cfg := b.relayConfig(t, "a")
 		cfg.FailureHandler = policy
 		startRelay(t, b.store, rec.publisher("a", pois.hook), cfg)
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 		require.Equal(t, map[string]string{"n/0": "failed", "k/0": "failed"}, deadValues(b.deadRows(t)))
 		require.Equal(t, []string{"n/1", "k/1", "e/0", "e/1"}, ackedValues(rec))
 	})

@@ -15,6 +15,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/prometheus/client_golang/prometheus"
 	gometrics "github.com/rcrowley/go-metrics"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
@@ -97,8 +98,8 @@ func newCollector(t *testing.T, cfg metrics.Config) (*metrics.Collector, *promet
 
 // gather returns the series of family name by their labels other than
 // outbox ("" for none): counter and gauge values, histogram sample counts.
-func gather(t testing.TB, reg prometheus.Gatherer, name string) map[string]float64 {
-	t.Helper()
+func gather(t require.TestingT, reg prometheus.Gatherer, name string) map[string]float64 {
+	helper(t)
 	mfs, err := reg.Gather()
 	require.NoError(t, err)
 	out := map[string]float64{}
@@ -122,8 +123,8 @@ func gather(t testing.TB, reg prometheus.Gatherer, name string) map[string]float
 	return out
 }
 
-func one(t testing.TB, reg prometheus.Gatherer, name string) float64 {
-	t.Helper()
+func one(t require.TestingT, reg prometheus.Gatherer, name string) float64 {
+	helper(t)
 	s := gather(t, reg, name)
 	require.Len(t, s, 1, name)
 	return s[""]
@@ -163,9 +164,11 @@ func TestObservabilityDrainMetrics(t *testing.T) {
 	r := startRelay(t, b.store, g, cfg)
 
 	// Before the drain: the sample sees everything, bucket `old` an hour old.
-	require.Eventually(t, func() bool {
-		s := gather(t, reg, metrics.NamePending)
-		return s[""] == n && one(t, reg, metrics.NameOwnedBuckets) == 8
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		assert.True(c, func() bool {
+			s := gather(c, reg, metrics.NamePending)
+			return s[""] == n && one(c, reg, metrics.NameOwnedBuckets) == 8
+		}())
 	}, 10*time.Second, 5*time.Millisecond)
 	require.Equal(t, 1.0, one(t, reg, metrics.NamePendingAvailable))
 	require.GreaterOrEqual(t, one(t, reg, metrics.NamePendingOldestAge), 3600.0)
@@ -186,8 +189,8 @@ func TestObservabilityDrainMetrics(t *testing.T) {
 	require.Equal(t, 0.0, one(t, reg, metrics.NameDeadLetters))
 
 	close(g.open)
-	require.Eventually(t, func() bool {
-		return one(t, reg, metrics.NameAcknowledged) == n && gather(t, reg, metrics.NamePending)[""] == 0
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		assert.True(c, one(c, reg, metrics.NameAcknowledged) == n && gather(c, reg, metrics.NamePending)[""] == 0)
 	}, 20*time.Second, 5*time.Millisecond)
 	recs := b.kafka.ReadAll(t, b.topic, n, 15*time.Second)
 	require.Len(t, recs, n)
@@ -197,9 +200,13 @@ func TestObservabilityDrainMetrics(t *testing.T) {
 	for label, age := range gather(t, reg, metrics.NameBucketOldestAge) {
 		require.Zero(t, age, label)
 	}
-	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 0}, gather(t, reg, metrics.NamePublishFailures))
-	require.Equal(t, 8.0, one(t, reg, metrics.NameLeaseAcquisitions))
-	require.Zero(t, one(t, reg, metrics.NameLeaseExpirations))
+	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 0, "kind=unavailable": 0, "kind=timeout": 0}, gather(t, reg, metrics.NamePublishFailures))
+	// Eight buckets acquired; on a busy machine a lease may lapse (the
+	// trust window is a few hundred milliseconds here) and be acquired
+	// again: every acquisition past the eight follows a counted loss.
+	acquired, expired := one(t, reg, metrics.NameLeaseAcquisitions), one(t, reg, metrics.NameLeaseExpirations)
+	require.GreaterOrEqual(t, acquired, 8.0)
+	require.LessOrEqual(t, acquired-8, expired, "every re-acquisition follows a counted loss")
 	require.GreaterOrEqual(t, one(t, reg, metrics.NamePublishDuration), 8.0, "one publish per bucket at least")
 	require.Positive(t, one(t, reg, metrics.NameCycleDuration))
 
@@ -247,15 +254,17 @@ func TestObservabilityBucketZeroOwnerOnly(t *testing.T) {
 		return false
 	}
 	var owner, other member
-	require.Eventually(t, func() bool {
-		if len(members[0].r.Leases()) != 4 || len(members[1].r.Leases()) != 4 {
-			return false
-		}
-		owner, other = members[0], members[1]
-		if holds0(other.r) {
-			owner, other = other, owner
-		}
-		return one(t, owner.reg, metrics.NamePendingAvailable) == 1 && one(t, other.reg, metrics.NamePendingAvailable) == 0
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		assert.True(c, func() bool {
+			if len(members[0].r.Leases()) != 4 || len(members[1].r.Leases()) != 4 {
+				return false
+			}
+			owner, other = members[0], members[1]
+			if holds0(other.r) {
+				owner, other = other, owner
+			}
+			return one(c, owner.reg, metrics.NamePendingAvailable) == 1 && one(c, other.reg, metrics.NamePendingAvailable) == 0
+		}())
 	}, 10*time.Second, 5*time.Millisecond)
 	require.Equal(t, 16.0, gather(t, owner.reg, metrics.NamePending)[""])
 	for _, name := range []string{metrics.NamePending, metrics.NamePendingOldestAge, metrics.NameBucketPending, metrics.NameBucketOldestAge, metrics.NameDeadLetters} {
@@ -292,10 +301,10 @@ func TestObservabilityPublishFailures(t *testing.T) {
 		return relay.FailureBackoff, nil
 	})
 	startRelay(t, sb.store, pub, cfg)
-	require.Eventually(t, func() bool { return sb.count(t) == 0 }, 10*time.Second, 5*time.Millisecond)
-	require.Eventually(t, func() bool { return one(t, reg, metrics.NameAcknowledged) == float64(len(rows)) }, 5*time.Second, 5*time.Millisecond)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, sb.count(c) == 0) }, 10*time.Second, 5*time.Millisecond)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, one(c, reg, metrics.NameAcknowledged) == float64(len(rows))) }, 5*time.Second, 5*time.Millisecond)
 	require.EqualValues(t, len(rows), acked.Load())
-	require.Equal(t, map[string]float64{"kind=retryable": 1, "kind=permanent": 1}, gather(t, reg, metrics.NamePublishFailures))
+	require.Equal(t, map[string]float64{"kind=retryable": 1, "kind=permanent": 1, "kind=unavailable": 0, "kind=timeout": 0}, gather(t, reg, metrics.NamePublishFailures))
 	require.Equal(t, 3.0, one(t, reg, metrics.NamePublishDuration), "three calls, each timed")
 	require.Equal(t, 0.0, one(t, reg, metrics.NamePendingAvailable), "sampling disabled: unavailable")
 }
@@ -321,12 +330,12 @@ func TestObservabilityDeadLetters(t *testing.T) {
 	cfg.Observer = m
 	cfg.Logger = testLogger(t)
 	startRelay(t, sb.store, pub, cfg)
-	require.Eventually(t, func() bool {
-		return gather(t, reg, metrics.NamePending)[""] == 0 && gather(t, reg, metrics.NameDeadLetters)[""] == 3
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		assert.True(c, gather(c, reg, metrics.NamePending)[""] == 0 && gather(c, reg, metrics.NameDeadLetters)[""] == 3)
 	}, 10*time.Second, 5*time.Millisecond)
 	require.Equal(t, map[string]float64{"state=failed": 1, "state=parked": 2}, gather(t, reg, metrics.NameDeadLettered))
 	require.Equal(t, 2.0, one(t, reg, metrics.NameAcknowledged))
-	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 1}, gather(t, reg, metrics.NamePublishFailures))
+	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 1, "kind=unavailable": 0, "kind=timeout": 0}, gather(t, reg, metrics.NamePublishFailures))
 	require.Len(t, rows, 5)
 }
 

@@ -147,17 +147,19 @@ func (r *recorder) requireNoOverlap(t testing.TB) {
 // acknowledged at least once.
 func requireAllDelivered(t testing.TB, b *storeBundle, rec *recorder, rows []outbox.MessageRow, within time.Duration) {
 	t.Helper()
-	require.Eventually(t, func() bool {
-		if b.count(t) != 0 {
-			return false
-		}
-		got := rec.ackedIDs()
-		for _, r := range rows {
-			if got[r.MessageID] == 0 {
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		assert.True(c, func() bool {
+			if b.count(c) != 0 {
 				return false
 			}
-		}
-		return true
+			got := rec.ackedIDs()
+			for _, r := range rows {
+				if got[r.MessageID] == 0 {
+					return false
+				}
+			}
+			return true
+		}())
 	}, within, 10*time.Millisecond)
 }
 
@@ -259,7 +261,7 @@ func TestRelayPartialFailure(t *testing.T) {
 			return len(msgs), nil
 		})
 		startRelay(t, b.store, flaky, fastConfig(t, "b"))
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 5*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 5*time.Second, 10*time.Millisecond)
 
 		var sent [][]int64
 		for _, c := range rec.snapshot() {
@@ -459,8 +461,10 @@ func TestRelayGracefulStopHandsOver(t *testing.T) {
 		require.NoError(t, db.DB.Table(b.cfg.Tables.RelaysTable()).Pluck("relay_id", &relaysLeft).Error)
 		require.Equal(t, []string{"b"}, relaysLeft, "the stopped relay's heartbeat is gone")
 
-		require.Eventually(t, func() bool { return len(r2.Leases()) == 8 }, 5*time.Second, 5*time.Millisecond)
-		require.Less(t, time.Since(stopped), 5*time.Second, "handed over without waiting for expiry")
+		// Well inside the 30s leases: handed over without waiting for
+		// them to expire.
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, r2.Leases(), 8) }, 20*time.Second, 5*time.Millisecond)
+		t.Logf("handed over %s after Stop", time.Since(stopped).Round(time.Millisecond))
 		require.ErrorIs(t, a.Start(context.Background()), relay.ErrStopped)
 
 		rows := b.insert(t, keyed(keysN(10), 3)...)
@@ -529,7 +533,7 @@ func TestRelayRenewsDuringSlowPublish(t *testing.T) {
 			}
 		}
 		require.Greater(t, checks, 10)
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 5*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 5*time.Second, 10*time.Millisecond)
 		require.Equal(t, map[string]int{"slow": 1}, rec.ackedIDs(), "published once, by a")
 		rec.requireNoOverlap(t)
 		require.Contains(t, leaseBuckets(a.Leases()), bucket, "a kept the bucket")
@@ -642,36 +646,59 @@ func TestRelayMisconfiguration(t *testing.T) {
 		return r.Err()
 	}
 
+	startErr := func(t *testing.T, s relay.Store, cfg relay.Config) error {
+		t.Helper()
+		r, err := relay.New(s, relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) {
+			t.Error("a misconfigured relay published")
+			return 0, nil
+		}), cfg)
+		require.NoError(t, err)
+		return r.Start(context.Background())
+	}
+
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		// Rows in a bucket no relay can own: stop, publish nothing, delete
-		// nothing.
+		// Rows in a bucket no relay can own: Start refuses, nothing is
+		// published or deleted.
 		b := newStoreBundle(t, db, outbox.Config{})
 		b.insert(t, keyed(keysN(5), 2)...)
 		b.insert(t, outbox.MessageRow{MessageID: "wide", Bucket: 8, Value: []byte("x")})
-		rec := newRecorder()
-		r := startRelay(t, b.store, rec.publisher("a", nil), fastConfig(t, "a"))
-		err := waitStopped(t, r)
 		var me *relay.MisconfigurationError
-		require.ErrorAs(t, err, &me)
+		require.ErrorAs(t, startErr(t, b.store, fastConfig(t, "a")), &me)
 		require.Equal(t, "BucketCount", me.Setting)
 		require.Contains(t, me.Error(), "bucket 8")
 		require.EqualValues(t, 11, b.count(t))
-		require.Empty(t, rec.snapshot())
+		require.NoError(t, b.messages().Where("message_id = ?", "wide").Delete(&outbox.MessageRow{}).Error)
 
 		// A relay with a different bucket count than the store.
 		cfg := fastConfig(t, "c")
 		cfg.BucketCount = 16
-		r = startRelay(t, b.store, rec.publisher("c", nil), cfg)
-		require.ErrorAs(t, waitStopped(t, r), &me)
+		require.ErrorAs(t, startErr(t, b.store, cfg), &me)
 		require.Equal(t, "BucketCount", me.Setting)
 
 		// Started before AutoMigrate.
 		bare, err := outbox.NewStore(db.DB, outbox.Config{Tables: outbox.WithPrefix("later_")})
 		require.NoError(t, err)
-		r = startRelay(t, bare, rec.publisher("d", nil), fastConfig(t, "d"))
-		require.ErrorAs(t, waitStopped(t, r), &me)
+		require.ErrorAs(t, startErr(t, bare, fastConfig(t, "d")), &me)
 		require.Equal(t, "Tables", me.Setting)
 		require.Contains(t, me.Error(), "AutoMigrate")
+
+		// A writer with a larger BucketCount after the relay started: the
+		// relay notices at its next discovery poll, stops, and releases
+		// its leases.
+		rec := newRecorder()
+		started := time.Now()
+		r := startRelay(t, b.store, rec.publisher("e", nil), fastConfig(t, "e"))
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, b.count(t)) }, 20*time.Second, 10*time.Millisecond)
+		wrote := time.Now()
+		b.insert(t, outbox.MessageRow{MessageID: "wide-later", Bucket: 8, Value: []byte("x")})
+		err = waitStopped(t, r)
+		require.ErrorAs(t, err, &me)
+		require.Equal(t, "BucketCount", me.Setting)
+		t.Logf("misconfiguration noticed %s after the write (poll interval %s; relay up for %s)",
+			time.Since(wrote).Round(time.Millisecond), fastConfig(t, "e").PollInterval, wrote.Sub(started).Round(time.Millisecond))
+		for _, l := range b.leaseRows(t) {
+			require.Nil(t, l.Owner, "bucket %d: leases released by the stopped relay", l.Bucket)
+		}
 	})
 }
 

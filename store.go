@@ -132,6 +132,11 @@ func (s *Store) fail(ctx context.Context, name string, err error) error {
 		}
 		return fmt.Errorf("outbox: store %s: %w", name, err)
 	}
+	if !maybeSchemaError(err) {
+		// A connection, timeout or constraint error: no probe, so a
+		// database that is down costs no extra statements.
+		return fmt.Errorf("outbox: store %s: %w", name, err)
+	}
 	if missing := s.missingTable(ctx); missing != "" {
 		return &relay.MisconfigurationError{
 			Setting: "Tables",
@@ -140,6 +145,26 @@ func (s *Store) fail(ctx context.Context, name string, err error) error {
 		}
 	}
 	return fmt.Errorf("outbox: store %s: %w", name, err)
+}
+
+// maybeSchemaError reports whether err may come from a missing table or
+// column, so that it is worth probing the schema: PostgreSQL SQLSTATE
+// class 42 (42P01 undefined table, 42703 undefined column, 3F000 no such
+// schema), MySQL 1146/1054/1049 (42S02, 42S22), SQLite "no such
+// table/column". Connection errors, timeouts and the rest are not.
+func maybeSchemaError(err error) bool {
+	var st interface{ SQLState() string }
+	if errors.As(err, &st) {
+		code := st.SQLState()
+		return strings.HasPrefix(code, "42") || code == "3F000"
+	}
+	text := err.Error()
+	for _, mark := range []string{"Error 1146", "Error 1054", "Error 1049", "42S02", "42S22", "no such table", "no such column", "does not exist", "doesn't exist"} {
+		if strings.Contains(text, mark) {
+			return true
+		}
+	}
+	return false
 }
 
 // missingTable returns the first outbox table the relay needs that cannot
@@ -167,11 +192,8 @@ func nowMs() int64 { return time.Now().UnixMilli() }
 // checks, renewal of held leases, release of surplus and claim of free or
 // expired leases up to the fair share.
 func (s *Store) AcquireLeases(ctx context.Context, req relay.AcquireRequest) (relay.Acquired, error) {
-	if req.BucketCount != s.buckets {
-		return relay.Acquired{}, &relay.MisconfigurationError{
-			Setting: "BucketCount",
-			Reason:  fmt.Sprintf("the relay uses %d buckets but the outbox (table %s) is configured with %d: every writer and relay must use the same BucketCount", req.BucketCount, s.tables.MessagesTable(), s.buckets),
-		}
+	if err := s.checkBucketCount(req.BucketCount); err != nil {
+		return relay.Acquired{}, err
 	}
 	if req.RelayID == "" || req.LeaseDuration < time.Millisecond {
 		return relay.Acquired{}, fmt.Errorf("outbox: store acquire leases: relay id and a lease duration of at least 1ms are required")
@@ -188,19 +210,53 @@ func (s *Store) AcquireLeases(ctx context.Context, req relay.AcquireRequest) (re
 	return res, nil
 }
 
+// checkBucketCount fails unless the relay's BucketCount is the store's.
+func (s *Store) checkBucketCount(n int) error {
+	if n == s.buckets {
+		return nil
+	}
+	return &relay.MisconfigurationError{
+		Setting: "BucketCount",
+		Reason:  fmt.Sprintf("the relay uses %d buckets but the outbox (table %s) is configured with %d: every writer and relay must use the same BucketCount", n, s.tables.MessagesTable(), s.buckets),
+	}
+}
+
+var _ relay.StartChecker = (*Store)(nil)
+
+// CheckStart implements relay.StartChecker, so that relay.Start fails at
+// once on what would stop the relay later: a BucketCount other than the
+// store's, missing or outdated tables (CheckSchema), messages or leases
+// outside the buckets.
+func (s *Store) CheckStart(ctx context.Context, bucketCount int) error {
+	if err := s.checkBucketCount(bucketCount); err != nil {
+		return err
+	}
+	if err := s.checkSchemaOnce(ctx); err != nil {
+		return err
+	}
+	db, ctx, cancel := s.op(ctx, "check buckets")
+	defer cancel()
+	if err := s.checkBuckets(db); err != nil {
+		return s.fail(ctx, "check buckets", err)
+	}
+	return nil
+}
+
 func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, error) {
 	me := req.RelayID
 	dur := req.LeaseDuration.Milliseconds()
 	now := nowMs()
 
+	// Before the heartbeat: a misconfigured relay must not count as live
+	// and shrink its peers' fair share.
+	if err := s.checkBuckets(db); err != nil {
+		return relay.Acquired{}, err
+	}
 	if err := s.heartbeat(db, me, now); err != nil {
 		return relay.Acquired{}, err
 	}
 	live, err := s.liveRelays(db, now, dur)
 	if err != nil {
-		return relay.Acquired{}, err
-	}
-	if err := s.checkBuckets(db); err != nil {
 		return relay.Acquired{}, err
 	}
 	rows, err := s.leaseRows(db)
@@ -326,6 +382,27 @@ func (s *Store) liveRelays(db *gorm.DB, now, dur int64) (int, error) {
 // a writer or another relay uses a larger BucketCount, and those rows
 // would never be published. Both probes are one index seek.
 func (s *Store) checkBuckets(db *gorm.DB) error {
+	if err := s.checkMessageBuckets(db); err != nil {
+		return err
+	}
+	var found []int32
+	if err := db.Raw("SELECT bucket FROM "+s.leases+" WHERE bucket >= ? LIMIT 1", s.buckets).Scan(&found).Error; err != nil {
+		return err
+	}
+	if len(found) > 0 {
+		return &relay.MisconfigurationError{
+			Setting: "BucketCount",
+			Reason: fmt.Sprintf("table %s has a lease for bucket %d, outside 0..%d: another relay uses a larger BucketCount; changing it requires draining the outbox and deleting the lease rows",
+				s.tables.LeasesTable(), found[0], s.buckets-1),
+		}
+	}
+	return nil
+}
+
+// checkMessageBuckets fails when messages exist outside 0..BucketCount-1
+// (one index seek). PendingBuckets runs it too, so a writer with a larger
+// BucketCount is noticed within a poll interval.
+func (s *Store) checkMessageBuckets(db *gorm.DB) error {
 	var found []int32
 	if err := db.Raw("SELECT bucket FROM "+s.messages+" WHERE bucket >= ? LIMIT 1", s.buckets).Scan(&found).Error; err != nil {
 		return err
@@ -335,16 +412,6 @@ func (s *Store) checkBuckets(db *gorm.DB) error {
 			Setting: "BucketCount",
 			Reason: fmt.Sprintf("table %s holds messages in bucket %d, outside 0..%d: a writer uses a larger BucketCount than this relay, so no relay can publish them; use one BucketCount everywhere",
 				s.tables.MessagesTable(), found[0], s.buckets-1),
-		}
-	}
-	if err := db.Raw("SELECT bucket FROM "+s.leases+" WHERE bucket >= ? LIMIT 1", s.buckets).Scan(&found).Error; err != nil {
-		return err
-	}
-	if len(found) > 0 {
-		return &relay.MisconfigurationError{
-			Setting: "BucketCount",
-			Reason: fmt.Sprintf("table %s has a lease for bucket %d, outside 0..%d: another relay uses a larger BucketCount; changing it requires draining the outbox and deleting the lease rows",
-				s.tables.LeasesTable(), found[0], s.buckets-1),
 		}
 	}
 	return nil
@@ -518,6 +585,9 @@ func (s *Store) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {
 			return nil, s.fail(ctx, "find pending buckets", err)
 		}
 		out = append(out, found...)
+	}
+	if err := s.checkMessageBuckets(db); err != nil {
+		return nil, s.fail(ctx, "find pending buckets", err)
 	}
 	slices.Sort(out)
 	return out, nil

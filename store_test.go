@@ -59,6 +59,14 @@ func (b *storeBundle) insert(t testing.TB, rows ...outbox.MessageRow) []outbox.M
 	return rows
 }
 
+// helper marks the caller as a test helper when t is a *testing.T (not an
+// *assert.CollectT inside an EventuallyWithT condition).
+func helper(t require.TestingT) {
+	if h, ok := t.(interface{ Helper() }); ok {
+		h.Helper()
+	}
+}
+
 // keyed returns perKey rows for each key, interleaved by sequence, with
 // the value "key/seq".
 func keyed(keys []string, perKey int) []outbox.MessageRow {
@@ -96,22 +104,22 @@ func keyInBucket(t testing.TB, bucket, n int) string {
 	return ""
 }
 
-func (b *storeBundle) count(t testing.TB) int64 {
-	t.Helper()
+func (b *storeBundle) count(t require.TestingT) int64 {
+	helper(t)
 	var n int64
 	require.NoError(t, b.messages().Count(&n).Error)
 	return n
 }
 
-func (b *storeBundle) ids(t testing.TB, bucket int) []int64 {
-	t.Helper()
+func (b *storeBundle) ids(t require.TestingT, bucket int) []int64 {
+	helper(t)
 	var ids []int64
 	require.NoError(t, b.messages().Where("bucket = ?", bucket).Order("id").Pluck("id", &ids).Error)
 	return ids
 }
 
-func (b *storeBundle) leaseRows(t testing.TB) []outbox.LeaseRow {
-	t.Helper()
+func (b *storeBundle) leaseRows(t require.TestingT) []outbox.LeaseRow {
+	helper(t)
 	var rows []outbox.LeaseRow
 	require.NoError(t, b.db.DB.Table(b.cfg.Tables.LeasesTable()).Order("bucket").Find(&rows).Error)
 	return rows

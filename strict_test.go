@@ -12,6 +12,7 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/rcrowley/go-metrics"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
@@ -129,14 +130,15 @@ func TestStrictRelayDelivers(t *testing.T) {
 		cfg.BucketCount = 4
 		cfg.BatchSize = 25
 		r := startRelay(t, b.store, tx, cfg)
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 20*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 20*time.Second, 10*time.Millisecond)
 
 		got := committedValues(t, c, topic, kafkatest.ReadCommitted())
 		for _, k := range keys {
 			require.Equal(t, seqValues(k, 15), got[k], "key %s", k)
 		}
 		require.Len(t, rows, 12*15)
-		require.Len(t, r.Leases(), 4)
+		// Under load a lease may lapse and be re-acquired: wait for all four.
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, r.Leases(), 4) }, 20*time.Second, 10*time.Millisecond)
 		if inits != nil {
 			require.Equal(t, 4, inits.Hits(), "one producer per owned bucket, started at acquisition")
 		}
@@ -195,7 +197,7 @@ func TestStrictPartialFailure(t *testing.T) {
 		require.Empty(t, committedValues(t, c, topic), "nothing reached the broker, even uncommitted")
 
 		close(repair)
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 		require.Equal(t, map[string][]string{"order-1": seqValues("order-1", 3)}, committedValues(t, c, topic, kafkatest.ReadCommitted()))
 	})
 }
@@ -224,7 +226,7 @@ func TestStrictCulpritWithFailurePolicy(t *testing.T) {
 		require.NoError(t, b.messages().Where("id = ?", culprit.ID).Update("msg_value", make([]byte, 2*maxBytes)).Error)
 
 		startRelay(t, b.store, tx, fastConfig(t, "a")) // the store's failure policy
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 
 		require.Equal(t, map[string][]string{k1: {k1 + "/0"}, k2: seqValues(k2, 3)}, committedValues(t, c, topic, kafkatest.ReadCommitted()))
 		var dead []outbox.DeadLetterRow
@@ -396,8 +398,9 @@ func testStrictTakeover(t *testing.T, db *dbtest.DB, at kmsg.Key) {
 	storeA.dead.Store(true)
 
 	r2 := startRelay(t, b.store, pubB, cfg("b"))
-	require.Eventually(t, func() bool { return b.count(t) == 0 }, 20*time.Second, 10*time.Millisecond, "B publishes everything")
-	require.Contains(t, leaseBuckets(r2.Leases()), bucket)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 20*time.Second, 10*time.Millisecond, "B publishes everything")
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Contains(c, leaseBuckets(r2.Leases()), bucket) }, 20*time.Second, 10*time.Millisecond,
+		"B holds the bucket (under load a lease may lapse and be re-acquired)")
 	var newer []outbox.MessageRow
 	for seq := 10; seq < 15; seq++ {
 		for _, k := range keys {
@@ -405,7 +408,7 @@ func testStrictTakeover(t *testing.T, db *dbtest.DB, at kmsg.Key) {
 		}
 	}
 	b.insert(t, newer...)
-	require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond, "B publishes the newer rows")
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond, "B publishes the newer rows")
 
 	// A resumes, with a working database again.
 	storeA.dead.Store(false)
@@ -540,7 +543,7 @@ func TestStrictLeaseAwareContract(t *testing.T) {
 		r2 := startRelay(t, b.store, tb, fastConfig(t, "b"))
 		require.Eventually(t, func() bool { return len(a.Leases()) == 4 && len(r2.Leases()) == 4 }, 10*time.Second, 10*time.Millisecond)
 		b.insert(t, keyed(keysN(20), 5)...)
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -552,7 +555,7 @@ func TestStrictLeaseAwareContract(t *testing.T) {
 
 		require.Eventually(t, func() bool { return len(r2.Leases()) == 8 }, 10*time.Second, 10*time.Millisecond)
 		b.insert(t, keyed(keysN(20), 2)...)
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 		held, _, _ = tb.check(t)
 		require.Equal(t, 8, held)
 	})
@@ -578,7 +581,7 @@ func TestStrictFencedRelayRecovers(t *testing.T) {
 			return 0, nil
 		}
 		r := startRelay(t, store, tr, fastConfig(t, "a"))
-		require.Eventually(t, func() bool { return b.count(t) == 0 }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
 		require.GreaterOrEqual(t, fenced.Load(), int32(2))
 		require.EqualValues(t, 1, store.deletes.Load(), "one delete, after the publish that succeeded")
 		held, acquired, released := tr.check(t)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
@@ -558,8 +559,8 @@ func startPGPair(t *testing.T, pollB time.Duration, editB ...func(*pgnotify.Conf
 	return p
 }
 
-func (p *pgPair) backendPIDs(t *testing.T, app string) []int32 {
-	t.Helper()
+func (p *pgPair) backendPIDs(t require.TestingT, app string) []int32 {
+	helper(t)
 	var pids []int32
 	require.NoError(t, p.db.DB.Raw("SELECT pid FROM pg_stat_activity WHERE application_name = ? ORDER BY pid", app).Scan(&pids).Error)
 	return pids
@@ -572,7 +573,7 @@ func (p *pgPair) killListener(t *testing.T) {
 	pids := p.backendPIDs(t, p.appB)
 	require.Len(t, pids, 1)
 	require.NoError(t, p.db.DB.Exec("SELECT pg_terminate_backend(?)", pids[0]).Error)
-	require.Eventually(t, func() bool { return !slices.Contains(p.backendPIDs(t, p.appB), pids[0]) },
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, !slices.Contains(p.backendPIDs(c, p.appB), pids[0])) },
 		5*time.Second, 5*time.Millisecond)
 }
 
@@ -612,7 +613,10 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 // B's poll interval is 10s, so every fast delivery is the hint's doing.
 func TestPGNotifyCrossProcessLatency(t *testing.T) {
 	t.Parallel()
-	const poll = 10 * time.Second
+	// The poll interval is far longer than the test: every delivery below
+	// came through a hint, whatever the machine's load.
+	const poll = time.Hour
+	const deliver = time.Minute
 	p := startPGPair(t, poll)
 	owned := converge(t, p.a, p.b)
 	notifies := watchChannel(t, p.channel)
@@ -624,13 +628,12 @@ func TestPGNotifyCrossProcessLatency(t *testing.T) {
 		bucket := owned[i%len(owned)]
 		value := fmt.Sprintf("lat/%d", i)
 		began := p.a.commit(t, keyInBucket(t, bucket, 8), value)
-		lat = append(lat, p.b.await(t, value, poll/2).Sub(began))
+		lat = append(lat, p.b.await(t, value, deliver).Sub(began))
 	}
 	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
 	p50, p99 := percentile(lat, 0.50), percentile(lat, 0.99)
 	t.Logf("commit in A -> publish by B over LISTEN/NOTIFY, %d commits, PollInterval %s: p50 %s, p99 %s, min %s, max %s",
 		commits, poll, p50, p99, lat[0], lat[len(lat)-1])
-	require.Less(t, p99, poll/5)
 
 	// One NOTIFY per commit (each commit waited for the previous
 	// delivery, so nothing coalesced), none from B: B received 50 hints
@@ -640,7 +643,9 @@ func TestPGNotifyCrossProcessLatency(t *testing.T) {
 	}, 5*time.Second, 5*time.Millisecond)
 	require.Zero(t, p.tb.Stats().Published)
 	require.Empty(t, p.a.rec.acked(), "A owns none of these buckets")
-	require.Len(t, p.b.rec.acked(), commits)
+	// The recorder logs a call once the publish returned, just after the
+	// delivery await saw.
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, p.b.rec.acked(), commits) }, 10*time.Second, 5*time.Millisecond)
 }
 
 // Self-echoes and received hints are never sent again: one commit, one
@@ -700,22 +705,23 @@ func TestPGNotifyDuplicateHints(t *testing.T) {
 // discovery); afterwards hints flow again.
 func TestPGNotifyListenerKilledReconnects(t *testing.T) {
 	t.Parallel()
-	const poll = 10 * time.Second
+	// The poll interval is far longer than the test: a delivery can only
+	// come from the reconnection's discovery or a hint.
+	const poll = time.Hour
+	const deliver = time.Minute
 	p := startPGPair(t, poll)
 	owned := converge(t, p.a, p.b)
 	key := keyInBucket(t, owned[0], 8)
 
 	p.killListener(t)
 	began := p.a.commit(t, key, "gap")
-	gap := p.b.await(t, "gap", poll+5*time.Second).Sub(began)
+	gap := p.b.await(t, "gap", deliver).Sub(began)
 	require.Eventually(t, func() bool { return p.tb.Stats().Subscriptions == 2 }, 5*time.Second, 5*time.Millisecond)
 	require.Len(t, p.backendPIDs(t, p.appB), 1, "one listener connection again")
 
 	began = p.a.commit(t, key, "after")
-	after := p.b.await(t, "after", poll/2).Sub(began)
+	after := p.b.await(t, "after", deliver).Sub(began)
 	t.Logf("commit while B's listener was down: published after %s; after reconnecting: %s (PollInterval %s)", gap, after, poll)
-	require.Less(t, gap, poll/2, "the reconnection's discovery found it, not the poll")
-	require.Less(t, after, poll/5)
 	require.Zero(t, p.b.bridge.Stats().ListenRestarts, "pgnotify reconnected by itself")
 }
 

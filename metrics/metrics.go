@@ -86,17 +86,25 @@ const (
 	NameBucketOldestAge     = "outbox_bucket_pending_oldest_age_seconds"
 	NameDeadLetters         = "outbox_dead_letter_messages"
 	NamePendingSampleTime   = "outbox_pending_sample_timestamp_seconds"
+	NameProducerReplaced    = "outbox_publisher_producer_replacements_total"
 	labelOutbox, labelKind  = "outbox", "kind"
 	labelState, labelBucket = "state", "bucket"
+	labelReason             = "reason"
 )
 
 // Label values of outbox_publish_failures_total's kind and
 // outbox_messages_dead_lettered_total's state.
 const (
-	KindRetryable = "retryable"
-	KindPermanent = "permanent"
-	StateFailed   = "failed"
-	StateParked   = "parked"
+	KindRetryable   = "retryable"
+	KindPermanent   = "permanent"
+	KindUnavailable = "unavailable"
+	KindTimeout     = "timeout"
+	StateFailed     = "failed"
+	StateParked     = "parked"
+	// Reasons of outbox_publisher_producer_replacements_total, as
+	// publisher.ReplaceProducerState and publisher.ReplaceStalled.
+	ReasonProducerState = "producer_state"
+	ReasonStalled       = "stalled"
 )
 
 // Config configures a Collector. The zero value is usable.
@@ -206,6 +214,7 @@ type Collector struct {
 	acknowledged prometheus.Counter
 	failures     *prometheus.CounterVec
 	deadLettered *prometheus.CounterVec
+	replaced     *prometheus.CounterVec
 	publishDur   prometheus.Histogram
 	cycleDur     prometheus.Histogram
 
@@ -247,11 +256,14 @@ func New(cfg Config) (*Collector, error) {
 		acknowledged: counter(NameAcknowledged,
 			"Messages the sink acknowledged (the contiguous prefix of each batch), counted again when republished."),
 		failures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: NamePublishFailures, ConstLabels: cl,
-			Help: "Failed publish calls (batches), by kind: permanent when the sink rejects the message, else retryable."},
+			Help: "Failed publish calls (batches), by kind: permanent when the sink rejects the message, unavailable when the sink could not take writes (not counted against the message), timeout when the relay cancelled the publish after its PublishTimeout, else retryable."},
 			[]string{labelKind}),
 		deadLettered: prometheus.NewCounterVec(prometheus.CounterOpts{Name: NameDeadLettered, ConstLabels: cl,
 			Help: "Messages moved to the dead-letter table, by state: failed, or parked behind a failed message of the same key."},
 			[]string{labelState}),
+		replaced: prometheus.NewCounterVec(prometheus.CounterOpts{Name: NameProducerReplaced, ConstLabels: cl,
+			Help: "Kafka producers the publisher replaced because they could no longer make progress, by reason: producer_state (the brokers refused its sequence numbers or epoch) or stalled (every publish failed for the publisher's StallTimeout)."},
+			[]string{labelReason}),
 		publishDur: prometheus.NewHistogram(prometheus.HistogramOpts{Name: NamePublishDuration, ConstLabels: cl,
 			Help: "Duration of publish calls (one per batch), including failed and cancelled ones.", Buckets: cfg.PublishBuckets}),
 		cycleDur: prometheus.NewHistogram(prometheus.HistogramOpts{Name: NameCycleDuration, ConstLabels: cl,
@@ -276,8 +288,12 @@ func New(cfg Config) (*Collector, error) {
 	// see the first failure.
 	c.failures.WithLabelValues(KindRetryable)
 	c.failures.WithLabelValues(KindPermanent)
+	c.failures.WithLabelValues(KindUnavailable)
+	c.failures.WithLabelValues(KindTimeout)
 	c.deadLettered.WithLabelValues(StateFailed)
 	c.deadLettered.WithLabelValues(StateParked)
+	c.replaced.WithLabelValues(ReasonProducerState)
+	c.replaced.WithLabelValues(ReasonStalled)
 	return c, nil
 }
 
@@ -286,7 +302,7 @@ func (c *Collector) Outbox() string { return c.cfg.Outbox }
 
 func (c *Collector) instruments() []prometheus.Collector {
 	return []prometheus.Collector{c.owned, c.acquisitions, c.expirations, c.acknowledged,
-		c.failures, c.deadLettered, c.publishDur, c.cycleDur}
+		c.failures, c.deadLettered, c.replaced, c.publishDur, c.cycleDur}
 }
 
 // Describe implements prometheus.Collector.
@@ -388,13 +404,23 @@ func (c *Collector) Published(e relay.PublishEvent) {
 	}
 	if e.Failed() {
 		kind := KindRetryable
-		if relay.IsPermanent(e.Err) {
+		switch {
+		case relay.IsPermanent(e.Err):
 			kind = KindPermanent
+		case errors.Is(e.Err, relay.ErrPublishTimeout):
+			kind = KindTimeout
+		case relay.IsUnavailable(e.Err):
+			kind = KindUnavailable
 		}
 		c.failures.WithLabelValues(kind).Inc()
 	}
 	c.publishDur.Observe(e.Duration.Seconds())
 }
+
+// ProducerReplaced implements publisher.ProducerObserver: set the
+// collector as publisher.KafkaConfig.Observer to count the Kafka
+// publisher's producer replacements.
+func (c *Collector) ProducerReplaced(reason string) { c.replaced.WithLabelValues(reason).Inc() }
 
 // CycleFinished implements relay.Observer.
 func (c *Collector) CycleFinished(d time.Duration) { c.cycleDur.Observe(d.Seconds()) }

@@ -140,7 +140,8 @@ func TestRelayEvents(t *testing.T) {
 	b := setup(t, metrics.Config{Outbox: "orders"})
 
 	// Every label value exists before the first event.
-	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 0}, b.series(t, metrics.NamePublishFailures))
+	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 0, "kind=unavailable": 0, "kind=timeout": 0},
+		b.series(t, metrics.NamePublishFailures))
 	require.Equal(t, map[string]float64{"state=failed": 0, "state=parked": 0}, b.series(t, metrics.NameDeadLettered))
 
 	b.c.OwnedBuckets(3)
@@ -151,6 +152,8 @@ func TestRelayEvents(t *testing.T) {
 	b.c.Published(relay.PublishEvent{Bucket: 1, Messages: 10, Acked: 4, Duration: time.Second, Err: errors.New("broker down")})
 	b.c.Published(relay.PublishEvent{Bucket: 2, Messages: 1, Err: relay.Permanent(errors.New("too large"))})
 	b.c.Published(relay.PublishEvent{Bucket: 2, Messages: 5, Acked: 1, Cancelled: true})
+	b.c.Published(relay.PublishEvent{Bucket: 3, Messages: 5, Err: relay.Unavailable(errors.New("connection refused"))})
+	b.c.Published(relay.PublishEvent{Bucket: 3, Messages: 5, Err: relay.Unavailable(fmt.Errorf("%w: after 1m", relay.ErrPublishTimeout))})
 	b.c.CycleFinished(5 * time.Millisecond)
 	b.c.MessagesDeadLettered(1, false)
 	b.c.MessagesDeadLettered(7, true)
@@ -160,9 +163,10 @@ func TestRelayEvents(t *testing.T) {
 	require.Equal(t, map[string]float64{"": 4}, b.series(t, metrics.NameLeaseAcquisitions))
 	require.Equal(t, map[string]float64{"": 2}, b.series(t, metrics.NameLeaseExpirations))
 	require.Equal(t, map[string]float64{"": 15}, b.series(t, metrics.NameAcknowledged))
-	require.Equal(t, map[string]float64{"kind=retryable": 1, "kind=permanent": 1}, b.series(t, metrics.NamePublishFailures))
+	require.Equal(t, map[string]float64{"kind=retryable": 1, "kind=permanent": 1, "kind=unavailable": 1, "kind=timeout": 1},
+		b.series(t, metrics.NamePublishFailures))
 	require.Equal(t, map[string]float64{"state=failed": 1, "state=parked": 7}, b.series(t, metrics.NameDeadLettered))
-	require.Equal(t, map[string]float64{"": 4}, b.series(t, metrics.NamePublishDuration), "every call is timed")
+	require.Equal(t, map[string]float64{"": 6}, b.series(t, metrics.NamePublishDuration), "every call is timed")
 	require.Equal(t, map[string]float64{"": 1}, b.series(t, metrics.NameCycleDuration))
 
 	// The histogram is in seconds.

@@ -48,21 +48,32 @@
 //     "x-outbox-message-id"), identical on every attempt, so consumers can
 //     deduplicate.
 //
-// # Kafka: the partial failure case
+// # Kafka: order under failures
 //
-// A failed message does not stop the messages after it that were already
-// handed to the producer. Take rows 1, 2 and 3 with one key, row 1 larger
-// than KafkaConfig.MaxMessageBytes: sarama rejects row 1 before sending it,
-// while rows 2 and 3, already in its pipeline, are written. Publish returns
-// acked=0 and a permanent too-large error, the relay deletes nothing, and
-// rows 2 and 3 will be published again, after row 1 is fixed, retried or
-// dead-lettered. Consumers of that key see 2, 3, then later (1,) 2, 3 again:
-// nothing is lost and the duplicates carry their message ids, but the order
-// consumers observe for the key is broken. The same happens when a
-// retriable error outlasts the producer's retries for one batch while a
-// later batch of the same partition succeeds. Consumers that need strict
-// per-key order must deduplicate by message id and tolerate the reordering,
-// or use strict mode (below) and read with isolation.level=read_committed.
+// sarama fails some messages without stopping the later ones of their
+// partition: a record over KafkaConfig.MaxMessageBytes is rejected before
+// it is sent, and a failed leader lookup ("circuit breaker is open", no
+// broker available) fails one message while the next one finds the leader.
+// The publisher's order gate runs when sarama adds a record to a produce
+// request: a record is admitted only if the previous record of its key in
+// the same Publish call (for keyless records, of its pinned partition) was
+// admitted before it and has not been reported failed. Otherwise it fails
+// with an unavailable "held back" error and is not written. Take rows 1, 2
+// and 3 with one key, row 1 too large: Publish returns acked=0 and a
+// permanent too-large error, and the broker holds none of them; the relay
+// deals with row 1 and publishes 2 and 3 after it.
+//
+// One window remains: when a produce request fails after it was sent (the
+// connection drops) and sarama retries it separately from the records that
+// were waiting behind it, and the retry then fails for good, sarama bumps
+// the idempotent producer's epoch locally and the records that were
+// waiting can be written under the new epoch before the failure reaches
+// the gate. Consumers may then see a later record of a key before an
+// earlier one (both are delivered, the earlier again after it). The outage
+// test (outage_test.go) measures it: a few keys of a few hundred messages
+// per outage. Consumers that need strict per-key order must deduplicate by
+// message id and tolerate it, or use strict mode (below) and read with
+// isolation.level=read_committed.
 //
 // A record larger than the topic's max.message.bytes but below
 // MaxMessageBytes is rejected by the broker instead, with
@@ -145,8 +156,36 @@
 // RECORD_LIST_TOO_LARGE), an invalid topic or partition, a message with no
 // topic, topic or cluster authorization failures, INVALID_RECORD,
 // INVALID_TIMESTAMP, unsupported format or compression, and policy
-// violations. Everything else is left retriable, notably
-// UNKNOWN_TOPIC_OR_PARTITION: Kafka calls it retriable, and a topic that
-// does not exist yet may be created by a deploy in progress; the relay's
-// MaxAttempts still bounds how long a bucket waits for it.
+// violations. A too-large error from the broker is also
+// relay.BatchRejected: the broker refuses a partition's whole batch, so the
+// relay splits the batch until the culprit is alone before its failure
+// policy runs.
+//
+// Unavailable (relay.IsUnavailable; never counted against the message, so
+// an outage dead-letters nothing): connection and network errors, no
+// broker available, the circuit breaker, NOT_LEADER_FOR_PARTITION,
+// LEADER_NOT_AVAILABLE, REQUEST_TIMED_OUT, NOT_ENOUGH_REPLICAS(_AFTER_APPEND),
+// KAFKA_STORAGE_ERROR and the other errors of a cluster not ready to take
+// the write, ErrClosed, and the producer-state errors
+// (OUT_OF_ORDER_SEQUENCE_NUMBER, UNKNOWN_PRODUCER_ID, INVALID_PRODUCER_EPOCH,
+// PRODUCER_FENCED, INVALID_PRODUCER_ID_MAPPING).
+//
+// Everything else is left retriable and counted against the message,
+// notably UNKNOWN_TOPIC_OR_PARTITION: Kafka calls it retriable, and a topic
+// that does not exist yet may be created by a deploy in progress; the
+// relay's MaxAttempts still bounds how long a bucket waits for it.
+//
+// # Kafka: a producer that cannot make progress
+//
+// An idempotent producer can end up out of step with the brokers after
+// broker trouble: its sequence numbers or epoch refused, or every publish
+// failing although the cluster is healthy again. The Kafka publisher
+// replaces it with a new producer (a new producer id): at once when the
+// brokers refuse its state, and after KafkaConfig.StallTimeout (default
+// 30s) of publishes that all failed without one acknowledgement. The new
+// producer serves the next Publish; the old one is closed once the
+// messages it holds have their results. Replacements are at least 1s
+// apart, doubling while they do not help, are logged at Warn, counted by
+// Kafka.Replacements and reported to KafkaConfig.Observer
+// (outbox_publisher_producer_replacements_total with *metrics.Collector).
 package publisher

@@ -3,15 +3,22 @@ package publisher
 import (
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"strings"
+	"syscall"
 
 	"github.com/IBM/sarama"
+	"github.com/eapache/go-resiliency/breaker"
 
 	"github.com/gorm-outbox/outbox/relay"
 )
 
-// ErrClosed is returned by Kafka.Publish after Close was called.
+// ErrClosed is returned by Kafka.Publish after Close was called, wrapped
+// with relay.Unavailable (it is not about the messages).
 var ErrClosed = errors.New("publisher: closed")
+
+var errClosed = relay.Unavailable(ErrClosed)
 
 // ErrTooLarge is wrapped by the error of a message that is larger than the
 // sink accepts, whether the producer rejected it before sending it (the
@@ -69,7 +76,8 @@ func IsTooLarge(err error) bool { return errors.Is(err, ErrTooLarge) }
 //     waits for it.
 //   - sarama.ErrInvalidMessage (CORRUPT_MESSAGE): a CRC failure on the wire;
 //     the Java client retries it.
-//   - leadership, timeout, network and out-of-brokers errors.
+//   - leadership, timeout, network and out-of-brokers errors: they are
+//     relay.Unavailable (see unavailableKafkaErrors).
 var permanentKafkaErrors = []error{
 	sarama.ErrInvalidTopic,
 	sarama.ErrTopicAuthorizationFailed,
@@ -86,9 +94,65 @@ var permanentKafkaErrors = []error{
 	sarama.ErrInvalidPartition,
 }
 
-// classify wraps a producer error as ErrTooLarge and/or relay.Permanent.
+// unavailableKafkaErrors are the errors that are not about the message:
+// the cluster could not be reached or was not ready to take the write, or
+// the producer's state was out of step with the brokers'. They are wrapped
+// with relay.Unavailable, so the relay backs off without counting them
+// against the message: an outage dead-letters nothing.
+var unavailableKafkaErrors = []error{
+	sarama.ErrOutOfBrokers,
+	sarama.ErrNotConnected,
+	sarama.ErrShuttingDown,
+	sarama.ErrClosedClient,
+	sarama.ErrIncompleteResponse,
+	sarama.ErrBrokerNotAvailable,
+	sarama.ErrLeaderNotAvailable,
+	sarama.ErrNotLeaderForPartition,
+	sarama.ErrRequestTimedOut,
+	sarama.ErrNotEnoughReplicas,
+	sarama.ErrNotEnoughReplicasAfterAppend,
+	sarama.ErrKafkaStorageError,
+	sarama.ErrNetworkException,
+	sarama.ErrNotController,
+	sarama.ErrReplicaNotAvailable,
+	sarama.ErrFencedLeaderEpoch,
+	sarama.ErrUnknownLeaderEpoch,
+	sarama.ErrOffsetNotAvailable,
+	sarama.ErrThrottlingQuotaExceeded,
+	// sarama's partition producer opens a circuit breaker after repeated
+	// failed leader lookups and fails messages with it until it closes.
+	breaker.ErrBreakerOpen,
+	// Connections that fail or break.
+	io.EOF,
+	io.ErrUnexpectedEOF,
+	syscall.ECONNREFUSED,
+	syscall.ECONNRESET,
+	syscall.EPIPE,
+	ErrClosed,
+}
+
+// producerStateErrors say that the brokers refused the idempotent
+// producer's sequence numbers or epoch: retrying with the same producer
+// does not repair it, a new producer (a new producer id) does. They are
+// unavailable errors, and the Kafka publisher replaces its producer on
+// them.
+var producerStateErrors = []error{
+	sarama.ErrOutOfOrderSequenceNumber,
+	sarama.ErrUnknownProducerID,
+	sarama.ErrInvalidProducerEpoch,
+	sarama.ErrProducerFenced,
+	sarama.ErrInvalidProducerIDMapping,
+}
+
+// classify wraps a producer error as ErrTooLarge and/or relay.Permanent,
+// or as relay.Unavailable. A too-large error from the broker is also
+// relay.BatchRejected: the broker refuses the whole batch of a partition,
+// whichever record made it too large.
 func classify(err error) error {
-	if isTooLarge(err) {
+	if brokerTooLarge(err) {
+		return relay.Permanent(relay.BatchRejected(fmt.Errorf("%w: %w", ErrTooLarge, err)))
+	}
+	if clientTooLarge(err) {
 		return relay.Permanent(fmt.Errorf("%w: %w", ErrTooLarge, err))
 	}
 	for _, perm := range permanentKafkaErrors {
@@ -96,17 +160,34 @@ func classify(err error) error {
 			return relay.Permanent(err)
 		}
 	}
+	if isUnavailable(err) {
+		return relay.Unavailable(err)
+	}
 	return err
 }
 
-func isTooLarge(err error) bool {
-	if errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.Is(err, sarama.ErrMessageSetSizeTooLarge) {
+func isUnavailable(err error) bool {
+	if relay.IsUnavailable(err) || isProducerState(err) {
 		return true
 	}
-	// sarama rejects a record larger than Producer.MaxMessageBytes before
-	// sending it, with a ConfigurationError whose text is the only
-	// distinguishing mark: "Attempt to produce message larger than
-	// configured Producer.MaxMessageBytes: %d > %d".
+	for _, e := range unavailableKafkaErrors {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	var ne net.Error
+	return errors.As(err, &ne)
+}
+
+func brokerTooLarge(err error) bool {
+	return errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.Is(err, sarama.ErrMessageSetSizeTooLarge)
+}
+
+// clientTooLarge: sarama rejects a record larger than
+// Producer.MaxMessageBytes before sending it, with a ConfigurationError
+// whose text is the only distinguishing mark: "Attempt to produce message
+// larger than configured Producer.MaxMessageBytes: %d > %d".
+func clientTooLarge(err error) bool {
 	var ce sarama.ConfigurationError
 	return errors.As(err, &ce) && strings.Contains(string(ce), "MaxMessageBytes")
 }

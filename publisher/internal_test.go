@@ -3,10 +3,14 @@ package publisher
 import (
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"reflect"
+	"syscall"
 	"testing"
 
 	"github.com/IBM/sarama"
+	"github.com/eapache/go-resiliency/breaker"
 	"github.com/stretchr/testify/require"
 
 	"github.com/gorm-outbox/outbox/relay"
@@ -90,18 +94,45 @@ func TestClassify(t *testing.T) {
 		require.True(t, IsTooLarge(c), "%v", err)
 		require.ErrorIs(t, c, err)
 	}
+	// Broker-side too large: the whole partition batch was refused.
+	require.True(t, relay.IsBatchRejected(classify(sarama.ErrMessageSizeTooLarge)))
+	require.False(t, relay.IsBatchRejected(classify(sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 11 > 10"))))
+
+	// About the message, but retryable: counted against it.
 	for _, err := range []error{
 		sarama.ErrUnknownTopicOrPartition,
-		sarama.ErrNotLeaderForPartition,
-		sarama.ErrRequestTimedOut,
-		sarama.ErrNotEnoughReplicas,
-		sarama.ErrOutOfBrokers,
 		sarama.ErrInvalidMessage,
-		errors.New("connection reset"),
+		errors.New("something else"),
 	} {
 		require.False(t, relay.IsPermanent(classify(err)), "%v", err)
+		require.False(t, relay.IsUnavailable(classify(err)), "%v", err)
 		require.Equal(t, err, classify(err))
 	}
+
+	// Not about the message: never counted against it.
+	for _, err := range []error{
+		sarama.ErrNotLeaderForPartition,
+		sarama.ErrLeaderNotAvailable,
+		sarama.ErrRequestTimedOut,
+		sarama.ErrNotEnoughReplicas,
+		sarama.ErrNotEnoughReplicasAfterAppend,
+		sarama.ErrOutOfBrokers,
+		fmt.Errorf("%w: dial tcp 127.0.0.1:9: connect: %w", sarama.ErrOutOfBrokers, syscall.ECONNREFUSED),
+		breaker.ErrBreakerOpen,
+		sarama.ErrOutOfOrderSequenceNumber,
+		sarama.ErrUnknownProducerID,
+		sarama.ErrInvalidProducerEpoch,
+		&net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED},
+		io.EOF,
+		errHeldBack,
+	} {
+		c := classify(err)
+		require.False(t, relay.IsPermanent(c), "%v", err)
+		require.True(t, relay.IsUnavailable(c), "%v", err)
+		require.ErrorIs(t, c, err)
+	}
+	require.True(t, isProducerState(classify(sarama.ErrOutOfOrderSequenceNumber)))
+	require.False(t, isProducerState(classify(sarama.ErrOutOfBrokers)))
 }
 
 func TestErrorWrapping(t *testing.T) {

@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/IBM/sarama"
 
@@ -35,6 +38,9 @@ const (
 	// the idempotent producer needs at least one retry. It is sarama's own
 	// default.
 	DefaultRetryMax = 3
+
+	// DefaultStallTimeout is KafkaConfig.StallTimeout's default.
+	DefaultStallTimeout = 30 * time.Second
 )
 
 // MinKafkaVersion is the lowest protocol version the Kafka publisher runs
@@ -86,10 +92,35 @@ type KafkaConfig struct {
 	// sarama.MaxRequestSize.
 	MaxMessageBytes int
 
+	// StallTimeout is how long every publish may fail, with not a single
+	// message acknowledged, before the publisher concludes that its
+	// producer can no longer make progress and replaces it with a new one
+	// (a new producer id, new connections). The brokers refusing the
+	// producer's idempotence state (out-of-order sequence, unknown producer
+	// id, invalid epoch) replaces it at once. Replacements are at least 1s
+	// apart, doubling up to StallTimeout while they bring no
+	// acknowledgement back; each is logged at Warn, counted by
+	// Replacements and reported to Observer. A replacement during an
+	// outage fails to connect and keeps the old producer. Default
+	// DefaultStallTimeout (30s).
+	StallTimeout time.Duration
+
+	// Observer, if set, is told of every producer replacement.
+	// *metrics.Collector implements it. Default: none.
+	Observer ProducerObserver
+
 	// Logger receives the publisher's logs: Debug for failed publishes and
-	// lifecycle, Warn for anomalies. Default slog.Default(). Payloads are
-	// never logged.
+	// lifecycle, Warn for anomalies and producer replacements. Default
+	// slog.Default(). Payloads are never logged.
 	Logger *slog.Logger
+}
+
+// ProducerObserver receives the Kafka publisher's producer replacements,
+// for metrics. ProducerReplaced is called once per replacement with its
+// reason (ReplaceProducerState or ReplaceStalled); it must be fast and
+// safe for concurrent use.
+type ProducerObserver interface {
+	ProducerReplaced(reason string)
 }
 
 // WithDefaults returns a copy of c with every unset field set to its
@@ -101,6 +132,9 @@ func (c KafkaConfig) WithDefaults() KafkaConfig {
 	if c.MaxMessageBytes == 0 {
 		c.MaxMessageBytes = DefaultMaxMessageBytes
 	}
+	if c.StallTimeout == 0 {
+		c.StallTimeout = DefaultStallTimeout
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -110,6 +144,9 @@ func (c KafkaConfig) WithDefaults() KafkaConfig {
 func (c KafkaConfig) validate() error {
 	if len(c.Brokers) == 0 {
 		return errors.New("publisher: KafkaConfig.Brokers must name at least one broker")
+	}
+	if c.StallTimeout < 0 {
+		return fmt.Errorf("publisher: KafkaConfig.StallTimeout must be positive, got %s", c.StallTimeout)
 	}
 	if c.MaxMessageBytes <= 0 || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
 		return fmt.Errorf("publisher: KafkaConfig.MaxMessageBytes must be between 1 and %d, got %d",
@@ -152,20 +189,62 @@ func (c KafkaConfig) saramaConfig() (*sarama.Config, error) {
 	return sc, nil
 }
 
-// Kafka publishes batches to Kafka through one long-lived sarama
-// AsyncProducer. It implements relay.Publisher and is safe for concurrent
-// use; see the package documentation for its guarantees.
+// Kafka publishes batches to Kafka through a long-lived sarama
+// AsyncProducer, which it replaces when the producer can no longer make
+// progress (see KafkaConfig.StallTimeout). It implements relay.Publisher
+// and is safe for concurrent use; see the package documentation for its
+// guarantees.
 type Kafka struct {
-	producer sarama.AsyncProducer
+	brokers  []string
+	sc       *sarama.Config
 	idHeader []byte
 	logger   *slog.Logger
+	stall    time.Duration
+	observer ProducerObserver
 
 	mu      sync.Mutex
 	closed  bool
-	senders sync.WaitGroup // Publish calls handing messages to the producer
+	cur     *producer
+	health  health
+	retired sync.WaitGroup // replacements and retired producers closing
 
-	dispatched chan struct{} // closed when dispatch returns
+	replacements atomic.Int64
 }
+
+// producer is one sarama producer and the goroutine routing its results.
+type producer struct {
+	sp         sarama.AsyncProducer
+	senders    sync.WaitGroup // Publish calls handing messages to sp
+	dispatched chan struct{}  // closed when dispatch returns
+}
+
+// health is what the publisher knows about the current producer's
+// progress, guarded by Kafka.mu.
+type health struct {
+	failingSince time.Time     // first failed publish since the last acknowledgement; zero if none
+	replacing    bool          // a replacement is being built
+	lastReplace  time.Time     // start of the last replacement attempt
+	gap          time.Duration // minimum time between two replacement attempts
+}
+
+// Reasons a producer is replaced, as passed to
+// ProducerObserver.ProducerReplaced.
+const (
+	// ReplaceProducerState: the brokers refused the producer's idempotence
+	// state (OUT_OF_ORDER_SEQUENCE_NUMBER, UNKNOWN_PRODUCER_ID,
+	// INVALID_PRODUCER_EPOCH, PRODUCER_FENCED, INVALID_PRODUCER_ID_MAPPING):
+	// its sequence numbers or epoch are out of step with theirs, which
+	// retrying with the same producer does not repair.
+	ReplaceProducerState = "producer_state"
+	// ReplaceStalled: every publish failed for StallTimeout without a
+	// single acknowledgement.
+	ReplaceStalled = "stalled"
+)
+
+// replaceGapMin is the shortest time between two producer replacements;
+// it doubles while replacements do not bring acknowledgements back, up to
+// StallTimeout.
+const replaceGapMin = time.Second
 
 var _ relay.Publisher = (*Kafka)(nil)
 
@@ -180,20 +259,39 @@ func NewKafka(cfg KafkaConfig) (*Kafka, error) {
 	if err != nil {
 		return nil, err
 	}
-	producer, err := sarama.NewAsyncProducer(cfg.Brokers, sc)
-	if err != nil {
-		return nil, fmt.Errorf("publisher: start Kafka producer: %w", err)
-	}
 	k := &Kafka{
-		producer:   producer,
-		idHeader:   []byte(cfg.MessageIDHeader),
-		logger:     cfg.Logger.With(slog.String("component", "outbox_publisher")),
-		dispatched: make(chan struct{}),
+		brokers:  slices.Clone(cfg.Brokers),
+		sc:       sc,
+		idHeader: []byte(cfg.MessageIDHeader),
+		logger:   cfg.Logger.With(slog.String("component", "outbox_publisher")),
+		stall:    cfg.StallTimeout,
+		observer: cfg.Observer,
+		health:   health{gap: replaceGapMin},
 	}
-	go k.dispatch()
+	p, err := k.newProducer()
+	if err != nil {
+		return nil, err
+	}
+	k.cur = p
 	k.logger.Debug("kafka publisher started", slog.Any("brokers", cfg.Brokers))
 	return k, nil
 }
+
+// newProducer starts a sarama producer (which initialises a new producer
+// id) and its dispatcher.
+func (k *Kafka) newProducer() (*producer, error) {
+	sp, err := sarama.NewAsyncProducer(k.brokers, k.sc)
+	if err != nil {
+		return nil, fmt.Errorf("publisher: start Kafka producer: %w", err)
+	}
+	p := &producer{sp: sp, dispatched: make(chan struct{})}
+	go p.dispatch(k.logger)
+	return p, nil
+}
+
+// Replacements returns how many times the publisher replaced its producer
+// because it could no longer make progress.
+func (k *Kafka) Replacements() int64 { return k.replacements.Load() }
 
 // call is one Publish call's share of the producer's output.
 type call struct {
@@ -214,14 +312,62 @@ type envelope struct {
 	index     int
 	pinned    bool
 	partition int32
+
+	// The order gate (Kafka only): prev is the previous message of the
+	// same call with the same topic and key (for keyless messages, the
+	// same pinned partition), nil if none. A message is written only if
+	// its predecessor reached the produce request before it and has not
+	// failed; see gate.
+	prev    *envelope
+	encoded atomic.Bool // the message was added to a produce request
+	failed  atomic.Bool // the producer reported the message failed
 }
+
+// errHeldBack fails a message whose predecessor of the same key in the
+// same Publish call failed before it could be written: writing it would
+// put the key out of order.
+var errHeldBack = relay.Unavailable(errors.New("held back: an earlier message of its key in the batch was not written"))
+
+// admit is the order gate, run by sarama when it adds the message to a
+// produce request, after the predecessor of the same key (if any) passed
+// through the same point or failed. sarama fails some messages without
+// stopping the later ones of their partition (a leader lookup that fails
+// for one message while the next finds the leader): the gate fails the
+// later ones too, so that a key is never written out of order within a
+// batch.
+func (e *envelope) admit() error {
+	if p := e.prev; p != nil && (!p.encoded.Load() || p.failed.Load()) {
+		return errHeldBack
+	}
+	e.encoded.Store(true)
+	return nil
+}
+
+// gatedEncoder is a record key or value whose encoding runs the order
+// gate: sarama encodes the key, then the value, once it adds the record to
+// a produce request.
+type gatedEncoder struct {
+	b   []byte
+	env *envelope // nil: no gate (the other part of the record runs it)
+}
+
+func (g *gatedEncoder) Encode() ([]byte, error) {
+	if g.env != nil {
+		if err := g.env.admit(); err != nil {
+			return nil, err
+		}
+	}
+	return g.b, nil
+}
+
+func (g *gatedEncoder) Length() int { return len(g.b) }
 
 // dispatch routes every producer result to the Publish call that sent the
 // message. It returns once sarama closed both output channels, which
 // happens after AsyncClose flushed everything in flight.
-func (k *Kafka) dispatch() {
-	defer close(k.dispatched)
-	successes, errs := k.producer.Successes(), k.producer.Errors()
+func (p *producer) dispatch(logger *slog.Logger) {
+	defer close(p.dispatched)
+	successes, errs := p.sp.Successes(), p.sp.Errors()
 	for successes != nil || errs != nil {
 		// Successes are the common case: take one that is waiting without
 		// the cost of waiting on both channels.
@@ -231,7 +377,7 @@ func (k *Kafka) dispatch() {
 				successes = nil
 				continue
 			}
-			k.deliver(msg, nil)
+			deliver(logger, msg, nil)
 			continue
 		default:
 		}
@@ -241,29 +387,32 @@ func (k *Kafka) dispatch() {
 				successes = nil
 				continue
 			}
-			k.deliver(msg, nil)
+			deliver(logger, msg, nil)
 		case perr, ok := <-errs:
 			if !ok {
 				errs = nil
 				continue
 			}
-			k.deliver(perr.Msg, perr.Err)
+			deliver(logger, perr.Msg, perr.Err)
 		}
 	}
 }
 
-func (k *Kafka) deliver(msg *sarama.ProducerMessage, err error) {
+func deliver(logger *slog.Logger, msg *sarama.ProducerMessage, err error) {
 	env, ok := msg.Metadata.(*envelope)
 	if !ok {
-		k.logger.Warn("kafka producer returned a message the publisher did not send", slog.String("topic", msg.Topic))
+		logger.Warn("kafka producer returned a message the publisher did not send", slog.String("topic", msg.Topic))
 		return
+	}
+	if err != nil {
+		env.failed.Store(true)
 	}
 	select {
 	case env.call.results <- result{index: env.index, err: err}:
 	default:
 		// sarama reports each message exactly once; a second report would
 		// overflow the buffer. Never block the dispatcher on it.
-		k.logger.Warn("kafka producer reported a message twice",
+		logger.Warn("kafka producer reported a message twice",
 			slog.String("topic", msg.Topic), slog.Int("index", env.index))
 	}
 }
@@ -287,23 +436,29 @@ func (k *Kafka) Publish(ctx context.Context, msgs []relay.Message) (int, error) 
 	k.mu.Lock()
 	if k.closed {
 		k.mu.Unlock()
-		return 0, ErrClosed
+		return 0, errClosed
 	}
-	k.senders.Add(1)
+	p := k.cur
+	p.senders.Add(1)
 	k.mu.Unlock()
 
-	c, sent, stop := k.send(ctx, msgs)
+	c, sent, stop := k.send(ctx, p, msgs)
 	if sent == 0 {
+		if stop != nil && ctx.Err() == nil {
+			k.observe(p, 0, stop)
+		}
 		return 0, stop
 	}
-	return k.collect(ctx, msgs, c, sent, stop)
+	acked, err := k.collect(ctx, msgs, c, sent, stop)
+	k.observe(p, acked, err)
+	return acked, err
 }
 
 // send hands msgs to the producer in order, stopping before a message that
 // cannot be sent or when ctx ends. It returns how many it handed over and
 // why it stopped early (nil if it did not).
-func (k *Kafka) send(ctx context.Context, msgs []relay.Message) (c *call, sent int, stop error) {
-	defer k.senders.Done()
+func (k *Kafka) send(ctx context.Context, p *producer, msgs []relay.Message) (c *call, sent int, stop error) {
+	defer p.senders.Done()
 	if len(msgs) == 0 {
 		return nil, 0, nil
 	}
@@ -323,21 +478,33 @@ func (k *Kafka) send(ctx context.Context, msgs []relay.Message) (c *call, sent i
 	c = &call{results: make(chan result, n)}
 	// One allocation each for all of the batch's messages, envelopes,
 	// headers, key and value encoders, and header key and message id bytes:
-	// the producer holds pointers into them until it reports. (A
-	// ByteEncoder stored in an Encoder would be allocated on its own; a
-	// pointer to one is not.)
+	// the producer holds pointers into them until it reports.
 	pms := make([]sarama.ProducerMessage, n)
 	envs := make([]envelope, n)
 	headers := make([]sarama.RecordHeader, 0, nHeaders)
-	encoders := make([]sarama.ByteEncoder, 2*n)
+	encoders := make([]gatedEncoder, 2*n)
 	text := make([]byte, 0, nBytes)
 	bytesOf := func(s string) []byte {
 		start := len(text)
 		text = append(text, s...)
 		return text[start:len(text):len(text)]
 	}
+	// The last message of each key (or pinned partition, for keyless
+	// messages) so far, for the order gate. Batches usually hold one
+	// topic; the topic is part of the key only when they do not.
+	var (
+		lastByKey  map[string]*envelope
+		lastByPart map[int32]*envelope
+	)
+	oneTopic := true
+	for i := range msgs {
+		if msgs[i].Topic != msgs[0].Topic {
+			oneTopic = false
+			break
+		}
+	}
 
-	input, done := k.producer.Input(), ctx.Done()
+	input, done := p.sp.Input(), ctx.Done()
 	for i := range msgs {
 		m := &msgs[i]
 		if err := checkMessage(m); err != nil {
@@ -347,6 +514,24 @@ func (k *Kafka) send(ctx context.Context, msgs []relay.Message) (c *call, sent i
 		*env = envelope{call: c, index: i}
 		if m.Partition != nil {
 			env.pinned, env.partition = true, *m.Partition
+		}
+		switch {
+		case m.Key != nil:
+			if lastByKey == nil {
+				lastByKey = make(map[string]*envelope)
+			}
+			key := string(m.Key)
+			if !oneTopic {
+				key = m.Topic + "\x00" + key
+			}
+			env.prev = lastByKey[key]
+			lastByKey[key] = env
+		case m.Partition != nil && oneTopic:
+			if lastByPart == nil {
+				lastByPart = make(map[int32]*envelope)
+			}
+			env.prev = lastByPart[*m.Partition]
+			lastByPart[*m.Partition] = env
 		}
 		start := len(headers)
 		for _, h := range m.Headers {
@@ -359,15 +544,23 @@ func (k *Kafka) send(ctx context.Context, msgs []relay.Message) (c *call, sent i
 		pm.Topic = m.Topic
 		pm.Headers = headers[start:len(headers):len(headers)]
 		pm.Metadata = env
-		// A nil []byte must become a nil Encoder, not a ByteEncoder(nil):
-		// only the former is a keyless record or a tombstone.
+		// A nil []byte must become a nil Encoder, not an empty one: only
+		// the former is a keyless record or a tombstone. The first part
+		// sarama encodes (the key if any, else the value) runs the gate.
+		gated := false
 		if m.Key != nil {
-			encoders[2*i] = m.Key
+			encoders[2*i] = gatedEncoder{b: m.Key, env: env}
 			pm.Key = &encoders[2*i]
+			gated = true
 		}
 		if m.Value != nil {
-			encoders[2*i+1] = m.Value
+			encoders[2*i+1] = gatedEncoder{b: m.Value}
+			if !gated {
+				encoders[2*i+1].env = env
+			}
 			pm.Value = &encoders[2*i+1]
+		} else if !gated {
+			env.encoded.Store(true) // nothing to encode: a keyless tombstone passes ungated
 		}
 		// Stop as soon as ctx ends; otherwise hand the message over at once
 		// if the producer's input has room, which is cheaper than waiting
@@ -475,28 +668,140 @@ func (k *Kafka) failure(msgs []relay.Message, i int, err error, acked int) error
 	return e
 }
 
+// observe updates the producer's health after a publish through p and
+// starts a replacement when p can no longer make progress: the brokers
+// refused its idempotence state, or every publish failed for
+// StallTimeout. A cancelled publish (the relay stopping, a lease lost)
+// says nothing about the producer.
+func (k *Kafka) observe(p *producer, acked int, err error) {
+	if errors.Is(err, context.Canceled) || errors.Is(err, ErrClosed) {
+		return
+	}
+	now := time.Now()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	h := &k.health
+	if p != k.cur || k.closed {
+		return // a retired producer's result
+	}
+	if acked > 0 || err == nil {
+		h.failingSince = time.Time{}
+		h.gap = replaceGapMin
+		return
+	}
+	if relay.IsPermanent(err) && !isProducerState(err) {
+		return // about the message, not the producer
+	}
+	if h.failingSince.IsZero() {
+		h.failingSince = now
+	}
+	var reason string
+	switch {
+	case isProducerState(err):
+		reason = ReplaceProducerState
+	case now.Sub(h.failingSince) >= k.stall:
+		reason = ReplaceStalled
+	default:
+		return
+	}
+	if h.replacing || (!h.lastReplace.IsZero() && now.Sub(h.lastReplace) < h.gap) {
+		return
+	}
+	h.replacing, h.lastReplace = true, now
+	failingFor := now.Sub(h.failingSince)
+	k.retired.Add(1)
+	go k.replace(reason, err, failingFor)
+}
+
+// replace builds a new producer and puts it in service; the old one is
+// closed once the publishes handing messages to it are done. On failure
+// (the cluster is unreachable) the old one stays, and the next attempt
+// waits twice as long, up to StallTimeout.
+func (k *Kafka) replace(reason string, cause error, failingFor time.Duration) {
+	defer k.retired.Done()
+	np, err := k.newProducer()
+
+	k.mu.Lock()
+	h := &k.health
+	h.replacing = false
+	h.gap = min(2*h.gap, max(k.stall, replaceGapMin))
+	if err != nil {
+		k.mu.Unlock()
+		k.logger.Warn("kafka producer cannot make progress; replacing it failed, keeping it for now",
+			slog.String("reason", reason), slog.Duration("failing_for", failingFor), slog.Any("cause", cause), slog.Any("error", err))
+		return
+	}
+	if k.closed {
+		k.mu.Unlock()
+		k.retired.Add(1)
+		go k.retire(np)
+		return
+	}
+	old := k.cur
+	k.cur = np
+	h.failingSince = time.Time{}
+	k.mu.Unlock()
+
+	n := k.replacements.Add(1)
+	k.logger.Warn("kafka producer could not make progress; replaced it with a new one (new producer id)",
+		slog.String("reason", reason), slog.Duration("failing_for", failingFor), slog.Int64("replacements", n), slog.Any("cause", cause))
+	if k.observer != nil {
+		k.observer.ProducerReplaced(reason)
+	}
+	k.retired.Add(1)
+	go k.retire(old)
+}
+
+// retire closes p once no Publish hands messages to it any more. Its
+// dispatcher keeps routing the results of the messages in flight.
+func (k *Kafka) retire(p *producer) {
+	defer k.retired.Done()
+	p.close()
+}
+
+// close flushes and stops p. Order matters: no Publish may write to Input
+// once AsyncClose began shutting it down, and the dispatcher must keep
+// draining Successes and Errors until sarama closes them, or the flush
+// deadlocks.
+func (p *producer) close() {
+	p.senders.Wait()
+	p.sp.AsyncClose()
+	<-p.dispatched
+}
+
+// isProducerState reports whether err says the brokers refused the
+// producer's idempotence state.
+func isProducerState(err error) bool {
+	for _, e := range producerStateErrors {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
 // Close flushes the messages still in flight (waiting for their
 // acknowledgements or errors, bounded by the producer's retry and network
-// timeouts), then stops the producer and its goroutines. Publish calls
-// blocked handing messages to the producer finish that first. After Close,
-// Publish returns ErrClosed. Close is safe to call more than once; later
-// calls wait for the first to finish and return nil.
+// timeouts), then stops the producer and its goroutines, including a
+// replaced producer still flushing. Publish calls blocked handing messages
+// to the producer finish that first. After Close, Publish returns
+// ErrClosed. Close is safe to call more than once; later calls wait for
+// the first to finish and return nil.
 func (k *Kafka) Close() error {
 	k.mu.Lock()
 	if k.closed {
 		k.mu.Unlock()
-		<-k.dispatched
+		k.retired.Wait()
 		return nil
 	}
 	k.closed = true
+	p := k.cur
+	k.retired.Add(1) // later Close calls wait for this one too
 	k.mu.Unlock()
 
-	// Order matters: no Publish may write to Input once AsyncClose began
-	// shutting it down, and the dispatcher must keep draining Successes and
-	// Errors until sarama closes them, or the flush deadlocks.
-	k.senders.Wait()
-	k.producer.AsyncClose()
-	<-k.dispatched
+	p.close()
+	k.retired.Done()
+	k.retired.Wait()
 	k.logger.Debug("kafka publisher closed")
 	return nil
 }

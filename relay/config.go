@@ -33,6 +33,11 @@ const (
 	BackoffMinDefault = 500 * time.Millisecond
 	// BackoffMaxDefault caps the wait after repeated failures.
 	BackoffMaxDefault = 30 * time.Second
+	// PublishTimeoutDefault bounds one Publish call. A healthy cluster
+	// answers a batch in milliseconds; the default is far above what its
+	// retries take, so it only ends a publish that no longer makes
+	// progress.
+	PublishTimeoutDefault = time.Minute
 	// RelayIDMaxLen is the longest accepted RelayID, the width of the
 	// lease owner and heartbeat columns.
 	RelayIDMaxLen = 128
@@ -86,6 +91,15 @@ type Config struct {
 	// batch resets the backoff. Defaults 500ms and 30s.
 	BackoffMin time.Duration
 	BackoffMax time.Duration
+
+	// PublishTimeout bounds one Publish call: past it the relay cancels the
+	// publish, deletes what was acknowledged, counts the failure
+	// (Observer.Published, an error wrapping ErrPublishTimeout) and backs
+	// the bucket off like after an outage, without counting it against the
+	// messages. Default 1m (PublishTimeoutDefault), far above what a
+	// healthy cluster needs. A lost lease or Stop cancels a publish
+	// earlier.
+	PublishTimeout time.Duration
 
 	// Hints, if set, wakes the relay as soon as messages commit and names
 	// the buckets that received them, so the relay fetches those buckets
@@ -153,6 +167,9 @@ func (c Config) WithDefaults() Config {
 	if c.BackoffMax == 0 {
 		c.BackoffMax = BackoffMaxDefault
 	}
+	if c.PublishTimeout == 0 {
+		c.PublishTimeout = PublishTimeoutDefault
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -187,6 +204,8 @@ func (c Config) validate() error {
 		return bad("BackoffMin", c.BackoffMin, "must be positive")
 	case c.BackoffMax < c.BackoffMin:
 		return bad("BackoffMax", c.BackoffMax, fmt.Sprintf("must be at least BackoffMin (%s)", c.BackoffMin))
+	case c.PublishTimeout < 0:
+		return bad("PublishTimeout", c.PublishTimeout, "must be positive")
 	case c.RateLimit < 0 || math.IsNaN(c.RateLimit) || math.IsInf(c.RateLimit, 0):
 		return bad("RateLimit", c.RateLimit, "must be a finite number of messages per second, or 0 for no limit")
 	}

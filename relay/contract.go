@@ -169,3 +169,70 @@ type LeaseAware interface {
 	// return quickly.
 	LeasesReleased(ctx context.Context, leases []Lease)
 }
+
+// UnavailableError marks a publish error that is not about the message:
+// the sink could not be reached or was not ready to take writes
+// (connection refused, every broker down, timeouts, a partition without a
+// leader, stale metadata, a producer that had to be replaced). Retrying
+// later succeeds without any change to the message, so the relay backs off
+// and retries without counting the failure against the message: it calls
+// neither the FailureRecorder nor the FailureHandler, and an outage of any
+// length dead-letters nothing. Publishers wrap such errors with
+// Unavailable; an error that is also permanent (IsPermanent) is treated as
+// permanent.
+type UnavailableError struct {
+	Err error
+}
+
+func (e *UnavailableError) Error() string { return "sink unavailable: " + e.Err.Error() }
+
+// Unwrap returns the wrapped error.
+func (e *UnavailableError) Unwrap() error { return e.Err }
+
+// Unavailable wraps err so that IsUnavailable reports true for it. It
+// returns nil for a nil err.
+func Unavailable(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &UnavailableError{Err: err}
+}
+
+// IsUnavailable reports whether err, or any error it wraps, is an
+// *UnavailableError and err is not permanent (IsPermanent).
+func IsUnavailable(err error) bool {
+	var ue *UnavailableError
+	return errors.As(err, &ue) && !IsPermanent(err)
+}
+
+// BatchRejectedError marks a publish error the sink raised for a group of
+// messages at once, which any one of them may have caused (Kafka:
+// MESSAGE_TOO_LARGE for a produce request carrying several records). The
+// message the error names is then not known to be the culprit. The relay
+// splits the batch, publishing its first half on its own, until the
+// failing batch is a single message; only that message meets the failure
+// policy. Publishers wrap such errors with BatchRejected.
+type BatchRejectedError struct {
+	Err error
+}
+
+func (e *BatchRejectedError) Error() string { return "batch rejected: " + e.Err.Error() }
+
+// Unwrap returns the wrapped error.
+func (e *BatchRejectedError) Unwrap() error { return e.Err }
+
+// BatchRejected wraps err so that IsBatchRejected reports true for it. It
+// returns nil for a nil err.
+func BatchRejected(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &BatchRejectedError{Err: err}
+}
+
+// IsBatchRejected reports whether err, or any error it wraps, is a
+// *BatchRejectedError.
+func IsBatchRejected(err error) bool {
+	var be *BatchRejectedError
+	return errors.As(err, &be)
+}

@@ -133,11 +133,27 @@
 // backoff. Store errors are retried with the same backoff. Stop and
 // cancellation are not failures.
 //
-// Problems that retrying cannot fix stop the relay with a
-// *MisconfigurationError, reported by Err and Stopped: rows in buckets at or
-// above BucketCount (a writer configured with more buckets), relays or
-// stores disagreeing on BucketCount, outbox tables that do not exist. The
-// relay never spins on them silently. Invalid Config values are refused by
+// Two kinds of failure are not held against the message:
+//
+//   - IsUnavailable: the sink could not take the write (connection
+//     refused, brokers down, timeouts, no leader), or the publish outlasted
+//     Config.PublishTimeout (ErrPublishTimeout). The bucket backs off and
+//     retries; no attempt is recorded and the FailureHandler is not called,
+//     so an outage of any length dead-letters nothing.
+//   - IsBatchRejected: the sink refused several messages at once for what
+//     one of them may have caused. The relay publishes the first half of
+//     the rest on its own, at once, halving until the refused batch is one
+//     message, which then meets the failure path above.
+//
+// Problems that retrying cannot fix are a *MisconfigurationError: rows in
+// buckets at or above BucketCount (a writer configured with more buckets),
+// relays or stores disagreeing on BucketCount, outbox tables that do not
+// exist. Start returns them when the store can check them up front
+// (StartChecker; the GORM store can); found later, for example rows a
+// writer with more buckets committed after the start (the GORM store
+// checks at every discovery poll), they stop the relay, which releases its
+// leases, reported by Err and Stopped. The relay never spins on them
+// silently. Invalid Config values are refused by
 // New with a *ConfigError, including LeaseRenewInterval >= LeaseDuration.
 //
 // # Clocks
@@ -169,13 +185,21 @@
 //
 // # Lifecycle
 //
-// Start runs the relay in the background. Stop is synchronous: it stops
-// claiming batches, lets the in-flight batch finish within the context's
-// deadline (cancelling it after), and releases the leases under
-// context.WithoutCancel. Stop tolerates being called before Start and
-// twice. Stopped is closed when the relay has stopped, and Err tells why.
-// DrainOnce is the one-shot alternative for jobs and tests: acquire, drain
-// every owned bucket until empty, release.
+// Start checks the store (StartChecker) and runs the relay in the
+// background. Stop is synchronous: it stops claiming batches, lets the
+// in-flight batch finish within the context's deadline (cancelling it
+// after), and releases the leases under context.WithoutCancel; it returns
+// at most StopOverrun (5s) after its context ended, the relay finishing in
+// the background if a publisher or the database ignores cancellation. Stop
+// tolerates being called before Start and twice. Stopped is closed when the
+// relay has stopped, and Err tells why. DrainOnce is the one-shot
+// alternative for jobs and tests: acquire, drain every owned bucket until
+// empty, acquire again if a lease lapsed meanwhile, release; pending rows
+// in buckets it could not own are reported as a *NotOwnedError.
+//
+// Every publish is bounded by Config.PublishTimeout (default 1m), far above
+// what a healthy sink needs; a publish past it is cancelled, counted as a
+// failure wrapping ErrPublishTimeout and backed off.
 //
 // Several outboxes (different tables) in one process are independent:
 // give each its own Store and Relay.

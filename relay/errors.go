@@ -26,6 +26,17 @@ var (
 	// again.
 	ErrStopped = errors.New("relay: stopped; create a new Relay to run again")
 
+	// ErrPublishTimeout is wrapped by the error of a publish that the
+	// relay cancelled after Config.PublishTimeout. It is not about the
+	// messages (IsUnavailable reports true for it): the bucket backs off
+	// and the batch is retried, its acknowledged prefix deleted.
+	ErrPublishTimeout = errors.New("relay: publish timed out")
+
+	// ErrNotOwned is wrapped by the error DrainOnce returns when pending
+	// messages remain in buckets it could not lease (see
+	// *NotOwnedError).
+	ErrNotOwned = errors.New("relay: buckets not owned")
+
 	// ErrBusy is returned by DrainOnce while the relay is started, and by
 	// Start while a DrainOnce is in progress: one relay never drains the
 	// same leases from two loops.
@@ -81,3 +92,23 @@ func IsMisconfiguration(err error) bool {
 	var me *MisconfigurationError
 	return errors.As(err, &me)
 }
+
+// errPublishTimedOut is the cause of a publish context that
+// Config.PublishTimeout ended.
+var errPublishTimedOut = errors.New("relay: publish timeout")
+
+// NotOwnedError is returned by DrainOnce, joined with any publish
+// failures, when buckets it could not lease (other relays hold them, or
+// they are paused) still hold pending messages: the drain was partial.
+type NotOwnedError struct {
+	// Buckets are the buckets with pending messages the drain did not own,
+	// in order.
+	Buckets []int
+}
+
+func (e *NotOwnedError) Error() string {
+	return fmt.Sprintf("relay: drain incomplete: %d bucket(s) with pending messages are leased by other relays or paused: %v", len(e.Buckets), e.Buckets)
+}
+
+// Unwrap lets errors.Is(err, ErrNotOwned) match.
+func (e *NotOwnedError) Unwrap() error { return ErrNotOwned }

@@ -16,6 +16,10 @@ import (
 // buckets locked until their leases expire.
 const releaseTimeout = 5 * time.Second
 
+// StopOverrun is the longest Relay.Stop waits for the relay after its
+// context ended: the bound on Stop overrunning its context.
+const StopOverrun = 5 * time.Second
+
 type runState int
 
 const (
@@ -95,14 +99,38 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 // ID returns the relay's id, as written to lease owners and heartbeats.
 func (r *Relay) ID() string { return r.cfg.RelayID }
 
-// Start starts the relay in the background and returns at once. The relay
-// runs until Stop is called, ctx is cancelled, or it meets a
-// misconfiguration (see Err). Cancelling ctx is an abrupt stop: the
-// in-flight publish is cancelled, then leases are released as with Stop.
+// Start checks the store and starts the relay in the background. If the
+// Store implements StartChecker (the GORM store does), Start first runs
+// its check synchronously, bounded by ctx, and returns a
+// *MisconfigurationError it reports: missing or outdated tables, a
+// BucketCount that differs from the store's, rows or leases outside the
+// buckets. Any other check failure (the database down or slow) is logged
+// and the relay starts anyway, retrying in the background. The relay then
+// runs until Stop is called, ctx is
+// cancelled, or it meets a misconfiguration later (see Err); a relay that
+// stops on one releases its leases like Stop. Cancelling ctx is an abrupt
+// stop: the in-flight publish is cancelled, then leases are released as
+// with Stop.
 //
 // Start on a running relay does nothing; on a stopped relay it returns
 // ErrStopped; during DrainOnce it returns ErrBusy.
 func (r *Relay) Start(ctx context.Context) error {
+	r.mu.Lock()
+	idle := r.state == stateIdle
+	r.mu.Unlock()
+	if sc, ok := r.store.(StartChecker); ok && idle {
+		err := sc.CheckStart(ctx, r.cfg.BucketCount)
+		switch {
+		case err == nil:
+		case IsMisconfiguration(err) || ctx.Err() != nil:
+			return fmt.Errorf("relay: start: %w", err)
+		default:
+			// The database is down or slow: not a misconfiguration. The
+			// loop retries with backoff and meets any misconfiguration at
+			// its first acquisition.
+			r.cfg.Logger.Warn("relay: start check failed; starting anyway and retrying in the background", "err", err)
+		}
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	switch r.state {
@@ -152,8 +180,11 @@ func (r *Relay) run(ctx context.Context, w *worker, stopping <-chan struct{}) {
 // acquisition instead of after the leases expire. If ctx ends first, the
 // in-flight publish is cancelled (its rows stay pending for the next owner),
 // the leases are still released, and Stop returns ctx's error once the
-// relay has stopped. Publishers must honour their context for that bound to
-// hold.
+// relay has stopped, or at most StopOverrun after ctx ended: a publisher
+// that ignores its context, or a database that does not answer the final
+// delete and release (each bounded by its own timeout), can hold the
+// relay longer, and it then finishes stopping in the background (watch
+// Stopped). The worst-case overrun of Stop past ctx is StopOverrun (5s).
 //
 // Stop before Start and a second Stop do nothing and return nil.
 func (r *Relay) Stop(ctx context.Context) error {
@@ -176,8 +207,14 @@ func (r *Relay) Stop(ctx context.Context) error {
 	case <-ctx.Done():
 	}
 	cancel(fmt.Errorf("relay: stop: %w", context.Cause(ctx)))
-	<-r.stopped
-	return fmt.Errorf("relay: stop: in-flight batch abandoned: %w", ctx.Err())
+	t := time.NewTimer(StopOverrun)
+	defer t.Stop()
+	select {
+	case <-r.stopped:
+		return fmt.Errorf("relay: stop: in-flight batch abandoned: %w", ctx.Err())
+	case <-t.C:
+		return fmt.Errorf("relay: stop: still stopping %s after the stop context ended (a publish or store call ignoring cancellation); it finishes in the background: %w", StopOverrun, ctx.Err())
+	}
 }
 
 // Stopped returns a channel closed when the relay has stopped, whether by

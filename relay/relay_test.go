@@ -281,7 +281,7 @@ func TestBoundedSweeps(t *testing.T) {
 		n, err := r.DrainOnce(t.Context())
 		require.NoError(t, err)
 		require.Equal(t, 51, n)
-		require.Equal(t, 1, s.count("pending"))
+		require.Equal(t, 2, s.count("pending"), "one discovery, one final check over every bucket")
 		require.Equal(t, []int{0, 1, 0, 0, 0, 0, 0}, s.batches, "one batch per ready bucket per sweep")
 	})
 }

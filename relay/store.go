@@ -116,6 +116,16 @@ type LeaseRenewer interface {
 	RenewLeases(ctx context.Context, relayID string, leases []Lease, d time.Duration) ([]Lease, error)
 }
 
+// StartChecker is an optional Store capability: checking, before the relay
+// starts, what would otherwise stop it later (the outbox tables exist and
+// are current, the store's BucketCount is the relay's, no row or lease
+// lies outside the buckets). Relay.Start calls it synchronously and
+// returns its error, so a misconfigured relay fails at start instead of in
+// the background.
+type StartChecker interface {
+	CheckStart(ctx context.Context, bucketCount int) error
+}
+
 // FailureRecorder is an optional Store capability: recording a failed
 // publish attempt on the message (an attempt counter and the last error),
 // guarded by the lease like MarkPublished. The relay calls it before the

@@ -48,7 +48,8 @@ type worker struct {
 	storeFailures int
 	published     int
 	drainErrs     []error
-	waitingFor    string // the Acquired.Waiting last logged, to log a change once
+	waitingFor    string           // the Acquired.Waiting last logged, to log a change once
+	failedOnce    map[int]struct{} // DrainOnce: buckets whose publish failed
 
 	// announced is what a LeaseAware publisher was last told the relay
 	// holds, bucket -> term (see syncLeases).
@@ -180,25 +181,60 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 	}
 }
 
+// drainRoundsMax bounds DrainOnce's rounds: a round acquires, drains
+// every owned bucket, and looks for pending rows in buckets it did not
+// own; a lease that lapsed mid-drain (a slow database) is acquired again
+// in the next round.
+const drainRoundsMax = 4
+
 // drainAll is DrainOnce: acquire, drain every owned bucket until empty or
-// failed.
+// failed, again while buckets with pending rows were lost and progress is
+// made, and report the buckets with pending rows it could not own.
 func (w *worker) drainAll(ctx context.Context) (int, error) {
-	if err := w.acquire(ctx); err != nil {
-		return 0, err
+	all := make([]int, w.cfg.BucketCount)
+	for b := range all {
+		all[b] = b
 	}
-	if err := w.syncLeases(ctx); err != nil {
-		return 0, err
-	}
-	if err := w.discover(ctx); err != nil {
-		return 0, err
-	}
-	for w.anyReady() {
-		if err := ctx.Err(); err != nil {
-			w.drainErrs = append(w.drainErrs, err)
+	for round := 1; ; round++ {
+		if err := w.acquire(ctx); err != nil {
+			return w.published, err
+		}
+		if err := w.syncLeases(ctx); err != nil {
+			return w.published, err
+		}
+		if err := w.discover(ctx); err != nil {
+			return w.published, err
+		}
+		before := w.published
+		for w.anyReady() {
+			if err := ctx.Err(); err != nil {
+				return w.published, errors.Join(append(w.drainErrs, err)...)
+			}
+			if err := w.sweep(ctx, nil); err != nil {
+				return w.published, err
+			}
+		}
+		pending, err := w.r.store.PendingBuckets(ctx, all)
+		if err != nil {
+			return w.published, errors.Join(append(w.drainErrs, err)...)
+		}
+		var unowned []int
+		for _, b := range pending {
+			if _, failed := w.failedOnce[b]; failed {
+				continue // reported with its error
+			}
+			if _, ok := w.lease(b); !ok {
+				unowned = append(unowned, b)
+			}
+		}
+		if len(unowned) == 0 {
 			break
 		}
-		if err := w.sweep(ctx, nil); err != nil {
-			return w.published, err
+		// Stop after a round that acquired again and still made no
+		// progress: peers hold those buckets.
+		if round == drainRoundsMax || (round > 1 && w.published == before) {
+			w.drainErrs = append(w.drainErrs, &NotOwnedError{Buckets: unowned})
+			break
 		}
 	}
 	return w.published, errors.Join(w.drainErrs...)
@@ -251,16 +287,22 @@ func (w *worker) apply(b int, out outcome, err error) {
 	case outFailed:
 		if w.oneShot {
 			w.ready[b] = false
+			if w.failedOnce == nil {
+				w.failedOnce = map[int]struct{}{}
+			}
+			w.failedOnce[b] = struct{}{}
 			w.drainErrs = append(w.drainErrs, fmt.Errorf("bucket %d: %w", b, err))
 			return
 		}
 		w.failures[b]++
 		w.retryAt[b] = time.Now().Add(backoff(w.cfg, w.failures[b]))
 	case outLost:
+		// DrainOnce acquires again in its next round and reports the
+		// buckets it could not get back (NotOwnedError).
 		w.dropLease(b)
 		w.forget(b)
 		if w.oneShot {
-			w.drainErrs = append(w.drainErrs, fmt.Errorf("bucket %d: %w", b, err))
+			w.log.Info("relay: drain lost a bucket; acquiring again", "bucket", b, "err", err)
 		}
 	case outStopped:
 	}
@@ -364,6 +406,19 @@ func (w *worker) drainBatch(ctx context.Context, lease Lease) (outcome, error) {
 				"bucket", b, "acked", acked, "failed_index", i, "err", perr)
 			return outRetry, nil
 		}
+		if rest := len(msgs) - acked; rest > 1 && IsBatchRejected(perr) {
+			// The sink refused several messages at once for what one of
+			// them may have caused: publish the first half on its own, at
+			// once, until the refused batch is a single message. Only that
+			// message meets the failure policy.
+			if w.shrink == nil {
+				w.shrink = map[int]int{}
+			}
+			w.shrink[b] = rest / 2
+			w.log.Info("relay: the sink rejected the batch as a whole; splitting it to find the message that caused it",
+				"bucket", b, "acked", acked, "rejected", rest, "next_batch", rest/2, "err", perr)
+			return outRetry, nil
+		}
 		return w.fail(ctx, lease, msgs[acked], acked, perr)
 	}
 	if full {
@@ -430,8 +485,16 @@ func (w *worker) waitTokens(ctx context.Context, n int) bool {
 	}
 }
 
-// fail runs the failure policy for the first unacknowledged message.
+// fail runs the failure policy for the first unacknowledged message. A
+// failure that is not about the message (IsUnavailable) only backs off: it
+// is neither recorded against the message nor handed to the failure
+// handler, so an outage of any length dead-letters nothing.
 func (w *worker) fail(ctx context.Context, lease Lease, msg Message, acked int, perr error) (outcome, error) {
+	if IsUnavailable(perr) {
+		w.log.Warn("relay: publish failed: the sink is unavailable; retrying after backoff, not counted against the message",
+			"bucket", lease.Bucket, "acked", acked, "message_id", msg.MessageID, "err", perr)
+		return outFailed, perr
+	}
 	if w.r.recorder != nil {
 		err := w.r.recorder.RecordFailure(ctx, w.cfg.RelayID, lease, msg, perr)
 		switch {
@@ -491,8 +554,18 @@ func (w *worker) publish(ctx context.Context, lease Lease, msgs []Message) (acke
 		defer cancelDeadline()
 	}
 
-	acked, err = w.r.publisher.Publish(pctx, msgs)
+	tctx, cancelTimeout := context.WithTimeoutCause(pctx, w.cfg.PublishTimeout, errPublishTimedOut)
+	start := time.Now()
+	acked, err = w.r.publisher.Publish(tctx, msgs)
+	timedOut := errors.Is(context.Cause(tctx), errPublishTimedOut) && ctx.Err() == nil
+	cancelTimeout()
 	lost = errors.Is(context.Cause(pctx), ErrLeaseLost)
+	if timedOut && !lost && (err != nil || acked < len(msgs)) {
+		// Not about the messages: the sink (or the publisher) stopped
+		// answering. The bucket backs off like after any outage.
+		err = Unavailable(fmt.Errorf("%w: bucket %d: %s with %d of %d messages acknowledged",
+			ErrPublishTimeout, lease.Bucket, time.Since(start).Round(time.Millisecond), acked, len(msgs)))
+	}
 	cancel(nil)
 	if renewDone != nil {
 		<-renewDone

@@ -323,15 +323,10 @@ func bucketMismatch(t *testing.T, e *env) {
 	// Store and relay both at 8: rows in buckets 8..31 nobody can own.
 	cfg := e.relayConfig("eight")
 	cfg.BucketCount = 8
-	r := e.startRelay(e.store(nil, 8), &sink{}, cfg)
-	select {
-	case <-r.Stopped():
-	case <-time.After(30 * time.Second):
-		t.Fatal("the relay did not stop on rows outside its buckets")
-	}
+	_, err := e.startErr(e.store(nil, 8), &sink{}, cfg)
 	var mis *relay.MisconfigurationError
-	require.ErrorAs(t, r.Err(), &mis)
-	require.True(t, relay.IsMisconfiguration(r.Err()))
+	require.ErrorAs(t, err, &mis, "Start refuses rows outside the relay's buckets")
+	require.True(t, relay.IsMisconfiguration(err))
 	require.Equal(t, "BucketCount", mis.Setting)
 	require.Equal(t, total, e.pending(), "nothing deleted by the misconfigured relay")
 
@@ -341,6 +336,8 @@ func bucketMismatch(t *testing.T, e *env) {
 	r2, err := relay.New(e.store(nil, 32), &sink{}, cfg)
 	require.NoError(t, err)
 	_, err = r2.DrainOnce(context.Background())
+	require.True(t, relay.IsMisconfiguration(err), "relay 8 vs store 32: %v", err)
+	_, err = e.startErr(e.store(nil, 32), &sink{}, cfg)
 	require.True(t, relay.IsMisconfiguration(err), "relay 8 vs store 32: %v", err)
 	require.Equal(t, total, e.pending())
 
@@ -361,14 +358,8 @@ func bucketMismatch(t *testing.T, e *env) {
 // relayBeforeMigrate: a relay on tables that do not exist stops with a
 // *relay.MisconfigurationError that names the table and the fix.
 func relayBeforeMigrate(t *testing.T, e *env) {
-	r := e.startRelay(e.store(nil, 0), &sink{}, e.relayConfig("early"))
-	select {
-	case <-r.Stopped():
-	case <-time.After(30 * time.Second):
-		t.Fatal("the relay did not stop on missing tables")
-	}
-	err := r.Err()
-	require.True(t, relay.IsMisconfiguration(err), "%v", err)
+	_, err := e.startErr(e.store(nil, 0), &sink{}, e.relayConfig("early"))
+	require.True(t, relay.IsMisconfiguration(err), "Start refuses missing tables: %v", err)
 	text := err.Error()
 	require.True(t, strings.Contains(text, e.cfg.Tables.Messages) || strings.Contains(text, e.cfg.Tables.Leases) ||
 		strings.Contains(text, e.cfg.Tables.Relays) || strings.Contains(text, e.cfg.Tables.DeadLetters),
@@ -507,12 +498,17 @@ func backendKilledMidBatch(t *testing.T, e *env) {
 	case dbtest.MySQL:
 		require.NoError(t, relayDB.Raw("SELECT CONNECTION_ID()").Scan(&session).Error)
 	}
+	// kill runs on the relay's goroutine (in the publisher): it records
+	// errors for the test goroutine instead of failing there.
 	killed := 0
+	var killErrs []error
 	kill := func() {
 		switch e.dialect {
 		case dbtest.Postgres:
 			var ok bool
-			require.NoError(t, e.db.Raw("SELECT pg_terminate_backend(?)", session).Scan(&ok).Error)
+			if err := e.db.Raw("SELECT pg_terminate_backend(?)", session).Scan(&ok).Error; err != nil {
+				killErrs = append(killErrs, err)
+			}
 			if ok {
 				killed++
 			}
@@ -538,8 +534,12 @@ func backendKilledMidBatch(t *testing.T, e *env) {
 	}}
 	cfg := e.relayConfig("victim")
 	cfg.BatchSize = 20
-	e.startRelay(e.store(relayDB, 0), s, cfg)
+	r := e.startRelay(e.store(relayDB, 0), s, cfg)
 	e.waitPending(0, 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, r.Stop(ctx)) // no publisher call runs any more
+	require.Empty(t, killErrs, "terminating the relay's database session")
 	require.Equal(t, 3, killed, "sessions ended mid-batch")
 	got := s.ids()
 	for _, m := range msgs {

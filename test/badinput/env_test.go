@@ -137,6 +137,23 @@ func (e *env) relayConfig(id string) relay.Config {
 	}
 }
 
+// startErr builds a relay and returns what Start returned; a relay that
+// started is stopped when the test ends.
+func (e *env) startErr(store relay.Store, pub relay.Publisher, cfg relay.Config) (*relay.Relay, error) {
+	e.t.Helper()
+	r, err := relay.New(store, pub, cfg)
+	require.NoError(e.t, err)
+	if err := r.Start(context.Background()); err != nil {
+		return r, err
+	}
+	e.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = r.Stop(ctx)
+	})
+	return r, nil
+}
+
 // startRelay starts a relay that the test stops when it ends.
 func (e *env) startRelay(store relay.Store, pub relay.Publisher, cfg relay.Config) *relay.Relay {
 	e.t.Helper()

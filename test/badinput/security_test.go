@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
@@ -240,8 +241,8 @@ func TestSecretsNeverLogged(t *testing.T) {
 		require.NoError(t, err)
 		cfg = e.relayConfig("unreachable")
 		cfg.Logger = log
-		r3 := e.startRelay(store, &sink{}, cfg)
-		require.Eventually(t, func() bool { return strings.Contains(buf.String(), "acquire leases failed") }, 20*time.Second, 20*time.Millisecond,
+		r3 := e.startRelay(store, &sink{}, cfg) // not a misconfiguration: Start retries in the background
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Contains(c, buf.String(), "acquire leases failed") }, 20*time.Second, 20*time.Millisecond,
 			"the relay logs its database errors")
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()

@@ -232,7 +232,7 @@ func runChaos(t *testing.T, p params) {
 				"-batch", strconv.Itoa(p.batch),
 				"-lease", p.lease.String(),
 				"-renew", p.renew.String(),
-				"-poll", "200ms",
+				"-poll", chaosPoll.String(),
 				"-backoff-min", "50ms",
 				"-backoff-max", "1s",
 			},
@@ -283,10 +283,16 @@ func runChaos(t *testing.T, p params) {
 	stop()
 	chaosTime := time.Since(start)
 
-	// Everything must drain once the faults stop.
+	// Everything must drain once the faults stop, and the relays must be
+	// live again quickly: progress within the liveness bound.
 	healStart := time.Now()
-	remaining := waitEmpty(t, d.DB, tables.MessagesTable(), p.drainLimit)
+	live := waitEmpty(t, d.DB, tables.MessagesTable(), p.drainLimit)
+	remaining := live.remaining
 	drainTime := time.Since(healStart)
+	bound := p.lease + livenessPolls*chaosPoll
+	t.Logf("chaos liveness: %d pending when the faults stopped; progress resumed after %s (bound: lease %s + %d polls of %s = %s); drained in %s (%.0f messages/s after resuming)",
+		live.atHeal, live.resumed.Round(10*time.Millisecond), p.lease, livenessPolls, chaosPoll, bound,
+		drainTime.Round(10*time.Millisecond), live.rate())
 	stopErrs := pr.stopAll(termTimeout)
 	var dead int64
 	require.NoError(t, d.DB.Raw("SELECT COUNT(*) FROM "+d.DB.Statement.Quote(tables.DeadLettersTable())).Scan(&dead).Error)
@@ -326,13 +332,14 @@ func runChaos(t *testing.T, p params) {
 		" | kills=%d graceful_stops=%d backend_kills=%d (backends=%d) broker_faults=%d broker_removals=%d pauses=%d"+
 		" | lost=%d duplicates=%d (records=%d, max_copies=%d) order_violations=%d (near_a_takeover=%d near_any_fault=%d %v)"+
 		" | dead_letters=%d pending=%d takeovers_logged=%d publish_failures_logged=%d slow_graceful_exits=%d (longest %s)"+
-		" | write=%s chaos=%s drain=%s total=%s seed=%d",
+		" | write=%s chaos=%s drain=%s (resumed after %s, bound %s) total=%s seed=%d",
 		mode, p.messages, len(expected), p.keys, p.relays, p.brokers, p.buckets,
 		events.count(evKill), events.count(evTerm), events.count(evBackendKill), in.backends,
 		events.count(append(brokerFaultKinds, evBrokerKill, evBrokerStop, evLeaderMove)...), events.count(evNodeBounce), events.count(evPause),
 		len(lost), dups, got.records, got.maxCopies, len(got.violations), byTakeover, explained, kinds,
 		dead, remaining, len(logs.takeovers), logs.publishFailed, slowExits, longestExit.Round(100*time.Millisecond),
-		writeTime.Round(time.Second), chaosTime.Round(time.Second), drainTime.Round(time.Second), totalTime.Round(time.Second), p.seed)
+		writeTime.Round(time.Second), chaosTime.Round(time.Second), drainTime.Round(time.Second),
+		live.resumed.Round(10*time.Millisecond), bound, totalTime.Round(time.Second), p.seed)
 	t.Log(summary)
 	events.mu.Lock()
 	t.Logf("chaos: faults by kind: %v", events.counts)
@@ -362,6 +369,10 @@ func runChaos(t *testing.T, p params) {
 	require.Empty(t, stopErrs, "every relay stops gracefully at the end")
 	require.Equal(t, written, len(expected), "every transaction the writers saw commit is in the business table, and no other")
 	require.Zero(t, remaining, "the outbox drains once the faults stop")
+	if live.atHeal > 0 {
+		require.LessOrEqual(t, live.resumed, bound,
+			"after the last fault the relays publish again within LeaseDuration plus %d poll intervals", livenessPolls)
+	}
 	require.Zero(t, dead, "no message is dead-lettered by transient faults")
 	require.Empty(t, got.unknown, "every delivered message belongs to a committed business transaction")
 	require.Empty(t, got.corrupt, "every delivered record carries its id, key and sequence intact")
@@ -480,18 +491,56 @@ func runWriters(ctx context.Context, t *testing.T, db *gorm.DB, plugin *outbox.P
 	return int(committed.Load()), int(retries.Load())
 }
 
-// waitEmpty waits until the messages table is empty and returns how many
-// rows remain (0 unless it timed out).
-func waitEmpty(t *testing.T, db *gorm.DB, table string, limit time.Duration) int64 {
+// The relays' poll interval, and how many of them past LeaseDuration the
+// relays may take to publish again after the last fault: a relay that
+// died holding leases is taken over once they expire, and the new owner
+// finds the rows at its next poll.
+const (
+	chaosPoll     = 200 * time.Millisecond
+	livenessPolls = 5
+)
+
+// liveness is how the backlog drained after the faults stopped.
+type liveness struct {
+	atHeal    int64         // pending rows when the faults stopped
+	resumed   time.Duration // until the first row was published after that
+	drained   time.Duration // from resuming until the table was empty
+	remaining int64         // rows left at the drain limit (0 when drained)
+}
+
+// rate is the drain rate after progress resumed, in messages per second.
+func (l liveness) rate() float64 {
+	if l.drained <= 0 {
+		return 0
+	}
+	return float64(l.atHeal) / l.drained.Seconds()
+}
+
+// waitEmpty waits until the messages table is empty, at most limit, and
+// measures when publishing resumed.
+func waitEmpty(t *testing.T, db *gorm.DB, table string, limit time.Duration) liveness {
 	q := "SELECT COUNT(*) FROM " + db.Statement.Quote(table)
-	deadline := time.Now().Add(limit)
+	start := time.Now()
+	deadline := start.Add(limit)
+	var l liveness
+	first := true
 	for {
 		var n int64
 		require.NoError(t, db.Raw(q).Scan(&n).Error)
-		if n == 0 || time.Now().After(deadline) {
-			return n
+		now := time.Now()
+		if first {
+			l.atHeal, first = n, false
+		} else if l.resumed == 0 && n < l.atHeal {
+			l.resumed = now.Sub(start)
 		}
-		time.Sleep(250 * time.Millisecond)
+		if n == 0 || now.After(deadline) {
+			l.remaining = n
+			if l.resumed > 0 {
+				l.drained = now.Sub(start) - l.resumed
+			}
+			return l
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
 

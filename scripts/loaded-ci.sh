@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Runs the CI entry point (.ci/run) N times, each from a clean clone of the
+# repository's committed HEAD, while the machine is kept busy: one CPU
+# burner per core plus a steady pgbench write load (4 clients) on its own
+# PostgreSQL database. Prints the pass count. The load is what a shared CI
+# machine sees: other suites with their own databases and builds.
+#
+#   bash scripts/loaded-ci.sh 20
+#
+# Bounded and self-stopping: each run is limited to
+# OUTBOX_LOADED_CI_RUN_TIMEOUT (default 30m), the load stops with the
+# script (also on Ctrl-C or an error), the pgbench database is dropped and
+# the clones are removed. The logs of failed runs are kept and their paths
+# printed. Exit status 0 only if every run passed.
+#
+# Environment: OUTBOX_LOADED_CI_BURNERS (CPU burners, default: the number
+# of cores), OUTBOX_LOADED_CI_PGBENCH_CLIENTS (default 4),
+# PGHOST/PGPORT/PGUSER (default 127.0.0.1, 5432, postgres).
+set -euo pipefail
+
+runs="${1:-}"
+if ! [[ "$runs" =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: $0 N   (N >= 1 runs of .ci/run under load)" >&2
+  exit 2
+fi
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+sha="$(git -C "$repo" rev-parse HEAD)"
+run_timeout="${OUTBOX_LOADED_CI_RUN_TIMEOUT:-30m}"
+burners="${OUTBOX_LOADED_CI_BURNERS:-$(nproc)}"
+clients="${OUTBOX_LOADED_CI_PGBENCH_CLIENTS:-4}"
+export PGHOST="${PGHOST:-127.0.0.1}" PGPORT="${PGPORT:-5432}" PGUSER="${PGUSER:-postgres}"
+
+log() { echo "loaded-ci: $*"; }
+
+work="$(mktemp -d "${TMPDIR:-/tmp}/outbox-loaded-ci.XXXXXX")"
+db="outbox_loaded_ci_$$"
+load_pids=()
+
+cleanup() {
+  local status=$?
+  trap - EXIT INT TERM
+  for pid in "${load_pids[@]}"; do
+    kill "$pid" 2>/dev/null || true
+  done
+  for pid in "${load_pids[@]}"; do
+    wait "$pid" 2>/dev/null || true
+  done
+  dropdb --if-exists "$db" >/dev/null 2>&1 || true
+  rm -f "$work/pgbench.log"
+  find "$work" -mindepth 1 -maxdepth 1 -type d -name 'clone-*' -exec rm -rf {} +
+  if [ -z "$(find "$work" -mindepth 1 -print -quit)" ]; then
+    rmdir "$work"
+  fi
+  exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+bash "$repo/scripts/services.sh"
+
+# The load. Each burner is a subshell spinning on the CPU; pgbench writes
+# to its own database for as long as the script may run, and is stopped
+# with it.
+log "load: $burners CPU burner(s), pgbench with $clients client(s) on database $db"
+for _ in $(seq "$burners"); do
+  ( while :; do :; done ) &
+  load_pids+=("$!")
+done
+createdb "$db"
+pgbench -q -i -s 5 "$db" >/dev/null 2>&1
+pgbench -n -c "$clients" -j 2 -T $((24 * 3600)) "$db" >"$work/pgbench.log" 2>&1 &
+load_pids+=("$!")
+
+passed=0
+for i in $(seq "$runs"); do
+  clone="$work/clone-$i"
+  git clone -q --no-checkout "$repo" "$clone"
+  git -C "$clone" checkout -q "$sha"
+  logfile="$work/run-$i.log"
+  start=$(date +%s)
+  if (cd "$clone" && CI=true timeout --kill-after=30s "$run_timeout" bash .ci/run) >"$logfile" 2>&1; then
+    passed=$((passed + 1))
+    rm -f "$logfile"
+    log "run $i of $runs: green ($(( $(date +%s) - start ))s, load average $(cut -d' ' -f1-3 /proc/loadavg))"
+  else
+    log "run $i of $runs: FAILED ($(( $(date +%s) - start ))s); log: $logfile"
+    grep -E -- '^(--- FAIL|FAIL|panic:)|Error:' "$logfile" | head -20 | sed 's/^/    /' || true
+  fi
+  rm -rf "$clone"
+done
+
+log "$passed of $runs runs green at commit ${sha:0:12}"
+[ "$passed" = "$runs" ]

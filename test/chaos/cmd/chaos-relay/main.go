@@ -104,10 +104,26 @@ func run(o options) int {
 	}
 	brokers := strings.Split(o.brokers, ",")
 
-	db, err := gorm.Open(postgres.Open(dsn), &gorm.Config{Logger: logger.Discard})
-	if err != nil {
-		log.Error("chaos-relay: open database", "err", err)
-		return exitSetup
+	// The injector terminates database backends at random, also the one a
+	// relay that is just starting opened; retry the open as a supervisor
+	// restarting the process would.
+	var db *gorm.DB
+	for attempt, deadline := 1, time.Now().Add(2*time.Minute); ; attempt++ {
+		var err error
+		if db, err = gorm.Open(postgres.Open(dsn), &gorm.Config{Logger: logger.Discard}); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			log.Error("chaos-relay: open database", "err", err, "attempts", attempt)
+			return exitSetup
+		}
+		log.Warn("chaos-relay: open database failed; retrying", "err", err, "attempt", attempt)
+		select {
+		case s := <-sig:
+			log.Info("chaos-relay: stopped before the database opened", "signal", s.String())
+			return exitOK
+		case <-time.After(200 * time.Millisecond):
+		}
 	}
 	sqlDB, err := db.DB()
 	if err != nil {

@@ -290,8 +290,16 @@ func runChaos(t *testing.T, p params) {
 	remaining := live.remaining
 	drainTime := time.Since(healStart)
 	bound := p.lease + livenessPolls*chaosPoll
-	t.Logf("chaos liveness: %d pending when the faults stopped; progress resumed after %s (bound: lease %s + %d polls of %s = %s); drained in %s (%.0f messages/s after resuming)",
-		live.atHeal, live.resumed.Round(10*time.Millisecond), p.lease, livenessPolls, chaosPoll, bound,
+	boundNote := ""
+	if real != nil {
+		// After a broker restarted or resumed, a producer may hold requests
+		// for the old leaders until its next metadata refresh (5 s in
+		// chaos-relay) before its retries find the new ones.
+		bound += chaosMetadataRefresh
+		boundNote = fmt.Sprintf(" + the producers' metadata refresh %s", chaosMetadataRefresh)
+	}
+	t.Logf("chaos liveness: %d pending when the faults stopped; progress resumed after %s (bound: lease %s + %d polls of %s%s = %s); drained in %s (%.0f messages/s after resuming)",
+		live.atHeal, live.resumed.Round(10*time.Millisecond), p.lease, livenessPolls, chaosPoll, boundNote, bound,
 		drainTime.Round(10*time.Millisecond), live.rate())
 	stopErrs := pr.stopAll(termTimeout)
 	var dead int64
@@ -498,6 +506,8 @@ func runWriters(ctx context.Context, t *testing.T, db *gorm.DB, plugin *outbox.P
 const (
 	chaosPoll     = 200 * time.Millisecond
 	livenessPolls = 5
+	// chaosMetadataRefresh is chaos-relay's sarama Metadata.RefreshFrequency.
+	chaosMetadataRefresh = 5 * time.Second
 )
 
 // liveness is how the backlog drained after the faults stopped.

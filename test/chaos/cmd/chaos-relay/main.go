@@ -108,22 +108,11 @@ func run(o options) int {
 	// relay that is just starting opened; retry the open as a supervisor
 	// restarting the process would.
 	var db *gorm.DB
-	for attempt, deadline := 1, time.Now().Add(2*time.Minute); ; attempt++ {
-		var err error
-		if db, err = gorm.Open(postgres.Open(dsn), &gorm.Config{Logger: logger.Discard}); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			log.Error("chaos-relay: open database", "err", err, "attempts", attempt)
-			return exitSetup
-		}
-		log.Warn("chaos-relay: open database failed; retrying", "err", err, "attempt", attempt)
-		select {
-		case s := <-sig:
-			log.Info("chaos-relay: stopped before the database opened", "signal", s.String())
-			return exitOK
-		case <-time.After(200 * time.Millisecond):
-		}
+	if code, ok := retryStart(log, sig, "open database", 200*time.Millisecond, func() (err error) {
+		db, err = gorm.Open(postgres.Open(dsn), &gorm.Config{Logger: logger.Discard})
+		return err
+	}); !ok {
+		return code
 	}
 	sqlDB, err := db.DB()
 	if err != nil {
@@ -166,36 +155,23 @@ func run(o options) int {
 	// default one also initialises its idempotent producer id). A relay
 	// restarted while a broker is down can fail that check, so retry for a
 	// while, as a service supervisor restarting the process would.
-	startDeadline := time.Now().Add(2 * time.Minute)
-	for attempt := 1; ; attempt++ {
-		var err error
+	if code, ok := retryStart(log, sig, "start publisher", 500*time.Millisecond, func() (err error) {
 		if o.mode == "default" {
 			var k *publisher.Kafka
 			if k, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Configure: configure, Logger: log}); err == nil {
 				pub, closePub = k, k.Close
 			}
-		} else {
-			var k *publisher.Transactional
-			if k, err = publisher.NewTransactional(publisher.TransactionalConfig{
-				Brokers: brokers, TransactionalIDPrefix: o.txnPrefix, Configure: configure, Logger: log,
-			}); err == nil {
-				pub, closePub = k, k.Close
-			}
+			return err
 		}
-		if err == nil {
-			break
+		var k *publisher.Transactional
+		if k, err = publisher.NewTransactional(publisher.TransactionalConfig{
+			Brokers: brokers, TransactionalIDPrefix: o.txnPrefix, Configure: configure, Logger: log,
+		}); err == nil {
+			pub, closePub = k, k.Close
 		}
-		if time.Now().After(startDeadline) {
-			log.Error("chaos-relay: publisher", "err", err, "attempts", attempt)
-			return exitSetup
-		}
-		log.Warn("chaos-relay: publisher not started; retrying", "err", err, "attempt", attempt)
-		select {
-		case s := <-sig:
-			log.Info("chaos-relay: stopped before the publisher started", "signal", s.String())
-			return exitOK
-		case <-time.After(500 * time.Millisecond):
-		}
+		return err
+	}); !ok {
+		return code
 	}
 	defer func() {
 		start := time.Now()
@@ -253,5 +229,30 @@ func run(o options) int {
 		err := r.Err()
 		log.Error("chaos-relay: relay stopped by itself", "err", err, "misconfiguration", relay.IsMisconfiguration(err))
 		return exitRelayError
+	}
+}
+
+// retryStart calls start until it succeeds, every pause, for up to two
+// minutes, as a supervisor restarting the process would. It returns false
+// with the exit code when it gave up (exitSetup) or a signal came first
+// (exitOK).
+func retryStart(log *slog.Logger, sig <-chan os.Signal, what string, pause time.Duration, start func() error) (int, bool) {
+	deadline := time.Now().Add(2 * time.Minute)
+	for attempt := 1; ; attempt++ {
+		err := start()
+		if err == nil {
+			return 0, true
+		}
+		if time.Now().After(deadline) {
+			log.Error("chaos-relay: "+what, "err", err, "attempts", attempt)
+			return exitSetup, false
+		}
+		log.Warn("chaos-relay: "+what+" failed; retrying", "err", err, "attempt", attempt)
+		select {
+		case s := <-sig:
+			log.Info("chaos-relay: stopped before it started", "signal", s.String(), "step", what)
+			return exitOK, false
+		case <-time.After(pause):
+		}
 	}
 }

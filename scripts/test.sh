@@ -43,11 +43,36 @@ fi
 
 # ------------------------------------------------------------ Apache Kafka
 KAFKA_SH="$PWD/scripts/kafka.sh"
+
+# A cluster of this run's own, so that two copies of the suite can run on
+# one machine: a state directory under the run's temporary directory and
+# the first base port whose broker and controller ports are all free.
+port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+pick_kafka_port() {
+  local base p ok
+  for base in 29092 31092 33092 35092 37092 41092 43092 45092; do
+    ok=1
+    for p in $base $((base + 1)) $((base + 2)) $((base + 100)) $((base + 101)) $((base + 102)); do
+      port_free "$p" || { ok=0; break; }
+    done
+    [ "$ok" = 1 ] && { echo "$base"; return 0; }
+  done
+  echo "ERROR: no free port range for Apache Kafka (tried 29092 to 45092)" >&2
+  return 1
+}
 real_kafka_pass() {
   local kafka="$KAFKA_SH" log bootstrap pass=0 fail=0 skip=0
-  trap 'bash "$KAFKA_SH" stop >/dev/null 2>&1 || true' EXIT
   log=$(mktemp -d)/real-kafka.log
 
+  if [ -z "${OUTBOX_KAFKA_DIR:-}" ]; then
+    OUTBOX_KAFKA_DIR=$(mktemp -d "${TMPDIR:-/tmp}/gorm-outbox-kafka.XXXXXX")
+    export OUTBOX_KAFKA_DIR
+  fi
+  if [ -z "${OUTBOX_KAFKA_PORT:-}" ]; then
+    OUTBOX_KAFKA_PORT=$(pick_kafka_port)
+    export OUTBOX_KAFKA_PORT
+  fi
+  trap 'bash "$KAFKA_SH" stop >/dev/null 2>&1 || true; rm -rf "$OUTBOX_KAFKA_DIR"' EXIT
   echo "== Apache Kafka: one node"
   bootstrap=$(bash "$kafka" start --nodes 1)
   echo "== go test on Apache Kafka ($bootstrap): strict mode and tracing, publisher, outboxtest, kafkatest, bad input, bench smoke, example"
@@ -72,6 +97,7 @@ real_kafka_pass() {
     >"$log.2" 2>&1 || { grep -E -- '--- FAIL|^FAIL|panic:|chaos summary' "$log.2" | head -40; tail -80 "$log.2"; return 1; }
   grep -E 'chaos summary|faults by kind' "$log.2" | sed 's/^ *//'
   bash "$kafka" stop
+  rm -rf "$OUTBOX_KAFKA_DIR"
   trap - EXIT
 
   pass=$(cat "$log.1" "$log.2" | grep -cE -- '--- PASS' || true)

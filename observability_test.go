@@ -161,6 +161,10 @@ func TestObservabilityDrainMetrics(t *testing.T) {
 	g := &gate{next: b.newKafkaPublisher(t), open: make(chan struct{})}
 	cfg := fastConfig(t, "a")
 	cfg.Observer = m
+	// The test asserts there are no duplicates: a lease that lapses on a
+	// busy machine would let the relay publish a batch again, so give the
+	// single relay a lease no stall of the machine outlasts.
+	cfg.LeaseDuration, cfg.LeaseRenewInterval = 30*time.Second, 200*time.Millisecond
 	r := startRelay(t, b.store, g, cfg)
 
 	// Before the drain: the sample sees everything, bucket `old` an hour old.

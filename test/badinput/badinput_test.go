@@ -505,17 +505,28 @@ func backendKilledMidBatch(t *testing.T, e *env) {
 	kill := func() {
 		switch e.dialect {
 		case dbtest.Postgres:
-			var ok bool
-			if err := e.db.Raw("SELECT pg_terminate_backend(?)", session).Scan(&ok).Error; err != nil {
-				killErrs = append(killErrs, err)
-			}
-			if ok {
-				killed++
+			// The relay's lease renewals share its one-connection pool and
+			// may have replaced the session since it was looked up: end
+			// whichever session the pool holds now, until one is ended.
+			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); {
+				var ok bool
+				if err := e.db.Raw("SELECT pg_terminate_backend(?)", session).Scan(&ok).Error; err != nil {
+					killErrs = append(killErrs, err)
+				}
+				if ok {
+					killed++
+					break
+				}
+				session = nextSession(t, relayDB, "SELECT pg_backend_pid()", session)
 			}
 			session = nextSession(t, relayDB, "SELECT pg_backend_pid()", session)
 		case dbtest.MySQL:
-			if e.db.Exec(fmt.Sprintf("KILL %d", session)).Error == nil {
-				killed++
+			for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); {
+				if e.db.Exec(fmt.Sprintf("KILL %d", session)).Error == nil {
+					killed++
+					break
+				}
+				session = nextSession(t, relayDB, "SELECT CONNECTION_ID()", session)
 			}
 			session = nextSession(t, relayDB, "SELECT CONNECTION_ID()", session)
 		case dbtest.SQLite:

@@ -364,10 +364,19 @@ func TestAdminStatusAndWatch(t *testing.T) {
 		created := time.Now().Add(-time.Minute)
 		b.insert(t, outbox.MessageRow{MessageID: "m", Key: []byte("k"), Value: []byte("v"), CreatedAtMs: created.UnixMilli()})
 		b.insertDead(t, outbox.DeadLetterRow{ID: 77, Bucket: 2, State: "parked"})
+		// A snapshot may fall between the two inserts: wait for one that
+		// sees both.
 		var snap outbox.Snapshot
-		for snap = range stream {
-			if snap.Status.Pending == 1 {
-				break
+		deadline := time.After(15 * time.Second)
+	wait:
+		for {
+			select {
+			case snap = <-stream:
+				if snap.Err != nil || (snap.Status.Pending == 1 && snap.Status.DeadLetters.Parked == 1) {
+					break wait
+				}
+			case <-deadline:
+				t.Fatalf("no snapshot within 15 s saw the message and the dead letter; last: %+v", snap.Status)
 			}
 		}
 		require.NoError(t, snap.Err)

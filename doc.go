@@ -1,10 +1,17 @@
-// Package outbox is the transactional outbox for GORM.
+// Package outbox is the write side of the transactional outbox for GORM.
 //
 // A message to publish is written as a row in the same database
-// transaction as the business change it announces; a relay (package relay)
-// publishes the rows afterwards and deletes each one only after the sink
-// acknowledged it. There is no dual write: a message exists exactly when
-// its business write committed.
+// transaction as the business change it announces; a relay publishes the
+// rows afterwards and deletes each one only after the sink acknowledged
+// it. There is no dual write: a message exists exactly when its business
+// write committed.
+//
+// This package is the first step of write → table → relay → publisher:
+// the plugin, its rules, Enqueue, the message and configuration types, the
+// schema of the tables and the commit notifier. The relay's GORM store,
+// failure policy, admin API and health handler are in package gormrelay;
+// the storage-agnostic engine in package relay; the sinks in package
+// publisher.
 //
 // # Writing messages
 //

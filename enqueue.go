@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox/internal/sqlrows"
 )
 
 // Enqueue writes msgs to the outbox of the only outbox plugin registered
@@ -82,12 +84,6 @@ func JSONMessage(topic string, key []byte, v any, headers ...Header) (*Message, 
 	return &Message{Topic: topic, Key: key, Value: b, Headers: hs}, nil
 }
 
-// insertChunk bounds the rows of one INSERT: 500 rows of 8 parameters
-// stay far below every supported database's parameter limit.
-const insertChunk = 500
-
-const insertColumns = "(message_id, bucket, topic, msg_key, msg_value, headers, msg_partition, created_at_ms)"
-
 // write validates msgs and inserts them through tx's connection, as raw
 // SQL so no GORM callback (and so no outbox rule) runs again for it.
 func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
@@ -122,10 +118,10 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 	conn := p.findTx(tx.Statement.ConnPool)
 	table := tx.Statement.Quote(p.cfg.Tables.MessagesTable())
 	for start := 0; start < len(msgs); {
-		// One statement holds at most insertChunk rows and, unless a
+		// One statement holds at most sqlrows.InsertChunk rows and, unless a
 		// single message is larger, statementBytes of payload.
 		end, bytes := start, 0
-		for end < len(msgs) && end-start < insertChunk {
+		for end < len(msgs) && end-start < sqlrows.InsertChunk {
 			size := msgs[end].Size() + rowOverhead
 			if end > start && bytes+size > budget {
 				break
@@ -135,7 +131,7 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 		}
 		chunk := msgs[start:end]
 		start = end
-		args := make([]any, 0, len(chunk)*insertArgs)
+		args := make([]any, 0, len(chunk)*sqlrows.InsertArgs)
 		for _, m := range chunk {
 			if m.ID == "" {
 				id, err := newMessageID()
@@ -149,7 +145,7 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 			if m.Partition != nil {
 				partition = int64(*m.Partition)
 			}
-			args = append(args, m.ID, bucket, m.Topic, nullBytes(m.Key), nullBytes(m.Value), nullBytes(EncodeHeaders(m.Headers)), partition, now)
+			args = append(args, m.ID, bucket, m.Topic, sqlrows.NullBytes(m.Key), sqlrows.NullBytes(m.Value), sqlrows.NullBytes(EncodeHeaders(m.Headers)), partition, now)
 			if conn != nil {
 				conn.record(bucket)
 			}
@@ -201,9 +197,6 @@ func (p *Plugin) mysqlPacketLimit(tx *gorm.DB) int {
 	return int(limit)
 }
 
-// insertArgs is the number of values of one row in insertColumns.
-const insertArgs = 8
-
 // Placeholder styles of the dialects the plugin writes to directly.
 const (
 	styleUnknown  = iota
@@ -225,11 +218,11 @@ func placeholderStyle(dialect string) int {
 // style.
 func insertSQL(table string, rows, style int) string {
 	var sb strings.Builder
-	sb.Grow(len(table) + len(insertColumns) + 32 + rows*(insertArgs*5+3))
+	sb.Grow(len(table) + len(sqlrows.InsertColumns) + 32 + rows*(sqlrows.InsertArgs*5+3))
 	sb.WriteString("INSERT INTO ")
 	sb.WriteString(table)
 	sb.WriteString(" ")
-	sb.WriteString(insertColumns)
+	sb.WriteString(sqlrows.InsertColumns)
 	sb.WriteString(" VALUES ")
 	n := 0
 	for r := 0; r < rows; r++ {
@@ -237,7 +230,7 @@ func insertSQL(table string, rows, style int) string {
 			sb.WriteByte(',')
 		}
 		sb.WriteByte('(')
-		for c := 0; c < insertArgs; c++ {
+		for c := 0; c < sqlrows.InsertArgs; c++ {
 			if c > 0 {
 				sb.WriteByte(',')
 			}
@@ -300,13 +293,4 @@ func (p *Plugin) insert(tx *gorm.DB, conn *txConn, style int, table string, rows
 type singleInsertKey struct {
 	table string
 	style int
-}
-
-// nullBytes turns a nil slice into an untyped nil so every driver writes
-// NULL, and keeps an empty, non-nil slice as an empty value.
-func nullBytes(b []byte) any {
-	if b == nil {
-		return nil
-	}
-	return b
 }

@@ -15,6 +15,7 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/outboxtest"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
@@ -177,7 +178,7 @@ func Example_relay() {
 		panic(err)
 	}
 	defer pub.Close()
-	store, err := outbox.NewStore(db, p.Config())
+	store, err := gormrelay.NewStore(db, p.Config())
 	if err != nil {
 		panic(err)
 	}

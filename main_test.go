@@ -3,16 +3,7 @@ package outbox_test
 import (
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
 )
 
-func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m,
-		// database/sql keeps one opener goroutine per pool until Close; the
-		// pools are closed in t.Cleanup, but the check runs after them.
-		goleak.IgnoreTopFunction("database/sql.(*DB).connectionOpener"),
-		// GORM's prepared-statement cache (PrepareStmt) starts an expiry
-		// goroutine that has no way to be stopped.
-		goleak.IgnoreTopFunction("gorm.io/gorm/internal/lru.NewLRU[...].func1"),
-	)
-}
+func TestMain(m *testing.M) { dbtest.VerifyTestMain(m) }

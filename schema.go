@@ -7,9 +7,8 @@ import (
 	"slices"
 	"strings"
 
+	"gorm.io/gorm"
 	"gorm.io/gorm/schema"
-
-	"github.com/gorm-outbox/outbox/relay"
 )
 
 //go:generate go test -run TestMigrationFiles -update-migrations .
@@ -36,7 +35,7 @@ const (
 // SchemaVersion is the version of the outbox tables this release needs:
 // the Version of the last migration that Migrations returns. The relay's
 // store checks at start that the tables have every column up to this
-// version (see Store.CheckSchema).
+// version (see CheckSchema).
 const SchemaVersion = 1
 
 // Migration is one step of the outbox schema, as SQL statements without
@@ -64,7 +63,7 @@ type MigrationFile struct {
 }
 
 // SchemaError reports outbox tables older than this release needs: a
-// table or a column is missing. Store.CheckSchema returns it, and the
+// table or a column is missing. CheckSchema returns it, and the
 // relay stops on it at start with a *relay.MisconfigurationError that
 // wraps it. It wraps ErrSchemaOutdated.
 type SchemaError struct {
@@ -417,20 +416,21 @@ func sqlScript(stmts []string) string {
 	return sb.String()
 }
 
-// CheckSchema verifies that the outbox tables exist and have every column
-// this release needs, with one "SELECT <columns> FROM <table> WHERE 1 = 0"
-// per table: no rows are read and nothing is locked.
-// A missing table or column is reported as a *SchemaError naming it and
-// the migration that adds it; an unreachable database as a plain error.
+// CheckSchema verifies that the outbox tables of tables exist in db and
+// have every column this release needs, with one
+// "SELECT <columns> FROM <table> WHERE 1 = 0" per table: no rows are read
+// and nothing is locked. A missing table or column is reported as a
+// *SchemaError naming it and the migration that adds it; an unreachable
+// database as a plain error. ctx bounds the whole check.
 //
-// The relay calls it through the store at its first lease acquisition and
-// stops with a *relay.MisconfigurationError wrapping the *SchemaError.
-// Call it yourself in a readiness probe or after running migrations.
-func (s *Store) CheckSchema(ctx context.Context) error {
-	db, ctx, cancel := s.op(ctx, "check schema")
-	defer cancel()
+// The relay's store (package gormrelay) calls it at its first lease
+// acquisition and stops the relay with a *relay.MisconfigurationError
+// wrapping the *SchemaError. Call it yourself in a readiness probe or
+// after running migrations.
+func CheckSchema(ctx context.Context, db *gorm.DB, tables Tables) error {
+	db = db.Session(&gorm.Session{NewDB: true, Context: ctx})
 	for _, t := range outboxTables {
-		name := s.tables.qualified(t.name(s.tables))
+		name := tables.qualified(t.name(tables))
 		quoted := db.Statement.Quote(name)
 		cols := make([]string, 0, len(t.columns))
 		for _, c := range t.columns {
@@ -443,11 +443,11 @@ func (s *Store) CheckSchema(ctx context.Context) error {
 			continue
 		}
 		if ctx.Err() != nil {
-			return fmt.Errorf("outbox: store check schema: %w", context.Cause(ctx))
+			return fmt.Errorf("outbox: check schema: %w", context.Cause(ctx))
 		}
 		var one int
 		if db.Raw("SELECT 1").Row().Scan(&one) != nil {
-			return fmt.Errorf("outbox: store check schema: %w", err) // unreachable: not a schema problem
+			return fmt.Errorf("outbox: check schema: %w", err) // unreachable: not a schema problem
 		}
 		if db.Exec("SELECT 1 FROM "+quoted+" WHERE 1 = 0").Error != nil {
 			return &SchemaError{Table: name, Migration: migrationID(1)}
@@ -457,28 +457,8 @@ func (s *Store) CheckSchema(ctx context.Context) error {
 				return &SchemaError{Table: name, Column: c.name, Migration: migrationID(c.since)}
 			}
 		}
-		return fmt.Errorf("outbox: store check schema of %s: %w", name, err)
+		return fmt.Errorf("outbox: check schema of %s: %w", name, err)
 	}
-	return nil
-}
-
-// checkSchemaOnce runs CheckSchema until it passes once, turning a
-// *SchemaError into the *relay.MisconfigurationError that stops the relay.
-// AcquireLeases calls it, so the check costs one statement per table at
-// relay start.
-func (s *Store) checkSchemaOnce(ctx context.Context) error {
-	if s.schemaOK.Load() {
-		return nil
-	}
-	err := s.CheckSchema(ctx)
-	var se *SchemaError
-	if errors.As(err, &se) {
-		return &relay.MisconfigurationError{Setting: "Tables", Reason: "the outbox schema is older than this release needs", Err: se}
-	}
-	if err != nil {
-		return err
-	}
-	s.schemaOK.Store(true)
 	return nil
 }
 

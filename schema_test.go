@@ -20,6 +20,7 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/migrations"
 	"github.com/gorm-outbox/outbox/relay"
@@ -425,7 +426,7 @@ func relayOnce(t *testing.T, db *dbtest.DB) {
 		return nil
 	}))
 
-	store, err := outbox.NewStore(db.DB, p.Config())
+	store, err := gormrelay.NewStore(db.DB, p.Config())
 	require.NoError(t, err)
 	require.NoError(t, store.CheckSchema(ctx))
 	var (
@@ -439,7 +440,7 @@ func relayOnce(t *testing.T, db *dbtest.DB) {
 			seen = append(seen, string(m.Key)+"="+string(m.Value))
 		}
 		return len(msgs), nil
-	}), relay.Config{Logger: testLogger(t)})
+	}), relay.Config{Logger: dbtest.Logger(t)})
 	require.NoError(t, err)
 	n, err := r.DrainOnce(ctx)
 	require.NoError(t, err)
@@ -464,7 +465,7 @@ func TestStoreCheckSchema(t *testing.T) {
 		for _, s := range stmts {
 			require.NoError(t, db.DB.Exec(s).Error)
 		}
-		store, err := outbox.NewStore(db.DB, cfg)
+		store, err := gormrelay.NewStore(db.DB, cfg)
 		require.NoError(t, err)
 		require.NoError(t, store.CheckSchema(ctx))
 
@@ -482,7 +483,7 @@ func TestStoreCheckSchema(t *testing.T) {
 		r, err := relay.New(store, relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) {
 			t.Error("published on an outdated schema")
 			return 0, nil
-		}), relay.Config{Logger: testLogger(t)})
+		}), relay.Config{Logger: dbtest.Logger(t)})
 		require.NoError(t, err)
 		_, err = r.DrainOnce(ctx)
 		var me *relay.MisconfigurationError
@@ -505,7 +506,7 @@ func TestStoreCheckSchema(t *testing.T) {
 		require.NoError(t, store.CheckSchema(ctx))
 		r, err = relay.New(store, relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) {
 			return len(msgs), nil
-		}), relay.Config{Logger: testLogger(t)})
+		}), relay.Config{Logger: dbtest.Logger(t)})
 		require.NoError(t, err)
 		_, err = r.DrainOnce(ctx)
 		require.NoError(t, err)

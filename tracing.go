@@ -2,29 +2,19 @@ package outbox
 
 import (
 	"context"
-	"strings"
 
-	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/internal/tracectx"
 )
 
 // The W3C Trace Context headers a message carries when it was written
 // inside a trace.
 const (
-	TraceParentHeader = "traceparent"
-	TraceStateHeader  = "tracestate"
+	TraceParentHeader = tracectx.TraceParent
+	TraceStateHeader  = tracectx.TraceState
 )
-
-// traceContext is the W3C Trace Context propagator. It is used directly,
-// not through otel.GetTextMapPropagator, so messages carry traceparent
-// whatever global propagator the application configured (the global
-// default propagates nothing).
-var traceContext propagation.TraceContext
 
 // injectTraceContext adds the traceparent and tracestate headers of the
 // span in ctx to m, when ctx holds a valid span context and m carries
@@ -37,12 +27,12 @@ func injectTraceContext(ctx context.Context, m *Message) {
 		return
 	}
 	for _, h := range m.Headers {
-		if isTraceHeader(h.Key) {
+		if tracectx.IsHeader(h.Key) {
 			return
 		}
 	}
 	carrier := propagation.MapCarrier{}
-	traceContext.Inject(ctx, carrier)
+	tracectx.Propagator.Inject(ctx, carrier)
 	parent := carrier[TraceParentHeader]
 	if parent == "" {
 		return
@@ -56,128 +46,11 @@ func injectTraceContext(ctx context.Context, m *Message) {
 	m.Headers = hs
 }
 
-func isTraceHeader(key string) bool {
-	return strings.EqualFold(key, TraceParentHeader) || strings.EqualFold(key, TraceStateHeader)
-}
-
-// headerCarrier reads W3C headers from a message's headers.
-type headerCarrier []Header
-
-func (c headerCarrier) Get(key string) string {
-	for _, h := range c {
-		if strings.EqualFold(h.Key, key) {
-			return string(h.Value)
-		}
-	}
-	return ""
-}
-
-func (c headerCarrier) Set(string, string) {} // read-only
-
-func (c headerCarrier) Keys() []string {
-	keys := make([]string, len(c))
-	for i, h := range c {
-		keys[i] = h.Key
-	}
-	return keys
-}
-
 // ExtractTraceContext returns ctx with the remote span context carried by
 // headers (traceparent, tracestate), or ctx unchanged when they carry
 // none. A consumer of a function publisher (relay.PublisherFunc) uses it
 // to continue the trace of the request that wrote the message; Kafka
 // consumers read the same record headers with their own propagator.
 func ExtractTraceContext(ctx context.Context, headers []Header) context.Context {
-	return traceContext.Extract(ctx, headerCarrier(headers))
-}
-
-// maxPublishLinks bounds the links of one publish span, the default link
-// limit of the OpenTelemetry SDK.
-const maxPublishLinks = 128
-
-// tracerName is the instrumentation scope of the publish spans.
-const tracerName = "github.com/gorm-outbox/outbox"
-
-// TracingPublisher wraps next so that each Publish call (one batch of one
-// bucket) runs in a producer span named "send <topic>" (or "send" for a
-// batch of several topics), linked to the trace context every message
-// carries (at most 128 links). The span records the batch size, the
-// bucket, the acknowledged count and, on failure, the error; never keys or
-// values. The messages are passed on unchanged: their own traceparent,
-// not the publish span, is what a consumer continues.
-//
-// tp provides the tracer; nil uses otel.GetTracerProvider() at each call.
-// Without an installed SDK the spans are no-ops and cost next to nothing.
-//
-// When next implements relay.LeaseAware (the transactional Kafka
-// publisher does), so does the returned publisher, forwarding to it.
-func TracingPublisher(next relay.Publisher, tp trace.TracerProvider) relay.Publisher {
-	p := &tracingPublisher{next: next, tp: tp}
-	if la, ok := next.(relay.LeaseAware); ok {
-		return &leaseAwareTracingPublisher{tracingPublisher: p, LeaseAware: la}
-	}
-	return p
-}
-
-type tracingPublisher struct {
-	next relay.Publisher
-	tp   trace.TracerProvider
-}
-
-// leaseAwareTracingPublisher keeps the LeaseAware capability of the
-// publisher it wraps.
-type leaseAwareTracingPublisher struct {
-	*tracingPublisher
-	relay.LeaseAware
-}
-
-func (p *tracingPublisher) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
-	tp := p.tp
-	if tp == nil {
-		tp = otel.GetTracerProvider()
-	}
-	name, topic := "send", ""
-	if len(msgs) > 0 {
-		topic = msgs[0].Topic
-		for _, m := range msgs[1:] {
-			if m.Topic != topic {
-				topic = ""
-				break
-			}
-		}
-		if topic != "" {
-			name += " " + topic
-		}
-	}
-	attrs := []attribute.KeyValue{
-		attribute.String("messaging.operation.type", "send"),
-		attribute.Int("messaging.batch.message_count", len(msgs)),
-	}
-	if topic != "" {
-		attrs = append(attrs, attribute.String("messaging.destination.name", topic))
-	}
-	if len(msgs) > 0 {
-		attrs = append(attrs, attribute.Int("outbox.bucket", msgs[0].Bucket))
-	}
-	var links []trace.Link
-	for i := range msgs {
-		if len(links) == maxPublishLinks {
-			break
-		}
-		sc := trace.SpanContextFromContext(traceContext.Extract(context.Background(), headerCarrier(msgs[i].Headers)))
-		if sc.IsValid() {
-			links = append(links, trace.Link{SpanContext: sc})
-		}
-	}
-	ctx, span := tp.Tracer(tracerName).Start(ctx, name,
-		trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...), trace.WithLinks(links...))
-	defer span.End()
-
-	acked, err := p.next.Publish(ctx, msgs)
-	span.SetAttributes(attribute.Int("outbox.acked", acked))
-	if err != nil {
-		span.RecordError(err)
-		span.SetStatus(codes.Error, "publish failed")
-	}
-	return acked, err
+	return tracectx.Extract(ctx, headers)
 }

@@ -8,6 +8,8 @@ import (
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
 	"gorm.io/gorm/schema"
+
+	"github.com/gorm-outbox/outbox/internal/sqlrows"
 )
 
 // An upsert (INSERT … ON CONFLICT, MySQL's ON DUPLICATE KEY UPDATE) of a
@@ -87,8 +89,8 @@ func (p *Plugin) planUpsert(db *gorm.DB, oc clause.OnConflict) (*upsertPlan, err
 		return nil
 	})
 	existing := map[string]bool{}
-	for start := 0; start < len(lookup); start += insertChunk {
-		chunk := lookup[start:min(start+insertChunk, len(lookup))]
+	for start := 0; start < len(lookup); start += sqlrows.InsertChunk {
+		chunk := lookup[start:min(start+sqlrows.InsertChunk, len(lookup))]
 		found, err := p.existingKeys(db, fields, chunk, true)
 		if err != nil {
 			return nil, err
@@ -239,8 +241,8 @@ func plannedInserts(db *gorm.DB, plan *upsertPlan) (keys [][]any, missing int) {
 // countKeys counts the rows with the given keys that also meet extra.
 func (p *Plugin) countKeys(db *gorm.DB, plan *upsertPlan, keys [][]any, extra ...clause.Expression) (int, error) {
 	n := 0
-	for start := 0; start < len(keys); start += insertChunk {
-		found, err := p.existingKeys(db, plan.fields, keys[start:min(start+insertChunk, len(keys))], false, extra...)
+	for start := 0; start < len(keys); start += sqlrows.InsertChunk {
+		found, err := p.existingKeys(db, plan.fields, keys[start:min(start+sqlrows.InsertChunk, len(keys))], false, extra...)
 		if err != nil {
 			return 0, err
 		}

@@ -14,6 +14,7 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/outboxtest"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
@@ -196,7 +197,7 @@ func ExampleStartBroker() {
 	if err != nil {
 		panic(err)
 	}
-	store, err := outbox.NewStore(db, p.Config())
+	store, err := gormrelay.NewStore(db, p.Config())
 	if err != nil {
 		panic(err)
 	}

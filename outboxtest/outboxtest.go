@@ -1,26 +1,3 @@
-// Package outboxtest helps a service's own tests check what it put in the
-// outbox, without Kafka and without a relay running:
-//
-//   - RequireEnqueued, RequireManyEnqueued and RequireNotEnqueued assert
-//     that the pending messages match (topic, key, decoded JSON payload,
-//     headers, partition), and fail with a listing of what is pending and
-//     why each message did not match;
-//   - Pending lists the pending messages;
-//   - Drain runs the real relay store once (outbox.NewStore and
-//     relay.DrainOnce) into a recording publisher and returns what was
-//     published, leaving the outbox empty;
-//   - StartBroker starts an in-process Kafka-protocol broker for
-//     end-to-end tests through the Kafka publisher.
-//
-// The assertions read the outbox's messages table directly, through the
-// *gorm.DB they are given. Pass the transaction (the *gorm.DB inside
-// db.Transaction) to see what it enqueued before it commits; pass the
-// database to see what committed. A nil *outbox.Plugin means the only
-// outbox plugin registered on the *gorm.DB.
-//
-// The messages table is shared: in tests that run in parallel against one
-// database, give each test its own database or table names
-// (outbox.WithPrefix), or filter with Want.Key.
 package outboxtest
 
 import (
@@ -42,6 +19,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -507,7 +485,7 @@ func listing(msgs []Message, want Want) string {
 }
 
 // Drain publishes every pending message of the outbox of p (nil: the only
-// outbox plugin on db) once, the way a relay does (outbox.NewStore and
+// outbox plugin on db) once, the way a relay does (gormrelay.NewStore and
 // relay.DrainOnce), into a recorder instead of Kafka, and returns what was
 // published in enqueue order. The published rows are deleted, so the
 // outbox is empty afterwards. Pass the database, not a transaction: only
@@ -528,7 +506,7 @@ func drain(t testingT, db *gorm.DB, p *outbox.Plugin) []Message {
 	if !ok {
 		return nil
 	}
-	store, err := outbox.NewStore(db, p.Config())
+	store, err := gormrelay.NewStore(db, p.Config())
 	if err != nil {
 		failure(t, "%v", err)
 		return nil

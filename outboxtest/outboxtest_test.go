@@ -12,6 +12,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/outboxtest"
 	"github.com/gorm-outbox/outbox/publisher"
@@ -163,7 +164,7 @@ func TestBroker(t *testing.T) {
 	})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, pub.Close()) }()
-	store, err := outbox.NewStore(db.DB, p.Config())
+	store, err := gormrelay.NewStore(db.DB, p.Config())
 	require.NoError(t, err)
 	r, err := relay.New(store, pub, relay.Config{Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)

@@ -1,5 +1,8 @@
 // Package pgnotify carries the outbox's commit hints between processes
-// over PostgreSQL LISTEN/NOTIFY. It implements outbox.Transport.
+// over PostgreSQL LISTEN/NOTIFY. It implements outbox.Transport. It sits
+// between the write and relay steps of write → table → relay →
+// publisher: it only shortens latency, the relay's polling stays the
+// correctness path.
 //
 // Without it, a commit in one process wakes only the relay of that
 // process. When the bucket it wrote is leased by a relay in another

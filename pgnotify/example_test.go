@@ -10,6 +10,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/pgnotify"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -62,7 +63,7 @@ func Example() {
 
 	// The local relay takes its hints from the same notifier: local
 	// commits and received hints alike.
-	store, err := outbox.NewStore(db, plugin.Config())
+	store, err := gormrelay.NewStore(db, plugin.Config())
 	if err != nil {
 		log.Fatal(err)
 	}

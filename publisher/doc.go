@@ -1,7 +1,9 @@
 // Package publisher holds the relay's publishers: Kafka, a Kafka publisher
 // over github.com/IBM/sarama, Transactional, its strict mode (one Kafka
 // transaction per batch), and Func, an adapter for any other sink. All
-// implement relay.Publisher.
+// implement relay.Publisher. It is the last step of write → table →
+// relay → publisher, with TracingPublisher, which wraps any of them in a
+// span per publish.
 //
 // # The prefix contract
 //

@@ -116,7 +116,7 @@ type Config struct {
 	// also implements BatchFilter, it sees every batch before the publisher.
 	// Default: the Store itself when it implements FailureHandler (the GORM
 	// store brings the outbox's dead-letter policy, see
-	// outbox.FailurePolicy); otherwise none, and every failure backs off
+	// gormrelay.FailurePolicy); otherwise none, and every failure backs off
 	// and retries forever.
 	FailureHandler FailureHandler
 
@@ -291,7 +291,7 @@ func (f FailureHandlerFunc) HandleFailure(ctx context.Context, fl Failure) (Fail
 
 // BatchFilter is an optional FailureHandler capability: it sees every
 // batch after it was read and before it is published, and may take
-// messages out of the bucket (outbox.FailurePolicy parks the messages of a
+// messages out of the bucket (gormrelay.FailurePolicy parks the messages of a
 // key whose earlier message was dead-lettered). It returns the messages to
 // publish, a subsequence of msgs in their order; every message it leaves
 // out must be gone from the bucket when it returns, written under the

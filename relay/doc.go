@@ -2,10 +2,11 @@
 // from a database to a sink. It leases buckets of the outbox, reads each
 // owned bucket oldest-first, hands batches to a Publisher and deletes what
 // the publisher acknowledged. It imports no database API: storage is behind
-// the small Store interface, and the GORM implementation lives in the root
-// package (outbox.NewStore).
+// the small Store interface; the GORM implementation is in
+// package gormrelay (gormrelay.NewStore). It is the relay step of write →
+// table → relay → publisher.
 //
-//	store, _ := outbox.NewStore(db, cfg)
+//	store, _ := gormrelay.NewStore(db, cfg)
 //	r, _ := relay.New(store, publisher, relay.Config{Hints: notifier})
 //	_ = r.Start(ctx)
 //	defer r.Stop(shutdownCtx)

@@ -78,12 +78,12 @@ real_kafka_pass() {
   echo "== go test on Apache Kafka ($bootstrap): strict mode and tracing, publisher, outboxtest, kafkatest, bad input, bench smoke, example"
   # Both go test runs must pass: && keeps the first one's failure (a
   # subshell on the left of || runs without set -e).
-  # In the root package only the tests that talk to Kafka (strict mode,
-  # tracing into Kafka, the runnable examples); the rest of it is database
-  # work the kfake pass already covered.
+  # In the root package and gormrelay only the tests that talk to Kafka
+  # (strict mode, tracing into Kafka, the runnable examples); the rest of
+  # them is database work the kfake pass already covered.
   {
     KAFKA_BROKERS=$bootstrap go test -race -count=1 -timeout 15m -v \
-      -run '^(TestStrict|TestObservability|TestTraceContext|Example)' . &&
+      -run '^(TestStrict|TestObservability|TestTraceContext|Example)' . ./gormrelay &&
       KAFKA_BROKERS=$bootstrap go test -race -count=1 -timeout 15m -v \
         ./publisher/... ./outboxtest/... ./internal/kafkatest/... ./test/badinput/... ./cmd/outbox-bench/... &&
       (cd examples/gin-orders && KAFKA_BROKERS=$bootstrap go test -race -count=1 -timeout 10m -v ./...)

@@ -20,6 +20,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -137,7 +138,7 @@ func newPublisher(brokers []string) (*publisher.Kafka, error) {
 }
 
 func (e *env) startRelay(ctx context.Context, pub relay.Publisher, hints bool) (*relay.Relay, error) {
-	store, err := outbox.NewStore(e.db, e.plugin.Config())
+	store, err := gormrelay.NewStore(e.db, e.plugin.Config())
 	if err != nil {
 		return nil, err
 	}
@@ -232,7 +233,7 @@ func dbCeiling(ctx context.Context, cfg config, n int) (float64, error) {
 		}
 		return "?"
 	}
-	// The statements have the store's shapes (outbox.Store.NextBatch and
+	// The statements have the store's shapes (gormrelay.Store.NextBatch and
 	// MarkPublished): one bucket in id order through the (bucket, id)
 	// index; on PostgreSQL the ids to delete as one array parameter.
 	sel := "SELECT id, message_id, topic, msg_key, msg_value, headers, msg_partition, created_at_ms FROM " + e.table() +
@@ -704,7 +705,7 @@ func runRelayRole() int {
 		return fail(err)
 	}
 	defer closeGorm(db)
-	store, err := outbox.NewStore(db, outbox.Config{BucketCount: buckets})
+	store, err := gormrelay.NewStore(db, outbox.Config{BucketCount: buckets})
 	if err != nil {
 		return fail(err)
 	}

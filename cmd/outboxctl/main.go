@@ -1,7 +1,7 @@
 // Command outboxctl is the operator's tool for a gorm-outbox outbox: it
 // shows the backlog, leases and relays, lists and requeues dead letters,
 // purges old ones, and pauses or resumes buckets. It talks to the database
-// directly through outbox.Admin and needs no running relay.
+// directly through gormrelay.Admin and needs no running relay.
 //
 //	outboxctl [flags] status
 //	outboxctl [flags] dead-letters list [--topic T] [--key K | --key-base64 B | --keyless] [--state failed|parked]
@@ -43,6 +43,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 )
 
 // Exit statuses.
@@ -81,7 +82,7 @@ type globals struct {
 	out, errOut io.Writer
 	getenv      func(string) string
 	redact      redactor
-	admin       *outbox.Admin
+	admin       *gormrelay.Admin
 	db          *gorm.DB
 	runCtx      context.Context
 	closeDB     func()
@@ -328,7 +329,7 @@ func (g *globals) connect(ctx context.Context) error {
 	if err := sqlDB.PingContext(pctx); err != nil {
 		return fmt.Errorf("connect to the %s database: %w", driver, err)
 	}
-	admin, err := outbox.NewAdmin(db, cfg)
+	admin, err := gormrelay.NewAdmin(db, cfg)
 	if err != nil {
 		return usageError{err.Error()}
 	}
@@ -445,7 +446,7 @@ func (g *globals) status(ctx context.Context, fs *flag.FlagSet, args []string) e
 
 func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []string) error {
 	var (
-		q                   outbox.DeadLetterQuery
+		q                   gormrelay.DeadLetterQuery
 		key, keyB64         string
 		state, since, until string
 		bucket              = -1
@@ -462,7 +463,7 @@ func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []s
 	fs.IntVar(&bucket, "bucket", -1, "list: only this bucket")
 	fs.StringVar(&since, "since", "", "list: died at or after this time")
 	fs.StringVar(&until, "until", "", "list: died before this time")
-	fs.IntVar(&limit, "limit", outbox.DeadLetterPageDefault, "list: page size")
+	fs.IntVar(&limit, "limit", gormrelay.DeadLetterPageDefault, "list: page size")
 	fs.StringVar(&cursor, "cursor", "", "list: continue after a previous page")
 	pos, err := parse(fs, args)
 	if err != nil {
@@ -481,7 +482,7 @@ func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []s
 		if len(rest) > 0 {
 			return usagef("dead-letters list takes no arguments")
 		}
-		q = outbox.DeadLetterQuery{Topic: topic, State: outbox.DeadLetterState(state), Limit: limit, Cursor: cursor, Keyless: keyless}
+		q = gormrelay.DeadLetterQuery{Topic: topic, State: gormrelay.DeadLetterState(state), Limit: limit, Cursor: cursor, Keyless: keyless}
 		if q.Key, err = keyArg(hasKey, key, keyB64); err != nil {
 			return err
 		}
@@ -489,10 +490,10 @@ func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []s
 			q.Bucket = &bucket
 		}
 		now := time.Now()
-		if q.Since, err = outbox.ParseAdminTime(since, now); err != nil {
+		if q.Since, err = gormrelay.ParseAdminTime(since, now); err != nil {
 			return usagef("--since: %v", err)
 		}
-		if q.Until, err = outbox.ParseAdminTime(until, now); err != nil {
+		if q.Until, err = gormrelay.ParseAdminTime(until, now); err != nil {
 			return usagef("--until: %v", err)
 		}
 	case "show", "discard", "rm":
@@ -519,7 +520,7 @@ func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []s
 		}
 		if g.json {
 			if page.Items == nil {
-				page.Items = []outbox.DeadLetter{}
+				page.Items = []gormrelay.DeadLetter{}
 			}
 			return g.printJSON(page)
 		}
@@ -621,14 +622,14 @@ func (g *globals) requeue(ctx context.Context, fs *flag.FlagSet, args []string) 
 	if err := g.connect(ctx); err != nil {
 		return err
 	}
-	var res outbox.RequeueResult
+	var res gormrelay.RequeueResult
 	switch {
 	case ids != nil:
 		res, err = g.admin.RequeueIDs(ctx, ids...)
 	case k != nil:
 		res, err = g.admin.RequeueKey(ctx, k)
 		if err == nil && res.Requeued == 0 {
-			return fmt.Errorf("%w: no dead letter has key %s", outbox.ErrNotFound, printable(k, 0))
+			return fmt.Errorf("%w: no dead letter has key %s", gormrelay.ErrNotFound, printable(k, 0))
 		}
 	default:
 		res, err = g.admin.RequeueAll(ctx, topic)
@@ -654,7 +655,7 @@ func (g *globals) requeue(ctx context.Context, fs *flag.FlagSet, args []string) 
 		fmt.Fprintf(g.out, "not dead letters: %s\n", joinInts(res.NotFound))
 	}
 	if ids != nil && len(res.NotFound) == len(ids) {
-		return fmt.Errorf("%w: none of the ids is a dead letter", outbox.ErrNotFound)
+		return fmt.Errorf("%w: none of the ids is a dead letter", gormrelay.ErrNotFound)
 	}
 	return nil
 }
@@ -687,7 +688,7 @@ func (g *globals) purge(ctx context.Context, fs *flag.FlagSet, args []string) er
 	if olderThan == "" {
 		return usagef("purge needs --older-than (a duration such as 720h, or an RFC 3339 time)")
 	}
-	t, err := outbox.ParseAdminTime(olderThan, time.Now())
+	t, err := gormrelay.ParseAdminTime(olderThan, time.Now())
 	if err != nil {
 		return usagef("--older-than: %v", err)
 	}

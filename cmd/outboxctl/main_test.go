@@ -20,6 +20,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
@@ -191,10 +192,10 @@ func TestCLIEndToEnd(t *testing.T) {
 	dsn := db.DSN + " password=" + password
 	c := cli{t: t, bin: bin, env: []string{"OUTBOX_DSN=" + dsn, "OUTBOX_PREFIX=ctl_", "OUTBOX_BUCKETS=4"}}
 
-	var st outbox.Status
+	var st gormrelay.Status
 	c.runJSON(&st, "status")
 	require.EqualValues(t, 1, st.Pending)
-	require.Equal(t, outbox.DeadLetterCounts{Failed: 2, Parked: 1}, st.DeadLetters)
+	require.Equal(t, gormrelay.DeadLetterCounts{Failed: 2, Parked: 1}, st.DeadLetters)
 	require.Len(t, st.Buckets, 4)
 	require.GreaterOrEqual(t, st.OldestAgeMs, int64(time.Minute/time.Millisecond))
 
@@ -242,9 +243,9 @@ func TestCLIEndToEnd(t *testing.T) {
 
 	// Requeue a key: the failed and parked messages come back in order,
 	// before the key's pending message.
-	var res outbox.RequeueResult
+	var res gormrelay.RequeueResult
 	c.runJSON(&res, "requeue", "--key", "order-7")
-	require.Equal(t, outbox.RequeueResult{Requeued: 2, Moved: 1, Buckets: []int{1}}, res)
+	require.Equal(t, gormrelay.RequeueResult{Requeued: 2, Moved: 1, Buckets: []int{1}}, res)
 	var values []string
 	require.NoError(t, db.DB.Table(cfg.Tables.MessagesTable()).Order("id").Pluck("msg_value", &values).Error)
 	require.Equal(t, []string{`{"id":7}`, `{"id":7,"v":2}`, "pending"}, values)
@@ -406,7 +407,7 @@ func TestFailureCause(t *testing.T) {
 }
 
 // What an operator meets at 3 a.m., on every database: the dead letters'
-// JSON decodes back into outbox.DeadLetter, the ERROR column shows the
+// JSON decodes back into gormrelay.DeadLetter, the ERROR column shows the
 // cause, an unknown key fails, and missing tables get a hint instead of
 // the database's error. MySQL is reached through a mysql:// URL.
 func TestCLIOperator(t *testing.T) {
@@ -427,7 +428,7 @@ func TestCLIOperator(t *testing.T) {
 			{ID: 3, MessageID: "m3", Bucket: 2, Topic: "orders", Key: []byte{}, Value: []byte{}, CreatedAtMs: now, DeadAtMs: now, State: "failed"},
 			{ID: 4, MessageID: "m4", Bucket: 2, Topic: "orders", CreatedAtMs: now, DeadAtMs: now, State: "failed"},
 		}).Error)
-		admin, err := outbox.NewAdmin(db.DB, cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, cfg)
 		require.NoError(t, err)
 
 		dsn := db.DSN
@@ -442,15 +443,15 @@ func TestCLIOperator(t *testing.T) {
 			return out
 		}
 
-		want, err := admin.DeadLetters(ctx, outbox.DeadLetterQuery{})
+		want, err := admin.DeadLetters(ctx, gormrelay.DeadLetterQuery{})
 		require.NoError(t, err)
-		var page outbox.DeadLetterPage
+		var page gormrelay.DeadLetterPage
 		require.NoError(t, json.Unmarshal([]byte(runOK("dead-letters", "list", "--json")), &page))
 		require.Equal(t, utcTimes(want.Items...), utcTimes(page.Items...))
 		for _, d := range want.Items {
 			wantOne, err := admin.DeadLetter(ctx, d.ID)
 			require.NoError(t, err)
-			var got outbox.DeadLetter
+			var got gormrelay.DeadLetter
 			require.NoError(t, json.Unmarshal([]byte(runOK("dead-letters", "show", fmt.Sprint(d.ID), "--json")), &got))
 			require.Equal(t, utcTimes(wantOne), utcTimes(got), "dead letter %d", d.ID)
 		}
@@ -480,7 +481,7 @@ func TestCLIOperator(t *testing.T) {
 
 // utcTimes makes dead letters comparable after a JSON round trip, which
 // keeps the instant but not the *time.Location.
-func utcTimes(ds ...outbox.DeadLetter) []outbox.DeadLetter {
+func utcTimes(ds ...gormrelay.DeadLetter) []gormrelay.DeadLetter {
 	for i := range ds {
 		ds[i].CreatedAt, ds[i].DeadAt = ds[i].CreatedAt.UTC(), ds[i].DeadAt.UTC()
 	}

@@ -13,6 +13,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 )
 
 func newTable(w io.Writer) *tabwriter.Writer {
@@ -35,7 +36,7 @@ func age(d time.Duration) string {
 	return fmt.Sprintf("%dd%dh", days, int((d-time.Duration(days)*24*time.Hour)/time.Hour))
 }
 
-func printStatus(w io.Writer, st outbox.Status, cfg outbox.Config) {
+func printStatus(w io.Writer, st gormrelay.Status, cfg outbox.Config) {
 	fmt.Fprintf(w, "outbox %s: %d buckets, %d pending", cfg.Tables.MessagesTable(), st.BucketCount, st.Pending)
 	if st.Pending > 0 {
 		fmt.Fprintf(w, ", oldest %s old", age(st.OldestAge()))
@@ -135,7 +136,7 @@ func oneLine(s string) string {
 	return strings.Join(strings.Fields(s), " ")
 }
 
-func printDeadLetters(w io.Writer, page outbox.DeadLetterPage) {
+func printDeadLetters(w io.Writer, page gormrelay.DeadLetterPage) {
 	if len(page.Items) == 0 {
 		fmt.Fprintln(w, "no dead letters")
 		return
@@ -152,7 +153,7 @@ func printDeadLetters(w io.Writer, page outbox.DeadLetterPage) {
 	}
 }
 
-func printDeadLetter(w io.Writer, d outbox.DeadLetter) {
+func printDeadLetter(w io.Writer, d gormrelay.DeadLetter) {
 	tw := newTable(w)
 	row := func(k, v string) { fmt.Fprintf(tw, "%s\t%s\n", k, v) }
 	row("id", strconv.FormatInt(d.ID, 10))

@@ -24,6 +24,7 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/metrics"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
@@ -135,7 +136,7 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	}); err != nil {
 		return nil, err
 	}
-	store, err := outbox.NewStore(a.db, a.plugin.Config())
+	store, err := gormrelay.NewStore(a.db, a.plugin.Config())
 	if err != nil {
 		return nil, err
 	}
@@ -144,7 +145,7 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	}
 	// The relay dead-letters a message that keeps failing (the store's
 	// default failure policy) and parks the later events of its order.
-	if a.relay, err = relay.New(store, outbox.TracingPublisher(a.pub, nil), relay.Config{
+	if a.relay, err = relay.New(store, publisher.TracingPublisher(a.pub, nil), relay.Config{
 		Hints: a.plugin.Notifier(), Observer: a.metrics, Logger: a.log,
 	}); err != nil {
 		return nil, err
@@ -192,12 +193,12 @@ func (a *App) routes() http.Handler {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), a.metrics)
 	r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
 
-	admin := a.plugin.Admin(a.db)
+	admin := gormrelay.PluginAdmin(a.db, a.plugin)
 	// 503 while the oldest pending event is older than HealthMaxAge.
-	r.GET("/healthz", gin.WrapH(outbox.HealthHandler(admin, a.cfg.HealthMaxAge)))
+	r.GET("/healthz", gin.WrapH(gormrelay.HealthHandler(admin, a.cfg.HealthMaxAge)))
 	// The operational API, read-only: it must sit behind the service's own
 	// authentication before AllowMutations is ever turned on.
-	adminAPI := http.StripPrefix("/admin/outbox", outbox.NewAdminHandler(admin, outbox.AdminHandlerOptions{Logger: a.log}))
+	adminAPI := http.StripPrefix("/admin/outbox", gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{Logger: a.log}))
 	r.Any("/admin/outbox/*path", gin.WrapH(adminAPI))
 	return r
 }

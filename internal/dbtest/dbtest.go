@@ -13,6 +13,7 @@ import (
 	"database/sql"
 	"encoding/hex"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -20,6 +21,8 @@ import (
 	"testing"
 	"time"
 
+	gometrics "github.com/rcrowley/go-metrics"
+	"go.uber.org/goleak"
 	"gorm.io/driver/mysql"
 	"gorm.io/driver/postgres"
 	"gorm.io/driver/sqlite"
@@ -245,4 +248,33 @@ func ForEach(t *testing.T, fn func(t *testing.T, db *DB)) {
 			fn(t, Open(t, dialect))
 		})
 	}
+}
+
+// Logger is the logger for the services a test starts: it discards
+// everything unless OUTBOX_TEST_LOG is set, then writes debug text to
+// stderr tagged with the test's name.
+func Logger(t testing.TB) *slog.Logger {
+	if os.Getenv("OUTBOX_TEST_LOG") == "" {
+		return slog.New(slog.DiscardHandler)
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("test", t.Name())
+}
+
+// VerifyTestMain runs the tests of a package that opens databases and
+// Kafka clients, then fails the binary on leaked goroutines, except the
+// ones no caller can stop:
+//   - database/sql keeps one opener goroutine per pool until Close; the
+//     pools are closed in t.Cleanup, but the check runs after them;
+//   - GORM's prepared-statement cache (PrepareStmt) starts an expiry
+//     goroutine that has no way to be stopped.
+//
+// sarama's go-metrics meters start one process-wide goroutine that is
+// never stopped either; the outbox reads no sarama metric, so they are
+// switched off before any test runs.
+func VerifyTestMain(m *testing.M) {
+	gometrics.UseNilMetrics = true
+	goleak.VerifyTestMain(m,
+		goleak.IgnoreTopFunction("database/sql.(*DB).connectionOpener"),
+		goleak.IgnoreTopFunction("gorm.io/gorm/internal/lru.NewLRU[...].func1"),
+	)
 }

@@ -15,6 +15,7 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/relay"
@@ -108,7 +109,7 @@ func (e *env) requireRolledBack(itemsBefore, pendingBefore int64) {
 
 // store returns a relay store on db (the writers' connection if nil) with
 // the case's tables and the given bucket count (the case's if 0).
-func (e *env) store(db *gorm.DB, buckets int) *outbox.Store {
+func (e *env) store(db *gorm.DB, buckets int) *gormrelay.Store {
 	e.t.Helper()
 	if db == nil {
 		db = e.db
@@ -117,7 +118,7 @@ func (e *env) store(db *gorm.DB, buckets int) *outbox.Store {
 	if buckets > 0 {
 		cfg.BucketCount = buckets
 	}
-	s, err := outbox.NewStore(db, cfg)
+	s, err := gormrelay.NewStore(db, cfg)
 	require.NoError(e.t, err)
 	return s
 }

@@ -20,6 +20,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/publisher"
@@ -88,9 +89,9 @@ func TestHostileNamesRefusedBeforeSQL(t *testing.T) {
 				requireConfigError(t, field, outbox.ValidateIdentifier(field, name), "ValidateIdentifier %s", what)
 				_, err := outbox.NewPlugin(cfg)
 				requireConfigError(t, field, err, "NewPlugin %s", what)
-				_, err = outbox.NewStore(db, cfg)
+				_, err = gormrelay.NewStore(db, cfg)
 				requireConfigError(t, field, err, "NewStore %s", what)
-				_, err = outbox.NewAdmin(db, cfg)
+				_, err = gormrelay.NewAdmin(db, cfg)
 				requireConfigError(t, field, err, "NewAdmin %s", what)
 				_, err = outbox.SchemaSQL(base.Dialect, tables)
 				requireConfigError(t, field, err, "SchemaSQL %s", what)
@@ -237,7 +238,7 @@ func TestSecretsNeverLogged(t *testing.T) {
 		if sqlDB, err := bad.DB(); err == nil {
 			t.Cleanup(func() { sqlDB.Close() })
 		}
-		store, err := outbox.NewStore(bad, outbox.Config{Logger: log})
+		store, err := gormrelay.NewStore(bad, outbox.Config{Logger: log})
 		require.NoError(t, err)
 		cfg = e.relayConfig("unreachable")
 		cfg.Logger = log

@@ -34,6 +34,7 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -123,7 +124,7 @@ func run(o options) int {
 	sqlDB.SetMaxOpenConns(o.maxConns)
 
 	ocfg := outbox.Config{BucketCount: o.buckets, Logger: log}
-	store, err := outbox.NewStore(db, ocfg)
+	store, err := gormrelay.NewStore(db, ocfg)
 	if err != nil {
 		log.Error("chaos-relay: store", "err", err)
 		return exitSetup
@@ -186,7 +187,7 @@ func run(o options) int {
 	// before it is dead-lettered are scaled up as much: a broker outage of
 	// a few seconds must not dead-letter messages here when the defaults
 	// (10 attempts, up to 30 s apart) would ride it out for minutes.
-	policy, err := outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{MaxAttempts: o.maxAttempts, Logger: log})
+	policy, err := gormrelay.NewFailurePolicy(store, gormrelay.FailurePolicyConfig{MaxAttempts: o.maxAttempts, Logger: log})
 	if err != nil {
 		log.Error("chaos-relay: failure policy", "err", err)
 		return exitSetup

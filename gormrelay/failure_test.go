@@ -1,4 +1,4 @@
-package outbox_test
+package gormrelay_test
 
 import (
 	"context"
@@ -15,6 +15,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -135,7 +136,7 @@ func TestFailurePolicyMaxAttempts(t *testing.T) {
 		)
 		created := time.Now()
 		pois := newPoison(errors.New("broker unavailable"), "p/0")
-		policy, err := outbox.NewFailurePolicy(b.store, outbox.FailurePolicyConfig{MaxAttempts: 3, Logger: testLogger(t)})
+		policy, err := gormrelay.NewFailurePolicy(b.store, gormrelay.FailurePolicyConfig{MaxAttempts: 3, Logger: dbtest.Logger(t)})
 		require.NoError(t, err)
 		rec := newRecorder()
 		cfg := b.relayConfig(t, "a")
@@ -196,7 +197,7 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
-		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 		require.NoError(t, err)
 		b.insert(t, keyed([]string{"k", "j"}, 3)...) // k/0 j/0 k/1 j/1 k/2 j/2
 		pois := newPoison(relay.Permanent(errors.New("rejected")), "k/0")
@@ -225,7 +226,7 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 
 		counts, err := admin.CountDeadLetters(ctx)
 		require.NoError(t, err)
-		require.Equal(t, outbox.DeadLetterCounts{Failed: 1, Parked: 3}, counts)
+		require.Equal(t, gormrelay.DeadLetterCounts{Failed: 1, Parked: 3}, counts)
 
 		pois.heal()
 		res, err := admin.RequeueKey(ctx, []byte("k"))
@@ -257,7 +258,7 @@ func TestFailurePolicyRequeueWhileRunning(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
-		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 		require.NoError(t, err)
 		b.insert(t, keyed([]string{"k"}, 3)...)
 		pois := newPoison(relay.Permanent(errors.New("rejected")), "k/0")
@@ -287,9 +288,9 @@ func TestFailurePolicyBlock(t *testing.T) {
 		stuck, free := keyInBucket(t, 0, 2), keyInBucket(t, 1, 2)
 		b.insert(t, keyed([]string{stuck, free}, 3)...)
 		pois := newPoison(relay.Permanent(errors.New("rejected")), stuck+"/0")
-		policy, err := outbox.NewFailurePolicy(b.store, outbox.FailurePolicyConfig{Mode: outbox.ModeBlock, MaxAttempts: 2})
+		policy, err := gormrelay.NewFailurePolicy(b.store, gormrelay.FailurePolicyConfig{Mode: gormrelay.ModeBlock, MaxAttempts: 2})
 		require.NoError(t, err)
-		require.Equal(t, outbox.ModeBlock, policy.Config().Mode)
+		require.Equal(t, gormrelay.ModeBlock, policy.Config().Mode)
 		rec := newRecorder()
 		cfg := b.relayConfig(t, "a")
 		cfg.FailureHandler = policy
@@ -325,7 +326,7 @@ func TestFailurePolicyNoQuarantine(t *testing.T) {
 			outbox.MessageRow{MessageID: "e1", Key: []byte{}, Value: []byte("e/1")},
 		)
 		pois := newPoison(relay.Permanent(errors.New("rejected")), "n/0", "k/0")
-		policy, err := outbox.NewFailurePolicy(b.store, outbox.FailurePolicyConfig{DisableQuarantine: true})
+		policy, err := gormrelay.NewFailurePolicy(b.store, gormrelay.FailurePolicyConfig{DisableQuarantine: true})
 		require.NoError(t, err)
 		rec := newRecorder()
 		cfg := b.relayConfig(t, "a")
@@ -358,7 +359,7 @@ func TestFailurePolicyEmptyKey(t *testing.T) {
 		require.Equal(t, 1, n)
 		require.Equal(t, map[string]string{"e/0": "failed", "e/1": "parked"}, deadValues(b.deadRows(t)))
 
-		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 		require.NoError(t, err)
 		pois.heal()
 		res, err := admin.RequeueKey(ctx, []byte{})
@@ -383,7 +384,7 @@ func TestDrainOnceRunner(t *testing.T) {
 		pois := newPoison(relay.Permanent(errors.New("rejected")), "key-3/1")
 		rec := newRecorder()
 		cfg := b.relayConfig(t, "once")
-		n, err := outbox.DrainOnce(ctx, db.DB, b.cfg, rec.publisher("once", pois.hook), cfg)
+		n, err := gormrelay.DrainOnce(ctx, db.DB, b.cfg, rec.publisher("once", pois.hook), cfg)
 		require.NoError(t, err)
 		require.Equal(t, len(rows)-2, n)
 		require.Zero(t, b.count(t))
@@ -391,7 +392,7 @@ func TestDrainOnceRunner(t *testing.T) {
 		requireOrdered(t, rec.acked())
 
 		// Nothing left: a second run publishes nothing.
-		n, err = outbox.DrainOnce(ctx, db.DB, b.cfg, rec.publisher("once", nil), cfg)
+		n, err = gormrelay.DrainOnce(ctx, db.DB, b.cfg, rec.publisher("once", nil), cfg)
 		require.NoError(t, err)
 		require.Zero(t, n)
 
@@ -399,7 +400,7 @@ func TestDrainOnceRunner(t *testing.T) {
 		// the dead-letter table: a later message of the key is parked.
 		b.insert(t, outbox.MessageRow{MessageID: "key-3-3", Key: []byte("key-3"), Value: []byte("key-3/3")},
 			outbox.MessageRow{MessageID: "key-4-3", Key: []byte("key-4"), Value: []byte("key-4/3")})
-		n, err = outbox.DrainOnce(ctx, db.DB, b.cfg, rec.publisher("once", nil), cfg)
+		n, err = gormrelay.DrainOnce(ctx, db.DB, b.cfg, rec.publisher("once", nil), cfg)
 		require.NoError(t, err)
 		require.Equal(t, 1, n)
 		require.Equal(t, "parked", deadValues(b.deadRows(t))["key-3/3"])
@@ -439,21 +440,21 @@ func TestRelayRateLimit(t *testing.T) {
 func TestFailurePolicyConfig(t *testing.T) {
 	t.Parallel()
 	db := dbtest.Open(t, dbtest.SQLite)
-	store, err := outbox.NewStore(db.DB, outbox.Config{})
+	store, err := gormrelay.NewStore(db.DB, outbox.Config{})
 	require.NoError(t, err)
-	_, err = outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{MaxAttempts: -1})
+	_, err = gormrelay.NewFailurePolicy(store, gormrelay.FailurePolicyConfig{MaxAttempts: -1})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
-	_, err = outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{Mode: 7})
+	_, err = gormrelay.NewFailurePolicy(store, gormrelay.FailurePolicyConfig{Mode: 7})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
-	_, err = outbox.NewFailurePolicy(nil, outbox.FailurePolicyConfig{})
+	_, err = gormrelay.NewFailurePolicy(nil, gormrelay.FailurePolicyConfig{})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
-	p, err := outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{})
+	p, err := gormrelay.NewFailurePolicy(store, gormrelay.FailurePolicyConfig{})
 	require.NoError(t, err)
-	require.Equal(t, outbox.MaxAttemptsDefault, p.Config().MaxAttempts)
-	require.Equal(t, outbox.ModeDeadLetter, p.Config().Mode)
+	require.Equal(t, gormrelay.MaxAttemptsDefault, p.Config().MaxAttempts)
+	require.Equal(t, gormrelay.ModeDeadLetter, p.Config().Mode)
 	require.Same(t, store.FailurePolicy(), store.FailurePolicy())
-	require.Equal(t, "block", outbox.ModeBlock.String())
-	require.True(t, slices.Contains([]string{"dead-letter"}, outbox.ModeDeadLetter.String()))
+	require.Equal(t, "block", gormrelay.ModeBlock.String())
+	require.True(t, slices.Contains([]string{"dead-letter"}, gormrelay.ModeDeadLetter.String()))
 }
 
 // The default wiring: the store brings the failure policy (dead-letter
@@ -462,7 +463,7 @@ func ExampleNewStore_failurePolicy() {
 	var db *gorm.DB // from gorm.Open, with the outbox tables migrated
 	var publisher relay.Publisher
 
-	store, err := outbox.NewStore(db, outbox.Config{})
+	store, err := gormrelay.NewStore(db, outbox.Config{})
 	if err != nil {
 		panic(err)
 	}
@@ -475,10 +476,10 @@ func ExampleNewStore_failurePolicy() {
 
 // A policy with other settings, passed to the relay explicitly.
 func ExampleNewFailurePolicy() {
-	var store *outbox.Store // from outbox.NewStore
+	var store *gormrelay.Store // from gormrelay.NewStore
 	var publisher relay.Publisher
 
-	policy, err := outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{
+	policy, err := gormrelay.NewFailurePolicy(store, gormrelay.FailurePolicyConfig{
 		MaxAttempts: 5, // transient failures before dead-lettering
 	})
 	if err != nil {

@@ -1,4 +1,4 @@
-package outbox
+package gormrelay
 
 import (
 	"context"
@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"strings"
 	"time"
+
+	"github.com/gorm-outbox/outbox"
 )
 
 // HealthTimeoutDefault bounds the query of one HealthHandler request.
@@ -84,7 +86,7 @@ func (a *Admin) OldestPending(ctx context.Context) (age time.Duration, bucket in
 // failure is not unhealthy.
 func (a *Admin) Healthy(ctx context.Context, maxAge time.Duration) error {
 	if maxAge <= 0 {
-		return &ConfigError{Field: "maxAge", Value: maxAge, Reason: "must be positive"}
+		return &outbox.ConfigError{Field: "maxAge", Value: maxAge, Reason: "must be positive"}
 	}
 	age, bucket, ok, err := a.OldestPending(ctx)
 	if err != nil {

@@ -1,4 +1,4 @@
-package outbox_test
+package gormrelay_test
 
 import (
 	"context"
@@ -14,7 +14,6 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/prometheus/client_golang/prometheus"
-	gometrics "github.com/rcrowley/go-metrics"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/trace"
@@ -22,6 +21,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/metrics"
@@ -29,18 +29,11 @@ import (
 	"github.com/gorm-outbox/outbox/relay"
 )
 
-func init() {
-	// sarama's go-metrics meters start one process-wide goroutine that is
-	// never stopped; this test binary's leak check has no exception for
-	// it, and these tests read no sarama metrics.
-	gometrics.UseNilMetrics = true
-}
-
 // obsBundle is an outbox with its plugin, store and a Kafka cluster.
 type obsBundle struct {
 	db     *dbtest.DB
 	plugin *outbox.Plugin
-	store  *outbox.Store
+	store  *gormrelay.Store
 	kafka  *kafkatest.Cluster
 	topic  string
 }
@@ -52,7 +45,7 @@ func setupObservability(t *testing.T, dialect string, rules ...outbox.Rule) *obs
 	require.NoError(t, err)
 	require.NoError(t, db.DB.Use(p))
 	require.NoError(t, p.AutoMigrate(context.Background(), db.DB))
-	store, err := outbox.NewStore(db.DB, p.Config())
+	store, err := gormrelay.NewStore(db.DB, p.Config())
 	require.NoError(t, err)
 	k := kafkatest.Start(t)
 	return &obsBundle{db: db, plugin: p, store: store, kafka: k, topic: k.Topic(t, 4)}
@@ -332,7 +325,7 @@ func TestObservabilityDeadLetters(t *testing.T) {
 	m, reg := newCollector(t, metrics.Config{Outbox: "orders", SampleInterval: 20 * time.Millisecond})
 	cfg := fastConfig(t, "a")
 	cfg.Observer = m
-	cfg.Logger = testLogger(t)
+	cfg.Logger = dbtest.Logger(t)
 	startRelay(t, sb.store, pub, cfg)
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		assert.True(c, gather(c, reg, metrics.NamePending)[""] == 0 && gather(c, reg, metrics.NameDeadLetters)[""] == 3)
@@ -482,7 +475,7 @@ func TestTraceContextReachesKafka(t *testing.T) {
 	}))
 
 	tp := &recordingTP{}
-	r, err := relay.New(b.store, outbox.TracingPublisher(b.newKafkaPublisher(t), tp), fastConfig(t, "a"))
+	r, err := relay.New(b.store, publisher.TracingPublisher(b.newKafkaPublisher(t), tp), fastConfig(t, "a"))
 	require.NoError(t, err)
 	published, err := r.DrainOnce(context.Background())
 	require.NoError(t, err)
@@ -582,7 +575,7 @@ func TestTracingPublisherWrapping(t *testing.T) {
 	t.Parallel()
 	boom := relay.Permanent(errors.New("rejected"))
 	inner := &leaseAwarePub{PublisherFunc: func(_ context.Context, msgs []relay.Message) (int, error) { return 1, boom }}
-	wrapped := outbox.TracingPublisher(inner, &recordingTP{})
+	wrapped := publisher.TracingPublisher(inner, &recordingTP{})
 	la, ok := wrapped.(relay.LeaseAware)
 	require.True(t, ok)
 	require.NoError(t, la.LeasesAcquired(t.Context(), []relay.Lease{{Bucket: 1, Term: 2}}))
@@ -594,7 +587,7 @@ func TestTracingPublisherWrapping(t *testing.T) {
 	require.ErrorIs(t, err, boom)
 
 	tp := &recordingTP{}
-	plain := outbox.TracingPublisher(relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) {
+	plain := publisher.TracingPublisher(relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) {
 		return len(msgs), nil
 	}), tp)
 	_, ok = plain.(relay.LeaseAware)

@@ -1,4 +1,4 @@
-package outbox
+package gormrelay
 
 import (
 	"context"
@@ -16,6 +16,7 @@ import (
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
 
+	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -43,16 +44,16 @@ var (
 // never deleted.
 type Admin struct {
 	db         *gorm.DB
-	cfg        Config
+	cfg        outbox.Config
 	notify     func(buckets []int) // wakes local relays after a requeue; nil without a plugin
 	liveWindow time.Duration
 }
 
 // NewAdmin returns the operational API for the outbox configured by cfg
 // on db. It validates cfg like NewPlugin.
-func NewAdmin(db *gorm.DB, cfg Config) (*Admin, error) {
+func NewAdmin(db *gorm.DB, cfg outbox.Config) (*Admin, error) {
 	if db == nil {
-		return nil, &ConfigError{Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
+		return nil, &outbox.ConfigError{Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
 	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -61,12 +62,12 @@ func NewAdmin(db *gorm.DB, cfg Config) (*Admin, error) {
 	return &Admin{db: db.Session(&gorm.Session{NewDB: true, SkipHooks: true}), cfg: cfg, liveWindow: relay.LeaseDurationDefault}, nil
 }
 
-// Admin returns the operational API of the plugin's outbox on db. A
+// PluginAdmin returns the operational API of the plugin's outbox on db. A
 // requeue through it also wakes the relays of this process that wait on
 // the plugin's Notifier.
-func (p *Plugin) Admin(db *gorm.DB) *Admin {
-	return &Admin{db: db.Session(&gorm.Session{NewDB: true, SkipHooks: true}), cfg: p.cfg,
-		notify: p.notifier.Notify, liveWindow: relay.LeaseDurationDefault}
+func PluginAdmin(db *gorm.DB, p *outbox.Plugin) *Admin {
+	return &Admin{db: db.Session(&gorm.Session{NewDB: true, SkipHooks: true}), cfg: p.Config(),
+		notify: p.Notifier().Notify, liveWindow: relay.LeaseDurationDefault}
 }
 
 // WithLiveWindow returns a copy of the Admin that counts a relay as live
@@ -81,7 +82,7 @@ func (a *Admin) WithLiveWindow(d time.Duration) *Admin {
 }
 
 // Config returns the outbox configuration the Admin works on.
-func (a *Admin) Config() Config { return a.cfg }
+func (a *Admin) Config() outbox.Config { return a.cfg }
 
 // op starts an admin operation: a context bounded by AdminTimeoutDefault,
 // with a cause naming the operation.
@@ -327,7 +328,7 @@ func (a *Admin) Leases(ctx context.Context) ([]LeaseInfo, error) {
 }
 
 func (a *Admin) leases(db *gorm.DB, now time.Time) ([]LeaseInfo, error) {
-	var rows []LeaseRow
+	var rows []outbox.LeaseRow
 	if err := db.Raw("SELECT bucket, owner, term, expires_at_ms, paused FROM " + a.quote(a.cfg.Tables.LeasesTable()) + " ORDER BY bucket").
 		Scan(&rows).Error; err != nil {
 		return nil, a.fail(db, "read leases", err)
@@ -366,7 +367,7 @@ func (a *Admin) Relays(ctx context.Context) ([]RelayInfo, error) {
 }
 
 func (a *Admin) relays(db *gorm.DB, now time.Time, held map[string]int) ([]RelayInfo, error) {
-	var rows []RelayRow
+	var rows []outbox.RelayRow
 	if err := db.Raw("SELECT relay_id, last_seen_ms, started_at_ms FROM " + a.quote(a.cfg.Tables.RelaysTable()) + " ORDER BY relay_id").
 		Scan(&rows).Error; err != nil {
 		return nil, a.fail(db, "read relays", err)
@@ -392,7 +393,7 @@ type DeadLetter struct {
 	// Value and Headers are read by Admin.DeadLetter only; lists leave
 	// them nil and report ValueSize.
 	Value     []byte
-	Headers   []Header
+	Headers   []outbox.Header
 	ValueSize int
 	Partition *int32
 	CreatedAt time.Time
@@ -470,7 +471,7 @@ func (d *DeadLetter) UnmarshalJSON(b []byte) error {
 		if err != nil {
 			return fmt.Errorf("outbox: dead letter %d: header %q: %w", v.ID, h.Key, err)
 		}
-		out.Headers = append(out.Headers, Header{Key: h.Key, Value: val})
+		out.Headers = append(out.Headers, outbox.Header{Key: h.Key, Value: val})
 	}
 	*d = out
 	return nil
@@ -689,7 +690,7 @@ func (a *Admin) scanDeadLetters(db *gorm.DB, query string, full bool, args ...an
 			d.Partition = &p
 		}
 		if full {
-			if d.Headers, err = DecodeHeaders(headers); err != nil {
+			if d.Headers, err = outbox.DecodeHeaders(headers); err != nil {
 				return nil, fmt.Errorf("dead letter %d: %w", d.ID, err)
 			}
 		}
@@ -959,7 +960,7 @@ func (a *Admin) advanceTerm(tx *gorm.DB, bucket int) error {
 
 func (a *Admin) ensureLease(tx *gorm.DB, bucket int) error {
 	return tx.Table(a.cfg.Tables.LeasesTable()).Clauses(clause.OnConflict{DoNothing: true}).
-		Create(&LeaseRow{Bucket: int32(bucket)}).Error
+		Create(&outbox.LeaseRow{Bucket: int32(bucket)}).Error
 }
 
 // PurgeDeadLetters deletes the dead letters that died before olderThan and

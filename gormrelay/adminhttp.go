@@ -1,4 +1,4 @@
-package outbox
+package gormrelay
 
 import (
 	"encoding/base64"

@@ -1,4 +1,4 @@
-package outbox_test
+package gormrelay_test
 
 import (
 	"context"
@@ -11,25 +11,18 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/rcrowley/go-metrics"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
-
-func init() {
-	// sarama's metrics start a process-wide go-metrics goroutine that never
-	// stops and that TestMain's leak check would report. The outbox does
-	// not use sarama's metrics.
-	metrics.UseNilMetrics = true
-}
 
 // Strict mode end to end: the relay, a real database (every dialect), the
 // transactional publisher and a Kafka-protocol broker (kfake, or the
@@ -55,7 +48,7 @@ func newStrictPublisher(t testing.TB, c *kafkatest.Cluster, prefix string, maxBy
 		TransactionalIDPrefix: prefix,
 		Configure:             strictSaramaConfig,
 		MaxMessageBytes:       maxBytes,
-		Logger:                testLogger(t),
+		Logger:                dbtest.Logger(t),
 	})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, tx.Close()) })
@@ -233,9 +226,9 @@ func TestStrictCulpritWithFailurePolicy(t *testing.T) {
 		require.NoError(t, b.db.DB.Table(b.cfg.Tables.DeadLettersTable()).Order("id").Find(&dead).Error)
 		require.Len(t, dead, 2)
 		require.Equal(t, culprit.MessageID, dead[0].MessageID)
-		require.Equal(t, string(outbox.DeadLetterFailed), dead[0].State)
+		require.Equal(t, string(gormrelay.DeadLetterFailed), dead[0].State)
 		require.Equal(t, k1+"/2", string(dead[1].Value))
-		require.Equal(t, string(outbox.DeadLetterParked), dead[1].State)
+		require.Equal(t, string(gormrelay.DeadLetterParked), dead[1].State)
 	})
 }
 

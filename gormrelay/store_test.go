@@ -1,4 +1,4 @@
-package outbox_test
+package gormrelay_test
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -19,7 +20,7 @@ import (
 type storeBundle struct {
 	db    *dbtest.DB
 	cfg   outbox.Config
-	store *outbox.Store
+	store *gormrelay.Store
 }
 
 // newStoreBundle migrates the outbox tables of cfg and opens its store.
@@ -27,7 +28,7 @@ func newStoreBundle(t testing.TB, db *dbtest.DB, cfg outbox.Config) *storeBundle
 	t.Helper()
 	cfg = cfg.WithDefaults()
 	require.NoError(t, cfg.Tables.AutoMigrate(context.Background(), db.DB))
-	store, err := outbox.NewStore(db.DB, cfg)
+	store, err := gormrelay.NewStore(db.DB, cfg)
 	require.NoError(t, err)
 	return &storeBundle{db: db, cfg: cfg, store: store}
 }
@@ -125,7 +126,7 @@ func (b *storeBundle) leaseRows(t require.TestingT) []outbox.LeaseRow {
 	return rows
 }
 
-func acquire(t testing.TB, s *outbox.Store, id string, buckets int, d time.Duration) relay.Acquired {
+func acquire(t testing.TB, s *gormrelay.Store, id string, buckets int, d time.Duration) relay.Acquired {
 	t.Helper()
 	res, err := s.AcquireLeases(context.Background(), relay.AcquireRequest{RelayID: id, BucketCount: buckets, LeaseDuration: d})
 	require.NoError(t, err)
@@ -346,7 +347,7 @@ func TestStoreMisconfiguration(t *testing.T) {
 
 		// Before AutoMigrate: a clear error naming the table.
 		cfg := outbox.Config{Tables: outbox.WithPrefix("none_")}
-		s, err := outbox.NewStore(db.DB, cfg)
+		s, err := gormrelay.NewStore(db.DB, cfg)
 		require.NoError(t, err)
 		_, err = s.AcquireLeases(ctx, relay.AcquireRequest{RelayID: "a", BucketCount: 8, LeaseDuration: time.Second})
 		var me *relay.MisconfigurationError
@@ -368,7 +369,7 @@ func TestStoreMisconfiguration(t *testing.T) {
 		require.Contains(t, me.Reason, "bucket 11")
 
 		// Invalid table names never reach SQL.
-		_, err = outbox.NewStore(db.DB, outbox.Config{Tables: outbox.Tables{Messages: "x; DROP TABLE y"}})
+		_, err = gormrelay.NewStore(db.DB, outbox.Config{Tables: outbox.Tables{Messages: "x; DROP TABLE y"}})
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 	})
 }

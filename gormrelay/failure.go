@@ -1,4 +1,4 @@
-package outbox
+package gormrelay
 
 import (
 	"context"
@@ -12,6 +12,8 @@ import (
 
 	"gorm.io/gorm"
 
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/sqlrows"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -98,7 +100,7 @@ type FailurePolicyConfig struct {
 // dead-letters after 10 attempts with key quarantine. For other settings
 // build a policy on the same store and pass it explicitly:
 //
-//	policy, err := outbox.NewFailurePolicy(store, outbox.FailurePolicyConfig{MaxAttempts: 5})
+//	policy, err := gormrelay.NewFailurePolicy(store, gormrelay.FailurePolicyConfig{MaxAttempts: 5})
 //	r, err := relay.New(store, publisher, relay.Config{FailureHandler: policy})
 //
 // A custom relay.FailureHandler that does not delegate to a FailurePolicy
@@ -150,16 +152,16 @@ var (
 // unknown Mode is refused with a *ConfigError.
 func NewFailurePolicy(store *Store, cfg FailurePolicyConfig) (*FailurePolicy, error) {
 	if store == nil {
-		return nil, &ConfigError{Field: "store", Value: nil, Reason: "a *Store is required"}
+		return nil, &outbox.ConfigError{Field: "store", Value: nil, Reason: "a *Store is required"}
 	}
 	if cfg.MaxAttempts == 0 {
 		cfg.MaxAttempts = MaxAttemptsDefault
 	}
 	if cfg.MaxAttempts < 0 {
-		return nil, &ConfigError{Field: "MaxAttempts", Value: cfg.MaxAttempts, Reason: "must be positive (use Mode: ModeBlock to never give up)"}
+		return nil, &outbox.ConfigError{Field: "MaxAttempts", Value: cfg.MaxAttempts, Reason: "must be positive (use Mode: ModeBlock to never give up)"}
 	}
 	if cfg.Mode != ModeDeadLetter && cfg.Mode != ModeBlock {
-		return nil, &ConfigError{Field: "Mode", Value: cfg.Mode, Reason: "must be ModeDeadLetter or ModeBlock"}
+		return nil, &outbox.ConfigError{Field: "Mode", Value: cfg.Mode, Reason: "must be ModeDeadLetter or ModeBlock"}
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -492,10 +494,10 @@ func scanRows(tx *gorm.DB, query string, dead bool, args ...any) ([]outboxRow, e
 func insertRows(tx *gorm.DB, table string, rows []outboxRow, dead bool) error {
 	cols, width := "(id, message_id, bucket, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts, last_error, dead_at_ms, state)", 13
 	if !dead {
-		cols, width = insertColumns, 8
+		cols, width = sqlrows.InsertColumns, sqlrows.InsertArgs
 	}
 	place := "(" + strings.TrimSuffix(strings.Repeat("?,", width), ",") + ")"
-	for chunk := range slices.Chunk(rows, insertChunk) {
+	for chunk := range slices.Chunk(rows, sqlrows.InsertChunk) {
 		var sb strings.Builder
 		sb.WriteString("INSERT INTO " + table + " " + cols + " VALUES ")
 		args := make([]any, 0, len(chunk)*width)
@@ -505,10 +507,10 @@ func insertRows(tx *gorm.DB, table string, rows []outboxRow, dead bool) error {
 			}
 			sb.WriteString(place)
 			if dead {
-				args = append(args, r.id, r.messageID, r.bucket, r.topic, nullBytes(r.key), nullBytes(r.value), nullBytes(r.headers),
+				args = append(args, r.id, r.messageID, r.bucket, r.topic, sqlrows.NullBytes(r.key), sqlrows.NullBytes(r.value), sqlrows.NullBytes(r.headers),
 					r.partition, r.createdAtMs, r.attempts, r.lastError, r.deadAtMs, string(r.state))
 			} else {
-				args = append(args, r.messageID, r.bucket, r.topic, nullBytes(r.key), nullBytes(r.value), nullBytes(r.headers),
+				args = append(args, r.messageID, r.bucket, r.topic, sqlrows.NullBytes(r.key), sqlrows.NullBytes(r.value), sqlrows.NullBytes(r.headers),
 					r.partition, r.createdAtMs)
 			}
 		}
@@ -535,7 +537,7 @@ func rowIDs(rows []outboxRow) []int64 {
 // drain carries on. Meant for jobs, scripts and tests; with relays running
 // it drains only the buckets it could lease. See relay.Relay.DrainOnce for
 // the error semantics.
-func DrainOnce(ctx context.Context, db *gorm.DB, cfg Config, pub relay.Publisher, rcfg relay.Config) (int, error) {
+func DrainOnce(ctx context.Context, db *gorm.DB, cfg outbox.Config, pub relay.Publisher, rcfg relay.Config) (int, error) {
 	store, err := NewStore(db, cfg)
 	if err != nil {
 		return 0, err

@@ -1,4 +1,4 @@
-package outbox_test
+package gormrelay_test
 
 import (
 	"errors"
@@ -17,6 +17,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/publisher"
@@ -82,7 +83,7 @@ func TestBrokerOutageIsNotPoison(t *testing.T) {
 
 		k, err := publisher.NewKafka(publisher.KafkaConfig{
 			Brokers: cluster.Brokers(),
-			Logger:  testLogger(t),
+			Logger:  dbtest.Logger(t),
 			Configure: func(sc *sarama.Config) error {
 				sc.Producer.Retry.Max = 2
 				sc.Producer.Retry.Backoff = 10 * time.Millisecond
@@ -99,7 +100,7 @@ func TestBrokerOutageIsNotPoison(t *testing.T) {
 		t.Cleanup(func() { require.NoError(t, k.Close()) })
 
 		const maxAttempts = 3
-		policy, err := outbox.NewFailurePolicy(b.store, outbox.FailurePolicyConfig{MaxAttempts: maxAttempts, Logger: testLogger(t)})
+		policy, err := gormrelay.NewFailurePolicy(b.store, gormrelay.FailurePolicyConfig{MaxAttempts: maxAttempts, Logger: dbtest.Logger(t)})
 		require.NoError(t, err)
 		stats := &publishStats{}
 		cfg := b.relayConfig(t, "outage")

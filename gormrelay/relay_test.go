@@ -1,11 +1,10 @@
-package outbox_test
+package gormrelay_test
 
 import (
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -18,17 +17,10 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/relay"
 )
-
-// testLogger discards the relay's logs unless OUTBOX_TEST_LOG is set.
-func testLogger(t testing.TB) *slog.Logger {
-	if os.Getenv("OUTBOX_TEST_LOG") == "" {
-		return slog.New(slog.DiscardHandler)
-	}
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("test", t.Name())
-}
 
 // fastConfig is a relay configuration with short timings for tests.
 func fastConfig(t testing.TB, id string) relay.Config {
@@ -40,7 +32,7 @@ func fastConfig(t testing.TB, id string) relay.Config {
 		LeaseRenewInterval: 200 * time.Millisecond,
 		BackoffMin:         10 * time.Millisecond,
 		BackoffMax:         100 * time.Millisecond,
-		Logger:             testLogger(t),
+		Logger:             dbtest.Logger(t),
 	}
 }
 
@@ -330,7 +322,7 @@ func TestRelayFairShareThreeRelays(t *testing.T) {
 // crashStore simulates a relay process that died: once dead, every store
 // call fails, so the relay can neither publish, renew nor release.
 type crashStore struct {
-	*outbox.Store
+	*gormrelay.Store
 	dead atomic.Bool
 }
 
@@ -598,7 +590,7 @@ func TestRelayWithPluginNotifier(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, db.DB.Use(p))
 		require.NoError(t, p.AutoMigrate(context.Background(), db.DB))
-		store, err := outbox.NewStore(db.DB, p.Config())
+		store, err := gormrelay.NewStore(db.DB, p.Config())
 		require.NoError(t, err)
 
 		rec := newRecorder()
@@ -629,7 +621,7 @@ func TestRelayMisconfiguration(t *testing.T) {
 	t.Run("RenewNotShorterThanDuration", func(t *testing.T) {
 		t.Parallel()
 		cfg := relay.Config{LeaseDuration: time.Second, LeaseRenewInterval: time.Second}
-		_, err := relay.New(&outbox.Store{}, relay.PublisherFunc(nil), cfg)
+		_, err := relay.New(&gormrelay.Store{}, relay.PublisherFunc(nil), cfg)
 		var ce *relay.ConfigError
 		require.ErrorAs(t, err, &ce)
 		require.Equal(t, "LeaseRenewInterval", ce.Field)
@@ -676,7 +668,7 @@ func TestRelayMisconfiguration(t *testing.T) {
 		require.Equal(t, "BucketCount", me.Setting)
 
 		// Started before AutoMigrate.
-		bare, err := outbox.NewStore(db.DB, outbox.Config{Tables: outbox.WithPrefix("later_")})
+		bare, err := gormrelay.NewStore(db.DB, outbox.Config{Tables: outbox.WithPrefix("later_")})
 		require.NoError(t, err)
 		require.ErrorAs(t, startErr(t, bare, fastConfig(t, "d")), &me)
 		require.Equal(t, "Tables", me.Setting)

@@ -1,4 +1,4 @@
-package outbox_test
+package gormrelay_test
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 )
 
@@ -33,9 +34,9 @@ func TestHealth(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{})
-		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 		require.NoError(t, err)
-		h := outbox.HealthHandler(admin, 5*time.Minute)
+		h := gormrelay.HealthHandler(admin, 5*time.Minute)
 
 		// Empty: healthy, no age.
 		require.NoError(t, admin.Healthy(ctx, time.Minute))
@@ -62,8 +63,8 @@ func TestHealth(t *testing.T) {
 
 		require.NoError(t, admin.Healthy(ctx, time.Hour))
 		err = admin.Healthy(ctx, 5*time.Minute)
-		require.ErrorIs(t, err, outbox.ErrBacklogTooOld)
-		var ae *outbox.BacklogAgeError
+		require.ErrorIs(t, err, gormrelay.ErrBacklogTooOld)
+		var ae *gormrelay.BacklogAgeError
 		require.ErrorAs(t, err, &ae)
 		require.Equal(t, 5, ae.Bucket)
 		require.Equal(t, 5*time.Minute, ae.MaxAge)
@@ -78,19 +79,19 @@ func TestHealth(t *testing.T) {
 		code, _ = healthCheck(t, h, http.MethodHead)
 		require.Equal(t, http.StatusServiceUnavailable, code)
 
-		code, body = healthCheck(t, outbox.HealthHandler(admin, time.Hour), http.MethodGet)
+		code, body = healthCheck(t, gormrelay.HealthHandler(admin, time.Hour), http.MethodGet)
 		require.Equal(t, http.StatusOK, code)
 		require.Equal(t, "ok", body["status"])
 
 		// An unreadable outbox is an error, not healthy.
-		missing, err := outbox.NewAdmin(db.DB, outbox.Config{Tables: outbox.WithPrefix("missing_"), Logger: testLogger(t)})
+		missing, err := gormrelay.NewAdmin(db.DB, outbox.Config{Tables: outbox.WithPrefix("missing_"), Logger: dbtest.Logger(t)})
 		require.NoError(t, err)
 		require.Error(t, missing.Healthy(ctx, time.Hour))
-		code, body = healthCheck(t, outbox.HealthHandler(missing, time.Hour), http.MethodGet)
+		code, body = healthCheck(t, gormrelay.HealthHandler(missing, time.Hour), http.MethodGet)
 		require.Equal(t, http.StatusServiceUnavailable, code)
 		require.Equal(t, map[string]any{"status": "error", "max_age_seconds": 3600.0}, body)
 
-		require.Panics(t, func() { outbox.HealthHandler(admin, 0) })
+		require.Panics(t, func() { gormrelay.HealthHandler(admin, 0) })
 	})
 }
 
@@ -99,7 +100,7 @@ func TestOldestPendingManyBuckets(t *testing.T) {
 	t.Parallel()
 	db := dbtest.Open(t, dbtest.Postgres)
 	b := newStoreBundle(t, db, outbox.Config{BucketCount: 300})
-	admin, err := outbox.NewAdmin(db.DB, b.cfg)
+	admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 	require.NoError(t, err)
 	now := time.Now()
 	b.insert(t,

@@ -1,4 +1,4 @@
-package outbox_test
+package gormrelay_test
 
 import (
 	"context"
@@ -12,14 +12,18 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 )
 
 func TestAdminBacklog(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
-		b := setupWrite(t, dbt, outbox.Config{})
-		admin := b.plugin.Admin(b.db)
+		b := newStoreBundle(t, dbt, outbox.Config{})
+		p, err := outbox.NewPlugin(b.cfg)
+		require.NoError(t, err)
+		require.NoError(t, dbt.DB.Use(p))
+		admin := gormrelay.PluginAdmin(dbt.DB, p)
 		ctx := context.Background()
 
 		empty, err := admin.Backlog(ctx)
@@ -28,8 +32,8 @@ func TestAdminBacklog(t *testing.T) {
 		require.Zero(t, empty.OldestAge())
 
 		start := time.Now()
-		ka, kb := keysInDistinctBuckets()
-		require.NoError(t, b.db.Transaction(func(tx *gorm.DB) error {
+		ka, kb := []byte(keyInBucket(t, 1, b.cfg.BucketCount)), []byte(keyInBucket(t, 2, b.cfg.BucketCount))
+		require.NoError(t, dbt.DB.Transaction(func(tx *gorm.DB) error {
 			return outbox.Enqueue(tx,
 				&outbox.Message{Topic: "t", Key: ka}, &outbox.Message{Topic: "t", Key: ka}, &outbox.Message{Topic: "t", Key: kb})
 		}))
@@ -41,7 +45,7 @@ func TestAdminBacklog(t *testing.T) {
 		for _, bb := range bl.Buckets {
 			per[bb.Bucket] = bb.Pending
 		}
-		require.Equal(t, map[int]int64{bucketOf(ka): 2, bucketOf(kb): 1}, per)
+		require.Equal(t, map[int]int64{1: 2, 2: 1}, per)
 		require.WithinDuration(t, start, bl.Oldest, 2*time.Second)
 		require.GreaterOrEqual(t, bl.OldestAge(), time.Duration(0))
 	})
@@ -71,7 +75,7 @@ func (b *storeBundle) insertDead(t testing.TB, rows ...outbox.DeadLetterRow) {
 	require.NoError(t, b.db.DB.Table(b.cfg.Tables.DeadLettersTable()).Create(&rows).Error)
 }
 
-func deadIDs(items []outbox.DeadLetter) []int64 {
+func deadIDs(items []gormrelay.DeadLetter) []int64 {
 	out := make([]int64, len(items))
 	for i, d := range items {
 		out[i] = d.ID
@@ -84,7 +88,7 @@ func TestAdminDeadLetters(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{Tables: outbox.WithPrefix("adm_")})
-		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 		require.NoError(t, err)
 		t0 := time.Now().Add(-time.Hour).UnixMilli()
 		part := int32(3)
@@ -100,35 +104,35 @@ func TestAdminDeadLetters(t *testing.T) {
 
 		counts, err := admin.CountDeadLetters(ctx)
 		require.NoError(t, err)
-		require.Equal(t, outbox.DeadLetterCounts{Failed: 4, Parked: 1}, counts)
+		require.Equal(t, gormrelay.DeadLetterCounts{Failed: 4, Parked: 1}, counts)
 		require.EqualValues(t, 5, counts.Total())
 
 		// Newest first, then by id; paged with a cursor.
-		page, err := admin.DeadLetters(ctx, outbox.DeadLetterQuery{Limit: 2})
+		page, err := admin.DeadLetters(ctx, gormrelay.DeadLetterQuery{Limit: 2})
 		require.NoError(t, err)
 		require.Equal(t, []int64{14, 13}, deadIDs(page.Items))
 		require.NotEmpty(t, page.Next)
-		page, err = admin.DeadLetters(ctx, outbox.DeadLetterQuery{Limit: 2, Cursor: page.Next})
+		page, err = admin.DeadLetters(ctx, gormrelay.DeadLetterQuery{Limit: 2, Cursor: page.Next})
 		require.NoError(t, err)
 		require.Equal(t, []int64{12, 11}, deadIDs(page.Items))
-		page, err = admin.DeadLetters(ctx, outbox.DeadLetterQuery{Limit: 2, Cursor: page.Next})
+		page, err = admin.DeadLetters(ctx, gormrelay.DeadLetterQuery{Limit: 2, Cursor: page.Next})
 		require.NoError(t, err)
 		require.Equal(t, []int64{10}, deadIDs(page.Items))
 		require.Empty(t, page.Next)
 
 		// Filters.
 		for _, c := range []struct {
-			q    outbox.DeadLetterQuery
+			q    gormrelay.DeadLetterQuery
 			want []int64
 		}{
-			{outbox.DeadLetterQuery{Topic: "payments"}, []int64{13, 12}},
-			{outbox.DeadLetterQuery{Key: []byte("k1")}, []int64{11, 10}},
-			{outbox.DeadLetterQuery{Key: []byte{}}, []int64{14}},
-			{outbox.DeadLetterQuery{Keyless: true}, []int64{13}},
-			{outbox.DeadLetterQuery{State: outbox.DeadLetterParked}, []int64{11}},
-			{outbox.DeadLetterQuery{Bucket: ptr(3)}, []int64{14, 13}},
-			{outbox.DeadLetterQuery{Since: time.UnixMilli(t0 + 1000), Until: time.UnixMilli(t0 + 3000)}, []int64{13, 12}},
-			{outbox.DeadLetterQuery{Topic: "orders", State: outbox.DeadLetterFailed}, []int64{14, 10}},
+			{gormrelay.DeadLetterQuery{Topic: "payments"}, []int64{13, 12}},
+			{gormrelay.DeadLetterQuery{Key: []byte("k1")}, []int64{11, 10}},
+			{gormrelay.DeadLetterQuery{Key: []byte{}}, []int64{14}},
+			{gormrelay.DeadLetterQuery{Keyless: true}, []int64{13}},
+			{gormrelay.DeadLetterQuery{State: gormrelay.DeadLetterParked}, []int64{11}},
+			{gormrelay.DeadLetterQuery{Bucket: ptr(3)}, []int64{14, 13}},
+			{gormrelay.DeadLetterQuery{Since: time.UnixMilli(t0 + 1000), Until: time.UnixMilli(t0 + 3000)}, []int64{13, 12}},
+			{gormrelay.DeadLetterQuery{Topic: "orders", State: gormrelay.DeadLetterFailed}, []int64{14, 10}},
 		} {
 			page, err := admin.DeadLetters(ctx, c.q)
 			require.NoError(t, err)
@@ -136,7 +140,7 @@ func TestAdminDeadLetters(t *testing.T) {
 		}
 
 		// A list leaves out values; one dead letter in full has them.
-		page, err = admin.DeadLetters(ctx, outbox.DeadLetterQuery{Key: []byte("k1"), State: outbox.DeadLetterFailed})
+		page, err = admin.DeadLetters(ctx, gormrelay.DeadLetterQuery{Key: []byte("k1"), State: gormrelay.DeadLetterFailed})
 		require.NoError(t, err)
 		require.Nil(t, page.Items[0].Value)
 		require.Equal(t, 3, page.Items[0].ValueSize)
@@ -151,7 +155,7 @@ func TestAdminDeadLetters(t *testing.T) {
 		require.Equal(t, &part, d.Partition)
 		require.Equal(t, 10, d.Attempts)
 		require.Equal(t, "boom", d.LastError)
-		require.Equal(t, outbox.DeadLetterFailed, d.State)
+		require.Equal(t, gormrelay.DeadLetterFailed, d.State)
 		require.Equal(t, time.UnixMilli(t0), d.DeadAt)
 
 		js, err := json.Marshal(d)
@@ -176,13 +180,13 @@ func TestAdminDeadLetters(t *testing.T) {
 		require.Empty(t, d14.Key)
 
 		_, err = admin.DeadLetter(ctx, 999)
-		require.ErrorIs(t, err, outbox.ErrNotFound)
-		_, err = admin.DeadLetters(ctx, outbox.DeadLetterQuery{Cursor: "nope"})
-		require.ErrorIs(t, err, outbox.ErrInvalidRequest)
-		_, err = admin.DeadLetters(ctx, outbox.DeadLetterQuery{Limit: 5000})
-		require.ErrorIs(t, err, outbox.ErrInvalidRequest)
-		_, err = admin.DeadLetters(ctx, outbox.DeadLetterQuery{State: "gone"})
-		require.ErrorIs(t, err, outbox.ErrInvalidRequest)
+		require.ErrorIs(t, err, gormrelay.ErrNotFound)
+		_, err = admin.DeadLetters(ctx, gormrelay.DeadLetterQuery{Cursor: "nope"})
+		require.ErrorIs(t, err, gormrelay.ErrInvalidRequest)
+		_, err = admin.DeadLetters(ctx, gormrelay.DeadLetterQuery{Limit: 5000})
+		require.ErrorIs(t, err, gormrelay.ErrInvalidRequest)
+		_, err = admin.DeadLetters(ctx, gormrelay.DeadLetterQuery{State: "gone"})
+		require.ErrorIs(t, err, gormrelay.ErrInvalidRequest)
 
 		// Discard deletes exactly the named dead letters.
 		n, err := admin.DiscardDeadLetters(ctx, 12, 999)
@@ -201,7 +205,7 @@ func TestAdminPurge(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{})
-		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 		require.NoError(t, err)
 		old := time.Now().Add(-48 * time.Hour)
 		b.insert(t, outbox.MessageRow{MessageID: "pending-old", Key: []byte("k"), Value: []byte("p"), CreatedAtMs: old.Add(-time.Hour).UnixMilli()})
@@ -211,7 +215,7 @@ func TestAdminPurge(t *testing.T) {
 			outbox.DeadLetterRow{ID: 3, Bucket: 1, Key: []byte("k"), State: "parked"},
 		)
 		_, err = admin.PurgeDeadLetters(ctx, time.Time{})
-		require.ErrorIs(t, err, outbox.ErrInvalidRequest)
+		require.ErrorIs(t, err, gormrelay.ErrInvalidRequest)
 
 		n, err := admin.PurgeDeadLetters(ctx, time.Now().Add(-24*time.Hour))
 		require.NoError(t, err)
@@ -245,7 +249,7 @@ func TestAdminRequeueAll(t *testing.T) {
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
 		p, err := outbox.NewPlugin(b.cfg)
 		require.NoError(t, err)
-		admin := p.Admin(db.DB)
+		admin := gormrelay.PluginAdmin(db.DB, p)
 		b.insertDead(t,
 			outbox.DeadLetterRow{ID: 1, Bucket: 1, Topic: "a", Key: []byte("k"), Value: []byte("k/0")},
 			outbox.DeadLetterRow{ID: 2, Bucket: 1, Topic: "b", Key: []byte("k"), Value: []byte("k/1"), State: "parked"},
@@ -268,7 +272,7 @@ func TestAdminRequeueAll(t *testing.T) {
 		require.Len(t, b.pendingValues(t), 5)
 
 		_, err = admin.RequeueKey(ctx, nil)
-		require.ErrorIs(t, err, outbox.ErrInvalidRequest)
+		require.ErrorIs(t, err, gormrelay.ErrInvalidRequest)
 		res, err = admin.RequeueKey(ctx, []byte("missing"))
 		require.NoError(t, err)
 		require.Zero(t, res.Requeued)
@@ -282,10 +286,10 @@ func TestAdminPauseResume(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 2})
-		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 		require.NoError(t, err)
-		require.ErrorIs(t, admin.PauseBucket(ctx, 2), outbox.ErrInvalidRequest)
-		require.ErrorIs(t, admin.PauseBucket(ctx, -1), outbox.ErrInvalidRequest)
+		require.ErrorIs(t, admin.PauseBucket(ctx, 2), gormrelay.ErrInvalidRequest)
+		require.ErrorIs(t, admin.PauseBucket(ctx, -1), gormrelay.ErrInvalidRequest)
 
 		k0, k1 := keyInBucket(t, 0, 2), keyInBucket(t, 1, 2)
 		require.NoError(t, admin.PauseBucket(ctx, 0))
@@ -344,7 +348,7 @@ func TestAdminStatusAndWatch(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
-		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 		require.NoError(t, err)
 		admin = admin.WithLiveWindow(600 * time.Millisecond)
 
@@ -366,7 +370,7 @@ func TestAdminStatusAndWatch(t *testing.T) {
 		b.insertDead(t, outbox.DeadLetterRow{ID: 77, Bucket: 2, State: "parked"})
 		// A snapshot may fall between the two inserts: wait for one that
 		// sees both.
-		var snap outbox.Snapshot
+		var snap gormrelay.Snapshot
 		deadline := time.After(15 * time.Second)
 	wait:
 		for {
@@ -381,8 +385,8 @@ func TestAdminStatusAndWatch(t *testing.T) {
 		}
 		require.NoError(t, snap.Err)
 		require.GreaterOrEqual(t, snap.Status.OldestAge(), time.Minute)
-		require.Equal(t, outbox.DeadLetterCounts{Parked: 1}, snap.Status.DeadLetters)
-		require.Equal(t, outbox.DeadLetterCounts{Parked: 1}, snap.Status.Buckets[2].DeadLetters)
+		require.Equal(t, gormrelay.DeadLetterCounts{Parked: 1}, snap.Status.DeadLetters)
+		require.Equal(t, gormrelay.DeadLetterCounts{Parked: 1}, snap.Status.Buckets[2].DeadLetters)
 		cancel()
 		for range stream {
 		}

@@ -1,4 +1,4 @@
-package outbox_test
+package gormrelay_test
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 )
 
@@ -60,7 +61,7 @@ func TestAdminHandler(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
-		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 		require.NoError(t, err)
 		b.insert(t, outbox.MessageRow{ID: 100, MessageID: "p", Bucket: 1, Key: []byte("k"), Value: []byte("k/9")})
 		old := time.Now().Add(-72 * time.Hour).UnixMilli()
@@ -70,13 +71,13 @@ func TestAdminHandler(t *testing.T) {
 			outbox.DeadLetterRow{ID: 3, Bucket: 2, Topic: "payments", Value: []byte("n/0")},
 		)
 
-		ro := httpClient{t, httptest.NewServer(outbox.NewAdminHandler(admin, outbox.AdminHandlerOptions{Logger: testLogger(t)}))}
+		ro := httpClient{t, httptest.NewServer(gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{Logger: dbtest.Logger(t)}))}
 		defer ro.srv.Close()
 
-		var st outbox.Status
+		var st gormrelay.Status
 		require.Equal(t, http.StatusOK, ro.do("GET", "/status", "", &st))
 		require.EqualValues(t, 1, st.Pending)
-		require.Equal(t, outbox.DeadLetterCounts{Failed: 2, Parked: 1}, st.DeadLetters)
+		require.Equal(t, gormrelay.DeadLetterCounts{Failed: 2, Parked: 1}, st.DeadLetters)
 		require.Len(t, st.Buckets, 4)
 
 		var page deadPage
@@ -127,14 +128,14 @@ func TestAdminHandler(t *testing.T) {
 		require.Len(t, b.deadRows(t), 3, "nothing changed")
 		require.Empty(t, b.leaseRows(t))
 
-		rw := httpClient{t, httptest.NewServer(outbox.NewAdminHandler(admin, outbox.AdminHandlerOptions{AllowMutations: true, Logger: testLogger(t)}))}
+		rw := httpClient{t, httptest.NewServer(gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{AllowMutations: true, Logger: dbtest.Logger(t)}))}
 		defer rw.srv.Close()
 		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/requeue", `{"ids":[1],"key":"k"}`, &e))
 		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/requeue", `{"topic":"orders"}`, &e))
 		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/requeue", `{"bogus":1}`, &e))
-		var res outbox.RequeueResult
+		var res gormrelay.RequeueResult
 		require.Equal(t, http.StatusOK, rw.do("POST", "/dead-letters/requeue", `{"key":"k"}`, &res))
-		require.Equal(t, outbox.RequeueResult{Requeued: 2, Moved: 1, Buckets: []int{1}}, res)
+		require.Equal(t, gormrelay.RequeueResult{Requeued: 2, Moved: 1, Buckets: []int{1}}, res)
 		require.Equal(t, []string{"k/0", "k/1", "k/9"}, b.pendingValues(t))
 
 		var purged map[string]any
@@ -174,7 +175,7 @@ func roundTripDeadLetters() []outbox.DeadLetterRow {
 
 // utcTimes makes dead letters comparable after a JSON round trip, which
 // keeps the instant but not the *time.Location.
-func utcTimes(ds ...outbox.DeadLetter) []outbox.DeadLetter {
+func utcTimes(ds ...gormrelay.DeadLetter) []gormrelay.DeadLetter {
 	for i := range ds {
 		ds[i].CreatedAt, ds[i].DeadAt = ds[i].CreatedAt.UTC(), ds[i].DeadAt.UTC()
 	}
@@ -187,16 +188,16 @@ func TestAdminHandlerJSONRoundTrip(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
-		admin, err := outbox.NewAdmin(db.DB, b.cfg)
+		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
 		require.NoError(t, err)
 		b.insertDead(t, roundTripDeadLetters()...)
-		c := httpClient{t, httptest.NewServer(outbox.NewAdminHandler(admin, outbox.AdminHandlerOptions{Logger: testLogger(t)}))}
+		c := httpClient{t, httptest.NewServer(gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{Logger: dbtest.Logger(t)}))}
 		defer c.srv.Close()
 
-		want, err := admin.DeadLetters(ctx, outbox.DeadLetterQuery{})
+		want, err := admin.DeadLetters(ctx, gormrelay.DeadLetterQuery{})
 		require.NoError(t, err)
 		require.Len(t, want.Items, 4)
-		var got outbox.DeadLetterPage
+		var got gormrelay.DeadLetterPage
 		require.Equal(t, http.StatusOK, c.do("GET", "/dead-letters", "", &got))
 		require.Equal(t, utcTimes(want.Items...), utcTimes(got.Items...))
 		require.Equal(t, want.Next, got.Next)
@@ -204,12 +205,12 @@ func TestAdminHandlerJSONRoundTrip(t *testing.T) {
 		for _, d := range want.Items {
 			one, err := admin.DeadLetter(ctx, d.ID)
 			require.NoError(t, err)
-			var gotOne outbox.DeadLetter
+			var gotOne gormrelay.DeadLetter
 			require.Equal(t, http.StatusOK, c.do("GET", fmt.Sprintf("/dead-letters/%d", d.ID), "", &gotOne))
 			require.Equal(t, utcTimes(one), utcTimes(gotOne), "dead letter %d", d.ID)
 		}
 		// The shapes survive: nil stays nil, empty stays empty.
-		var keyless, empty outbox.DeadLetter
+		var keyless, empty gormrelay.DeadLetter
 		require.Equal(t, http.StatusOK, c.do("GET", "/dead-letters/4", "", &keyless))
 		require.Nil(t, keyless.Key)
 		require.Nil(t, keyless.Value)

@@ -1,4 +1,4 @@
-package outbox
+package gormrelay
 
 import (
 	"context"
@@ -19,6 +19,7 @@ import (
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
 
+	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -60,7 +61,7 @@ const (
 // for concurrent use.
 type Store struct {
 	db      *gorm.DB
-	tables  Tables
+	tables  outbox.Tables
 	buckets int
 	timeout time.Duration
 
@@ -90,9 +91,9 @@ var (
 // tables are not touched until the relay runs: a relay started before the
 // tables exist stops with a *relay.MisconfigurationError naming the missing
 // table.
-func NewStore(db *gorm.DB, cfg Config) (*Store, error) {
+func NewStore(db *gorm.DB, cfg outbox.Config) (*Store, error) {
 	if db == nil {
-		return nil, &ConfigError{Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
+		return nil, &outbox.ConfigError{Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
 	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -107,7 +108,7 @@ func NewStore(db *gorm.DB, cfg Config) (*Store, error) {
 		messages: sess.Statement.Quote(cfg.Tables.MessagesTable()),
 		leases:   sess.Statement.Quote(cfg.Tables.LeasesTable()),
 		relays:   sess.Statement.Quote(cfg.Tables.RelaysTable()),
-		postgres: sess.Dialector.Name() == DialectPostgres,
+		postgres: sess.Dialector.Name() == outbox.DialectPostgres,
 		logger:   cfg.Logger,
 	}, nil
 }
@@ -177,8 +178,7 @@ func (s *Store) missingTable(ctx context.Context) string {
 	if err := db.Raw("SELECT 1").Row().Scan(&one); err != nil {
 		return "" // the database is unreachable: not a schema problem
 	}
-	for _, t := range outboxTables { // every table, as in schema.go
-		name := s.tables.qualified(t.name(s.tables))
+	for _, name := range []string{s.tables.MessagesTable(), s.tables.LeasesTable(), s.tables.RelaysTable(), s.tables.DeadLettersTable()} {
 		if err := db.Exec("SELECT 1 FROM " + db.Statement.Quote(name) + " WHERE 1 = 0").Error; err != nil {
 			return name
 		}
@@ -321,8 +321,8 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 
 // waitingFor returns the unexpired leases of the relays other than me
 // that hold more than share buckets (see relay.Acquired.Waiting).
-func waitingFor(rows []LeaseRow, me string, now int64, share int) []relay.HeldLease {
-	var others []LeaseRow
+func waitingFor(rows []outbox.LeaseRow, me string, now int64, share int) []relay.HeldLease {
+	var others []outbox.LeaseRow
 	count := map[string]int{}
 	for _, r := range rows {
 		if r.Owner != nil && *r.Owner != me && r.ExpiresAtMs > now && !r.Paused {
@@ -352,7 +352,7 @@ func (s *Store) heartbeat(db *gorm.DB, me string, now int64) error {
 	return db.Table(s.tables.RelaysTable()).Clauses(clause.OnConflict{
 		Columns:   []clause.Column{{Name: "relay_id"}},
 		DoUpdates: clause.Assignments(map[string]any{"last_seen_ms": now}),
-	}).Create(&RelayRow{RelayID: me, LastSeenMs: now, StartedAtMs: now}).Error
+	}).Create(&outbox.RelayRow{RelayID: me, LastSeenMs: now, StartedAtMs: now}).Error
 }
 
 // liveRelays counts relays with a heartbeat younger than a lease, and
@@ -418,9 +418,9 @@ func (s *Store) checkMessageBuckets(db *gorm.DB) error {
 }
 
 // leaseRows reads every lease row, creating the missing ones first.
-func (s *Store) leaseRows(db *gorm.DB) ([]LeaseRow, error) {
-	read := func() ([]LeaseRow, error) {
-		var rows []LeaseRow
+func (s *Store) leaseRows(db *gorm.DB) ([]outbox.LeaseRow, error) {
+	read := func() ([]outbox.LeaseRow, error) {
+		var rows []outbox.LeaseRow
 		err := db.Raw("SELECT bucket, owner, term, expires_at_ms, paused FROM " + s.leases + " ORDER BY bucket").Scan(&rows).Error
 		return rows, err
 	}
@@ -432,10 +432,10 @@ func (s *Store) leaseRows(db *gorm.DB) ([]LeaseRow, error) {
 	for _, r := range rows {
 		have[r.Bucket] = true
 	}
-	var missing []LeaseRow
+	var missing []outbox.LeaseRow
 	for b := range int32(s.buckets) {
 		if !have[b] {
-			missing = append(missing, LeaseRow{Bucket: b})
+			missing = append(missing, outbox.LeaseRow{Bucket: b})
 		}
 	}
 	// Relays starting together insert the same rows: the loser's insert is
@@ -490,7 +490,7 @@ func (s *Store) renew(db *gorm.DB, me string, leases []relay.Lease, now, expires
 		sb.Reset()
 		sb.WriteString("SELECT bucket, term FROM " + s.leases + " WHERE owner = ? AND expires_at_ms = ? AND bucket IN ? AND ")
 		args = leaseGuard(&sb, []any{me, expires, buckets(chunk)}, chunk)
-		var rows []LeaseRow
+		var rows []outbox.LeaseRow
 		if err := db.Raw(sb.String(), args...).Scan(&rows).Error; err != nil {
 			return nil, err
 		}
@@ -633,7 +633,7 @@ func (s *Store) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Messa
 		if err := rows.Scan(dest...); err != nil {
 			return nil, s.fail(ctx, "read batch", err)
 		}
-		if m.Headers, err = DecodeHeaders(headers); err != nil {
+		if m.Headers, err = outbox.DecodeHeaders(headers); err != nil {
 			return nil, fmt.Errorf("outbox: store read batch: message %d: %w", m.ID, err)
 		}
 		if partition.Valid {
@@ -798,4 +798,33 @@ func (s *Store) SampleBacklog(ctx context.Context) (relay.Backlog, error) {
 		}
 	}
 	return b, nil
+}
+
+// CheckSchema verifies that the store's tables exist and have every
+// column this release needs (see outbox.CheckSchema), within the store
+// timeout. A missing table or column is an *outbox.SchemaError.
+func (s *Store) CheckSchema(ctx context.Context) error {
+	_, ctx, cancel := s.op(ctx, "check schema")
+	defer cancel()
+	return outbox.CheckSchema(ctx, s.db, s.tables)
+}
+
+// checkSchemaOnce runs CheckSchema until it passes once, turning a
+// *SchemaError into the *relay.MisconfigurationError that stops the relay.
+// AcquireLeases calls it, so the check costs one statement per table at
+// relay start.
+func (s *Store) checkSchemaOnce(ctx context.Context) error {
+	if s.schemaOK.Load() {
+		return nil
+	}
+	err := s.CheckSchema(ctx)
+	var se *outbox.SchemaError
+	if errors.As(err, &se) {
+		return &relay.MisconfigurationError{Setting: "Tables", Reason: "the outbox schema is older than this release needs", Err: se}
+	}
+	if err != nil {
+		return err
+	}
+	s.schemaOK.Store(true)
+	return nil
 }

@@ -374,14 +374,27 @@ func TestKafkaAuthorizationFailureIsPermanent(t *testing.T) {
 	require.True(t, relay.IsPermanent(err))
 }
 
-// publishAndCount publishes n messages in one batch and checks the broker
-// holds each exactly once, in order.
+// publishAndCount publishes n messages of one key as the relay does: the
+// whole batch, then what follows the acknowledged prefix, until every
+// message is acknowledged. A retry inside the producer may cut the batch
+// (the order gate holds back what waits for an acknowledgement), but only
+// with an unavailable error, and the broker then holds each message exactly
+// once, in order.
 func publishAndCount(t *testing.T, c *kafkatest.Cluster, k *publisher.Kafka, topic string, n int) {
 	t.Helper()
 	msgs := publishertest.Messages(topic, "fault", n)
-	acked, err := k.Publish(testCtx(t), msgs)
-	require.NoError(t, err)
-	require.Equal(t, n, acked)
+	rest, calls := msgs, 0
+	for len(rest) > 0 {
+		calls++
+		require.LessOrEqual(t, calls, 10, "publishing %d messages took too many calls", n)
+		acked, err := k.Publish(testCtx(t), rest)
+		if err != nil {
+			require.True(t, relay.IsUnavailable(err), "a cut batch must be unavailable, not %v", err)
+		}
+		require.True(t, acked > 0 || err != nil, "no progress without an error")
+		rest = rest[acked:]
+	}
+	t.Logf("%d messages published in %d calls", n, calls)
 	require.Equal(t, int64(n), c.RecordCount(t, topic), "no duplicates on the broker")
 	got := toMessages(t, readAll(t, c, topic, n), publisher.DefaultMessageIDHeader)
 	require.Equal(t, ids(msgs), ids(got))
@@ -397,6 +410,25 @@ func TestKafkaFaultNotLeaderOnce(t *testing.T) {
 	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotLeaderForPartition})
 	publishAndCount(t, c, k, topic, 300)
 	require.Equal(t, 1, h.Hits())
+}
+
+// TestKafkaRetriesRunOutKeepsKeyOrder has the broker refuse a partition's
+// produce requests with a retriable error one time more than the producer
+// retries (fastConfig: 10). The first request's records then fail for good
+// while the records that waited behind them are sent again under a bumped
+// producer epoch: without the order gate on retries they would be written
+// ahead of the failed ones. Published as the relay does, the broker holds
+// every message once, in submission order.
+func TestKafkaRetriesRunOutKeepsKeyOrder(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	fake := c.RequireFake(t) // kfake only: the broker answers NOT_LEADER on demand
+	topic := c.Topic(t, 1)
+	k := newKafka(t, c)
+
+	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotLeaderForPartition, Count: 11})
+	publishAndCount(t, c, k, topic, 300)
+	require.Equal(t, 11, h.Hits())
 }
 
 // TestKafkaFaultAppendedButFailed has the broker append a produce request

@@ -400,52 +400,43 @@ func publishAndCount(t *testing.T, c *kafkatest.Cluster, k *publisher.Kafka, top
 	require.Equal(t, ids(msgs), ids(got))
 }
 
-func TestKafkaFaultNotLeaderOnce(t *testing.T) {
+// TestKafkaProduceFaults has the broker answer a partition's produce
+// requests with an error a number of times, then normally:
+//   - NOT_LEADER once: the producer refreshes metadata and retries;
+//   - NOT_LEADER one time more than the producer retries (fastConfig: 10):
+//     the first request's records fail for good while the records that
+//     waited behind them are sent again under a bumped producer epoch, and
+//     without the order gate on retries they would be written ahead of the
+//     failed ones;
+//   - REQUEST_TIMED_OUT after appending, as a broker does when replication
+//     outlasts the request timeout: only the idempotent producer's
+//     sequence numbers keep the retry from writing the records twice.
+//
+// Published as the relay does, the broker holds every message once, in
+// submission order.
+func TestKafkaProduceFaults(t *testing.T) {
 	t.Parallel()
-	c := kafkatest.Start(t)
-	fake := c.RequireFake(t) // kfake only: the broker answers NOT_LEADER once on demand
-	topic := c.Topic(t, 1)
-	k := newKafka(t, c)
+	for _, tc := range []struct {
+		name  string
+		err   *kerr.Error
+		count int
+	}{
+		{"not leader once", kerr.NotLeaderForPartition, 1},
+		{"retries run out", kerr.NotLeaderForPartition, 11},
+		{"appended but failed", kerr.RequestTimedOut, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			c := kafkatest.Start(t)
+			fake := c.RequireFake(t) // kfake only: the broker answers errors on demand
+			topic := c.Topic(t, 1)
+			k := newKafka(t, c)
 
-	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotLeaderForPartition})
-	publishAndCount(t, c, k, topic, 300)
-	require.Equal(t, 1, h.Hits())
-}
-
-// TestKafkaRetriesRunOutKeepsKeyOrder has the broker refuse a partition's
-// produce requests with a retriable error one time more than the producer
-// retries (fastConfig: 10). The first request's records then fail for good
-// while the records that waited behind them are sent again under a bumped
-// producer epoch: without the order gate on retries they would be written
-// ahead of the failed ones. Published as the relay does, the broker holds
-// every message once, in submission order.
-func TestKafkaRetriesRunOutKeepsKeyOrder(t *testing.T) {
-	t.Parallel()
-	c := kafkatest.Start(t)
-	fake := c.RequireFake(t) // kfake only: the broker answers NOT_LEADER on demand
-	topic := c.Topic(t, 1)
-	k := newKafka(t, c)
-
-	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotLeaderForPartition, Count: 11})
-	publishAndCount(t, c, k, topic, 300)
-	require.Equal(t, 11, h.Hits())
-}
-
-// TestKafkaFaultAppendedButFailed has the broker append a produce request
-// and still answer REQUEST_TIMED_OUT, as a broker does when replication
-// outlasts the request timeout: the client must retry, and only the
-// idempotent producer's sequence numbers keep the retry from writing the
-// records twice.
-func TestKafkaFaultAppendedButFailed(t *testing.T) {
-	t.Parallel()
-	c := kafkatest.Start(t)
-	fake := c.RequireFake(t) // kfake only: the broker appends and still answers REQUEST_TIMED_OUT
-	topic := c.Topic(t, 1)
-	k := newKafka(t, c)
-
-	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.RequestTimedOut, Count: 2})
-	publishAndCount(t, c, k, topic, 300)
-	require.Equal(t, 2, h.Hits())
+			h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: tc.err, Count: tc.count})
+			publishAndCount(t, c, k, topic, 300)
+			require.Equal(t, tc.count, h.Hits())
+		})
+	}
 }
 
 // TestKafkaFaultDroppedReply has the broker swallow a produce request

@@ -149,8 +149,9 @@ func TestBrokerOutageIsNotPoison(t *testing.T) {
 		t.Logf("outage: %d unavailable publishes, %d other failures (%v)", unavailable, len(other), other)
 
 		// Every message arrived. Per-key order of first deliveries is
-		// reported, not failed on: one window remains (see the publisher
-		// package documentation, "order under failures").
+		// reported, not failed on: the order gate closes the retry paths,
+		// but the publisher package documentation ("order under failures")
+		// names what it cannot see.
 		want := len(keys) * 25
 		recs := cluster.ReadAll(t, topic, want, 30*time.Second)
 		next := map[string]int{}

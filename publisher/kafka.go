@@ -209,6 +209,9 @@ type Kafka struct {
 	retired sync.WaitGroup // replacements and retired producers closing
 
 	replacements atomic.Int64
+	// retries counts the retries sarama started (it asks for a backoff
+	// before each one), for the order gate: see call.retriesAtStart.
+	retries atomic.Int64
 }
 
 // producer is one sarama producer and the goroutine routing its results.
@@ -268,6 +271,7 @@ func NewKafka(cfg KafkaConfig) (*Kafka, error) {
 		observer: cfg.Observer,
 		health:   health{gap: replaceGapMin},
 	}
+	k.countRetries()
 	p, err := k.newProducer()
 	if err != nil {
 		return nil, err
@@ -275,6 +279,21 @@ func NewKafka(cfg KafkaConfig) (*Kafka, error) {
 	k.cur = p
 	k.logger.Debug("kafka publisher started", slog.Any("brokers", cfg.Brokers))
 	return k, nil
+}
+
+// countRetries makes sarama count each retry it starts in k.retries.
+// sarama asks Producer.Retry.BackoffFunc (or takes Producer.Retry.Backoff)
+// before it sends a batch or a message again; the wrapper keeps the
+// user's choice and only counts.
+func (k *Kafka) countRetries() {
+	backoff, fixed := k.sc.Producer.Retry.BackoffFunc, k.sc.Producer.Retry.Backoff
+	k.sc.Producer.Retry.BackoffFunc = func(retries, maxRetries int) time.Duration {
+		k.retries.Add(1)
+		if backoff != nil {
+			return backoff(retries, maxRetries)
+		}
+		return fixed
+	}
 }
 
 // newProducer starts a sarama producer (which initialises a new producer
@@ -299,6 +318,20 @@ type call struct {
 	// so that dispatch never blocks on it, even after Publish gave up
 	// waiting because its context ended.
 	results chan result
+
+	// For the order gate: a retry is under way once sarama added a
+	// message of the call to a produce request a second time (retrying),
+	// or started any retry since the call began (retries moved away from
+	// retriesAtStart). The gate then waits for acknowledgements; see
+	// admit.
+	retrying       atomic.Bool
+	retries        *atomic.Int64
+	retriesAtStart int64
+}
+
+// underRetry reports whether a retry may be under way for the call.
+func (c *call) underRetry() bool {
+	return c.retrying.Load() || c.retries.Load() != c.retriesAtStart
 }
 
 type result struct {
@@ -316,30 +349,50 @@ type envelope struct {
 	// The order gate (Kafka only): prev is the previous message of the
 	// same call with the same topic and key (for keyless messages, the
 	// same pinned partition), nil if none. A message is written only if
-	// its predecessor reached the produce request before it and has not
-	// failed; see gate.
+	// its predecessor reached a produce request before it and has not
+	// failed, and, once either of them is being retried, only after the
+	// predecessor was acknowledged; see admit.
 	prev    *envelope
-	encoded atomic.Bool // the message was added to a produce request
-	failed  atomic.Bool // the producer reported the message failed
+	encodes atomic.Int32 // times the message was added to a produce request
+	acked   atomic.Bool  // the producer reported the message written
+	failed  atomic.Bool  // the producer reported the message failed, or the gate held it back
 }
 
 // errHeldBack fails a message whose predecessor of the same key in the
-// same Publish call failed before it could be written: writing it would
-// put the key out of order.
+// same Publish call failed before it could be written, or was still being
+// retried: writing it would risk putting the key out of order.
 var errHeldBack = relay.Unavailable(errors.New("held back: an earlier message of its key in the batch was not written"))
 
-// admit is the order gate, run by sarama when it adds the message to a
-// produce request, after the predecessor of the same key (if any) passed
-// through the same point or failed. sarama fails some messages without
-// stopping the later ones of their partition (a leader lookup that fails
-// for one message while the next finds the leader): the gate fails the
-// later ones too, so that a key is never written out of order within a
-// batch.
+// admit is the order gate, run by sarama each time it adds the message to
+// a produce request (once per attempt).
+//
+// sarama fails some messages without stopping the later ones of their
+// partition: a leader lookup that fails for one message while the next
+// finds the leader, or a request whose retries ran out while the messages
+// behind it wait to be sent again under a bumped producer epoch. The
+// producer reports those failures asynchronously, so the gate cannot rely
+// on seeing them in time. It therefore admits a message only if its
+// predecessor was added before it and has not failed, and, once a retry
+// may be under way (a message of the call is on its second attempt, or the
+// producer started a retry since the call began), only after the
+// predecessor's acknowledgement was seen.
+// Whatever it refuses fails as unavailable and is not written; the relay
+// publishes it again after the predecessor. A refusal marks the message
+// failed at once, so its own successors are held back too.
 func (e *envelope) admit() error {
-	if p := e.prev; p != nil && (!p.encoded.Load() || p.failed.Load()) {
+	if e.encodes.Add(1) > 1 {
+		e.call.retrying.Store(true)
+	}
+	p := e.prev
+	if p == nil {
+		return nil
+	}
+	held := p.encodes.Load() == 0 || p.failed.Load() ||
+		(e.call.underRetry() && !p.acked.Load())
+	if held {
+		e.failed.Store(true)
 		return errHeldBack
 	}
-	e.encoded.Store(true)
 	return nil
 }
 
@@ -406,6 +459,8 @@ func deliver(logger *slog.Logger, msg *sarama.ProducerMessage, err error) {
 	}
 	if err != nil {
 		env.failed.Store(true)
+	} else {
+		env.acked.Store(true)
 	}
 	select {
 	case env.call.results <- result{index: env.index, err: err}:
@@ -475,7 +530,7 @@ func (k *Kafka) send(ctx context.Context, p *producer, msgs []relay.Message) (c 
 			nBytes += len(h.Key)
 		}
 	}
-	c = &call{results: make(chan result, n)}
+	c = &call{results: make(chan result, n), retries: &k.retries, retriesAtStart: k.retries.Load()}
 	// One allocation each for all of the batch's messages, envelopes,
 	// headers, key and value encoders, and header key and message id bytes:
 	// the producer holds pointers into them until it reports.
@@ -560,7 +615,7 @@ func (k *Kafka) send(ctx context.Context, p *producer, msgs []relay.Message) (c 
 			}
 			pm.Value = &encoders[2*i+1]
 		} else if !gated {
-			env.encoded.Store(true) // nothing to encode: a keyless tombstone passes ungated
+			env.encodes.Store(1) // nothing to encode: a keyless tombstone passes ungated
 		}
 		// Stop as soon as ctx ends; otherwise hand the message over at once
 		// if the producer's input has room, which is cheaper than waiting

@@ -374,46 +374,69 @@ func TestKafkaAuthorizationFailureIsPermanent(t *testing.T) {
 	require.True(t, relay.IsPermanent(err))
 }
 
-// publishAndCount publishes n messages in one batch and checks the broker
-// holds each exactly once, in order.
+// publishAndCount publishes n messages of one key as the relay does: the
+// whole batch, then what follows the acknowledged prefix, until every
+// message is acknowledged. A retry inside the producer may cut the batch
+// (the order gate holds back what waits for an acknowledgement), but only
+// with an unavailable error, and the broker then holds each message exactly
+// once, in order.
 func publishAndCount(t *testing.T, c *kafkatest.Cluster, k *publisher.Kafka, topic string, n int) {
 	t.Helper()
 	msgs := publishertest.Messages(topic, "fault", n)
-	acked, err := k.Publish(testCtx(t), msgs)
-	require.NoError(t, err)
-	require.Equal(t, n, acked)
+	rest, calls := msgs, 0
+	for len(rest) > 0 {
+		calls++
+		require.LessOrEqual(t, calls, 10, "publishing %d messages took too many calls", n)
+		acked, err := k.Publish(testCtx(t), rest)
+		if err != nil {
+			require.True(t, relay.IsUnavailable(err), "a cut batch must be unavailable, not %v", err)
+		}
+		require.True(t, acked > 0 || err != nil, "no progress without an error")
+		rest = rest[acked:]
+	}
+	t.Logf("%d messages published in %d calls", n, calls)
 	require.Equal(t, int64(n), c.RecordCount(t, topic), "no duplicates on the broker")
 	got := toMessages(t, readAll(t, c, topic, n), publisher.DefaultMessageIDHeader)
 	require.Equal(t, ids(msgs), ids(got))
 }
 
-func TestKafkaFaultNotLeaderOnce(t *testing.T) {
+// TestKafkaProduceFaults has the broker answer a partition's produce
+// requests with an error a number of times, then normally:
+//   - NOT_LEADER once: the producer refreshes metadata and retries;
+//   - NOT_LEADER one time more than the producer retries (fastConfig: 10):
+//     the first request's records fail for good while the records that
+//     waited behind them are sent again under a bumped producer epoch, and
+//     without the order gate on retries they would be written ahead of the
+//     failed ones;
+//   - REQUEST_TIMED_OUT after appending, as a broker does when replication
+//     outlasts the request timeout: only the idempotent producer's
+//     sequence numbers keep the retry from writing the records twice.
+//
+// Published as the relay does, the broker holds every message once, in
+// submission order.
+func TestKafkaProduceFaults(t *testing.T) {
 	t.Parallel()
-	c := kafkatest.Start(t)
-	fake := c.RequireFake(t) // kfake only: the broker answers NOT_LEADER once on demand
-	topic := c.Topic(t, 1)
-	k := newKafka(t, c)
+	for _, tc := range []struct {
+		name  string
+		err   *kerr.Error
+		count int
+	}{
+		{"not leader once", kerr.NotLeaderForPartition, 1},
+		{"retries run out", kerr.NotLeaderForPartition, 11},
+		{"appended but failed", kerr.RequestTimedOut, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			c := kafkatest.Start(t)
+			fake := c.RequireFake(t) // kfake only: the broker answers errors on demand
+			topic := c.Topic(t, 1)
+			k := newKafka(t, c)
 
-	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotLeaderForPartition})
-	publishAndCount(t, c, k, topic, 300)
-	require.Equal(t, 1, h.Hits())
-}
-
-// TestKafkaFaultAppendedButFailed has the broker append a produce request
-// and still answer REQUEST_TIMED_OUT, as a broker does when replication
-// outlasts the request timeout: the client must retry, and only the
-// idempotent producer's sequence numbers keep the retry from writing the
-// records twice.
-func TestKafkaFaultAppendedButFailed(t *testing.T) {
-	t.Parallel()
-	c := kafkatest.Start(t)
-	fake := c.RequireFake(t) // kfake only: the broker appends and still answers REQUEST_TIMED_OUT
-	topic := c.Topic(t, 1)
-	k := newKafka(t, c)
-
-	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.RequestTimedOut, Count: 2})
-	publishAndCount(t, c, k, topic, 300)
-	require.Equal(t, 2, h.Hits())
+			h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: tc.err, Count: tc.count})
+			publishAndCount(t, c, k, topic, 300)
+			require.Equal(t, tc.count, h.Hits())
+		})
+	}
 }
 
 // TestKafkaFaultDroppedReply has the broker swallow a produce request

@@ -76,6 +76,12 @@ func (p *partitioner) Partition(msg *sarama.ProducerMessage, numPartitions int32
 	if msg.Key == nil {
 		return p.random.Partition(msg, numPartitions)
 	}
+	// The publisher's own keys are read directly: encoding one runs the
+	// order gate, which belongs to the moment sarama adds the record to a
+	// produce request, not to partitioning.
+	if g, ok := msg.Key.(*gatedEncoder); ok {
+		return KeyPartition(g.b, numPartitions), nil
+	}
 	key, err := msg.Key.Encode()
 	if err != nil {
 		return -1, err

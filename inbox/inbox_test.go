@@ -273,7 +273,7 @@ func TestProcessMissingID(t *testing.T) {
 }
 
 // lockWaiters counts the sessions waiting on a row lock in a statement
-// on table, for the databases that show it.
+// on table (PostgreSQL) or in the test's database (MySQL).
 func lockWaiters(t testing.TB, db *dbtest.DB, table string) int64 {
 	var n int64
 	var err error
@@ -281,7 +281,11 @@ func lockWaiters(t testing.TB, db *dbtest.DB, table string) int64 {
 	case dbtest.Postgres:
 		err = db.DB.Raw("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE ?", "%"+table+"%").Scan(&n).Error
 	case dbtest.MySQL:
-		err = db.DB.Raw("SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE ?", "%"+table+"%").Scan(&n).Error
+		// By the waiting session's database: trx_query is not always
+		// filled in for a statement that waits.
+		err = db.DB.Raw(`SELECT COUNT(*) FROM information_schema.INNODB_TRX t
+			JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id
+			WHERE t.trx_state = 'LOCK WAIT' AND p.DB = ?`, db.Namespace).Scan(&n).Error
 	}
 	assert.NoError(t, err)
 	return n

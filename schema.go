@@ -8,7 +8,8 @@ import (
 	"strings"
 
 	"gorm.io/gorm"
-	"gorm.io/gorm/schema"
+
+	"github.com/gorm-outbox/outbox/internal/sqlschema"
 )
 
 //go:generate go test -run TestMigrationFiles -update-migrations .
@@ -17,19 +18,19 @@ import (
 // the names GORM's dialectors report, so db.Dialector.Name() can be passed
 // as is. "postgresql", "mariadb" and "sqlite3" are accepted as aliases.
 const (
-	DialectPostgres = "postgres"
-	DialectMySQL    = "mysql" // MySQL 8 and MariaDB 10.5+
-	DialectSQLite   = "sqlite"
+	DialectPostgres = sqlschema.Postgres
+	DialectMySQL    = sqlschema.MySQL // MySQL 8 and MariaDB 10.5+
+	DialectSQLite   = sqlschema.SQLite
 )
 
 // Migration file formats accepted by MigrationFiles.
 const (
 	// FormatGolangMigrate is github.com/golang-migrate/migrate: a pair of
 	// files per migration, 000001_outbox.up.sql and 000001_outbox.down.sql.
-	FormatGolangMigrate = "golang-migrate"
+	FormatGolangMigrate = sqlschema.FormatGolangMigrate
 	// FormatGoose is github.com/pressly/goose: one file per migration,
 	// 00001_outbox.sql, with "-- +goose Up" and "-- +goose Down" sections.
-	FormatGoose = "goose"
+	FormatGoose = sqlschema.FormatGoose
 )
 
 // SchemaVersion is the version of the outbox tables this release needs:
@@ -90,42 +91,32 @@ func (e *SchemaError) Error() string {
 // Is lets errors.Is(err, ErrSchemaOutdated) match.
 func (e *SchemaError) Is(target error) bool { return target == ErrSchemaOutdated }
 
-// column is one column of an outbox table, with its type and constraints
-// in each dialect, spelled as Tables.AutoMigrate creates it, and the
-// migration that added it.
-type column struct {
-	name              string
-	pg, mysql, sqlite string
-	since             int
-}
-
-type index struct {
-	suffix  string // the index name is idx_<table>_<suffix>
-	columns []string
-}
-
 // tableDef describes one outbox table. It is the single source of the
 // DDL, the migration files and the store's schema check; the schema tests
 // prove it equivalent to the GORM models of model.go on every database.
 type tableDef struct {
-	name    func(Tables) string // unqualified name
-	columns []column
-	pk      string
-	indexes []index
+	name func(Tables) string // unqualified name
+	sqlschema.Table
+}
+
+func (t tableDef) under(tables Tables) sqlschema.Table {
+	st := t.Table
+	st.Name = t.name(tables)
+	return st
 }
 
 // messageColumns are the columns a dead letter keeps of its message, in
 // the order both tables have them.
-var messageColumns = []column{
-	{"message_id", "varchar(64) NOT NULL", "varchar(64) NOT NULL", "varchar(64) NOT NULL", 1},
-	{"bucket", "integer NOT NULL", "int NOT NULL", "integer NOT NULL", 1},
-	{"topic", "varchar(249) NOT NULL", "varchar(249) NOT NULL", "varchar(249) NOT NULL", 1},
-	{"msg_key", "bytea", "longblob", "blob", 1},
-	{"msg_value", "bytea", "longblob", "blob", 1},
-	{"headers", "bytea", "longblob", "blob", 1},
-	{"msg_partition", "integer", "int", "integer", 1},
-	{"created_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
-	{"attempts", "integer NOT NULL DEFAULT 0", "int NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
+var messageColumns = []sqlschema.Column{
+	sqlschema.C("message_id", "varchar(64) NOT NULL", "varchar(64) NOT NULL", "varchar(64) NOT NULL", 1),
+	sqlschema.C("bucket", "integer NOT NULL", "int NOT NULL", "integer NOT NULL", 1),
+	sqlschema.C("topic", "varchar(249) NOT NULL", "varchar(249) NOT NULL", "varchar(249) NOT NULL", 1),
+	sqlschema.C("msg_key", "bytea", "longblob", "blob", 1),
+	sqlschema.C("msg_value", "bytea", "longblob", "blob", 1),
+	sqlschema.C("headers", "bytea", "longblob", "blob", 1),
+	sqlschema.C("msg_partition", "integer", "int", "integer", 1),
+	sqlschema.C("created_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1),
+	sqlschema.C("attempts", "integer NOT NULL DEFAULT 0", "int NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1),
 }
 
 // The column types are exactly those GORM's migrators emit for the models
@@ -134,52 +125,60 @@ var messageColumns = []column{
 var outboxTables = []tableDef{
 	{
 		name: func(t Tables) string { return t.Messages },
-		columns: slices.Concat(
-			[]column{{"id", "bigserial", "bigint AUTO_INCREMENT", "integer PRIMARY KEY AUTOINCREMENT", 1}},
-			messageColumns,
-			[]column{
-				{"next_attempt_at_ms", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
-				{"last_error", "text", "text", "text", 1},
-			},
-		),
-		pk:      "id",
-		indexes: []index{{"bucket_id", []string{"bucket", "id"}}},
+		Table: sqlschema.Table{
+			Columns: slices.Concat(
+				[]sqlschema.Column{sqlschema.C("id", "bigserial", "bigint AUTO_INCREMENT", "integer PRIMARY KEY AUTOINCREMENT", 1)},
+				messageColumns,
+				[]sqlschema.Column{
+					sqlschema.C("next_attempt_at_ms", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1),
+					sqlschema.C("last_error", "text", "text", "text", 1),
+				},
+			),
+			PK:      "id",
+			Indexes: []sqlschema.Index{sqlschema.Ix("bucket_id", "bucket", "id")},
+		},
 	},
 	{
 		name: func(t Tables) string { return t.Leases },
-		columns: []column{
-			{"bucket", "integer", "int", "integer", 1},
-			{"owner", "varchar(128)", "varchar(128)", "varchar(128)", 1},
-			{"term", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
-			{"expires_at_ms", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1},
-			{"paused", "boolean NOT NULL DEFAULT false", "boolean NOT NULL DEFAULT false", "numeric NOT NULL DEFAULT false", 1},
+		Table: sqlschema.Table{
+			Columns: []sqlschema.Column{
+				sqlschema.C("bucket", "integer", "int", "integer", 1),
+				sqlschema.C("owner", "varchar(128)", "varchar(128)", "varchar(128)", 1),
+				sqlschema.C("term", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1),
+				sqlschema.C("expires_at_ms", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1),
+				sqlschema.C("paused", "boolean NOT NULL DEFAULT false", "boolean NOT NULL DEFAULT false", "numeric NOT NULL DEFAULT false", 1),
+			},
+			PK: "bucket",
 		},
-		pk: "bucket",
 	},
 	{
 		name: func(t Tables) string { return t.Relays },
-		columns: []column{
-			{"relay_id", "varchar(128)", "varchar(128)", "varchar(128)", 1},
-			{"last_seen_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
-			{"started_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
+		Table: sqlschema.Table{
+			Columns: []sqlschema.Column{
+				sqlschema.C("relay_id", "varchar(128)", "varchar(128)", "varchar(128)", 1),
+				sqlschema.C("last_seen_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1),
+				sqlschema.C("started_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1),
+			},
+			PK: "relay_id",
 		},
-		pk: "relay_id",
 	},
 	{
 		name: func(t Tables) string { return t.DeadLetters },
-		columns: slices.Concat(
-			[]column{{"id", "bigint", "bigint", "integer", 1}},
-			messageColumns,
-			[]column{
-				{"last_error", "text", "text", "text", 1},
-				{"dead_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1},
-				{"state", "varchar(16) NOT NULL", "varchar(16) NOT NULL", "varchar(16) NOT NULL", 1},
+		Table: sqlschema.Table{
+			Columns: slices.Concat(
+				[]sqlschema.Column{sqlschema.C("id", "bigint", "bigint", "integer", 1)},
+				messageColumns,
+				[]sqlschema.Column{
+					sqlschema.C("last_error", "text", "text", "text", 1),
+					sqlschema.C("dead_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1),
+					sqlschema.C("state", "varchar(16) NOT NULL", "varchar(16) NOT NULL", "varchar(16) NOT NULL", 1),
+				},
+			),
+			PK: "id",
+			Indexes: []sqlschema.Index{
+				sqlschema.Ix("bucket_id", "bucket", "id"),
+				sqlschema.Ix("dead_at_ms", "dead_at_ms"),
 			},
-		),
-		pk: "id",
-		indexes: []index{
-			{"bucket_id", []string{"bucket", "id"}},
-			{"dead_at_ms", []string{"dead_at_ms"}},
 		},
 	},
 }
@@ -189,13 +188,8 @@ var migrationNames = []string{"outbox"}
 
 // normalizeDialect maps a dialect name or alias to its Dialect constant.
 func normalizeDialect(dialect string) (string, error) {
-	switch strings.ToLower(dialect) {
-	case DialectPostgres, "postgresql", "pgx", "pg":
-		return DialectPostgres, nil
-	case DialectMySQL, "mariadb":
-		return DialectMySQL, nil
-	case DialectSQLite, "sqlite3":
-		return DialectSQLite, nil
+	if d, ok := sqlschema.Normalize(dialect); ok {
+		return d, nil
 	}
 	return "", &ConfigError{Field: "dialect", Value: fmt.Sprintf("%q", dialect), Reason: "must be postgres, mysql (MariaDB) or sqlite"}
 }
@@ -208,105 +202,6 @@ func completeTables(tables Tables) (Tables, error) {
 		return Tables{}, err
 	}
 	return cfg.Tables, nil
-}
-
-// ddl renders the statements of one dialect. Identifiers are quoted the
-// way GORM quotes them; Tables validation already limits them to
-// [A-Za-z_][A-Za-z0-9_]*.
-type ddl struct {
-	dialect string
-	tables  Tables
-}
-
-func (d ddl) quote(name string) string {
-	if d.dialect == DialectMySQL {
-		return "`" + name + "`"
-	}
-	return `"` + name + `"`
-}
-
-// table returns the quoted, schema-qualified table name.
-func (d ddl) table(name string) string {
-	if d.tables.Schema == "" {
-		return d.quote(name)
-	}
-	return d.quote(d.tables.Schema) + "." + d.quote(name)
-}
-
-func (d ddl) columnList(cols []string) string {
-	q := make([]string, len(cols))
-	for i, c := range cols {
-		q[i] = d.quote(c)
-	}
-	return strings.Join(q, ", ")
-}
-
-// indexName is the name GORM's default naming strategy gives the index:
-// idx_<table>_<suffix>, shortened with a hash past the identifier limit
-// GORM's dialector sets (63 characters on PostgreSQL, 64 elsewhere).
-func (d ddl) indexName(table, suffix string) string {
-	limit := 64
-	if d.dialect == DialectPostgres {
-		limit = 63
-	}
-	return schema.NamingStrategy{IdentifierMaxLength: limit}.IndexName(table, suffix)
-}
-
-func (d ddl) typeOf(c column) string {
-	switch d.dialect {
-	case DialectPostgres:
-		return c.pg
-	case DialectMySQL:
-		return c.mysql
-	}
-	return c.sqlite
-}
-
-// create returns the CREATE TABLE and CREATE INDEX statements of t for the
-// columns added up to version.
-func (d ddl) create(t tableDef, version int) []string {
-	name := t.name(d.tables)
-	var sb strings.Builder
-	sb.WriteString("CREATE TABLE IF NOT EXISTS " + d.table(name) + " (\n")
-	var defs []string
-	for _, c := range t.columns {
-		if c.since <= version {
-			defs = append(defs, "  "+d.quote(c.name)+" "+d.typeOf(c))
-		}
-	}
-	// SQLite declares an AUTOINCREMENT key on its column.
-	if !(d.dialect == DialectSQLite && strings.Contains(d.typeOf(t.columns[0]), "PRIMARY KEY")) {
-		defs = append(defs, "  PRIMARY KEY ("+d.quote(t.pk)+")")
-	}
-	if d.dialect == DialectMySQL {
-		// MySQL declares indexes inside CREATE TABLE, as GORM does: MySQL
-		// has no CREATE INDEX IF NOT EXISTS.
-		for _, ix := range t.indexes {
-			defs = append(defs, "  INDEX "+d.quote(d.indexName(name, ix.suffix))+" ("+d.columnList(ix.columns)+")")
-		}
-	}
-	sb.WriteString(strings.Join(defs, ",\n"))
-	sb.WriteString("\n)")
-	if d.dialect == DialectMySQL {
-		// The outbox needs transactions: never let a server default put
-		// the tables on a non-transactional engine.
-		sb.WriteString(" ENGINE=InnoDB")
-	}
-	stmts := []string{sb.String()}
-	if d.dialect == DialectMySQL {
-		return stmts
-	}
-	for _, ix := range t.indexes {
-		iname := d.quote(d.indexName(name, ix.suffix))
-		on := d.table(name)
-		if d.dialect == DialectSQLite && d.tables.Schema != "" {
-			// SQLite qualifies the index, not the table it is on.
-			iname = d.quote(d.tables.Schema) + "." + iname
-			on = d.quote(name)
-		}
-		stmts = append(stmts, "CREATE INDEX IF NOT EXISTS "+iname+" ON "+on+" ("+d.columnList(ix.columns)+")")
-	}
-	return stmts
 }
 
 // Migrations returns every migration of the outbox tables for the dialect
@@ -326,18 +221,18 @@ func Migrations(dialect string, tables Tables) ([]Migration, error) {
 	if tables, err = completeTables(tables); err != nil {
 		return nil, err
 	}
-	d := ddl{dialect: dialect, tables: tables}
+	d := sqlschema.DDL{Dialect: dialect, Schema: tables.Schema}
 	ms := make([]Migration, 0, SchemaVersion)
 	// Version 1 creates the tables; a later version adds its ALTER
-	// statements here, and its columns to outboxTables with since set to
+	// statements here, and its columns to outboxTables with Since set to
 	// it.
 	m := Migration{Version: 1, Name: migrationNames[0]}
-	for _, t := range outboxTables {
-		m.Up = append(m.Up, d.create(t, 1)...)
+	all := make([]sqlschema.Table, len(outboxTables))
+	for i, t := range outboxTables {
+		all[i] = t.under(tables)
+		m.Up = append(m.Up, d.Create(all[i], 1)...)
 	}
-	for i := len(outboxTables) - 1; i >= 0; i-- {
-		m.Down = append(m.Down, "DROP TABLE IF EXISTS "+d.table(outboxTables[i].name(tables)))
-	}
+	m.Down = d.Drop(all)
 	ms = append(ms, m)
 	return ms, nil
 }
@@ -374,46 +269,16 @@ func MigrationFiles(dialect string, tables Tables, format string) ([]MigrationFi
 	if err != nil {
 		return nil, err
 	}
+	sms := make([]sqlschema.Migration, len(ms))
+	for i, m := range ms {
+		sms[i] = sqlschema.Migration(m)
+	}
+	d, _ := normalizeDialect(dialect)
 	var files []MigrationFile
-	for _, m := range ms {
-		// The header depends on the migration only, so a released file
-		// never changes when later migrations are added.
-		header := fmt.Sprintf("-- gorm-outbox schema migration %d (%s), %s dialect.\n"+
-			"-- Generated by outbox.MigrationFiles; do not edit.\n", m.Version, m.Name, dialectName(dialect))
-		switch format {
-		case FormatGolangMigrate:
-			files = append(files,
-				MigrationFile{Name: m.ID() + ".up.sql", Content: []byte(header + "\n" + sqlScript(m.Up))},
-				MigrationFile{Name: m.ID() + ".down.sql", Content: []byte(header + "\n" + sqlScript(m.Down))})
-		case FormatGoose:
-			files = append(files, MigrationFile{
-				Name: fmt.Sprintf("%05d_%s.sql", m.Version, m.Name),
-				Content: []byte(header + "\n-- +goose Up\n" + sqlScript(m.Up) +
-					"\n-- +goose Down\n" + sqlScript(m.Down)),
-			})
-		}
+	for _, f := range sqlschema.Files("gorm-outbox", "outbox.MigrationFiles", d, format, sms) {
+		files = append(files, MigrationFile(f))
 	}
 	return files, nil
-}
-
-func dialectName(dialect string) string {
-	d, _ := normalizeDialect(dialect)
-	return d
-}
-
-// sqlScript joins statements into a script, one statement per paragraph,
-// each ending with a semicolon at the end of its last line (where goose
-// looks for it).
-func sqlScript(stmts []string) string {
-	var sb strings.Builder
-	for i, s := range stmts {
-		if i > 0 {
-			sb.WriteString("\n")
-		}
-		sb.WriteString(s)
-		sb.WriteString(";\n")
-	}
-	return sb.String()
 }
 
 // CheckSchema verifies that the outbox tables of tables exist in db and
@@ -432,10 +297,10 @@ func CheckSchema(ctx context.Context, db *gorm.DB, tables Tables) error {
 	for _, t := range outboxTables {
 		name := tables.qualified(t.name(tables))
 		quoted := db.Statement.Quote(name)
-		cols := make([]string, 0, len(t.columns))
-		for _, c := range t.columns {
-			if c.since <= SchemaVersion {
-				cols = append(cols, db.Statement.Quote(c.name))
+		cols := make([]string, 0, len(t.Columns))
+		for _, c := range t.Columns {
+			if c.Since <= SchemaVersion {
+				cols = append(cols, db.Statement.Quote(c.Name))
 			}
 		}
 		err := db.Exec("SELECT " + strings.Join(cols, ", ") + " FROM " + quoted + " WHERE 1 = 0").Error
@@ -452,9 +317,9 @@ func CheckSchema(ctx context.Context, db *gorm.DB, tables Tables) error {
 		if db.Exec("SELECT 1 FROM "+quoted+" WHERE 1 = 0").Error != nil {
 			return &SchemaError{Table: name, Migration: migrationID(1)}
 		}
-		for _, c := range t.columns {
-			if c.since <= SchemaVersion && db.Exec("SELECT "+db.Statement.Quote(c.name)+" FROM "+quoted+" WHERE 1 = 0").Error != nil {
-				return &SchemaError{Table: name, Column: c.name, Migration: migrationID(c.since)}
+		for _, c := range t.Columns {
+			if c.Since <= SchemaVersion && db.Exec("SELECT "+db.Statement.Quote(c.Name)+" FROM "+quoted+" WHERE 1 = 0").Error != nil {
+				return &SchemaError{Table: name, Column: c.Name, Migration: migrationID(c.Since)}
 			}
 		}
 		return fmt.Errorf("outbox: check schema of %s: %w", name, err)

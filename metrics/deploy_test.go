@@ -40,6 +40,12 @@ func exportedNames(t *testing.T) map[string]bool {
 	now := time.Now()
 	c.BacklogSampled(relay.Backlog{BucketCount: 1, Pending: 1, Oldest: now, DeadLettersKnown: true, SampledAt: now,
 		Buckets: []relay.BucketBacklog{{Bucket: 0, Pending: 1, Oldest: now}}})
+	ib, err := metrics.NewInbox(metrics.InboxConfig{})
+	require.NoError(t, err)
+	require.NoError(t, reg.Register(ib))
+	ib.Processed("t")
+	ib.DuplicateSkipped("t")
+	ib.Purged(1)
 	mfs, err := reg.Gather()
 	require.NoError(t, err)
 	names := map[string]bool{}
@@ -51,7 +57,7 @@ func exportedNames(t *testing.T) map[string]bool {
 			}
 		}
 	}
-	require.Len(t, mfs, 16, "every family gathered")
+	require.Len(t, mfs, 20, "every family gathered")
 	return names
 }
 
@@ -208,6 +214,7 @@ func TestAlertRules(t *testing.T) {
 	for _, want := range []string{
 		"OutboxOldestPendingMessageTooOld", "OutboxPublishFailing", "OutboxPermanentPublishFailure",
 		"OutboxLeaseExpirations", "OutboxBacklogSampleUnavailable", "OutboxDeadLettersGrowing",
+		"OutboxInboxProcessingFailing",
 	} {
 		require.True(t, slices.Contains(names, want), "missing alert %s", want)
 	}

@@ -75,7 +75,7 @@ real_kafka_pass() {
   trap 'bash "$KAFKA_SH" stop >/dev/null 2>&1 || true; rm -rf "$OUTBOX_KAFKA_DIR"' EXIT
   echo "== Apache Kafka: one node"
   bootstrap=$(bash "$kafka" start --nodes 1)
-  echo "== go test on Apache Kafka ($bootstrap): strict mode and tracing, publisher, outboxtest, kafkatest, bad input, bench smoke, example"
+  echo "== go test on Apache Kafka ($bootstrap): strict mode and tracing, publisher, inbox, outboxtest, kafkatest, bad input, bench smoke, example"
   # Both go test runs must pass: && keeps the first one's failure (a
   # subshell on the left of || runs without set -e).
   # In the root package and gormrelay only the tests that talk to Kafka
@@ -85,7 +85,7 @@ real_kafka_pass() {
     KAFKA_BROKERS=$bootstrap go test -race -count=1 -timeout 15m -v \
       -run '^(TestStrict|TestObservability|TestTraceContext|Example)' . ./gormrelay &&
       KAFKA_BROKERS=$bootstrap go test -race -count=1 -timeout 15m -v \
-        ./publisher/... ./outboxtest/... ./internal/kafkatest/... ./test/badinput/... ./cmd/outbox-bench/... &&
+        ./publisher/... ./inbox/... ./outboxtest/... ./internal/kafkatest/... ./test/badinput/... ./cmd/outbox-bench/... &&
       (cd examples/gin-orders && KAFKA_BROKERS=$bootstrap go test -race -count=1 -timeout 10m -v ./...)
   } >"$log.1" 2>&1 || { grep -E -- '--- FAIL|^FAIL|panic:' "$log.1" | head -40; tail -80 "$log.1"; return 1; }
   bash "$kafka" stop

@@ -57,9 +57,14 @@ func (p *poison) hook(_ context.Context, msgs []relay.Message) (int, error) {
 }
 
 // relayConfig is fastConfig with the bundle's bucket count.
+//
+// It is for tests of one relay: its lease (10 s) outlasts any stall of a
+// busy machine's database, so the relay never loses a bucket to nobody;
+// tests of takeover use fastConfig's short lease.
 func (b *storeBundle) relayConfig(t testing.TB, id string) relay.Config {
 	cfg := fastConfig(t, id)
 	cfg.BucketCount = b.cfg.BucketCount
+	cfg.LeaseDuration = 10 * time.Second
 	return cfg
 }
 

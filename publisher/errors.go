@@ -160,6 +160,9 @@ func classify(err error) error {
 			return relay.Permanent(err)
 		}
 	}
+	if relay.IsUnavailable(err) {
+		return err // already marked: do not mark it twice
+	}
 	if isUnavailable(err) {
 		return relay.Unavailable(err)
 	}

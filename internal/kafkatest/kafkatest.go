@@ -297,7 +297,10 @@ func (c *Cluster) waitForLeaders(t testing.TB, ctx context.Context, topic string
 				}
 			}
 			if ready {
-				return
+				if last = c.notServing(ctx, topic, partitions); last == "" {
+					return
+				}
+				break
 			}
 			last = fmt.Sprintf("topic error %v, %d partitions", kerr.ErrorForCode(mt.ErrorCode), len(mt.Partitions))
 		}
@@ -307,6 +310,45 @@ func (c *Cluster) waitForLeaders(t testing.TB, ctx context.Context, topic string
 		case <-tick.C:
 		}
 	}
+}
+
+// notServing asks every partition's leader for the partition's end offset
+// (a read that writes nothing) and describes the first partition whose
+// leader does not serve it yet, or returns "". A real broker lists itself
+// as a new partition's leader in metadata a moment before it serves the
+// partition, and answers NOT_LEADER_OR_FOLLOWER meanwhile: a test's first
+// produce would then go through the producer's retry path.
+func (c *Cluster) notServing(ctx context.Context, topic string, partitions int32) string {
+	if c.fake != nil {
+		return ""
+	}
+	req := kmsg.NewPtrListOffsetsRequest()
+	rt := kmsg.NewListOffsetsRequestTopic()
+	rt.Topic = topic
+	for p := range partitions {
+		rp := kmsg.NewListOffsetsRequestTopicPartition()
+		rp.Partition = p
+		rp.Timestamp = -1 // the end offset
+		rt.Partitions = append(rt.Partitions, rp)
+	}
+	req.Topics = append(req.Topics, rt)
+	resp, err := req.RequestWith(ctx, c.admin)
+	if err != nil {
+		return "list offsets: " + err.Error()
+	}
+	served := 0
+	for _, t := range resp.Topics {
+		for _, p := range t.Partitions {
+			if err := kerr.ErrorForCode(p.ErrorCode); err != nil {
+				return fmt.Sprintf("partition %d: %v", p.Partition, err)
+			}
+			served++
+		}
+	}
+	if served < int(partitions) {
+		return fmt.Sprintf("%d of %d partitions answered list offsets", served, partitions)
+	}
+	return ""
 }
 
 // Header is one record header.

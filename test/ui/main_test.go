@@ -50,6 +50,8 @@ type sharedBrowser struct {
 	cancel  func()
 	dataDir string
 	err     error
+	took    time.Duration // the browser's start, logged by the first tab
+	logged  sync.Once
 }
 
 var browser sharedBrowser
@@ -96,6 +98,7 @@ func (b *sharedBrowser) start() error {
 			chromedp.Flag("password-store", "basic"),
 			chromedp.WindowSize(1280, 900),
 		}
+		start := time.Now()
 		alloc, cancelAlloc := chromedp.NewExecAllocator(context.Background(), opts...)
 		ctx, cancelCtx := chromedp.NewContext(alloc)
 		b.ctx = ctx
@@ -103,6 +106,7 @@ func (b *sharedBrowser) start() error {
 		if err := chromedp.Do(ctx); err != nil {
 			b.err = fmt.Errorf("start %s: %w", path, err)
 		}
+		b.took = time.Since(start)
 	})
 	return b.err
 }
@@ -126,6 +130,9 @@ func tab(t *testing.T) context.Context {
 		}
 		t.Skipf("headless Chromium unavailable: %v", err)
 	}
+	browser.logged.Do(func() {
+		t.Logf("headless Chromium started in %s (shared by every test of the binary)", browser.took.Round(time.Millisecond))
+	})
 	ctx, cancel := chromedp.NewContext(browser.ctx)
 	t.Cleanup(cancel)
 	// Open the tab now, so that a failure names the browser.

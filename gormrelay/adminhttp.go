@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -191,7 +192,15 @@ func (h *adminHandler) list(w http.ResponseWriter, r *http.Request) {
 }
 
 func parseDeadLetterQuery(r *http.Request) (DeadLetterQuery, error) {
-	v := r.URL.Query()
+	return ParseDeadLetterQuery(r.URL.Query(), time.Now())
+}
+
+// ParseDeadLetterQuery reads a dead-letter filter from URL query
+// parameters, as GET /dead-letters takes them: topic, key (or key_base64,
+// or keyless=true), state, bucket, since, until (ParseAdminTime, relative
+// to now), limit and cursor. A present but empty key selects the empty
+// key. Every error it returns describes a malformed parameter.
+func ParseDeadLetterQuery(v url.Values, now time.Time) (DeadLetterQuery, error) {
 	q := DeadLetterQuery{Topic: v.Get("topic"), State: DeadLetterState(v.Get("state")), Cursor: v.Get("cursor")}
 	var err error
 	if q.Key, err = keyParam(v.Has("key"), v.Get("key"), v.Get("key_base64")); err != nil {
@@ -214,10 +223,10 @@ func parseDeadLetterQuery(r *http.Request) (DeadLetterQuery, error) {
 			return q, badf("limit: %v", err)
 		}
 	}
-	if q.Since, err = ParseAdminTime(v.Get("since"), time.Now()); err != nil {
+	if q.Since, err = ParseAdminTime(v.Get("since"), now); err != nil {
 		return q, badf("since: %v", err)
 	}
-	if q.Until, err = ParseAdminTime(v.Get("until"), time.Now()); err != nil {
+	if q.Until, err = ParseAdminTime(v.Get("until"), now); err != nil {
 		return q, badf("until: %v", err)
 	}
 	return q, nil

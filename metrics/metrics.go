@@ -10,6 +10,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -378,6 +379,17 @@ func (c *Collector) Published(e relay.PublishEvent) {
 		c.failures.WithLabelValues(kind).Inc()
 	}
 	c.publishDur.Observe(e.Duration.Seconds())
+}
+
+// Acknowledged returns the running total of acknowledged messages (the
+// outbox_messages_acknowledged_total counter), for a rate outside
+// Prometheus such as gormrelay.UIOptions.Published.
+func (c *Collector) Acknowledged() float64 {
+	var m dto.Metric
+	if err := c.acknowledged.Write(&m); err != nil {
+		return 0
+	}
+	return m.GetCounter().GetValue()
 }
 
 // ProducerReplaced implements publisher.ProducerObserver: set the

@@ -163,6 +163,7 @@ func TestRelayEvents(t *testing.T) {
 	require.Equal(t, map[string]float64{"": 4}, b.series(t, metrics.NameLeaseAcquisitions))
 	require.Equal(t, map[string]float64{"": 2}, b.series(t, metrics.NameLeaseExpirations))
 	require.Equal(t, map[string]float64{"": 15}, b.series(t, metrics.NameAcknowledged))
+	require.Equal(t, 15.0, b.c.Acknowledged(), "the counter's value, read directly")
 	require.Equal(t, map[string]float64{"kind=retryable": 1, "kind=permanent": 1, "kind=unavailable": 1, "kind=timeout": 1},
 		b.series(t, metrics.NamePublishFailures))
 	require.Equal(t, map[string]float64{"state=failed": 1, "state=parked": 7}, b.series(t, metrics.NameDeadLettered))

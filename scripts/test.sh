@@ -21,6 +21,15 @@ fi
 
 bash scripts/services.sh
 
+# The UI tests (test/ui) drive a headless Chromium: Debian's chromium
+# package. In CI a missing browser fails the run here; elsewhere the UI
+# tests skip without one.
+if [ "${CI:-}" = true ]; then
+  bash scripts/chromium.sh
+else
+  bash scripts/chromium.sh || echo "warning: no headless Chromium; the UI tests (test/ui) will be skipped"
+fi
+
 # promtool validates and unit-tests the shipped alert rules
 # (deploy/prometheus); Debian's prometheus package provides it.
 if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -200,6 +200,11 @@ func (a *App) routes() http.Handler {
 	// authentication before AllowMutations is ever turned on.
 	adminAPI := http.StripPrefix("/admin/outbox", gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{Logger: a.log}))
 	r.Any("/admin/outbox/*path", gin.WrapH(adminAPI))
+	// The operator web UI on the same Admin, read-only like the API, with
+	// the relay's acknowledged count for its throughput figure.
+	ui := http.StripPrefix("/admin/outbox-ui", gormrelay.NewUI(admin, gormrelay.UIOptions{
+		Logger: a.log, Published: a.metrics.Acknowledged}))
+	r.Any("/admin/outbox-ui/*path", gin.WrapH(ui))
 	return r
 }
 

@@ -11,6 +11,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"sort"
@@ -256,6 +257,25 @@ func TestOrdersFlowToKafka(t *testing.T) {
 			resp.Body.Close()
 			require.Equal(t, http.StatusOK, resp.StatusCode)
 			resp, err = http.Post("http://"+app.Addr()+"/admin/outbox/dead-letters/requeue", "application/json", strings.NewReader(`{"all":true}`))
+			require.NoError(t, err)
+			resp.Body.Close()
+			require.Equal(t, http.StatusForbidden, resp.StatusCode)
+
+			// The web UI shows the same outbox, and refuses changes too.
+			resp, err = http.Get("http://" + app.Addr() + "/admin/outbox-ui")
+			require.NoError(t, err)
+			page, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			require.NoError(t, err)
+			require.Equal(t, http.StatusOK, resp.StatusCode, "%s", page)
+			require.Equal(t, "/admin/outbox-ui/", resp.Request.URL.Path, "the prefix redirects to its trailing slash")
+			require.Contains(t, string(page), `<span class="mode ro" id="mode">read-only</span>`)
+			require.Contains(t, string(page), `id="total-pending">0<`, "every event was published")
+			resp, err = http.Get("http://" + app.Addr() + "/admin/outbox-ui/static/ui.css")
+			require.NoError(t, err)
+			resp.Body.Close()
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			resp, err = http.PostForm("http://"+app.Addr()+"/admin/outbox-ui/actions/requeue", url.Values{"all": {"true"}, "confirm": {"yes"}})
 			require.NoError(t, err)
 			resp.Body.Close()
 			require.Equal(t, http.StatusForbidden, resp.StatusCode)

@@ -1,0 +1,124 @@
+package gormrelay
+
+import (
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestShowBytes(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name string
+		in   []byte
+		kind string
+		text string
+	}{
+		{"nil", nil, "none", ""},
+		{"json object", []byte(`{"id":7,"items":[1,2]}`), "json", "{\n  \"id\": 7,\n  \"items\": [\n    1,\n    2\n  ]\n}"},
+		{"json string", []byte(`"x"`), "json", `"x"`},
+		{"text", []byte("order 7 <b>shipped</b>\n"), "text", "order 7 <b>shipped</b>\n"},
+		{"empty", []byte{}, "text", ""},
+		{"whitespace is not json", []byte("  "), "text", "  "},
+		{"binary", []byte{0xff, 0x00, 'a'}, "hex", "00000000  ff 00 61                                          |..a|\n"},
+		{"control characters", []byte("a\x1bb"), "hex", "00000000  61 1b 62                                          |a.b|\n"},
+	} {
+		got := showBytes(c.in)
+		require.Equal(t, c.kind, got.Kind, c.name)
+		require.Equal(t, c.text, got.Text, c.name)
+		require.Equal(t, len(c.in), got.Size, c.name)
+		require.False(t, got.Truncated, c.name)
+	}
+
+	// A long text is cut at a rune boundary.
+	long := strings.Repeat("é", uiBytesMax) // two bytes each
+	got := showBytes([]byte(long))
+	require.Equal(t, "text", got.Kind)
+	require.True(t, got.Truncated)
+	require.Len(t, got.Text, uiBytesMax)
+	require.Equal(t, 2*uiBytesMax, got.Size)
+}
+
+func TestUIToken(t *testing.T) {
+	t.Parallel()
+	u := NewUI(nil, UIOptions{CSRFSecret: []byte("0123456789abcdef0123456789abcdef")})
+	other := NewUI(nil, UIOptions{})
+	now := time.Unix(time.Now().Unix(), 0) // tokens carry whole seconds
+	tok := u.token(now)
+	require.NoError(t, u.checkToken(tok, now))
+	require.NoError(t, u.checkToken(tok, now.Add(UITokenLifetime)))
+	require.ErrorContains(t, u.checkToken(tok, now.Add(UITokenLifetime+time.Second)), "expired")
+	require.ErrorContains(t, u.checkToken(u.token(now.Add(time.Hour)), now), "expired", "issued in the future")
+	require.ErrorContains(t, u.checkToken("", now), "no token")
+	require.ErrorContains(t, other.checkToken(tok, now), "invalid", "another UI's secret")
+	ts, sig, _ := strings.Cut(tok, ".")
+	require.ErrorContains(t, u.checkToken(ts+"1."+sig, now), "invalid", "a changed time")
+	require.ErrorContains(t, u.checkToken(ts+"."+sig[1:], now), "invalid")
+	require.ErrorContains(t, u.checkToken("garbage", now), "invalid")
+
+	// The same secret on two replicas: tokens of one pass on the other.
+	replica := NewUI(nil, UIOptions{CSRFSecret: []byte("0123456789abcdef0123456789abcdef")})
+	require.NoError(t, replica.checkToken(tok, now))
+}
+
+func TestUIRates(t *testing.T) {
+	t.Parallel()
+	var published float64
+	var mu sync.Mutex
+	u := NewUI(nil, UIOptions{Published: func() float64 { mu.Lock(); defer mu.Unlock(); return published }})
+	t0 := time.Now()
+	r := u.sample(Status{SampledAt: t0, Pending: 100})
+	require.Zero(t, r.Window, "one reading has no rate")
+	require.True(t, r.HasPublished)
+	mu.Lock()
+	published = 50
+	mu.Unlock()
+	r = u.sample(Status{SampledAt: t0.Add(10 * time.Second), Pending: 80})
+	require.Equal(t, 10*time.Second, r.Window)
+	require.InDelta(t, 5.0, r.Published, 1e-9)
+	require.InDelta(t, -2.0, r.BacklogChange, 1e-9)
+	// Readings older than the window are dropped.
+	r = u.sample(Status{SampledAt: t0.Add(UIThroughputWindow + 5*time.Second), Pending: 80})
+	require.Equal(t, UIThroughputWindow-5*time.Second, r.Window, "compared with the reading at 10s; the one at 0s is too old")
+	require.InDelta(t, 0, r.BacklogChange, 1e-9)
+	require.InDelta(t, 0, r.Published, 1e-9)
+
+	// Concurrent readings (the overview of several operators) are safe.
+	var wg sync.WaitGroup
+	for i := range 8 {
+		wg.Go(func() {
+			for j := range 50 {
+				u.sample(Status{SampledAt: t0.Add(time.Duration(i*50+j) * time.Millisecond), Pending: int64(j)})
+			}
+		})
+	}
+	wg.Wait()
+}
+
+func TestUIFormatting(t *testing.T) {
+	t.Parallel()
+	for d, want := range map[time.Duration]string{
+		0: "0s", 850 * time.Millisecond: "850ms", 12300 * time.Millisecond: "12.3s",
+		5*time.Minute + 12*time.Second: "5m12s", 3*time.Hour + 4*time.Minute: "3h04m", 53 * time.Hour: "2d05h",
+	} {
+		require.Equal(t, want, fmtAge(d))
+	}
+	require.Equal(t, "(keyless)", fmtKey(nil))
+	require.Equal(t, "", fmtKey([]byte{}))
+	require.Equal(t, "order-1", fmtKey([]byte("order-1")))
+	require.Equal(t, "0xff00", fmtKey([]byte{0xff, 0}))
+	require.Equal(t, `"order-1"`, quoteKey([]byte("order-1")))
+	require.Equal(t, "ab…", truncate(2, "abc"))
+	require.Equal(t, "abc", truncate(3, "abc"))
+
+	for s, ok := range map[string]bool{
+		"dead-letters": true, "./": true, "dead-letters?topic=a": true,
+		"": false, "/dead-letters": false, "//evil.example/": false, "https://evil.example/": false,
+		"javascript:alert(1)": false, "../../etc": false, `\\evil`: false,
+	} {
+		require.Equal(t, ok, safeBack(s), s)
+	}
+}

@@ -5,10 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/gorm-outbox/outbox/internal/backoff"
 )
 
 // UnknownBucket is the bucket id that stands for "messages were committed,
@@ -114,11 +115,11 @@ func (c HintBridgeConfig) WithDefaults() HintBridgeConfig {
 func (c HintBridgeConfig) Validate() error {
 	switch {
 	case c.BackoffMin < 0:
-		return &ConfigError{Field: "BackoffMin", Value: c.BackoffMin, Reason: "must not be negative"}
+		return &ConfigError{Package: "outbox", Field: "BackoffMin", Value: c.BackoffMin, Reason: "must not be negative"}
 	case c.BackoffMax < c.BackoffMin:
-		return &ConfigError{Field: "BackoffMax", Value: c.BackoffMax, Reason: fmt.Sprintf("must be at least BackoffMin (%s)", c.BackoffMin)}
+		return &ConfigError{Package: "outbox", Field: "BackoffMax", Value: c.BackoffMax, Reason: fmt.Sprintf("must be at least BackoffMin (%s)", c.BackoffMin)}
 	case c.PublishTimeout < 0:
-		return &ConfigError{Field: "PublishTimeout", Value: c.PublishTimeout, Reason: "must not be negative"}
+		return &ConfigError{Package: "outbox", Field: "PublishTimeout", Value: c.PublishTimeout, Reason: "must not be negative"}
 	}
 	return nil
 }
@@ -191,10 +192,10 @@ var errListenEnded = errors.New("outbox: hint transport: Listen returned before 
 //	defer bridge.Stop(shutdownCtx)
 func StartHintBridge(ctx context.Context, notifier *Notifier, transport Transport, cfg HintBridgeConfig) (*HintBridge, error) {
 	if notifier == nil {
-		return nil, &ConfigError{Field: "notifier", Value: nil, Reason: "a *Notifier is required"}
+		return nil, &ConfigError{Package: "outbox", Field: "notifier", Value: nil, Reason: "a *Notifier is required"}
 	}
 	if transport == nil {
-		return nil, &ConfigError{Field: "transport", Value: nil, Reason: "a Transport is required"}
+		return nil, &ConfigError{Package: "outbox", Field: "transport", Value: nil, Reason: "a Transport is required"}
 	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -379,17 +380,9 @@ func (b *HintBridge) listenLoop(ctx context.Context) {
 }
 
 // hintBackoff is BackoffMin doubled per failure after the first, capped at
-// BackoffMax, with up to half of it taken off at random.
+// BackoffMax, with the upper half jittered (backoff.Exponential).
 func hintBackoff(cfg HintBridgeConfig, failures int) time.Duration {
-	d := cfg.BackoffMin
-	for i := 1; i < failures && d < cfg.BackoffMax; i++ {
-		d *= 2
-	}
-	d = min(d, cfg.BackoffMax)
-	if d <= 1 {
-		return d
-	}
-	return d - rand.N(d/2)
+	return backoff.Exponential(cfg.BackoffMin, cfg.BackoffMax, failures)
 }
 
 // sleepCtx waits for d or ctx, and reports whether the full pause elapsed.

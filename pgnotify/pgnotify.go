@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	mrand "math/rand/v2"
 	"regexp"
 	"strings"
 	"sync/atomic"
@@ -18,6 +17,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/backoff"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 // Defaults applied by Config.WithDefaults.
@@ -135,7 +136,7 @@ var channelRE = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 // identifier, [a-z_][a-z0-9_]*, at most 63 characters.
 func ValidateChannel(name string) error {
 	if !channelRE.MatchString(name) {
-		return &outbox.ConfigError{Field: "Channel", Value: fmt.Sprintf("%q", name), Reason: "must match [a-z_][a-z0-9_]* and be at most 63 characters"}
+		return &relay.ConfigError{Package: "pgnotify", Field: "Channel", Value: fmt.Sprintf("%q", name), Reason: "must match [a-z_][a-z0-9_]* and be at most 63 characters"}
 	}
 	return nil
 }
@@ -143,7 +144,7 @@ func ValidateChannel(name string) error {
 // validate checks a configuration that WithDefaults has filled in.
 func (c Config) validate() error {
 	if c.DSN == "" {
-		return &outbox.ConfigError{Field: "DSN", Value: `""`, Reason: "the listener's connection string is required"}
+		return &relay.ConfigError{Package: "pgnotify", Field: "DSN", Value: `""`, Reason: "the listener's connection string is required"}
 	}
 	if err := ValidateChannel(c.Channel); err != nil {
 		return err
@@ -157,11 +158,11 @@ func (c Config) validate() error {
 		{"ReconnectBackoffMin", c.ReconnectBackoffMin},
 	} {
 		if d.v <= 0 {
-			return &outbox.ConfigError{Field: d.field, Value: d.v, Reason: "must be positive"}
+			return &relay.ConfigError{Package: "pgnotify", Field: d.field, Value: d.v, Reason: "must be positive"}
 		}
 	}
 	if c.ReconnectBackoffMax < c.ReconnectBackoffMin {
-		return &outbox.ConfigError{Field: "ReconnectBackoffMax", Value: c.ReconnectBackoffMax, Reason: fmt.Sprintf("must be at least ReconnectBackoffMin (%s)", c.ReconnectBackoffMin)}
+		return &relay.ConfigError{Package: "pgnotify", Field: "ReconnectBackoffMax", Value: c.ReconnectBackoffMax, Reason: fmt.Sprintf("must be at least ReconnectBackoffMin (%s)", c.ReconnectBackoffMin)}
 	}
 	return nil
 }
@@ -242,7 +243,7 @@ func New(cfg Config) (*Transport, error) {
 	}
 	listenCfg, err := pgx.ParseConfig(cfg.DSN)
 	if err != nil {
-		return nil, &outbox.ConfigError{Field: "DSN", Value: "(not shown)", Reason: err.Error()}
+		return nil, &relay.ConfigError{Package: "pgnotify", Field: "DSN", Value: "(not shown)", Reason: err.Error()}
 	}
 	if cfg.ApplicationName == "" {
 		cfg.ApplicationName = listenCfg.RuntimeParams["application_name"]
@@ -264,7 +265,7 @@ func New(cfg Config) (*Transport, error) {
 	if cfg.PublishDB == nil {
 		poolCfg, err := pgxpool.ParseConfig(cfg.PublishDSN)
 		if err != nil {
-			return nil, &outbox.ConfigError{Field: "PublishDSN", Value: "(not shown)", Reason: err.Error()}
+			return nil, &relay.ConfigError{Package: "pgnotify", Field: "PublishDSN", Value: "(not shown)", Reason: err.Error()}
 		}
 		// One sender goroutine per bridge: one connection is enough.
 		poolCfg.MaxConns = 1
@@ -370,7 +371,7 @@ func (t *Transport) Listen(ctx context.Context, fn func(bucket int)) error {
 			return ctx.Err()
 		}
 		failures++
-		d := backoff(t.cfg.ReconnectBackoffMin, t.cfg.ReconnectBackoffMax, failures)
+		d := backoff.Exponential(t.cfg.ReconnectBackoffMin, t.cfg.ReconnectBackoffMax, failures)
 		t.log.Warn("pgnotify: listener connection lost, reconnecting", "err", err, "attempt", failures, "retry_in", d)
 		timer := time.NewTimer(d)
 		select {
@@ -463,18 +464,4 @@ func withTimeout(ctx context.Context, d time.Duration, op string, fn func(contex
 		return fmt.Errorf("pgnotify: %s: %w", op, err)
 	}
 	return nil
-}
-
-// backoff is lo doubled per failure after the first, capped at hi, with up
-// to half of it taken off at random.
-func backoff(lo, hi time.Duration, failures int) time.Duration {
-	d := lo
-	for i := 1; i < failures && d < hi; i++ {
-		d *= 2
-	}
-	d = min(d, hi)
-	if d <= 1 {
-		return d
-	}
-	return d - mrand.N(d/2)
 }

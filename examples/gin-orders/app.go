@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/url"
 	"strings"
 	"time"
 
@@ -244,7 +243,7 @@ func openDatabase(raw string) (*gorm.DB, error) {
 	case strings.HasPrefix(raw, "postgres://"), strings.HasPrefix(raw, "postgresql://"):
 		return gorm.Open(postgres.Open(raw), cfg)
 	case strings.HasPrefix(raw, "mysql://"):
-		dsn, err := mysqlDSN(raw)
+		dsn, err := outbox.MySQLDSN(raw)
 		if err != nil {
 			return nil, err
 		}
@@ -267,28 +266,4 @@ func openDatabase(raw string) (*gorm.DB, error) {
 		sqlDB.SetMaxOpenConns(1)
 		return db, nil
 	}
-}
-
-// mysqlDSN turns mysql://user:pass@host:port/db?params into the driver's
-// user:pass@tcp(host:port)/db?parseTime=true&params form.
-func mysqlDSN(raw string) (string, error) {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "", fmt.Errorf("DATABASE_URL: %w", err)
-	}
-	host := u.Host
-	if u.Port() == "" {
-		host += ":3306"
-	}
-	q := u.Query()
-	q.Set("parseTime", "true")
-	userinfo := ""
-	if u.User != nil {
-		userinfo = u.User.Username()
-		if p, ok := u.User.Password(); ok {
-			userinfo += ":" + p
-		}
-		userinfo += "@"
-	}
-	return fmt.Sprintf("%stcp(%s)/%s?%s", userinfo, host, strings.TrimPrefix(u.Path, "/"), q.Encode()), nil
 }

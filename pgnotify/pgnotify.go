@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"regexp"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/backoff"
+	"github.com/gorm-outbox/outbox/internal/startstop"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -209,6 +211,8 @@ type Transport struct {
 	listenCfg *pgx.ConnConfig
 	pool      *pgxpool.Pool // nil when cfg.PublishDB is set
 	log       *slog.Logger
+	life      startstop.Service
+	closeOnce sync.Once
 
 	published, publishFailures, received, echoes, malformed, subscriptions atomic.Uint64
 }
@@ -285,13 +289,51 @@ func (t *Transport) Channel() string { return t.channel }
 // ApplicationName returns the listener connection's application_name.
 func (t *Transport) ApplicationName() string { return t.cfg.ApplicationName }
 
-// Close closes the transport's own NOTIFY connection. It does not stop a
-// running Listen (cancel its context) and does not close Config.PublishDB.
-// Publish fails after Close.
-func (t *Transport) Close() {
-	if t.pool != nil {
-		t.pool.Close()
+// Start marks the transport running until Stop or the end of ctx, when it
+// closes its own NOTIFY connection. It opens nothing itself: the hint
+// bridge drives Listen and Publish. It gives the transport the lifecycle
+// of the module's other services (New starts nothing; Start, Stop,
+// Stopped, Err); Start on a running transport does nothing.
+func (t *Transport) Start(ctx context.Context) error {
+	if err := t.life.Start(ctx, func(ctx context.Context) error {
+		<-ctx.Done()
+		t.Close()
+		return nil
+	}); err != nil {
+		return fmt.Errorf("pgnotify: start: %w", err)
 	}
+	return nil
+}
+
+// Stop closes the transport's own NOTIFY connection and, if it was
+// started, waits until it has stopped, bounded by ctx. Stop before Start
+// and a second Stop are harmless. Like Close, it does not stop a running
+// Listen (cancel its context; the hint bridge does) and does not close
+// Config.PublishDB.
+func (t *Transport) Stop(ctx context.Context) error {
+	t.Close()
+	if err := t.life.Stop(ctx); err != nil {
+		return fmt.Errorf("pgnotify: stop: %w", err)
+	}
+	return nil
+}
+
+// Stopped returns a channel closed when a started transport has stopped.
+func (t *Transport) Stopped() <-chan struct{} { return t.life.Stopped() }
+
+// Err is nil: the transport has no failure that ends it (Listen and
+// Publish report theirs to the bridge, which retries).
+func (t *Transport) Err() error { return t.life.Err() }
+
+// Close closes the transport's own NOTIFY connection, once. It does not
+// stop a running Listen (cancel its context) and does not close
+// Config.PublishDB. Publish fails after Close.
+func (t *Transport) Close() {
+	t.closeOnce.Do(func() {
+		if t.pool != nil {
+			t.pool.Close()
+		}
+	})
 }
 
 // Stats returns the transport's counters.

@@ -164,12 +164,13 @@ func (c KafkaConfig) saramaConfig() (*sarama.Config, error) {
 // and is safe for concurrent use; see the package documentation for its
 // guarantees.
 type Kafka struct {
-	brokers  []string
-	sc       *sarama.Config
-	idHeader []byte
-	logger   *slog.Logger
-	stall    time.Duration
-	observer ProducerObserver
+	lifecycle lifecycle
+	brokers   []string
+	sc        *sarama.Config
+	idHeader  []byte
+	logger    *slog.Logger
+	stall     time.Duration
+	observer  ProducerObserver
 
 	mu      sync.Mutex
 	closed  bool
@@ -774,3 +775,24 @@ func (k *Kafka) Close() error {
 	k.logger.Debug("kafka publisher closed")
 	return nil
 }
+
+// Start ties the publisher to ctx: when ctx ends, the publisher closes as
+// with Stop. The constructor already connected, so a publisher that is
+// never started publishes too; Start gives it the lifecycle of the
+// module's other services. Start on a running publisher does nothing; on
+// a stopped one it returns an error.
+func (k *Kafka) Start(ctx context.Context) error { return k.lifecycle.start(ctx, k.Close) }
+
+// Stop closes the publisher (see Close) and waits until it has closed, or
+// until ctx ends: Stop then returns ctx's error and the close finishes in
+// the background. Stop before Start and a second Stop are harmless. Stop
+// the relay first.
+func (k *Kafka) Stop(ctx context.Context) error { return k.lifecycle.stop(ctx, k.Close) }
+
+// Stopped returns a channel closed when a started publisher has stopped,
+// by Stop or by the end of its Start context.
+func (k *Kafka) Stopped() <-chan struct{} { return k.lifecycle.life.Stopped() }
+
+// Err returns the error its close returned, once a started publisher has
+// stopped; nil otherwise.
+func (k *Kafka) Err() error { return k.lifecycle.life.Err() }

@@ -120,9 +120,10 @@ func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) 
 // itself for a bucket it was not told about. A relay therefore holds one
 // producer, with its own broker connections, per bucket it owns.
 type Transactional struct {
-	cfg      TransactionalConfig
-	idHeader []byte
-	logger   *slog.Logger
+	lifecycle lifecycle
+	cfg       TransactionalConfig
+	idHeader  []byte
+	logger    *slog.Logger
 
 	mu      sync.Mutex
 	closed  bool
@@ -741,3 +742,24 @@ func (t *Transactional) Close() error {
 	t.logger.Debug("transactional publisher closed")
 	return nil
 }
+
+// Start ties the publisher to ctx: when ctx ends, the publisher closes as
+// with Stop. The constructor already connected, so a publisher that is
+// never started publishes too; Start gives it the lifecycle of the
+// module's other services. Start on a running publisher does nothing; on
+// a stopped one it returns an error.
+func (t *Transactional) Start(ctx context.Context) error { return t.lifecycle.start(ctx, t.Close) }
+
+// Stop closes the publisher (see Close) and waits until it has closed, or
+// until ctx ends: Stop then returns ctx's error and the close finishes in
+// the background. Stop before Start and a second Stop are harmless. Stop
+// the relay first.
+func (t *Transactional) Stop(ctx context.Context) error { return t.lifecycle.stop(ctx, t.Close) }
+
+// Stopped returns a channel closed when a started publisher has stopped,
+// by Stop or by the end of its Start context.
+func (t *Transactional) Stopped() <-chan struct{} { return t.lifecycle.life.Stopped() }
+
+// Err returns the error its close returned, once a started publisher has
+// stopped; nil otherwise.
+func (t *Transactional) Err() error { return t.lifecycle.life.Err() }

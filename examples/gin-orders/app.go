@@ -135,18 +135,14 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	}); err != nil {
 		return nil, err
 	}
-	store, err := gormrelay.NewStore(a.db, a.plugin.Config())
-	if err != nil {
-		return nil, err
-	}
 	if a.metrics, err = metrics.New(metrics.Config{Outbox: a.plugin.Config().Name}); err != nil {
 		return nil, err
 	}
 	// The relay dead-letters a message that keeps failing (the store's
 	// default failure policy) and parks the later events of its order.
-	if a.relay, err = relay.New(store, publisher.TracingPublisher(a.pub, nil), relay.Config{
-		Hints: a.plugin.Notifier(), Observer: a.metrics, Logger: a.log,
-	}); err != nil {
+	// gormrelay.New wires the store, the plugin's hints and bucket count.
+	if a.relay, err = gormrelay.New(a.db, a.plugin, publisher.TracingPublisher(a.pub, nil),
+		gormrelay.WithRelayConfig(relay.Config{Observer: a.metrics, Logger: a.log})); err != nil {
 		return nil, err
 	}
 	// The relay runs until Close stops it gracefully; a cancelled Start

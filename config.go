@@ -17,7 +17,7 @@ const (
 	BucketCountMax = 4096
 	// MaxMessageBytesDefault is the largest message accepted at enqueue,
 	// counted by Message.Size as the Kafka producer counts a record: the
-	// default of the Kafka publisher (publisher.DefaultMaxMessageBytes,
+	// default of the Kafka publisher (publisher.MaxMessageBytesDefault,
 	// 1,000,000), so nothing the default publisher would refuse commits.
 	MaxMessageBytesDefault = recordsize.MaxMessageBytesDefault
 
@@ -124,7 +124,7 @@ var identifierRE = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 // at most 63 characters in all. field names the setting in the error.
 func ValidateIdentifier(field, name string) error {
 	if !identifierRE.MatchString(name) {
-		return &ConfigError{Field: field, Value: fmt.Sprintf("%q", name), Reason: "must match [A-Za-z_][A-Za-z0-9_]* and be at most 63 characters"}
+		return &ConfigError{Package: "outbox", Field: field, Value: fmt.Sprintf("%q", name), Reason: "must match [A-Za-z_][A-Za-z0-9_]* and be at most 63 characters"}
 	}
 	return nil
 }
@@ -135,11 +135,11 @@ func (c Config) Validate() error {
 		return err
 	}
 	if c.BucketCount < 1 || c.BucketCount > BucketCountMax {
-		return &ConfigError{Field: "BucketCount", Value: c.BucketCount, Reason: fmt.Sprintf("must be between 1 and %d", BucketCountMax)}
+		return &ConfigError{Package: "outbox", Field: "BucketCount", Value: c.BucketCount, Reason: fmt.Sprintf("must be between 1 and %d", BucketCountMax)}
 	}
 	for i, r := range c.Rules {
 		if r == nil {
-			return &ConfigError{Field: fmt.Sprintf("Rules[%d]", i), Value: nil, Reason: "nil rule"}
+			return &ConfigError{Package: "outbox", Field: fmt.Sprintf("Rules[%d]", i), Value: nil, Reason: "nil rule"}
 		}
 	}
 	return nil
@@ -165,7 +165,7 @@ func (t Tables) Validate() error {
 			return err
 		}
 		if other, dup := names[n.name]; dup {
-			return &ConfigError{Field: n.field, Value: n.name, Reason: "same table name as " + other}
+			return &ConfigError{Package: "outbox", Field: n.field, Value: n.name, Reason: "same table name as " + other}
 		}
 		names[n.name] = n.field
 	}

@@ -6,6 +6,8 @@ import (
 	"strings"
 
 	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox/internal/bucketset"
 )
 
 // pool wraps the *gorm.DB's connection pool so that every transaction
@@ -77,9 +79,9 @@ type txConn struct {
 	plugin *Plugin
 	pool   *pool
 
-	// seen has a bit per bucket already recorded; added lists them in the
+	// seen holds the buckets already recorded; added lists them in the
 	// order they were first recorded, so a savepoint can truncate it.
-	seen       []uint64
+	seen       bucketset.Set
 	added      []int
 	savepoints []savepoint
 	done       bool
@@ -91,20 +93,17 @@ type savepoint struct {
 }
 
 func (t *txConn) record(bucket int) {
-	if t.seen == nil {
-		t.seen = make([]uint64, (t.plugin.cfg.BucketCount+63)/64)
+	if t.seen.Size() == 0 { // allocated by the first message, not by every transaction
+		t.seen = bucketset.New(t.plugin.cfg.BucketCount)
 	}
-	w, bit := bucket/64, uint64(1)<<(uint(bucket)%64)
-	if w >= len(t.seen) || t.seen[w]&bit != 0 {
-		return
+	if t.seen.Add(bucket) {
+		t.added = append(t.added, bucket)
 	}
-	t.seen[w] |= bit
-	t.added = append(t.added, bucket)
 }
 
 func (t *txConn) truncate(mark int) {
 	for _, b := range t.added[mark:] {
-		t.seen[b/64] &^= 1 << (uint(b) % 64)
+		t.seen.Remove(b)
 	}
 	t.added = t.added[:mark]
 }

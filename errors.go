@@ -3,6 +3,8 @@ package outbox
 import (
 	"errors"
 	"fmt"
+
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 // Sentinel errors. Each is returned wrapped; test with errors.Is.
@@ -30,23 +32,15 @@ var (
 	// check out.
 	ErrUnsupportedWrite = errors.New("outbox: write not supported for a model with publish rules")
 
-	// ErrInvalidConfig is wrapped by every *ConfigError.
-	ErrInvalidConfig = errors.New("outbox: invalid configuration")
+	// ErrInvalidConfig is wrapped by every *ConfigError. It is
+	// relay.ErrInvalidConfig.
+	ErrInvalidConfig = relay.ErrInvalidConfig
 )
 
-// ConfigError reports a configuration field that failed validation.
-type ConfigError struct {
-	Field  string // the Config field, e.g. "BucketCount" or "Tables.Messages"
-	Value  any    // the offending value
-	Reason string // what the field must be
-}
-
-func (e *ConfigError) Error() string {
-	return fmt.Sprintf("outbox: invalid config %s=%v: %s", e.Field, e.Value, e.Reason)
-}
-
-// Unwrap lets errors.Is(err, ErrInvalidConfig) match.
-func (e *ConfigError) Unwrap() error { return ErrInvalidConfig }
+// ConfigError reports a configuration field that failed validation. It is
+// relay.ConfigError, the one shape every package of the module reports
+// configuration errors with; this package's have Package "outbox".
+type ConfigError = relay.ConfigError
 
 // MessageError reports a message that was refused before anything was
 // written. When it comes from a publish rule or Enqueue inside a write, the

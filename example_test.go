@@ -199,7 +199,7 @@ func Example_relay() {
 		panic(err)
 	}
 	for _, rec := range records {
-		_, hasID := rec.Header(publisher.DefaultMessageIDHeader)
+		_, hasID := rec.Header(publisher.MessageIDHeaderDefault)
 		fmt.Printf("kafka: key=%s value=%s message id header: %v\n", rec.Key, rec.Value, hasID)
 	}
 	// Output:

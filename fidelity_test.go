@@ -211,10 +211,10 @@ func TestSkipDefaultTransactionAtOpenStaysAtomic(t *testing.T) {
 // at its first publish for its size.
 func TestDefaultLimitIsThePublishersLimit(t *testing.T) {
 	t.Parallel()
-	require.Equal(t, publisher.DefaultMaxMessageBytes, outbox.MaxMessageBytesDefault)
+	require.Equal(t, publisher.MaxMessageBytesDefault, outbox.MaxMessageBytesDefault)
 	dbt := dbtest.Open(t, dbtest.SQLite)
 	b := setupWrite(t, dbt, outbox.Config{})
-	require.Equal(t, publisher.DefaultMaxMessageBytes, b.plugin.Config().MaxMessageBytes)
+	require.Equal(t, publisher.MaxMessageBytesDefault, b.plugin.Config().MaxMessageBytes)
 
 	enqueue := func(m *outbox.Message) error {
 		return b.db.Transaction(func(tx *gorm.DB) error { return outbox.Enqueue(tx, m) })

@@ -1,6 +1,10 @@
 package outbox
 
-import "sync"
+import (
+	"sync"
+
+	"github.com/gorm-outbox/outbox/internal/bucketset"
+)
 
 // Notifier tells the local relay which buckets received committed
 // messages. The plugin feeds it after a successful COMMIT of the outermost
@@ -16,7 +20,7 @@ import "sync"
 // messages.
 type Notifier struct {
 	mu      sync.Mutex
-	bits    []uint64
+	pending bucketset.Set
 	any     bool
 	unknown bool
 	ready   chan struct{}
@@ -31,8 +35,8 @@ func NewNotifier(bucketCount int) *Notifier {
 		bucketCount = 1
 	}
 	return &Notifier{
-		bits:  make([]uint64, (bucketCount+63)/64),
-		ready: make(chan struct{}, 1),
+		pending: bucketset.New(bucketCount),
+		ready:   make(chan struct{}, 1),
 	}
 }
 
@@ -60,15 +64,13 @@ func (n *Notifier) NotifyReceived(buckets []int) {
 	n.record(buckets)
 }
 
-// record sets the bits of buckets and wakes the reader.
+// record adds buckets to the pending set and wakes the reader.
 func (n *Notifier) record(buckets []int) {
 	n.mu.Lock()
 	for _, b := range buckets {
-		if b < 0 || b >= len(n.bits)*64 {
+		if !n.pending.Add(b) && !n.pending.Contains(b) {
 			n.unknown = true
-			continue
 		}
-		n.bits[b/64] |= 1 << (uint(b) % 64)
 	}
 	n.any = true
 	n.mu.Unlock()
@@ -107,17 +109,7 @@ func (n *Notifier) Take(dst []int) (buckets []int, unknown bool) {
 	if !n.any {
 		return dst, false
 	}
-	for w, word := range n.bits {
-		for word != 0 {
-			i := 0
-			for word&(1<<uint(i)) == 0 {
-				i++
-			}
-			dst = append(dst, w*64+i)
-			word &^= 1 << uint(i)
-		}
-		n.bits[w] = 0
-	}
+	dst = n.pending.Drain(dst)
 	unknown = n.unknown
 	n.unknown = false
 	n.any = false

@@ -75,10 +75,10 @@ func (p *Plugin) Notifier() *Notifier { return p.notifier }
 // writes that start afterwards.
 func (p *Plugin) AddRule(r Rule) error {
 	if r == nil {
-		return &ConfigError{Field: "Rules", Value: nil, Reason: "nil rule"}
+		return &ConfigError{Package: "outbox", Field: "Rules", Value: nil, Reason: "nil rule"}
 	}
 	if err := r.check(); err != nil {
-		return &ConfigError{Field: "Rules", Value: r.String(), Reason: err.Error()}
+		return &ConfigError{Package: "outbox", Field: "Rules", Value: r.String(), Reason: err.Error()}
 	}
 	p.mu.Lock()
 	p.rules = append(p.rules, r)

@@ -191,7 +191,7 @@ func normalizeDialect(dialect string) (string, error) {
 	if d, ok := sqlschema.Normalize(dialect); ok {
 		return d, nil
 	}
-	return "", &ConfigError{Field: "dialect", Value: fmt.Sprintf("%q", dialect), Reason: "must be postgres, mysql (MariaDB) or sqlite"}
+	return "", &ConfigError{Package: "outbox", Field: "dialect", Value: fmt.Sprintf("%q", dialect), Reason: "must be postgres, mysql (MariaDB) or sqlite"}
 }
 
 // completeTables fills in the default names and validates them like
@@ -263,7 +263,7 @@ func SchemaSQL(dialect string, tables Tables) ([]string, error) {
 // custom names or a schema.
 func MigrationFiles(dialect string, tables Tables, format string) ([]MigrationFile, error) {
 	if format != FormatGolangMigrate && format != FormatGoose {
-		return nil, &ConfigError{Field: "format", Value: fmt.Sprintf("%q", format), Reason: "must be golang-migrate or goose"}
+		return nil, &ConfigError{Package: "outbox", Field: "format", Value: fmt.Sprintf("%q", format), Reason: "must be golang-migrate or goose"}
 	}
 	ms, err := Migrations(dialect, tables)
 	if err != nil {

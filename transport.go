@@ -5,10 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/gorm-outbox/outbox/internal/backoff"
+	"github.com/gorm-outbox/outbox/internal/bucketset"
+	"github.com/gorm-outbox/outbox/internal/startstop"
 )
 
 // UnknownBucket is the bucket id that stands for "messages were committed,
@@ -114,11 +117,11 @@ func (c HintBridgeConfig) WithDefaults() HintBridgeConfig {
 func (c HintBridgeConfig) Validate() error {
 	switch {
 	case c.BackoffMin < 0:
-		return &ConfigError{Field: "BackoffMin", Value: c.BackoffMin, Reason: "must not be negative"}
+		return &ConfigError{Package: "outbox", Field: "BackoffMin", Value: c.BackoffMin, Reason: "must not be negative"}
 	case c.BackoffMax < c.BackoffMin:
-		return &ConfigError{Field: "BackoffMax", Value: c.BackoffMax, Reason: fmt.Sprintf("must be at least BackoffMin (%s)", c.BackoffMin)}
+		return &ConfigError{Package: "outbox", Field: "BackoffMax", Value: c.BackoffMax, Reason: fmt.Sprintf("must be at least BackoffMin (%s)", c.BackoffMin)}
 	case c.PublishTimeout < 0:
-		return &ConfigError{Field: "PublishTimeout", Value: c.PublishTimeout, Reason: "must not be negative"}
+		return &ConfigError{Package: "outbox", Field: "PublishTimeout", Value: c.PublishTimeout, Reason: "must not be negative"}
 	}
 	return nil
 }
@@ -142,21 +145,22 @@ func (c HintBridgeConfig) Validate() error {
 // that fails or ends is restarted with backoff. Ownership filtering is the
 // relay's: the bridge forwards every id.
 //
-// Start one bridge per notifier and transport. Shutdown does not flush
-// pending hints: they are advisory.
+// Run one bridge per notifier and transport. Its lifecycle is the one of
+// every background service here: NewHintBridge starts nothing, Start
+// backgrounds it, Stop is synchronous and bounded by its context,
+// Stopped and Err report the end. Shutdown does not flush pending hints:
+// they are advisory.
 type HintBridge struct {
 	cfg       HintBridgeConfig
 	notifier  *Notifier
 	transport Transport
 	log       *slog.Logger
-
-	unsubscribe func()
-	cancel      context.CancelFunc
-	stopOnce    sync.Once
-	stopped     chan struct{}
+	life      startstop.Service
+	startMu   sync.Mutex
+	started   bool
 
 	mu      sync.Mutex
-	bits    [BucketCountMax / 64]uint64
+	bits    bucketset.Set
 	any     bool
 	unknown bool
 	pending chan struct{} // 1-buffered: something is in bits
@@ -181,81 +185,113 @@ type HintBridgeStats struct {
 
 var errListenEnded = errors.New("outbox: hint transport: Listen returned before its context ended")
 
-// StartHintBridge subscribes to notifier's commits and starts the bridge's
-// sender and listener in the background. It returns at once; Stop ends
-// it, and so does cancelling ctx. Invalid configuration is reported as a
-// *ConfigError.
+// NewHintBridge checks its arguments and returns a bridge between
+// notifier and transport that is not running yet: Start runs it. Invalid
+// configuration is reported as a *ConfigError.
 //
-//	bridge, err := outbox.StartHintBridge(ctx, plugin.Notifier(), transport, outbox.HintBridgeConfig{})
+//	bridge, err := outbox.NewHintBridge(plugin.Notifier(), transport, outbox.HintBridgeConfig{})
 //	if err != nil { ... }
+//	if err := bridge.Start(ctx); err != nil { ... }
 //	defer bridge.Stop(shutdownCtx)
-func StartHintBridge(ctx context.Context, notifier *Notifier, transport Transport, cfg HintBridgeConfig) (*HintBridge, error) {
+func NewHintBridge(notifier *Notifier, transport Transport, cfg HintBridgeConfig) (*HintBridge, error) {
 	if notifier == nil {
-		return nil, &ConfigError{Field: "notifier", Value: nil, Reason: "a *Notifier is required"}
+		return nil, &ConfigError{Package: "outbox", Field: "notifier", Value: nil, Reason: "a *Notifier is required"}
 	}
 	if transport == nil {
-		return nil, &ConfigError{Field: "transport", Value: nil, Reason: "a Transport is required"}
+		return nil, &ConfigError{Package: "outbox", Field: "transport", Value: nil, Reason: "a Transport is required"}
 	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if err := ctx.Err(); err != nil {
-		return nil, fmt.Errorf("outbox: start hint bridge: %w", err)
-	}
-	ctx, cancel := context.WithCancel(ctx)
-	b := &HintBridge{
+	return &HintBridge{
 		cfg:       cfg,
 		notifier:  notifier,
 		transport: transport,
 		log:       cfg.Logger,
-		cancel:    cancel,
-		stopped:   make(chan struct{}),
+		bits:      bucketset.New(BucketCountMax),
 		pending:   make(chan struct{}, 1),
-	}
-	b.unsubscribe = notifier.Subscribe(b.add)
+	}, nil
+}
 
+// StartHintBridge is NewHintBridge followed by Start.
+func StartHintBridge(ctx context.Context, notifier *Notifier, transport Transport, cfg HintBridgeConfig) (*HintBridge, error) {
+	b, err := NewHintBridge(notifier, transport, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := b.Start(ctx); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// Start subscribes to the notifier's commits and starts the bridge's
+// sender and listener in the background. It returns at once; Stop ends
+// the bridge, and so does cancelling ctx. Start on a running bridge does
+// nothing; on a stopped one it returns an error: a bridge runs once.
+func (b *HintBridge) Start(ctx context.Context) error {
+	b.startMu.Lock()
+	defer b.startMu.Unlock()
+	if b.started { // running: nothing to do; stopped: startstop.ErrStopped
+		if err := b.life.Start(ctx, nil); err != nil {
+			return fmt.Errorf("outbox: start hint bridge: %w", err)
+		}
+		return nil
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("outbox: start hint bridge: %w", err)
+	}
+	// Subscribed before Start returns, so no commit after it is missed.
+	unsubscribe := b.notifier.Subscribe(b.add)
+	if err := b.life.Start(ctx, func(ctx context.Context) error { return b.run(ctx, unsubscribe) }); err != nil {
+		unsubscribe()
+		return fmt.Errorf("outbox: start hint bridge: %w", err)
+	}
+	b.started = true
+	b.log.Debug("outbox: hint bridge started", "send_only", b.cfg.SendOnly)
+	return nil
+}
+
+// run is the bridge's lifetime: its sender and listener running until ctx
+// ends, then unsubscribed from the notifier.
+func (b *HintBridge) run(ctx context.Context, unsubscribe func()) error {
 	var wg sync.WaitGroup
 	wg.Go(func() { b.sendLoop(ctx) })
-	if !cfg.SendOnly {
+	if !b.cfg.SendOnly {
 		wg.Go(func() { b.listenLoop(ctx) })
 	}
-	go func() {
-		wg.Wait()
-		b.unsubscribe()
-		cancel()
-		b.log.Debug("outbox: hint bridge stopped")
-		close(b.stopped)
-	}()
-	b.log.Debug("outbox: hint bridge started", "send_only", cfg.SendOnly)
-	return b, nil
+	<-ctx.Done()
+	unsubscribe()
+	wg.Wait()
+	b.log.Debug("outbox: hint bridge stopped")
+	return nil
 }
 
 // Stop stops the bridge and waits until its goroutines have returned: it
 // unsubscribes from the notifier, cancels the send and the subscription in
 // flight and waits for them. Pending hints are dropped. If ctx ends first,
 // Stop returns its error; the bridge still stops once the transport honours
-// the cancellation. Stop on a nil bridge, and a second Stop, return nil
-// once the bridge has stopped.
+// the cancellation (watch Stopped). Stop on a nil or never started bridge,
+// and a second Stop, return nil.
 func (b *HintBridge) Stop(ctx context.Context) error {
 	if b == nil {
 		return nil
 	}
-	b.stopOnce.Do(func() {
-		b.unsubscribe()
-		b.cancel()
-	})
-	select {
-	case <-b.stopped:
-		return nil
-	case <-ctx.Done():
-		return fmt.Errorf("outbox: hint bridge stop: %w", ctx.Err())
+	if err := b.life.Stop(ctx); err != nil {
+		return fmt.Errorf("outbox: hint bridge stop: %w", err)
 	}
+	return nil
 }
 
 // Stopped returns a channel closed when the bridge has stopped, by Stop or
-// by the cancellation of its start context.
-func (b *HintBridge) Stopped() <-chan struct{} { return b.stopped }
+// by the cancellation of its start context. It is never closed for a
+// bridge that was never started.
+func (b *HintBridge) Stopped() <-chan struct{} { return b.life.Stopped() }
+
+// Err returns why the bridge stopped. The bridge retries every transport
+// failure itself, so it is nil unless a future failure cannot be retried.
+func (b *HintBridge) Err() error { return b.life.Err() }
 
 // Stats returns the bridge's counters.
 func (b *HintBridge) Stats() HintBridgeStats {
@@ -272,11 +308,9 @@ func (b *HintBridge) Stats() HintBridgeStats {
 func (b *HintBridge) add(buckets []int) {
 	b.mu.Lock()
 	for _, id := range buckets {
-		if id < 0 || id >= BucketCountMax {
+		if !b.bits.Add(id) && !b.bits.Contains(id) {
 			b.unknown = true
-			continue
 		}
-		b.bits[id/64] |= 1 << (uint(id) % 64)
 	}
 	b.any = true
 	b.mu.Unlock()
@@ -297,17 +331,7 @@ func (b *HintBridge) take(dst []int) []int {
 	if b.unknown {
 		dst = append(dst, UnknownBucket)
 	}
-	for w, word := range b.bits {
-		for word != 0 {
-			i := 0
-			for word&(1<<uint(i)) == 0 {
-				i++
-			}
-			dst = append(dst, w*64+i)
-			word &^= 1 << uint(i)
-		}
-		b.bits[w] = 0
-	}
+	dst = b.bits.Drain(dst)
 	b.any, b.unknown = false, false
 	return dst
 }
@@ -379,17 +403,9 @@ func (b *HintBridge) listenLoop(ctx context.Context) {
 }
 
 // hintBackoff is BackoffMin doubled per failure after the first, capped at
-// BackoffMax, with up to half of it taken off at random.
+// BackoffMax, with the upper half jittered (backoff.Exponential).
 func hintBackoff(cfg HintBridgeConfig, failures int) time.Duration {
-	d := cfg.BackoffMin
-	for i := 1; i < failures && d < cfg.BackoffMax; i++ {
-		d *= 2
-	}
-	d = min(d, cfg.BackoffMax)
-	if d <= 1 {
-		return d
-	}
-	return d - rand.N(d/2)
+	return backoff.Exponential(cfg.BackoffMin, cfg.BackoffMax, failures)
 }
 
 // sleepCtx waits for d or ctx, and reports whether the full pause elapsed.

@@ -282,6 +282,37 @@ func TestHintBridgeLifecycle(t *testing.T) {
 		require.NoError(t, b.Stop(context.Background()))
 	})
 
+	// NewHintBridge starts nothing: no subscription, no Listen, no send
+	// until Start; Stop before Start and a second Stop are harmless; a
+	// stopped bridge does not start again.
+	t.Run("ConstructorStartsNothing", func(t *testing.T) {
+		t.Parallel()
+		f := newFakeTransport()
+		n := outbox.NewNotifier(8)
+		b, err := outbox.NewHintBridge(n, f, outbox.HintBridgeConfig{Logger: dbtest.Logger(t)})
+		require.NoError(t, err)
+		ctx := context.Background()
+		require.NoError(t, b.Stop(ctx), "Stop before Start")
+		n.Notify([]int{3}) // not subscribed yet
+		select {
+		case <-b.Stopped():
+			t.Fatal("Stopped closed for a bridge never started")
+		default:
+		}
+		require.NoError(t, b.Start(ctx))
+		require.NoError(t, b.Start(ctx), "Start on a running bridge")
+		f.nextListen(t)
+		require.Zero(t, f.calls.Load(), "the commit before Start was not sent")
+		n.Notify([]int{4})
+		got, _ := f.nextPublish(t)
+		require.Equal(t, []int{4}, got)
+		require.NoError(t, b.Stop(ctx))
+		<-b.Stopped()
+		require.NoError(t, b.Err())
+		require.NoError(t, b.Stop(ctx), "second Stop")
+		require.Error(t, b.Start(ctx), "a bridge runs once")
+	})
+
 	t.Run("NilBridge", func(t *testing.T) {
 		t.Parallel()
 		var b *outbox.HintBridge

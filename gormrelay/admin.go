@@ -53,7 +53,7 @@ type Admin struct {
 // on db. It validates cfg like NewPlugin.
 func NewAdmin(db *gorm.DB, cfg outbox.Config) (*Admin, error) {
 	if db == nil {
-		return nil, &outbox.ConfigError{Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
+		return nil, &relay.ConfigError{Package: "gormrelay", Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
 	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -104,54 +104,43 @@ func (a *Admin) fail(db *gorm.DB, name string, err error) error {
 
 func (a *Admin) quote(table string) string { return a.db.Statement.Quote(table) }
 
-// BucketBacklog is the backlog of one bucket.
-type BucketBacklog struct {
-	Bucket  int
-	Pending int64
-	// Oldest is the creation time of the oldest pending message.
-	Oldest time.Time
-}
-
-// Backlog is what is waiting to be published.
-type Backlog struct {
-	// Pending counts the messages in the messages table.
-	Pending int64
-	// Oldest is the creation time of the oldest pending message; zero
-	// when nothing is pending.
-	Oldest time.Time
-	// Buckets lists the buckets with pending messages, in bucket order.
-	Buckets []BucketBacklog
-	// SampledAt is when the backlog was read.
-	SampledAt time.Time
-}
-
-// OldestAge is how long the oldest pending message has waited at
-// SampledAt; zero when nothing is pending.
-func (b Backlog) OldestAge() time.Duration {
-	if b.Oldest.IsZero() {
-		return 0
+// Backlog reads what is waiting to be published: the pending count and
+// the oldest pending message, in total and per bucket, and the number of
+// dead letters, with the query the relay's backlog sampler runs
+// (readBacklog). It is bounded by the admin timeout.
+func (a *Admin) Backlog(ctx context.Context) (relay.Backlog, error) {
+	db, cancel := a.op(ctx, "read backlog")
+	defer cancel()
+	b, err := readBacklog(db, a.cfg)
+	if err != nil {
+		return relay.Backlog{}, fmt.Errorf("outbox: read backlog of %s: %w", a.cfg.Tables.MessagesTable(), err)
 	}
-	return b.SampledAt.Sub(b.Oldest)
+	return b, nil
 }
 
-// Backlog reads the pending count and the oldest pending message, in total
-// and per bucket, with one grouped query.
-func (a *Admin) Backlog(ctx context.Context) (Backlog, error) {
+// readBacklog reads the backlog of the outbox of cfg: one grouped query
+// over the messages table (the count and oldest creation time per bucket)
+// and one count of the dead-letter table. It reads the whole messages
+// table: the relay runs it only every sampling interval, an operator on
+// demand.
+func readBacklog(db *gorm.DB, cfg outbox.Config) (relay.Backlog, error) {
 	var rows []struct {
 		Bucket  int
 		Pending int64
 		Oldest  int64
 	}
-	err := a.db.WithContext(ctx).Table(a.cfg.Tables.MessagesTable()).
-		Select("bucket, COUNT(*) AS pending, MIN(created_at_ms) AS oldest").
-		Group("bucket").Order("bucket").Scan(&rows).Error
-	if err != nil {
-		return Backlog{}, fmt.Errorf("outbox: read backlog of %s: %w", a.cfg.Tables.MessagesTable(), err)
+	if err := db.Raw("SELECT bucket, COUNT(*) AS pending, MIN(created_at_ms) AS oldest FROM " +
+		db.Statement.Quote(cfg.Tables.MessagesTable()) + " GROUP BY bucket ORDER BY bucket").Scan(&rows).Error; err != nil {
+		return relay.Backlog{}, err
 	}
-	b := Backlog{SampledAt: time.Now()}
+	var dead int64
+	if err := db.Raw("SELECT COUNT(*) FROM " + db.Statement.Quote(cfg.Tables.DeadLettersTable())).Scan(&dead).Error; err != nil {
+		return relay.Backlog{}, err
+	}
+	b := relay.Backlog{BucketCount: cfg.BucketCount, DeadLetters: dead, DeadLettersKnown: true, SampledAt: time.Now()}
 	for _, r := range rows {
 		oldest := time.UnixMilli(r.Oldest)
-		b.Buckets = append(b.Buckets, BucketBacklog{Bucket: r.Bucket, Pending: r.Pending, Oldest: oldest})
+		b.Buckets = append(b.Buckets, relay.BucketBacklog{Bucket: r.Bucket, Pending: r.Pending, Oldest: oldest})
 		b.Pending += r.Pending
 		if b.Oldest.IsZero() || oldest.Before(b.Oldest) {
 			b.Oldest = oldest
@@ -241,7 +230,7 @@ type Status struct {
 // SampledAt; zero when nothing is pending.
 func (s Status) OldestAge() time.Duration { return time.Duration(s.OldestAgeMs) * time.Millisecond }
 
-// Status reads the whole operational state with four short queries
+// Status reads the whole operational state with a few short queries
 // (backlog, dead letters, leases, relays). It locks nothing.
 func (a *Admin) Status(ctx context.Context) (Status, error) {
 	db, cancel := a.op(ctx, "read status")

@@ -29,7 +29,11 @@ func TestAdminBacklog(t *testing.T) {
 		empty, err := admin.Backlog(ctx)
 		require.NoError(t, err)
 		require.Zero(t, empty.Pending)
-		require.Zero(t, empty.OldestAge())
+		age, known := empty.OldestAge()
+		require.True(t, known)
+		require.Zero(t, age)
+		require.Equal(t, b.cfg.BucketCount, empty.BucketCount)
+		require.True(t, empty.DeadLettersKnown)
 
 		start := time.Now()
 		ka, kb := []byte(keyInBucket(t, 1, b.cfg.BucketCount)), []byte(keyInBucket(t, 2, b.cfg.BucketCount))
@@ -47,7 +51,9 @@ func TestAdminBacklog(t *testing.T) {
 		}
 		require.Equal(t, map[int]int64{1: 2, 2: 1}, per)
 		require.WithinDuration(t, start, bl.Oldest, 2*time.Second)
-		require.GreaterOrEqual(t, bl.OldestAge(), time.Duration(0))
+		age, known = bl.OldestAge()
+		require.True(t, known)
+		require.GreaterOrEqual(t, age, time.Duration(0))
 	})
 }
 

@@ -19,9 +19,13 @@
 // drives a Store from this package, and a publisher (package publisher)
 // sends the batches.
 //
-//	store, err := gormrelay.NewStore(db, plugin.Config())
-//	r, err := relay.New(store, pub, relay.Config{Hints: plugin.Notifier()})
-//	err = r.Start(ctx)
+// New wires the lot for a plugin: the store, the failure policy, the
+// plugin's hints and bucket count.
+//
+//	r, err := gormrelay.New(db, plugin, pub)
+//	if err != nil { ... }
+//	if err := r.Start(ctx); err != nil { ... } // missing tables, a BucketCount mismatch
+//	defer r.Stop(shutdownCtx)
 //
 // This package imports package outbox; package outbox never imports it.
 package gormrelay

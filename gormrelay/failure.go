@@ -149,19 +149,19 @@ var (
 
 // NewFailurePolicy returns a failure policy writing to store's tables.
 // cfg's zero fields take their defaults; a negative MaxAttempts or an
-// unknown Mode is refused with a *ConfigError.
+// unknown Mode is refused with a *relay.ConfigError.
 func NewFailurePolicy(store *Store, cfg FailurePolicyConfig) (*FailurePolicy, error) {
 	if store == nil {
-		return nil, &outbox.ConfigError{Field: "store", Value: nil, Reason: "a *Store is required"}
+		return nil, &relay.ConfigError{Package: "gormrelay", Field: "store", Value: nil, Reason: "a *Store is required"}
 	}
 	if cfg.MaxAttempts == 0 {
 		cfg.MaxAttempts = MaxAttemptsDefault
 	}
 	if cfg.MaxAttempts < 0 {
-		return nil, &outbox.ConfigError{Field: "MaxAttempts", Value: cfg.MaxAttempts, Reason: "must be positive (use Mode: ModeBlock to never give up)"}
+		return nil, &relay.ConfigError{Package: "gormrelay", Field: "MaxAttempts", Value: cfg.MaxAttempts, Reason: "must be positive (use Mode: ModeBlock to never give up)"}
 	}
 	if cfg.Mode != ModeDeadLetter && cfg.Mode != ModeBlock {
-		return nil, &outbox.ConfigError{Field: "Mode", Value: cfg.Mode, Reason: "must be ModeDeadLetter or ModeBlock"}
+		return nil, &relay.ConfigError{Package: "gormrelay", Field: "Mode", Value: cfg.Mode, Reason: "must be ModeDeadLetter or ModeBlock"}
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

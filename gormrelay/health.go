@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 // HealthTimeoutDefault bounds the query of one HealthHandler request.
@@ -86,7 +86,7 @@ func (a *Admin) OldestPending(ctx context.Context) (age time.Duration, bucket in
 // failure is not unhealthy.
 func (a *Admin) Healthy(ctx context.Context, maxAge time.Duration) error {
 	if maxAge <= 0 {
-		return &outbox.ConfigError{Field: "maxAge", Value: maxAge, Reason: "must be positive"}
+		return &relay.ConfigError{Package: "gormrelay", Field: "maxAge", Value: maxAge, Reason: "must be positive"}
 	}
 	age, bucket, ok, err := a.OldestPending(ctx)
 	if err != nil {

@@ -93,7 +93,7 @@ var (
 // table.
 func NewStore(db *gorm.DB, cfg outbox.Config) (*Store, error) {
 	if db == nil {
-		return nil, &outbox.ConfigError{Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
+		return nil, &relay.ConfigError{Package: "gormrelay", Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
 	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
@@ -768,34 +768,16 @@ func truncateUTF8(s string, n int) string {
 var _ relay.BacklogSampler = (*Store)(nil)
 
 // SampleBacklog implements relay.BacklogSampler for metrics: the pending
-// count and oldest pending message per bucket, with the grouped query of
-// Admin.Backlog, and the number of dead letters. It reads the whole
-// messages table, so the relay runs it only every sampling interval, on
-// its own goroutine and pooled connection, bounded by ctx.
+// count and oldest pending message per bucket and the number of dead
+// letters, with the queries of Admin.Backlog (readBacklog). It reads the
+// whole messages table, so the relay runs it only every sampling
+// interval, on its own goroutine and pooled connection, bounded by ctx.
 func (s *Store) SampleBacklog(ctx context.Context) (relay.Backlog, error) {
 	db, ctx, cancel := s.op(ctx, "sample backlog")
 	defer cancel()
-	var rows []struct {
-		Bucket  int
-		Pending int64
-		Oldest  int64
-	}
-	if err := db.Raw("SELECT bucket, COUNT(*) AS pending, MIN(created_at_ms) AS oldest FROM " + s.messages +
-		" GROUP BY bucket ORDER BY bucket").Scan(&rows).Error; err != nil {
+	b, err := readBacklog(db, outbox.Config{Tables: s.tables, BucketCount: s.buckets})
+	if err != nil {
 		return relay.Backlog{}, s.fail(ctx, "sample backlog", err)
-	}
-	var dead int64
-	if err := db.Raw("SELECT COUNT(*) FROM " + db.Statement.Quote(s.tables.DeadLettersTable())).Scan(&dead).Error; err != nil {
-		return relay.Backlog{}, s.fail(ctx, "sample backlog", err)
-	}
-	b := relay.Backlog{BucketCount: s.buckets, DeadLetters: dead, DeadLettersKnown: true, SampledAt: time.Now()}
-	for _, r := range rows {
-		oldest := time.UnixMilli(r.Oldest)
-		b.Buckets = append(b.Buckets, relay.BucketBacklog{Bucket: r.Bucket, Pending: r.Pending, Oldest: oldest})
-		b.Pending += r.Pending
-		if b.Oldest.IsZero() || oldest.Before(b.Oldest) {
-			b.Oldest = oldest
-		}
 	}
 	return b, nil
 }

@@ -24,13 +24,13 @@ const (
 	OutboxMaxLen = 128
 )
 
-// DefaultPublishBuckets are the publish duration histogram's buckets, in
+// PublishBucketsDefault are the publish duration histogram's buckets, in
 // seconds: 1ms to about 33s, doubling.
-var DefaultPublishBuckets = prometheus.ExponentialBuckets(0.001, 2, 16)
+var PublishBucketsDefault = prometheus.ExponentialBuckets(0.001, 2, 16)
 
-// DefaultCycleBuckets are the cycle duration histogram's buckets, in
+// CycleBucketsDefault are the cycle duration histogram's buckets, in
 // seconds: 1ms to about 33s, doubling.
-var DefaultCycleBuckets = prometheus.ExponentialBuckets(0.001, 2, 16)
+var CycleBucketsDefault = prometheus.ExponentialBuckets(0.001, 2, 16)
 
 // Metric names, all prefixed by "outbox_". Counters carry the _total
 // suffix in their name.
@@ -83,7 +83,7 @@ type Config struct {
 
 	// PublishBuckets and CycleBuckets are the upper bounds, in seconds, of
 	// the publish and cycle duration histograms, strictly increasing.
-	// Defaults DefaultPublishBuckets and DefaultCycleBuckets.
+	// Defaults PublishBucketsDefault and CycleBucketsDefault.
 	PublishBuckets []float64
 	CycleBuckets   []float64
 
@@ -119,10 +119,10 @@ func (c Config) WithDefaults() Config {
 		c.Outbox = OutboxDefault
 	}
 	if c.PublishBuckets == nil {
-		c.PublishBuckets = DefaultPublishBuckets
+		c.PublishBuckets = PublishBucketsDefault
 	}
 	if c.CycleBuckets == nil {
-		c.CycleBuckets = DefaultCycleBuckets
+		c.CycleBuckets = CycleBucketsDefault
 	}
 	if c.SampleInterval == 0 {
 		c.SampleInterval = relay.BacklogSampleIntervalDefault

@@ -16,6 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/kafkatest"
 )
 
 // ReadTimeout bounds how long Broker.Read waits for records.
@@ -138,31 +139,19 @@ func (b *Broker) ReadContext(ctx context.Context, topic string, n int) ([]Record
 		return nil, fmt.Errorf("read %s: %w", topic, err)
 	}
 	defer cl.Close()
-	var (
-		out     []Record
-		lastErr error
-	)
-	for len(out) < n {
-		fetches := cl.PollFetches(ctx)
-		fetches.EachError(func(_ string, _ int32, err error) {
-			if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
-				lastErr = err
-			}
-		})
-		fetches.EachRecord(func(r *kgo.Record) {
-			rec := Record{Topic: r.Topic, Partition: r.Partition, Offset: r.Offset, Key: r.Key, Value: r.Value}
-			for _, h := range r.Headers {
-				rec.Headers = append(rec.Headers, outbox.Header{Key: h.Key, Value: h.Value})
-			}
-			out = append(out, rec)
-		})
-		if ctx.Err() != nil && len(out) < n {
-			msg := fmt.Sprintf("read %d of %d records from topic %s before %v", len(out), n, topic, context.Cause(ctx))
-			if lastErr != nil {
-				msg += fmt.Sprintf(" (last error: %v)", lastErr)
-			}
-			return out, errors.New(msg)
+	out, lastErr := kafkatest.Poll(ctx, cl, n, func(r *kgo.Record) Record {
+		rec := Record{Topic: r.Topic, Partition: r.Partition, Offset: r.Offset, Key: r.Key, Value: r.Value}
+		for _, h := range r.Headers {
+			rec.Headers = append(rec.Headers, outbox.Header{Key: h.Key, Value: h.Value})
 		}
+		return rec
+	})
+	if len(out) < n {
+		msg := fmt.Sprintf("read %d of %d records from topic %s before %v", len(out), n, topic, context.Cause(ctx))
+		if lastErr != nil {
+			msg += fmt.Sprintf(" (last error: %v)", lastErr)
+		}
+		return out, errors.New(msg)
 	}
 	slices.SortStableFunc(out, func(a, b Record) int {
 		if c := cmp.Compare(a.Partition, b.Partition); c != 0 {

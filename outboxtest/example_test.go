@@ -210,7 +210,7 @@ func ExampleStartBroker() {
 	}
 
 	for _, rec := range broker.Read(t, "orders.placed", 1) {
-		_, hasID := rec.Header(publisher.DefaultMessageIDHeader)
+		_, hasID := rec.Header(publisher.MessageIDHeaderDefault)
 		fmt.Printf("%s key=%s value=%s message id header: %v\n", rec.Topic, rec.Key, rec.Value, hasID)
 	}
 	// Output:

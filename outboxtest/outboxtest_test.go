@@ -182,7 +182,7 @@ func TestBroker(t *testing.T) {
 	for _, rec := range recs {
 		m := byKey["orders/"+string(rec.Key)]
 		require.Equal(t, m.Value, rec.Value)
-		id, ok := rec.Header(publisher.DefaultMessageIDHeader)
+		id, ok := rec.Header(publisher.MessageIDHeaderDefault)
 		require.True(t, ok)
 		require.Equal(t, m.MessageID, id)
 		ct, _ := rec.Header("content-type")

@@ -8,9 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	mrand "math/rand/v2"
 	"regexp"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -18,6 +18,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/backoff"
+	"github.com/gorm-outbox/outbox/internal/startstop"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 // Defaults applied by Config.WithDefaults.
@@ -135,7 +138,7 @@ var channelRE = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 // identifier, [a-z_][a-z0-9_]*, at most 63 characters.
 func ValidateChannel(name string) error {
 	if !channelRE.MatchString(name) {
-		return &outbox.ConfigError{Field: "Channel", Value: fmt.Sprintf("%q", name), Reason: "must match [a-z_][a-z0-9_]* and be at most 63 characters"}
+		return &relay.ConfigError{Package: "pgnotify", Field: "Channel", Value: fmt.Sprintf("%q", name), Reason: "must match [a-z_][a-z0-9_]* and be at most 63 characters"}
 	}
 	return nil
 }
@@ -143,7 +146,7 @@ func ValidateChannel(name string) error {
 // validate checks a configuration that WithDefaults has filled in.
 func (c Config) validate() error {
 	if c.DSN == "" {
-		return &outbox.ConfigError{Field: "DSN", Value: `""`, Reason: "the listener's connection string is required"}
+		return &relay.ConfigError{Package: "pgnotify", Field: "DSN", Value: `""`, Reason: "the listener's connection string is required"}
 	}
 	if err := ValidateChannel(c.Channel); err != nil {
 		return err
@@ -157,11 +160,11 @@ func (c Config) validate() error {
 		{"ReconnectBackoffMin", c.ReconnectBackoffMin},
 	} {
 		if d.v <= 0 {
-			return &outbox.ConfigError{Field: d.field, Value: d.v, Reason: "must be positive"}
+			return &relay.ConfigError{Package: "pgnotify", Field: d.field, Value: d.v, Reason: "must be positive"}
 		}
 	}
 	if c.ReconnectBackoffMax < c.ReconnectBackoffMin {
-		return &outbox.ConfigError{Field: "ReconnectBackoffMax", Value: c.ReconnectBackoffMax, Reason: fmt.Sprintf("must be at least ReconnectBackoffMin (%s)", c.ReconnectBackoffMin)}
+		return &relay.ConfigError{Package: "pgnotify", Field: "ReconnectBackoffMax", Value: c.ReconnectBackoffMax, Reason: fmt.Sprintf("must be at least ReconnectBackoffMin (%s)", c.ReconnectBackoffMin)}
 	}
 	return nil
 }
@@ -208,6 +211,8 @@ type Transport struct {
 	listenCfg *pgx.ConnConfig
 	pool      *pgxpool.Pool // nil when cfg.PublishDB is set
 	log       *slog.Logger
+	life      startstop.Service
+	closeOnce sync.Once
 
 	published, publishFailures, received, echoes, malformed, subscriptions atomic.Uint64
 }
@@ -242,7 +247,7 @@ func New(cfg Config) (*Transport, error) {
 	}
 	listenCfg, err := pgx.ParseConfig(cfg.DSN)
 	if err != nil {
-		return nil, &outbox.ConfigError{Field: "DSN", Value: "(not shown)", Reason: err.Error()}
+		return nil, &relay.ConfigError{Package: "pgnotify", Field: "DSN", Value: "(not shown)", Reason: err.Error()}
 	}
 	if cfg.ApplicationName == "" {
 		cfg.ApplicationName = listenCfg.RuntimeParams["application_name"]
@@ -264,7 +269,7 @@ func New(cfg Config) (*Transport, error) {
 	if cfg.PublishDB == nil {
 		poolCfg, err := pgxpool.ParseConfig(cfg.PublishDSN)
 		if err != nil {
-			return nil, &outbox.ConfigError{Field: "PublishDSN", Value: "(not shown)", Reason: err.Error()}
+			return nil, &relay.ConfigError{Package: "pgnotify", Field: "PublishDSN", Value: "(not shown)", Reason: err.Error()}
 		}
 		// One sender goroutine per bridge: one connection is enough.
 		poolCfg.MaxConns = 1
@@ -284,13 +289,51 @@ func (t *Transport) Channel() string { return t.channel }
 // ApplicationName returns the listener connection's application_name.
 func (t *Transport) ApplicationName() string { return t.cfg.ApplicationName }
 
-// Close closes the transport's own NOTIFY connection. It does not stop a
-// running Listen (cancel its context) and does not close Config.PublishDB.
-// Publish fails after Close.
-func (t *Transport) Close() {
-	if t.pool != nil {
-		t.pool.Close()
+// Start marks the transport running until Stop or the end of ctx, when it
+// closes its own NOTIFY connection. It opens nothing itself: the hint
+// bridge drives Listen and Publish. It gives the transport the lifecycle
+// of the module's other services (New starts nothing; Start, Stop,
+// Stopped, Err); Start on a running transport does nothing.
+func (t *Transport) Start(ctx context.Context) error {
+	if err := t.life.Start(ctx, func(ctx context.Context) error {
+		<-ctx.Done()
+		t.Close()
+		return nil
+	}); err != nil {
+		return fmt.Errorf("pgnotify: start: %w", err)
 	}
+	return nil
+}
+
+// Stop closes the transport's own NOTIFY connection and, if it was
+// started, waits until it has stopped, bounded by ctx. Stop before Start
+// and a second Stop are harmless. Like Close, it does not stop a running
+// Listen (cancel its context; the hint bridge does) and does not close
+// Config.PublishDB.
+func (t *Transport) Stop(ctx context.Context) error {
+	t.Close()
+	if err := t.life.Stop(ctx); err != nil {
+		return fmt.Errorf("pgnotify: stop: %w", err)
+	}
+	return nil
+}
+
+// Stopped returns a channel closed when a started transport has stopped.
+func (t *Transport) Stopped() <-chan struct{} { return t.life.Stopped() }
+
+// Err is nil: the transport has no failure that ends it (Listen and
+// Publish report theirs to the bridge, which retries).
+func (t *Transport) Err() error { return t.life.Err() }
+
+// Close closes the transport's own NOTIFY connection, once. It does not
+// stop a running Listen (cancel its context) and does not close
+// Config.PublishDB. Publish fails after Close.
+func (t *Transport) Close() {
+	t.closeOnce.Do(func() {
+		if t.pool != nil {
+			t.pool.Close()
+		}
+	})
 }
 
 // Stats returns the transport's counters.
@@ -370,7 +413,7 @@ func (t *Transport) Listen(ctx context.Context, fn func(bucket int)) error {
 			return ctx.Err()
 		}
 		failures++
-		d := backoff(t.cfg.ReconnectBackoffMin, t.cfg.ReconnectBackoffMax, failures)
+		d := backoff.Exponential(t.cfg.ReconnectBackoffMin, t.cfg.ReconnectBackoffMax, failures)
 		t.log.Warn("pgnotify: listener connection lost, reconnecting", "err", err, "attempt", failures, "retry_in", d)
 		timer := time.NewTimer(d)
 		select {
@@ -463,18 +506,4 @@ func withTimeout(ctx context.Context, d time.Duration, op string, fn func(contex
 		return fmt.Errorf("pgnotify: %s: %w", op, err)
 	}
 	return nil
-}
-
-// backoff is lo doubled per failure after the first, capped at hi, with up
-// to half of it taken off at random.
-func backoff(lo, hi time.Duration, failures int) time.Duration {
-	d := lo
-	for i := 1; i < failures && d < hi; i++ {
-		d *= 2
-	}
-	d = min(d, hi)
-	if d <= 1 {
-		return d
-	}
-	return d - mrand.N(d/2)
 }

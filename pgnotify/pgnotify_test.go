@@ -347,3 +347,33 @@ func TestListenUnreachable(t *testing.T) {
 	require.Zero(t, tr.Stats().Subscriptions)
 	require.Error(t, tr.Listen(context.Background(), nil))
 }
+
+// The transport's lifecycle: New starts nothing, Stop before Start and a
+// second Stop are harmless, Stop closes the NOTIFY connection (Publish
+// fails after it) and Stopped closes; a stopped transport does not start
+// again.
+func TestLifecycle(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+
+	never := b.transport(t, "never")
+	require.NoError(t, never.Stop(ctx), "Stop before Start")
+	require.Error(t, never.Publish(ctx, []int{1}), "stopped: its NOTIFY connection is closed")
+
+	tr := b.transport(t, "life")
+	require.NoError(t, tr.Start(ctx))
+	require.NoError(t, tr.Start(ctx), "Start on a running transport")
+	require.NoError(t, tr.Publish(ctx, []int{1}))
+	select {
+	case <-tr.Stopped():
+		t.Fatal("Stopped closed while running")
+	default:
+	}
+	require.NoError(t, tr.Stop(ctx))
+	<-tr.Stopped()
+	require.NoError(t, tr.Err())
+	require.NoError(t, tr.Stop(ctx), "second Stop")
+	require.Error(t, tr.Publish(ctx, []int{1}))
+	require.Error(t, tr.Start(ctx), "a transport runs once")
+}

@@ -19,63 +19,106 @@ import (
 func TestDefaults(t *testing.T) {
 	t.Parallel()
 	cfg := KafkaConfig{}.WithDefaults()
-	require.Equal(t, DefaultMessageIDHeader, cfg.MessageIDHeader)
-	require.Equal(t, DefaultMaxMessageBytes, cfg.MaxMessageBytes)
+	require.Equal(t, MessageIDHeaderDefault, cfg.MessageIDHeader)
+	require.Equal(t, MaxMessageBytesDefault, cfg.MaxMessageBytes)
 	require.NotNil(t, cfg.Logger)
 }
 
+// Both Kafka publishers build their sarama configuration through the same
+// guarantee block: whatever a Configure hook sets, acks=all, idempotence,
+// one request in flight and the partitioner hold in both modes.
 func TestSaramaConfigEnforcesGuarantees(t *testing.T) {
 	t.Parallel()
-	cfg := KafkaConfig{
-		Brokers: []string{"localhost:9092"},
-		Configure: func(sc *sarama.Config) error {
-			// Everything a careless callback could downgrade.
-			sc.Producer.RequiredAcks = sarama.NoResponse
-			sc.Producer.Idempotent = false
-			sc.Net.MaxOpenRequests = 5
-			sc.Producer.Retry.Max = 0
-			sc.Version = sarama.V0_10_2_0
-			sc.Producer.Return.Successes = false
-			sc.Producer.Return.Errors = false
-			sc.Producer.Partitioner = sarama.NewHashPartitioner
-			sc.Producer.MaxMessageBytes = 10
-			sc.ClientID = "mine"
-			sc.Producer.Compression = sarama.CompressionSnappy
-			return nil
-		},
-	}.WithDefaults()
-	sc, err := cfg.saramaConfig()
-	require.NoError(t, err)
-	require.Equal(t, sarama.WaitForAll, sc.Producer.RequiredAcks)
-	require.True(t, sc.Producer.Idempotent)
-	require.Equal(t, 1, sc.Net.MaxOpenRequests)
-	require.Equal(t, DefaultRetryMax, sc.Producer.Retry.Max)
-	require.Equal(t, MinKafkaVersion, sc.Version)
-	require.True(t, sc.Producer.Return.Successes)
-	require.True(t, sc.Producer.Return.Errors)
-	require.Equal(t, reflect.ValueOf(newPartitioner).Pointer(), reflect.ValueOf(sc.Producer.Partitioner).Pointer())
-	require.Equal(t, DefaultMaxMessageBytes, sc.Producer.MaxMessageBytes)
-	// What the guarantees do not depend on is the caller's.
-	require.Equal(t, "mine", sc.ClientID)
-	require.Equal(t, sarama.CompressionSnappy, sc.Producer.Compression)
-
-	// Values already above the floors are kept.
-	cfg.Configure = func(sc *sarama.Config) error {
+	downgrade := func(sc *sarama.Config) error {
+		// Everything a careless callback could downgrade.
+		sc.Producer.RequiredAcks = sarama.NoResponse
+		sc.Producer.Idempotent = false
+		sc.Net.MaxOpenRequests = 5
+		sc.Producer.Retry.Max = 0
+		sc.Version = sarama.V0_10_2_0
+		sc.Producer.Return.Successes = false
+		sc.Producer.Return.Errors = false
+		sc.Producer.Partitioner = sarama.NewHashPartitioner
+		sc.Producer.MaxMessageBytes = 10
+		sc.ClientID = "mine"
+		sc.Producer.Compression = sarama.CompressionSnappy
+		return nil
+	}
+	keep := func(sc *sarama.Config) error {
 		sc.Producer.Retry.Max = 50
 		sc.Version = sarama.V3_6_0_0
 		return nil
 	}
-	sc, err = cfg.saramaConfig()
-	require.NoError(t, err)
-	require.Equal(t, 50, sc.Producer.Retry.Max)
-	require.Equal(t, sarama.V3_6_0_0, sc.Version)
-	require.Equal(t, DefaultClientID, KafkaConfig{}.WithDefaults().mustSarama(t).ClientID)
+	for name, build := range map[string]func(configure func(*sarama.Config) error) (*sarama.Config, error){
+		"kafka": func(configure func(*sarama.Config) error) (*sarama.Config, error) {
+			return KafkaConfig{Brokers: []string{"localhost:9092"}, Configure: configure}.WithDefaults().saramaConfig()
+		},
+		"transactional": func(configure func(*sarama.Config) error) (*sarama.Config, error) {
+			return TransactionalConfig{Brokers: []string{"localhost:9092"}, TransactionalIDPrefix: "p", Configure: configure}.
+				WithDefaults().saramaConfig("p-0")
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			sc, err := build(downgrade)
+			require.NoError(t, err)
+			require.Equal(t, sarama.WaitForAll, sc.Producer.RequiredAcks)
+			require.True(t, sc.Producer.Idempotent)
+			require.Equal(t, 1, sc.Net.MaxOpenRequests)
+			require.Equal(t, RetryMaxDefault, sc.Producer.Retry.Max)
+			require.Equal(t, MinKafkaVersion, sc.Version)
+			require.True(t, sc.Producer.Return.Successes)
+			require.True(t, sc.Producer.Return.Errors)
+			require.Equal(t, reflect.ValueOf(newPartitioner).Pointer(), reflect.ValueOf(sc.Producer.Partitioner).Pointer())
+			require.Equal(t, MaxMessageBytesDefault, sc.Producer.MaxMessageBytes)
+			// What the guarantees do not depend on is the caller's.
+			require.Equal(t, "mine", sc.ClientID)
+			require.Equal(t, sarama.CompressionSnappy, sc.Producer.Compression)
+
+			// Values already above the floors are kept.
+			sc, err = build(keep)
+			require.NoError(t, err)
+			require.Equal(t, 50, sc.Producer.Retry.Max)
+			require.Equal(t, sarama.V3_6_0_0, sc.Version)
+			sc, err = build(nil)
+			require.NoError(t, err)
+			require.Equal(t, ClientIDDefault, sc.ClientID)
+
+			// A hook setting a transactional id, or failing, is a
+			// *relay.ConfigError naming the Configure field.
+			_, err = build(func(sc *sarama.Config) error { sc.Producer.Transaction.ID = "x"; return nil })
+			var ce *relay.ConfigError
+			require.ErrorAs(t, err, &ce)
+			require.Equal(t, "publisher", ce.Package)
+			require.Contains(t, ce.Field, "Config.Configure")
+			boom := errors.New("boom")
+			_, err = build(func(*sarama.Config) error { return boom })
+			require.ErrorIs(t, err, boom)
+			require.ErrorIs(t, err, relay.ErrInvalidConfig)
+		})
+	}
 }
 
-func (c KafkaConfig) mustSarama(t *testing.T) *sarama.Config {
-	sc, err := c.saramaConfig()
-	require.NoError(t, err)
-	return sc
+// Every invalid publisher configuration is a *relay.ConfigError naming
+// its field.
+func TestConfigErrorsNameTheirField(t *testing.T) {
+	t.Parallel()
+	for field, err := range map[string]error{
+		"KafkaConfig.Brokers":                       KafkaConfig{}.WithDefaults().validate(),
+		"KafkaConfig.StallTimeout":                  KafkaConfig{Brokers: []string{"b"}, StallTimeout: -1}.WithDefaults().validate(),
+		"KafkaConfig.MaxMessageBytes":               KafkaConfig{Brokers: []string{"b"}, MaxMessageBytes: -1}.WithDefaults().validate(),
+		"TransactionalConfig.Brokers":               TransactionalConfig{}.WithDefaults().validate(),
+		"TransactionalConfig.TransactionalIDPrefix": TransactionalConfig{Brokers: []string{"b"}}.WithDefaults().validate(),
+		"TransactionalConfig.MaxMessageBytes": TransactionalConfig{Brokers: []string{"b"}, TransactionalIDPrefix: "p",
+			MaxMessageBytes: int(sarama.MaxRequestSize)}.WithDefaults().validate(),
+	} {
+		var ce *relay.ConfigError
+		require.ErrorAs(t, err, &ce, field)
+		require.Equal(t, field, ce.Field)
+		require.Equal(t, "publisher", ce.Package)
+		require.ErrorIs(t, err, relay.ErrInvalidConfig)
+		require.Contains(t, err.Error(), "publisher: invalid config "+field+"=")
+	}
 }
 
 func TestClassify(t *testing.T) {

@@ -17,30 +17,30 @@ import (
 )
 
 const (
-	// DefaultMessageIDHeader is the record header the Kafka publisher stamps
+	// MessageIDHeaderDefault is the record header the Kafka publisher stamps
 	// with relay.Message.MessageID unless KafkaConfig.MessageIDHeader says
 	// otherwise.
-	DefaultMessageIDHeader = recordsize.MessageIDHeaderDefault
+	MessageIDHeaderDefault = recordsize.MessageIDHeaderDefault
 
-	// DefaultMaxMessageBytes is KafkaConfig.MaxMessageBytes's default: just
+	// MaxMessageBytesDefault is KafkaConfig.MaxMessageBytes's default: just
 	// under the broker's default message.max.bytes (1048588), so that sarama
 	// rejects an oversized record on its own before the broker would fail
 	// the whole batch it travels in. The write side refuses at enqueue what
 	// this default would refuse (internal/recordsize holds both).
-	DefaultMaxMessageBytes = recordsize.MaxMessageBytesDefault
+	MaxMessageBytesDefault = recordsize.MaxMessageBytesDefault
 
-	// DefaultClientID is the Kafka client id the publisher sets before
+	// ClientIDDefault is the Kafka client id the publisher sets before
 	// KafkaConfig.Configure runs, which may change it.
-	DefaultClientID = "gorm-outbox"
+	ClientIDDefault = "gorm-outbox"
 
-	// DefaultRetryMax is what the publisher raises sarama's
+	// RetryMaxDefault is what the publisher raises sarama's
 	// Producer.Retry.Max to when KafkaConfig.Configure leaves it below 1:
 	// the idempotent producer needs at least one retry. It is sarama's own
 	// default.
-	DefaultRetryMax = 3
+	RetryMaxDefault = 3
 
-	// DefaultStallTimeout is KafkaConfig.StallTimeout's default.
-	DefaultStallTimeout = 30 * time.Second
+	// StallTimeoutDefault is KafkaConfig.StallTimeout's default.
+	StallTimeoutDefault = 30 * time.Second
 )
 
 // MinKafkaVersion is the lowest protocol version the Kafka publisher runs
@@ -55,7 +55,7 @@ type KafkaConfig struct {
 	Brokers []string
 
 	// Configure, if non-nil, adjusts the sarama configuration before the
-	// producer is built: client id (default DefaultClientID), TLS, SASL,
+	// producer is built: client id (default ClientIDDefault), TLS, SASL,
 	// Version (default sarama.DefaultVersion), compression, timeouts,
 	// retry backoff, flush settings. It receives sarama.NewConfig()'s
 	// defaults; an error it returns fails NewKafka.
@@ -65,7 +65,7 @@ type KafkaConfig struct {
 	//   - Producer.RequiredAcks = sarama.WaitForAll (acks=all);
 	//   - Producer.Idempotent = true and Net.MaxOpenRequests = 1, so that
 	//     retries neither duplicate nor reorder records;
-	//   - Producer.Retry.Max raised to DefaultRetryMax if below 1;
+	//   - Producer.Retry.Max raised to RetryMaxDefault if below 1;
 	//   - Version raised to MinKafkaVersion if below it;
 	//   - Producer.Return.Successes and Producer.Return.Errors = true;
 	//   - Producer.Partitioner: pinned partition, else the Java client's
@@ -78,7 +78,7 @@ type KafkaConfig struct {
 
 	// MessageIDHeader is the record header that carries
 	// relay.Message.MessageID, appended after the message's own headers.
-	// Default DefaultMessageIDHeader. A message with an empty MessageID
+	// Default MessageIDHeaderDefault. A message with an empty MessageID
 	// gets no such header.
 	MessageIDHeader string
 
@@ -88,7 +88,7 @@ type KafkaConfig struct {
 	// A larger record fails before it is sent with an error for which
 	// IsTooLarge and relay.IsPermanent report true. Keep it at or below
 	// the topic's max.message.bytes (the broker's message.max.bytes by
-	// default). Default DefaultMaxMessageBytes; it must be below
+	// default). Default MaxMessageBytesDefault; it must be below
 	// sarama.MaxRequestSize.
 	MaxMessageBytes int
 
@@ -102,7 +102,7 @@ type KafkaConfig struct {
 	// acknowledgement back; each is logged at Warn, counted by
 	// Replacements and reported to Observer. A replacement during an
 	// outage fails to connect and keeps the old producer. Default
-	// DefaultStallTimeout (30s).
+	// StallTimeoutDefault (30s).
 	StallTimeout time.Duration
 
 	// Observer, if set, is told of every producer replacement.
@@ -127,13 +127,13 @@ type ProducerObserver interface {
 // default.
 func (c KafkaConfig) WithDefaults() KafkaConfig {
 	if c.MessageIDHeader == "" {
-		c.MessageIDHeader = DefaultMessageIDHeader
+		c.MessageIDHeader = MessageIDHeaderDefault
 	}
 	if c.MaxMessageBytes == 0 {
-		c.MaxMessageBytes = DefaultMaxMessageBytes
+		c.MaxMessageBytes = MaxMessageBytesDefault
 	}
 	if c.StallTimeout == 0 {
-		c.StallTimeout = DefaultStallTimeout
+		c.StallTimeout = StallTimeoutDefault
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -142,51 +142,20 @@ func (c KafkaConfig) WithDefaults() KafkaConfig {
 }
 
 func (c KafkaConfig) validate() error {
-	if len(c.Brokers) == 0 {
-		return errors.New("publisher: KafkaConfig.Brokers must name at least one broker")
+	if err := checkBrokers("KafkaConfig", c.Brokers); err != nil {
+		return err
 	}
 	if c.StallTimeout < 0 {
-		return fmt.Errorf("publisher: KafkaConfig.StallTimeout must be positive, got %s", c.StallTimeout)
+		return configError("KafkaConfig.StallTimeout", c.StallTimeout, "must be positive", nil)
 	}
-	if c.MaxMessageBytes <= 0 || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
-		return fmt.Errorf("publisher: KafkaConfig.MaxMessageBytes must be between 1 and %d, got %d",
-			sarama.MaxRequestSize-1, c.MaxMessageBytes)
-	}
-	return nil
+	return checkMaxMessageBytes("KafkaConfig", c.MaxMessageBytes)
 }
 
 // saramaConfig builds the sarama configuration: defaults, the user's
-// Configure, then the enforced guarantees. c has its defaults applied.
+// Configure, then the enforced guarantees (guaranteedConfig). c has its
+// defaults applied.
 func (c KafkaConfig) saramaConfig() (*sarama.Config, error) {
-	sc := sarama.NewConfig()
-	sc.ClientID = DefaultClientID
-	if c.Configure != nil {
-		if err := c.Configure(sc); err != nil {
-			return nil, fmt.Errorf("publisher: KafkaConfig.Configure: %w", err)
-		}
-	}
-	if sc.Producer.Transaction.ID != "" {
-		return nil, errors.New("publisher: sarama Producer.Transaction.ID must be empty: the Kafka publisher is not transactional")
-	}
-
-	sc.Producer.RequiredAcks = sarama.WaitForAll
-	sc.Producer.Idempotent = true
-	sc.Net.MaxOpenRequests = 1
-	if sc.Producer.Retry.Max < 1 {
-		sc.Producer.Retry.Max = DefaultRetryMax
-	}
-	if !sc.Version.IsAtLeast(MinKafkaVersion) {
-		sc.Version = MinKafkaVersion
-	}
-	sc.Producer.Return.Successes = true
-	sc.Producer.Return.Errors = true
-	sc.Producer.Partitioner = newPartitioner
-	sc.Producer.MaxMessageBytes = c.MaxMessageBytes
-
-	if err := sc.Validate(); err != nil {
-		return nil, fmt.Errorf("publisher: invalid sarama configuration: %w", err)
-	}
-	return sc, nil
+	return guaranteedConfig("KafkaConfig", c.Configure, c.MaxMessageBytes, "", "the Kafka publisher is not transactional")
 }
 
 // Kafka publishes batches to Kafka through a long-lived sarama
@@ -195,12 +164,13 @@ func (c KafkaConfig) saramaConfig() (*sarama.Config, error) {
 // and is safe for concurrent use; see the package documentation for its
 // guarantees.
 type Kafka struct {
-	brokers  []string
-	sc       *sarama.Config
-	idHeader []byte
-	logger   *slog.Logger
-	stall    time.Duration
-	observer ProducerObserver
+	lifecycle lifecycle
+	brokers   []string
+	sc        *sarama.Config
+	idHeader  []byte
+	logger    *slog.Logger
+	stall     time.Duration
+	observer  ProducerObserver
 
 	mu      sync.Mutex
 	closed  bool
@@ -860,3 +830,24 @@ func (k *Kafka) Close() error {
 	k.logger.Debug("kafka publisher closed")
 	return nil
 }
+
+// Start ties the publisher to ctx: when ctx ends, the publisher closes as
+// with Stop. The constructor already connected, so a publisher that is
+// never started publishes too; Start gives it the lifecycle of the
+// module's other services. Start on a running publisher does nothing; on
+// a stopped one it returns an error.
+func (k *Kafka) Start(ctx context.Context) error { return k.lifecycle.start(ctx, k.Close) }
+
+// Stop closes the publisher (see Close) and waits until it has closed, or
+// until ctx ends: Stop then returns ctx's error and the close finishes in
+// the background. Stop before Start and a second Stop are harmless. Stop
+// the relay first.
+func (k *Kafka) Stop(ctx context.Context) error { return k.lifecycle.stop(ctx, k.Close) }
+
+// Stopped returns a channel closed when a started publisher has stopped,
+// by Stop or by the end of its Start context.
+func (k *Kafka) Stopped() <-chan struct{} { return k.lifecycle.life.Stopped() }
+
+// Err returns the error its close returned, once a started publisher has
+// stopped; nil otherwise.
+func (k *Kafka) Err() error { return k.lifecycle.life.Err() }

@@ -32,10 +32,10 @@ func TestKafkaConformance(t *testing.T) {
 			Publisher: newKafka(t, c),
 			Topic:     topic,
 			Read: func(t *testing.T, n int) []relay.Message {
-				return toMessages(t, readAll(t, c, topic, n), publisher.DefaultMessageIDHeader)
+				return toMessages(t, readAll(t, c, topic, n), publisher.MessageIDHeaderDefault)
 			},
 			Reject: func(m *relay.Message) {
-				m.Value = make([]byte, publisher.DefaultMaxMessageBytes+1)
+				m.Value = make([]byte, publisher.MaxMessageBytesDefault+1)
 			},
 		}
 	})
@@ -188,7 +188,7 @@ func TestKafkaPinnedPartition(t *testing.T) {
 	acked, err := k.Publish(testCtx(t), msgs)
 	require.NoError(t, err)
 	require.Equal(t, 2, acked)
-	got := toMessages(t, readAll(t, c, topic, 2), publisher.DefaultMessageIDHeader)
+	got := toMessages(t, readAll(t, c, topic, 2), publisher.MessageIDHeaderDefault)
 	byID := map[string]int32{}
 	for _, m := range got {
 		byID[m.MessageID] = *m.Partition
@@ -248,7 +248,7 @@ func sizedValue(m relay.Message, limit, delta int) []byte {
 	for _, h := range m.Headers {
 		pm.Headers = append(pm.Headers, sarama.RecordHeader{Key: []byte(h.Key), Value: h.Value})
 	}
-	pm.Headers = append(pm.Headers, sarama.RecordHeader{Key: []byte(publisher.DefaultMessageIDHeader), Value: []byte(m.MessageID)})
+	pm.Headers = append(pm.Headers, sarama.RecordHeader{Key: []byte(publisher.MessageIDHeaderDefault), Value: []byte(m.MessageID)})
 	overhead := pm.ByteSize(2) // record format v2, Kafka >= 0.11
 	v := make([]byte, limit-overhead+delta)
 	_, _ = rand.Read(v)
@@ -262,8 +262,8 @@ func TestKafkaSizeBand(t *testing.T) {
 	k := newKafka(t, c)
 
 	msgs := publishertest.Messages(topic, "size", 5)
-	msgs[1].Value = sizedValue(msgs[1], publisher.DefaultMaxMessageBytes, 0) // exactly the limit: accepted
-	msgs[3].Value = sizedValue(msgs[3], publisher.DefaultMaxMessageBytes, 1) // one byte over: rejected
+	msgs[1].Value = sizedValue(msgs[1], publisher.MaxMessageBytesDefault, 0) // exactly the limit: accepted
+	msgs[3].Value = sizedValue(msgs[3], publisher.MaxMessageBytesDefault, 1) // one byte over: rejected
 	acked, err := k.Publish(testCtx(t), msgs)
 	require.Equal(t, 3, acked, "the prefix before the oversized record is acknowledged")
 	require.True(t, publisher.IsTooLarge(err), "%v", err)
@@ -277,7 +277,7 @@ func TestKafkaSizeBand(t *testing.T) {
 
 	// The record after the oversized one, of the same key, is held back
 	// (see TestKafkaPartialFailure); the oversized one is never written.
-	got := toMessages(t, readAll(t, c, topic, 3), publisher.DefaultMessageIDHeader)
+	got := toMessages(t, readAll(t, c, topic, 3), publisher.MessageIDHeaderDefault)
 	require.Equal(t, []string{msgs[0].MessageID, msgs[1].MessageID, msgs[2].MessageID}, ids(got))
 	require.Equal(t, msgs[1].Value, got[1].Value)
 }
@@ -317,7 +317,7 @@ func TestKafkaPartialFailure(t *testing.T) {
 	k := newKafka(t, c)
 
 	msgs := publishertest.Messages(topic, "row", 3)
-	msgs[0].Value = make([]byte, publisher.DefaultMaxMessageBytes+1)
+	msgs[0].Value = make([]byte, publisher.MaxMessageBytesDefault+1)
 	other := relay.Message{MessageID: "other-key", Topic: topic, Key: []byte("another key"), Value: []byte("v")}
 	batch := append(slices.Clone(msgs), other)
 	acked, err := k.Publish(testCtx(t), batch)
@@ -327,7 +327,7 @@ func TestKafkaPartialFailure(t *testing.T) {
 
 	// Publish waited for every result of the batch, so what the broker
 	// holds is final: only the message of the other key.
-	got := toMessages(t, readAll(t, c, topic, 1), publisher.DefaultMessageIDHeader)
+	got := toMessages(t, readAll(t, c, topic, 1), publisher.MessageIDHeaderDefault)
 	require.Equal(t, []string{other.MessageID}, ids(got))
 
 	// The relay retries the unacknowledged tail (here with row 1 fixed):
@@ -336,7 +336,7 @@ func TestKafkaPartialFailure(t *testing.T) {
 	acked, err = k.Publish(testCtx(t), msgs)
 	require.NoError(t, err)
 	require.Equal(t, 3, acked)
-	got = toMessages(t, readAll(t, c, topic, 4), publisher.DefaultMessageIDHeader)
+	got = toMessages(t, readAll(t, c, topic, 4), publisher.MessageIDHeaderDefault)
 	var key []string
 	for _, m := range got {
 		if string(m.Key) == string(msgs[0].Key) {
@@ -396,7 +396,7 @@ func publishAndCount(t *testing.T, c *kafkatest.Cluster, k *publisher.Kafka, top
 	}
 	t.Logf("%d messages published in %d calls", n, calls)
 	require.Equal(t, int64(n), c.RecordCount(t, topic), "no duplicates on the broker")
-	got := toMessages(t, readAll(t, c, topic, n), publisher.DefaultMessageIDHeader)
+	got := toMessages(t, readAll(t, c, topic, n), publisher.MessageIDHeaderDefault)
 	require.Equal(t, ids(msgs), ids(got))
 }
 
@@ -520,7 +520,7 @@ func TestKafkaContextCancelledMidPublish(t *testing.T) {
 	require.Equal(t, 1, acked)
 	// How many were handed over before the cancellation is up to timing,
 	// but at least the first (it is in the held request), and in order.
-	got := ids(toMessages(t, readAll(t, c, topic, 2), publisher.DefaultMessageIDHeader))
+	got := ids(toMessages(t, readAll(t, c, topic, 2), publisher.MessageIDHeaderDefault))
 	require.GreaterOrEqual(t, len(got), 2)
 	require.Equal(t, marker[0].MessageID, got[len(got)-1])
 	require.Equal(t, ids(msgs)[:len(got)-1], got[:len(got)-1])
@@ -592,7 +592,7 @@ func TestKafkaCloseDuringPublish(t *testing.T) {
 		require.ErrorIs(t, r.err, publisher.ErrClosed)
 	}
 	require.GreaterOrEqual(t, c.RecordCount(t, topic), int64(r.acked), "every acknowledged record is on the broker")
-	got := ids(toMessages(t, c.ReadLog(t, topic, 30*time.Second), publisher.DefaultMessageIDHeader))
+	got := ids(toMessages(t, c.ReadLog(t, topic, 30*time.Second), publisher.MessageIDHeaderDefault))
 	seen := map[string]bool{}
 	for _, id := range got {
 		seen[id] = true
@@ -653,7 +653,7 @@ func TestKafkaConcurrentPublish(t *testing.T) {
 
 	const total = workers * batches * size
 	require.Equal(t, int64(total), c.RecordCount(t, topic))
-	got := toMessages(t, readAll(t, c, topic, total), publisher.DefaultMessageIDHeader)
+	got := toMessages(t, readAll(t, c, topic, total), publisher.MessageIDHeaderDefault)
 	perWorker := map[string][]string{}
 	for _, m := range got {
 		perWorker[string(m.Key)] = append(perWorker[string(m.Key)], m.MessageID)
@@ -734,7 +734,7 @@ func TestKafkaBrokerRemovedMidBatch(t *testing.T) {
 		require.Equal(t, int64(len(msgs)), c.RecordCount(t, topic))
 	}
 
-	got := toMessages(t, readAll(t, c, topic, len(msgs)), publisher.DefaultMessageIDHeader)
+	got := toMessages(t, readAll(t, c, topic, len(msgs)), publisher.MessageIDHeaderDefault)
 	held := map[string]bool{}
 	for _, m := range got {
 		held[m.MessageID] = true

@@ -108,7 +108,7 @@ func TestKafkaReplacesProducerRefusedByBrokers(t *testing.T) {
 	require.Equal(t, int64(1), k.Replacements())
 	require.Equal(t, []string{publisher.ReplaceProducerState}, obs.get())
 	require.GreaterOrEqual(t, len(producers()), 2, "the new producer has a new producer id")
-	got := toMessages(t, readAll(t, c, topic, len(msgs)), publisher.DefaultMessageIDHeader)
+	got := toMessages(t, readAll(t, c, topic, len(msgs)), publisher.MessageIDHeaderDefault)
 	require.Equal(t, ids(msgs), ids(got), "everything written once, in order")
 }
 
@@ -148,7 +148,7 @@ func TestKafkaNoReplacementWhileHealthy(t *testing.T) {
 	k := newKafka(t, c, func(cfg *publisher.KafkaConfig) { cfg.StallTimeout = time.Millisecond })
 	for range 5 {
 		msgs := publishertest.Messages(topic, "big", 2)
-		msgs[0].Value = make([]byte, publisher.DefaultMaxMessageBytes+1)
+		msgs[0].Value = make([]byte, publisher.MaxMessageBytesDefault+1)
 		_, err := k.Publish(testCtx(t), msgs)
 		require.True(t, relay.IsPermanent(err))
 		acked, err := k.Publish(testCtx(t), msgs[1:])

@@ -36,7 +36,7 @@ type TransactionalConfig struct {
 
 	// Configure, if non-nil, adjusts the sarama configuration of every
 	// producer, as KafkaConfig.Configure does: client id (default
-	// DefaultClientID), TLS, SASL, Version (default sarama.DefaultVersion),
+	// ClientIDDefault), TLS, SASL, Version (default sarama.DefaultVersion),
 	// compression, timeouts, and the transaction's own settings,
 	// Producer.Transaction.Timeout (sarama's default 1m: how long the
 	// broker lets a stalled relay's open transaction hold back
@@ -55,14 +55,14 @@ type TransactionalConfig struct {
 
 	// MessageIDHeader is the record header that carries
 	// relay.Message.MessageID, appended after the message's own headers.
-	// Default DefaultMessageIDHeader.
+	// Default MessageIDHeaderDefault.
 	MessageIDHeader string
 
 	// MaxMessageBytes is the largest record, in bytes as sarama estimates
 	// them, that the publisher sends. A batch holding a larger record fails
 	// before any transaction begins, with a permanent error for which
 	// IsTooLarge reports true, naming that record. Keep it at or below the
-	// topic's max.message.bytes. Default DefaultMaxMessageBytes; it must be
+	// topic's max.message.bytes. Default MaxMessageBytesDefault; it must be
 	// below sarama.MaxRequestSize.
 	MaxMessageBytes int
 
@@ -76,10 +76,10 @@ type TransactionalConfig struct {
 // its default.
 func (c TransactionalConfig) WithDefaults() TransactionalConfig {
 	if c.MessageIDHeader == "" {
-		c.MessageIDHeader = DefaultMessageIDHeader
+		c.MessageIDHeader = MessageIDHeaderDefault
 	}
 	if c.MaxMessageBytes == 0 {
-		c.MaxMessageBytes = DefaultMaxMessageBytes
+		c.MaxMessageBytes = MaxMessageBytesDefault
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -88,17 +88,13 @@ func (c TransactionalConfig) WithDefaults() TransactionalConfig {
 }
 
 func (c TransactionalConfig) validate() error {
-	if len(c.Brokers) == 0 {
-		return errors.New("publisher: TransactionalConfig.Brokers must name at least one broker")
+	if err := checkBrokers("TransactionalConfig", c.Brokers); err != nil {
+		return err
 	}
 	if c.TransactionalIDPrefix == "" {
-		return errors.New("publisher: TransactionalConfig.TransactionalIDPrefix is required: a prefix unique to this outbox, shared by all of its relays")
+		return configError("TransactionalConfig.TransactionalIDPrefix", `""`, "is required: a prefix unique to this outbox, shared by all of its relays", nil)
 	}
-	if c.MaxMessageBytes <= 0 || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
-		return fmt.Errorf("publisher: TransactionalConfig.MaxMessageBytes must be between 1 and %d, got %d",
-			sarama.MaxRequestSize-1, c.MaxMessageBytes)
-	}
-	return nil
+	return checkMaxMessageBytes("TransactionalConfig", c.MaxMessageBytes)
 }
 
 // saramaConfig builds the configuration of the producer with transactional
@@ -106,36 +102,8 @@ func (c TransactionalConfig) validate() error {
 // An empty txnID builds the configuration NewTransactional connects with.
 // c has its defaults applied.
 func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) {
-	sc := sarama.NewConfig()
-	sc.ClientID = DefaultClientID
-	if c.Configure != nil {
-		if err := c.Configure(sc); err != nil {
-			return nil, fmt.Errorf("publisher: TransactionalConfig.Configure: %w", err)
-		}
-	}
-	if sc.Producer.Transaction.ID != "" {
-		return nil, errors.New("publisher: sarama Producer.Transaction.ID must be empty: the transactional publisher sets it to TransactionalIDPrefix plus the bucket")
-	}
-
-	sc.Producer.RequiredAcks = sarama.WaitForAll
-	sc.Producer.Idempotent = true
-	sc.Net.MaxOpenRequests = 1
-	if sc.Producer.Retry.Max < 1 {
-		sc.Producer.Retry.Max = DefaultRetryMax
-	}
-	if !sc.Version.IsAtLeast(MinKafkaVersion) {
-		sc.Version = MinKafkaVersion
-	}
-	sc.Producer.Return.Successes = true
-	sc.Producer.Return.Errors = true
-	sc.Producer.Partitioner = newPartitioner
-	sc.Producer.MaxMessageBytes = c.MaxMessageBytes
-	sc.Producer.Transaction.ID = txnID
-
-	if err := sc.Validate(); err != nil {
-		return nil, fmt.Errorf("publisher: invalid sarama configuration: %w", err)
-	}
-	return sc, nil
+	return guaranteedConfig("TransactionalConfig", c.Configure, c.MaxMessageBytes, txnID,
+		"the transactional publisher sets it to TransactionalIDPrefix plus the bucket")
 }
 
 // Transactional is the strict-mode Kafka publisher: every batch is one Kafka
@@ -152,9 +120,10 @@ func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) 
 // itself for a bucket it was not told about. A relay therefore holds one
 // producer, with its own broker connections, per bucket it owns.
 type Transactional struct {
-	cfg      TransactionalConfig
-	idHeader []byte
-	logger   *slog.Logger
+	lifecycle lifecycle
+	cfg       TransactionalConfig
+	idHeader  []byte
+	logger    *slog.Logger
 
 	mu      sync.Mutex
 	closed  bool
@@ -773,3 +742,24 @@ func (t *Transactional) Close() error {
 	t.logger.Debug("transactional publisher closed")
 	return nil
 }
+
+// Start ties the publisher to ctx: when ctx ends, the publisher closes as
+// with Stop. The constructor already connected, so a publisher that is
+// never started publishes too; Start gives it the lifecycle of the
+// module's other services. Start on a running publisher does nothing; on
+// a stopped one it returns an error.
+func (t *Transactional) Start(ctx context.Context) error { return t.lifecycle.start(ctx, t.Close) }
+
+// Stop closes the publisher (see Close) and waits until it has closed, or
+// until ctx ends: Stop then returns ctx's error and the close finishes in
+// the background. Stop before Start and a second Stop are harmless. Stop
+// the relay first.
+func (t *Transactional) Stop(ctx context.Context) error { return t.lifecycle.stop(ctx, t.Close) }
+
+// Stopped returns a channel closed when a started publisher has stopped,
+// by Stop or by the end of its Start context.
+func (t *Transactional) Stopped() <-chan struct{} { return t.lifecycle.life.Stopped() }
+
+// Err returns the error its close returned, once a started publisher has
+// stopped; nil otherwise.
+func (t *Transactional) Err() error { return t.lifecycle.life.Err() }

@@ -51,14 +51,14 @@ func txnPrefix(t testing.TB) string {
 // topic now.
 func readCommitted(t testing.TB, c *kafkatest.Cluster, topic string) []relay.Message {
 	t.Helper()
-	return toMessages(t, c.ReadLog(t, topic, 15*time.Second, kafkatest.ReadCommitted()), publisher.DefaultMessageIDHeader)
+	return toMessages(t, c.ReadLog(t, topic, 15*time.Second, kafkatest.ReadCommitted()), publisher.MessageIDHeaderDefault)
 }
 
 // readUncommitted returns everything a read_uncommitted consumer sees of
 // topic now: records of aborted transactions included.
 func readUncommitted(t testing.TB, c *kafkatest.Cluster, topic string) []relay.Message {
 	t.Helper()
-	return toMessages(t, c.ReadLog(t, topic, 15*time.Second), publisher.DefaultMessageIDHeader)
+	return toMessages(t, c.ReadLog(t, topic, 15*time.Second), publisher.MessageIDHeaderDefault)
 }
 
 func inBucket(msgs []relay.Message, bucket int) []relay.Message {
@@ -114,7 +114,7 @@ func TestTransactionalPartialFailure(t *testing.T) {
 	tx := newTransactional(t, c)
 
 	rows := publishertest.Messages(topic, "row", 3)
-	rows[0].Value = make([]byte, publisher.DefaultMaxMessageBytes+1)
+	rows[0].Value = make([]byte, publisher.MaxMessageBytesDefault+1)
 	acked, err := tx.Publish(testCtx(t), rows)
 	require.Zero(t, acked)
 	require.True(t, publisher.IsTooLarge(err), "%v", err)
@@ -130,7 +130,7 @@ func TestTransactionalPartialFailure(t *testing.T) {
 	// The culprit in the middle: nothing is acknowledged, and the error
 	// names it, not the acknowledged count.
 	mid := publishertest.Messages(topic, "mid", 3)
-	mid[1].Value = make([]byte, publisher.DefaultMaxMessageBytes+1)
+	mid[1].Value = make([]byte, publisher.MaxMessageBytesDefault+1)
 	acked, err = tx.Publish(testCtx(t), mid)
 	require.Zero(t, acked)
 	require.ErrorAs(t, err, &perr)
@@ -460,10 +460,10 @@ func TestTransactionalConfigEnforced(t *testing.T) {
 	require.Equal(t, sarama.WaitForAll, sc.Producer.RequiredAcks)
 	require.True(t, sc.Producer.Idempotent)
 	require.Equal(t, 1, sc.Net.MaxOpenRequests)
-	require.Equal(t, publisher.DefaultRetryMax, sc.Producer.Retry.Max)
+	require.Equal(t, publisher.RetryMaxDefault, sc.Producer.Retry.Max)
 	require.True(t, sc.Version.IsAtLeast(publisher.MinKafkaVersion))
 	require.True(t, sc.Producer.Return.Successes)
-	require.Equal(t, publisher.DefaultMaxMessageBytes, sc.Producer.MaxMessageBytes)
+	require.Equal(t, publisher.MaxMessageBytesDefault, sc.Producer.MaxMessageBytes)
 	require.Equal(t, "mine", sc.ClientID)
 	require.Empty(t, seen[0].Producer.Transaction.ID, "the connectivity check is not transactional")
 }

@@ -16,7 +16,7 @@ var (
 	ErrLeaseLost = errors.New("relay: lease lost")
 
 	// ErrInvalidConfig is wrapped by every *ConfigError.
-	ErrInvalidConfig = errors.New("relay: invalid configuration")
+	ErrInvalidConfig = errors.New("outbox: invalid configuration")
 
 	// ErrMisconfigured is wrapped by every *MisconfigurationError.
 	ErrMisconfigured = errors.New("relay: misconfigured")
@@ -43,19 +43,39 @@ var (
 	ErrBusy = errors.New("relay: busy: Start and DrainOnce cannot run at the same time")
 )
 
-// ConfigError reports a Config field that failed validation in New.
+// ConfigError reports a configuration field that failed validation. It
+// is the one shape of configuration error in the module: package relay
+// returns it from New, and packages outbox (as outbox.ConfigError, the
+// same type), gormrelay, publisher and pgnotify return it from their
+// constructors, each setting Package.
 type ConfigError struct {
-	Field  string // the Config field, e.g. "LeaseRenewInterval"
-	Value  any    // the offending value
-	Reason string // what the field must be
+	Package string // the reporting package, e.g. "publisher"; "relay" when empty
+	Field   string // the field, e.g. "LeaseRenewInterval" or "KafkaConfig.Brokers"
+	Value   any    // the offending value
+	Reason  string // what the field must be
+	Err     error  // the underlying error, if any (e.g. a Configure hook's)
 }
 
 func (e *ConfigError) Error() string {
-	return fmt.Sprintf("relay: invalid config %s=%v: %s", e.Field, e.Value, e.Reason)
+	pkg := e.Package
+	if pkg == "" {
+		pkg = "relay"
+	}
+	s := fmt.Sprintf("%s: invalid config %s=%v: %s", pkg, e.Field, e.Value, e.Reason)
+	if e.Err != nil {
+		s += ": " + e.Err.Error()
+	}
+	return s
 }
 
-// Unwrap lets errors.Is(err, ErrInvalidConfig) match.
-func (e *ConfigError) Unwrap() error { return ErrInvalidConfig }
+// Unwrap lets errors.Is(err, ErrInvalidConfig) match, and errors.Is and
+// errors.As reach Err.
+func (e *ConfigError) Unwrap() []error {
+	if e.Err == nil {
+		return []error{ErrInvalidConfig}
+	}
+	return []error{ErrInvalidConfig, e.Err}
+}
 
 // MisconfigurationError is a problem that retrying cannot fix: messages in
 // buckets no relay can own (a writer uses a larger BucketCount), relays

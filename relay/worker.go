@@ -9,6 +9,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	ibackoff "github.com/gorm-outbox/outbox/internal/backoff"
 )
 
 // outcome is what one batch of one bucket came to.
@@ -1007,15 +1009,7 @@ func isStopping(ctx context.Context, stopping <-chan struct{}) bool {
 // backoff returns the wait after the n-th consecutive failure: BackoffMin
 // doubled n-1 times, capped at BackoffMax, with the upper half jittered.
 func backoff(cfg Config, n int) time.Duration {
-	d := cfg.BackoffMin
-	for i := 1; i < n && d < cfg.BackoffMax; i++ {
-		d *= 2
-	}
-	d = min(d, cfg.BackoffMax)
-	if d <= 1 {
-		return d
-	}
-	return d/2 + rand.N(d/2+1)
+	return ibackoff.Exponential(cfg.BackoffMin, cfg.BackoffMax, n)
 }
 
 // jitter shortens d by up to a tenth, so relays started together spread

@@ -491,7 +491,7 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, hints boo
 			for m := range pc.Messages() {
 				now := time.Now()
 				for _, h := range m.Headers {
-					if string(h.Key) == publisher.DefaultMessageIDHeader {
+					if string(h.Key) == publisher.MessageIDHeaderDefault {
 						mu.Lock()
 						recv[string(h.Value)] = now
 						mu.Unlock()

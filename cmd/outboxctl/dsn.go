@@ -13,6 +13,8 @@ import (
 	"gorm.io/driver/sqlite"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
+
+	"github.com/gorm-outbox/outbox"
 )
 
 // Driver names accepted by --driver, and their aliases.
@@ -56,39 +58,6 @@ func checkDriver(driver, dsn string) error {
 	return fmt.Errorf("--driver (or OUTBOX_DRIVER) is %s but the DSN looks like a %s DSN: fix one of them, or leave --driver unset to guess it from the DSN", driver, looks)
 }
 
-// mysqlURL turns mysql://user:pass@host:port/db?params, the URL form
-// services commonly take, into the driver's
-// user:pass@tcp(host:port)/db?parseTime=true&params. A DSN already in the
-// driver's form after mysql:// (user:pass@tcp(...)/db) is passed through.
-func mysqlURL(raw string) (string, error) {
-	rest := strings.TrimPrefix(raw, "mysql://")
-	if strings.Contains(rest, "@tcp(") || strings.Contains(rest, "@unix(") || strings.HasPrefix(rest, "tcp(") || strings.HasPrefix(rest, "unix(") {
-		return rest, nil
-	}
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "", fmt.Errorf("mysql:// DSN: %w", err)
-	}
-	if u.Host == "" {
-		return "", fmt.Errorf("mysql:// DSN: no host (want mysql://user:pass@host:3306/database)")
-	}
-	host := u.Host
-	if u.Port() == "" {
-		host += ":3306"
-	}
-	q := u.Query()
-	q.Set("parseTime", "true")
-	userinfo := ""
-	if u.User != nil {
-		userinfo = u.User.Username()
-		if p, ok := u.User.Password(); ok {
-			userinfo += ":" + p
-		}
-		userinfo += "@"
-	}
-	return fmt.Sprintf("%stcp(%s)/%s?%s", userinfo, host, strings.TrimPrefix(u.Path, "/"), q.Encode()), nil
-}
-
 // sqliteFile returns the file a SQLite DSN names, or "" for an in-memory
 // database.
 func sqliteFile(dsn string) string {
@@ -108,7 +77,7 @@ func openDB(driver, dsn string) (*gorm.DB, error) {
 		dl = postgres.Open(dsn)
 	case "mysql":
 		if strings.HasPrefix(dsn, "mysql://") {
-			converted, err := mysqlURL(dsn)
+			converted, err := outbox.MySQLDSN(dsn)
 			if err != nil {
 				return nil, err
 			}

@@ -354,22 +354,6 @@ func mysqlURLOf(t *testing.T, dsn string) string {
 	return u.String()
 }
 
-func TestMySQLURL(t *testing.T) {
-	t.Parallel()
-	for in, want := range map[string]string{
-		"mysql://u:p%40ss@db:3307/shop?tls=true":    "u:p@ss@tcp(db:3307)/shop?parseTime=true&tls=true",
-		"mysql://root@localhost/shop":               "root@tcp(localhost:3306)/shop?parseTime=true",
-		"mysql://root:pw@tcp(db:3306)/shop?x=1":     "root:pw@tcp(db:3306)/shop?x=1",
-		"mysql://app@unix(/run/mysqld.sock)/orders": "app@unix(/run/mysqld.sock)/orders",
-	} {
-		got, err := mysqlURL(in)
-		require.NoError(t, err, in)
-		require.Equal(t, want, got, in)
-	}
-	_, err := mysqlURL("mysql:///shop")
-	require.ErrorContains(t, err, "no host")
-}
-
 // A driver that does not match the DSN is named, with the driver the DSN
 // looks like, before anything connects.
 func TestDriverMismatch(t *testing.T) {

@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/url"
 	"strings"
 	"time"
 
@@ -136,18 +135,14 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	}); err != nil {
 		return nil, err
 	}
-	store, err := gormrelay.NewStore(a.db, a.plugin.Config())
-	if err != nil {
-		return nil, err
-	}
 	if a.metrics, err = metrics.New(metrics.Config{Outbox: a.plugin.Config().Name}); err != nil {
 		return nil, err
 	}
 	// The relay dead-letters a message that keeps failing (the store's
 	// default failure policy) and parks the later events of its order.
-	if a.relay, err = relay.New(store, publisher.TracingPublisher(a.pub, nil), relay.Config{
-		Hints: a.plugin.Notifier(), Observer: a.metrics, Logger: a.log,
-	}); err != nil {
+	// gormrelay.New wires the store, the plugin's hints and bucket count.
+	if a.relay, err = gormrelay.New(a.db, a.plugin, publisher.TracingPublisher(a.pub, nil),
+		gormrelay.WithRelayConfig(relay.Config{Observer: a.metrics, Logger: a.log})); err != nil {
 		return nil, err
 	}
 	// The relay runs until Close stops it gracefully; a cancelled Start
@@ -249,7 +244,7 @@ func openDatabase(raw string) (*gorm.DB, error) {
 	case strings.HasPrefix(raw, "postgres://"), strings.HasPrefix(raw, "postgresql://"):
 		return gorm.Open(postgres.Open(raw), cfg)
 	case strings.HasPrefix(raw, "mysql://"):
-		dsn, err := mysqlDSN(raw)
+		dsn, err := outbox.MySQLDSN(raw)
 		if err != nil {
 			return nil, err
 		}
@@ -272,28 +267,4 @@ func openDatabase(raw string) (*gorm.DB, error) {
 		sqlDB.SetMaxOpenConns(1)
 		return db, nil
 	}
-}
-
-// mysqlDSN turns mysql://user:pass@host:port/db?params into the driver's
-// user:pass@tcp(host:port)/db?parseTime=true&params form.
-func mysqlDSN(raw string) (string, error) {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "", fmt.Errorf("DATABASE_URL: %w", err)
-	}
-	host := u.Host
-	if u.Port() == "" {
-		host += ":3306"
-	}
-	q := u.Query()
-	q.Set("parseTime", "true")
-	userinfo := ""
-	if u.User != nil {
-		userinfo = u.User.Username()
-		if p, ok := u.User.Password(); ok {
-			userinfo += ":" + p
-		}
-		userinfo += "@"
-	}
-	return fmt.Sprintf("%stcp(%s)/%s?%s", userinfo, host, strings.TrimPrefix(u.Path, "/"), q.Encode()), nil
 }

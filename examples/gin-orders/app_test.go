@@ -283,15 +283,6 @@ func TestOrdersFlowToKafka(t *testing.T) {
 	}
 }
 
-func TestMySQLDSN(t *testing.T) {
-	dsn, err := mysqlDSN("mysql://u:p%40ss@db:3307/shop?tls=true")
-	require.NoError(t, err)
-	require.Equal(t, "u:p@ss@tcp(db:3307)/shop?parseTime=true&tls=true", dsn)
-	dsn, err = mysqlDSN("mysql://root@localhost/shop")
-	require.NoError(t, err)
-	require.Equal(t, "root@tcp(localhost:3306)/shop?parseTime=true", dsn)
-}
-
 // createTopic creates a topic unique to this run on the real cluster in
 // brokers (clusters usually refuse to create topics on demand) and returns
 // its name.

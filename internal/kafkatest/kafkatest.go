@@ -505,22 +505,10 @@ func (c *Cluster) ReadAll(t testing.TB, topic string, want int, timeout time.Dur
 
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	var (
-		out     []Record
-		lastErr error
-	)
-	for len(out) < want {
-		fetches := cl.PollFetches(ctx)
-		fetches.EachError(func(_ string, _ int32, err error) {
-			if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
-				lastErr = err
-			}
-		})
-		fetches.EachRecord(func(r *kgo.Record) { out = append(out, toRecord(r)) })
-		if ctx.Err() != nil && len(out) < want {
-			t.Fatalf("kafkatest: read %d of %d records from topic %q within %v (last fetch error: %v)",
-				len(out), want, topic, timeout, lastErr)
-		}
+	out, lastErr := Poll(ctx, cl, want, toRecord)
+	if len(out) < want {
+		t.Fatalf("kafkatest: read %d of %d records from topic %q within %v (last fetch error: %v)",
+			len(out), want, topic, timeout, lastErr)
 	}
 	sortRecords(out)
 	return out
@@ -722,4 +710,24 @@ func (c *Cluster) partitionMeta(ctx context.Context, topic string, partition int
 		}
 	}
 	return kmsg.MetadataResponseTopicPartition{}, fmt.Errorf("kafkatest: %s/%d not in metadata", topic, partition)
+}
+
+// Poll reads records from cl until n arrived or ctx ended, converting each
+// with conv, in arrival order. It returns what arrived (fewer than n when
+// ctx ended first) and the last fetch error other than the context's, nil
+// if none.
+func Poll[T any](ctx context.Context, cl *kgo.Client, n int, conv func(*kgo.Record) T) (out []T, lastErr error) {
+	for len(out) < n {
+		fetches := cl.PollFetches(ctx)
+		fetches.EachError(func(_ string, _ int32, err error) {
+			if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
+				lastErr = err
+			}
+		})
+		fetches.EachRecord(func(r *kgo.Record) { out = append(out, conv(r)) })
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	return out, lastErr
 }

@@ -192,7 +192,7 @@ func nilAndEmpty(t *testing.T, e *env) {
 	for _, rec := range recs {
 		var id string
 		for _, h := range rec.Headers {
-			if h.Key == publisher.DefaultMessageIDHeader {
+			if h.Key == publisher.MessageIDHeaderDefault {
 				id = string(h.Value)
 			}
 		}

@@ -1,0 +1,83 @@
+package gormrelay_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"gorm.io/driver/sqlite"
+	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
+	"github.com/gorm-outbox/outbox/outboxtest"
+	"github.com/gorm-outbox/outbox/publisher"
+)
+
+// From gorm.Open to a relay running against Kafka: New wires the store,
+// the failure policy, the plugin's hints and its bucket count. The broker
+// here is the in-process Kafka-protocol broker of outboxtest; a service
+// passes its cluster's addresses.
+func ExampleNew() {
+	broker, err := outboxtest.NewBroker("orders")
+	if err != nil {
+		panic(err)
+	}
+	defer broker.Close()
+	dir, err := os.MkdirTemp("", "gormrelay-example-")
+	if err != nil {
+		panic(err)
+	}
+	defer os.RemoveAll(dir)
+	ctx := context.Background()
+
+	db, err := gorm.Open(sqlite.Open(filepath.Join(dir, "app.db")), &gorm.Config{Logger: logger.Discard})
+	if err != nil {
+		panic(err)
+	}
+	if sqlDB, err := db.DB(); err == nil {
+		defer sqlDB.Close() // after the relay stopped
+	}
+	plugin, err := outbox.NewPlugin(outbox.Config{})
+	if err != nil {
+		panic(err)
+	}
+	if err := db.Use(plugin); err != nil {
+		panic(err)
+	}
+	if err := plugin.AutoMigrate(ctx, db); err != nil {
+		panic(err)
+	}
+	pub, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: broker.Brokers()})
+	if err != nil {
+		panic(err)
+	}
+	defer pub.Close()
+	r, err := gormrelay.New(db, plugin, pub)
+	if err != nil {
+		panic(err)
+	}
+	if err := r.Start(ctx); err != nil { // missing tables or a BucketCount mismatch fail here
+		panic(err)
+	}
+	defer r.Stop(ctx)
+
+	// A committed message reaches Kafka without any further call.
+	if err := db.Transaction(func(tx *gorm.DB) error {
+		return outbox.EnqueueJSON(tx, "orders", []byte("order-7"), map[string]string{"status": "placed"})
+	}); err != nil {
+		panic(err)
+	}
+	readCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	records, err := broker.ReadContext(readCtx, "orders", 1)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Printf("kafka: key=%s value=%s\n", records[0].Key, records[0].Value)
+	// Output:
+	// kafka: key=order-7 value={"status":"placed"}
+}

@@ -22,13 +22,16 @@ import (
 	"github.com/gorm-outbox/outbox/relay"
 )
 
-// fastConfig is a relay configuration with short timings for tests.
+// fastConfig is a relay configuration with short timings for tests. Its
+// lease (2 s) is short enough that a takeover test waits little for a dead
+// relay's buckets, and long enough that a busy machine's stalls do not
+// lapse a live relay's lease.
 func fastConfig(t testing.TB, id string) relay.Config {
 	return relay.Config{
 		RelayID:            id,
 		BatchSize:          20,
 		PollInterval:       50 * time.Millisecond,
-		LeaseDuration:      600 * time.Millisecond,
+		LeaseDuration:      2 * time.Second,
 		LeaseRenewInterval: 200 * time.Millisecond,
 		BackoffMin:         10 * time.Millisecond,
 		BackoffMax:         100 * time.Millisecond,
@@ -473,11 +476,11 @@ func TestRelayRenewsDuringSlowPublish(t *testing.T) {
 		rec := newRecorder()
 		cfgFor := func(id string) relay.Config {
 			cfg := fastConfig(t, id)
-			cfg.LeaseDuration = 600 * time.Millisecond
+			cfg.LeaseDuration = 2 * time.Second
 			cfg.LeaseRenewInterval = 150 * time.Millisecond
 			return cfg
 		}
-		const block = 3 * 600 * time.Millisecond
+		const block = 3 * 2 * time.Second
 		started, finished := make(chan struct{}), make(chan error, 1)
 		slow := rec.publisher("a", func(ctx context.Context, msgs []relay.Message) (int, error) {
 			if string(msgs[0].Value) != "slow/0" {

@@ -799,3 +799,10 @@ func (s *Store) SampleBacklog(ctx context.Context) (relay.Backlog, error) {
 	}
 	return b, nil
 }
+
+var _ relay.BucketCounter = (*Store)(nil)
+
+// BucketCount implements relay.BucketCounter: the outbox's BucketCount,
+// from the Config the store was made with, which relay.New takes as the
+// relay's.
+func (s *Store) BucketCount() int { return s.buckets }

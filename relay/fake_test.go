@@ -174,6 +174,7 @@ func (s *fakeStore) PendingBuckets(ctx context.Context, buckets []int) ([]int, e
 			out = append(out, b)
 		}
 	}
+	slices.Sort(out)
 	return out, nil
 }
 
@@ -323,3 +324,15 @@ func (a advancingStore) MarkPublishedNext(ctx context.Context, id string, l rela
 }
 
 func (a advancingStore) BucketCount() int { return a.bucketCount() }
+
+// insert appends msgs to their buckets with fresh ids, as committed.
+func (s *fakeStore) insert(msgs []relay.Message) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, m := range msgs {
+		s.nextID++
+		m.ID = s.nextID
+		m.Attempts = 0
+		s.msgs[m.Bucket] = append(s.msgs[m.Bucket], m)
+	}
+}

@@ -38,8 +38,10 @@ const (
 )
 
 // Store is the GORM implementation of the relay's storage contract
-// (relay.Store) with the relay.LeaseRenewer and relay.FailureRecorder
-// capabilities, on PostgreSQL, MySQL/MariaDB and SQLite.
+// (relay.Store) with the relay.LeaseRenewer, relay.FailureRecorder,
+// relay.BatchAdvancer and relay.BucketCounter capabilities, on
+// PostgreSQL, MySQL/MariaDB and SQLite. It passes the relay/storetest
+// conformance suite on all three.
 //
 // The relay.Store operations are each one or a few short, indexed
 // statements outside any transaction; the concurrency model is the guarded
@@ -598,29 +600,55 @@ func (s *Store) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {
 // whole BatchSize of Message structs each time.
 const batchCapMin = 64
 
+// batchColumns are the message columns a batch read selects, in the order
+// scanBatch scans them.
+const batchColumns = "id, message_id, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts"
+
 // NextBatch implements relay.Store: the oldest limit rows of bucket by id,
 // read through the (bucket, id) index (see bucketRange).
 func (s *Store) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Message, error) {
 	db, ctx, cancel := s.op(ctx, "read batch")
 	defer cancel()
-	rows, err := db.Raw("SELECT id, message_id, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts FROM "+
+	rows, err := db.Raw("SELECT "+batchColumns+" FROM "+
 		s.messages+" WHERE "+bucketRange+" ORDER BY bucket, id LIMIT ?", bucket, bucket, limit).Rows()
 	if err != nil {
 		return nil, s.fail(ctx, "read batch", err)
 	}
 	defer rows.Close()
+	msgs, err := scanBatch(rows, bucket, limit, nil)
+	if err != nil {
+		return nil, s.fail(ctx, "read batch", err)
+	}
+	return msgs, nil
+}
+
+// scanBatch scans the rows of a batch read, batchColumns after the
+// columns of prefix. A row whose id is NULL (the placeholder row of an
+// outer join that found no message) is skipped.
+func scanBatch(rows *sql.Rows, bucket, limit int, prefix []any) ([]relay.Message, error) {
 	// Every row is scanned through the same destinations, so that nothing
 	// but the column values themselves is allocated per row.
 	var (
 		m         relay.Message
+		id        sql.NullInt64
+		mid       sql.NullString
+		topic     sql.NullString
 		headers   []byte
 		partition sql.NullInt32
-		created   int64
-		attempts  int64
+		created   sql.NullInt64
+		attempts  sql.NullInt64
 	)
-	dest := []any{&m.ID, &m.MessageID, &m.Topic, &m.Key, &m.Value, &headers, &partition, &created, &attempts}
+	dest := append(prefix, &id, &mid, &topic, &m.Key, &m.Value, &headers, &partition, &created, &attempts)
 	var msgs []relay.Message
 	for rows.Next() {
+		m = relay.Message{}
+		headers = nil
+		if err := rows.Scan(dest...); err != nil {
+			return nil, err
+		}
+		if !id.Valid {
+			continue
+		}
 		if msgs == nil {
 			msgs = make([]relay.Message, 0, min(limit, batchCapMin))
 		} else if len(msgs) == cap(msgs) {
@@ -628,27 +656,90 @@ func (s *Store) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Messa
 			// rather than by doubling.
 			msgs = slices.Grow(msgs, limit-len(msgs))
 		}
-		m = relay.Message{}
-		headers = nil
-		if err := rows.Scan(dest...); err != nil {
-			return nil, s.fail(ctx, "read batch", err)
-		}
+		var err error
 		if m.Headers, err = DecodeHeaders(headers); err != nil {
-			return nil, fmt.Errorf("outbox: store read batch: message %d: %w", m.ID, err)
+			return nil, fmt.Errorf("outbox: store read batch: message %d: %w", id.Int64, err)
 		}
 		if partition.Valid {
 			p := partition.Int32
 			m.Partition = &p
 		}
+		m.ID, m.MessageID, m.Topic = id.Int64, mid.String, topic.String
 		m.Bucket = bucket
-		m.CreatedAt = time.UnixMilli(created)
-		m.Attempts = int(attempts)
+		m.CreatedAt = time.UnixMilli(created.Int64)
+		m.Attempts = int(attempts.Int64)
 		msgs = append(msgs, m)
 	}
-	if err := rows.Err(); err != nil {
-		return nil, s.fail(ctx, "read batch", err)
+	return msgs, rows.Err()
+}
+
+var _ relay.BatchAdvancer = (*Store)(nil)
+
+// MarkPublishedNext implements relay.BatchAdvancer. On PostgreSQL it is
+// one statement, one round trip: a data-modifying WITH deletes msgs under
+// the lease guard, and the main query, which sees the table as it was
+// before the delete, reads the next batch from the head of the bucket
+// without the deleted ids, joined to the guard so that a refused delete
+// returns no batch. MySQL/MariaDB (whose drivers run one statement per
+// round trip unless multiStatements is set on the DSN) and SQLite (in
+// process, no round trip to save) run MarkPublished and then NextBatch.
+func (s *Store) MarkPublishedNext(ctx context.Context, relayID string, lease relay.Lease, msgs []relay.Message, limit int) ([]relay.Message, error) {
+	if !s.postgres || len(msgs) == 0 || len(msgs) > storeChunk {
+		if err := s.MarkPublished(ctx, relayID, lease, msgs); err != nil {
+			return nil, err
+		}
+		next, err := s.NextBatch(ctx, lease.Bucket, limit)
+		if err != nil {
+			// Deleted, not read ahead: the relay reads with NextBatch.
+			return nil, nil
+		}
+		if next == nil {
+			next = []relay.Message{}
+		}
+		return next, nil
 	}
-	return msgs, nil
+	db, ctx, cancel := s.op(ctx, "delete published messages and read the next batch")
+	defer cancel()
+	ids := make([]int64, len(msgs))
+	maxID := int64(0)
+	for i, m := range msgs {
+		ids[i] = m.ID
+		maxID = max(maxID, m.ID)
+	}
+	now := nowMs()
+	// The ids are written into the statement as an array literal (digits
+	// and commas only): with a parameter, PostgreSQL's generic plan for
+	// the statement deletes and reads about twice as slowly as it plans a
+	// literal.
+	lit, _ := int8Array(ids).Value()
+	arr := "'" + lit.(string) + "'::bigint[]"
+	// The guard is evaluated twice on one snapshot with the same now, so
+	// the delete and the held flag agree. The read excludes what the
+	// delete returned; rows above the largest deleted id skip that test.
+	q := "WITH del AS (DELETE FROM " + s.messages + " WHERE bucket = ? AND id = ANY(" + arr + ") AND " + s.leaseHeld() + " RETURNING id)," +
+		" g AS (SELECT " + s.leaseHeld() + " AS held)" +
+		" SELECT g.held, n.* FROM g LEFT JOIN LATERAL (SELECT " + batchColumns + " FROM " + s.messages +
+		" WHERE " + bucketRange + " AND (id > ? OR id NOT IN (SELECT id FROM del)) ORDER BY bucket, id LIMIT ?) n ON g.held ORDER BY n.id"
+	rows, err := db.Raw(q,
+		lease.Bucket, lease.Bucket, relayID, lease.Term, now,
+		lease.Bucket, relayID, lease.Term, now,
+		lease.Bucket, lease.Bucket, maxID, limit).Rows()
+	if err != nil {
+		return nil, s.fail(ctx, "delete published messages and read the next batch", err)
+	}
+	defer rows.Close()
+	var held bool
+	next, err := scanBatch(rows, lease.Bucket, limit, []any{&held})
+	if err != nil {
+		return nil, s.fail(ctx, "delete published messages and read the next batch", err)
+	}
+	if !held {
+		return nil, fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+	}
+	if next == nil {
+		next = []relay.Message{}
+	}
+	return next, nil
 }
 
 // leaseHeld is the lease guard used inside DELETE and UPDATE statements on

@@ -297,21 +297,22 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 		return relay.Acquired{}, err
 	}
 	// Claim in random order so relays starting together rarely race for
-	// the same rows; a lost race is just a zero-row UPDATE.
+	// the same rows; a lost race just claims fewer. The claims go out a
+	// chunk per statement (a relay taking 256 free buckets makes one or
+	// two round trips, not 256); the candidates after a lost race are
+	// tried once more.
 	rand.Shuffle(len(candidates), func(i, j int) { candidates[i], candidates[j] = candidates[j], candidates[i] })
-	for _, c := range candidates {
-		if len(held) >= share {
+	for range 2 {
+		need := min(share-len(held), len(candidates))
+		if need <= 0 {
 			break
 		}
-		r := db.Exec("UPDATE "+s.leases+" SET owner = ?, term = term + 1, expires_at_ms = ?"+
-			" WHERE bucket = ? AND term = ? AND paused = ? AND (owner IS NULL OR expires_at_ms <= ?)",
-			me, expires, c.Bucket, c.Term, false, now)
-		if r.Error != nil {
-			return relay.Acquired{}, r.Error
+		claimed, err := s.claim(db, me, candidates[:need], now, expires)
+		if err != nil {
+			return relay.Acquired{}, err
 		}
-		if r.RowsAffected == 1 {
-			held = append(held, relay.Lease{Bucket: c.Bucket, Term: c.Term + 1})
-		}
+		held = append(held, claimed...)
+		candidates = candidates[need:]
 	}
 	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
 	res := relay.Acquired{Leases: held, LiveRelays: live, FairShare: share}
@@ -502,6 +503,49 @@ func (s *Store) renew(db *gorm.DB, me string, leases []relay.Lease, now, expires
 	}
 	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
 	return held, nil
+}
+
+// claim takes the free or expired leases among candidates (each under the
+// term it was read with) for me, and returns those it got, with their new
+// terms.
+func (s *Store) claim(db *gorm.DB, me string, candidates []relay.Lease, now, expires int64) ([]relay.Lease, error) {
+	var got []relay.Lease
+	for chunk := range slices.Chunk(candidates, probeChunk) {
+		var sb strings.Builder
+		sb.WriteString("UPDATE " + s.leases + " SET owner = ?, term = term + 1, expires_at_ms = ?" +
+			" WHERE paused = ? AND (owner IS NULL OR expires_at_ms <= ?) AND bucket IN ? AND ")
+		args := leaseGuard(&sb, []any{me, expires, false, now, buckets(chunk)}, chunk)
+		r := db.Exec(sb.String(), args...)
+		if r.Error != nil {
+			return nil, r.Error
+		}
+		if int(r.RowsAffected) == len(chunk) {
+			for _, c := range chunk {
+				got = append(got, relay.Lease{Bucket: c.Bucket, Term: c.Term + 1})
+			}
+			continue
+		}
+		if r.RowsAffected == 0 {
+			continue
+		}
+		// Some were claimed by another relay first: read back ours, the
+		// rows with our owner, this expiry and the next term.
+		next := make([]relay.Lease, len(chunk))
+		for i, c := range chunk {
+			next[i] = relay.Lease{Bucket: c.Bucket, Term: c.Term + 1}
+		}
+		sb.Reset()
+		sb.WriteString("SELECT bucket, term FROM " + s.leases + " WHERE owner = ? AND expires_at_ms = ? AND bucket IN ? AND ")
+		args = leaseGuard(&sb, []any{me, expires, buckets(next)}, next)
+		var rows []LeaseRow
+		if err := db.Raw(sb.String(), args...).Scan(&rows).Error; err != nil {
+			return nil, err
+		}
+		for _, r := range rows {
+			got = append(got, relay.Lease{Bucket: int(r.Bucket), Term: r.Term})
+		}
+	}
+	return got, nil
 }
 
 // release clears the owner of the leases me holds under their terms.

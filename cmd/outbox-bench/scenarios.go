@@ -387,6 +387,12 @@ func drainScenario(ctx context.Context, cfg config, r *result) error {
 	if err != nil {
 		return fmt.Errorf("%d buckets: %w", cfg.WideBuckets, err)
 	}
+	// The database's own limit over as many buckets: a bucket's rows are
+	// then spread over more pages, which no relay can do anything about.
+	wideDB, err := dbCeiling(ctx, wideCfg, cfg.N)
+	if err != nil {
+		return fmt.Errorf("%d buckets db ceiling: %w", cfg.WideBuckets, err)
+	}
 	// The serial limit: a relay doing the database's work and Kafka's work
 	// back to back on the shared CPU, with no waiting.
 	serialLimit := 1 / (1/dbRate + 1/kRate)
@@ -401,6 +407,8 @@ func drainScenario(ctx context.Context, cfg config, r *result) error {
 	r.add("relay/relay_parallelism_1", relayRate/serialRate, "ratio")
 	r.add(fmt.Sprintf("relay_%d_buckets", cfg.WideBuckets), wideRate, "msg/s")
 	r.add(fmt.Sprintf("relay_%d_buckets/relay", cfg.WideBuckets), wideRate/relayRate, "ratio")
+	r.add(fmt.Sprintf("db_ceiling_%d_buckets", cfg.WideBuckets), wideDB, "msg/s")
+	r.add(fmt.Sprintf("relay_%d_buckets/db_ceiling_%d_buckets", cfg.WideBuckets, cfg.WideBuckets), wideRate/wideDB, "ratio")
 	return nil
 }
 

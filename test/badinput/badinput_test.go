@@ -150,14 +150,21 @@ func nilAndEmpty(t *testing.T, e *env) {
 	}
 
 	// Read back by the relay as written.
-	var seen []relay.Message
+	var (
+		seenMu sync.Mutex // buckets are published concurrently
+		seen   []relay.Message
+	)
 	pub := relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) {
+		seenMu.Lock()
 		seen = append(seen, msgs...)
+		seenMu.Unlock()
 		return 0, errors.New("only looking")
 	})
 	r, err := relay.New(e.store(nil, 0), pub, e.relayConfig("look"))
 	require.NoError(t, err)
 	_, _ = r.DrainOnce(context.Background())
+	seenMu.Lock()
+	defer seenMu.Unlock()
 	require.Len(t, seen, len(cases))
 	for _, got := range seen {
 		var want *outbox.Message

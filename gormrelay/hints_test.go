@@ -386,10 +386,16 @@ func TestPGNotifyDuplicateHints(t *testing.T) {
 	for _, v := range values {
 		p.b.await(t, v, 5*time.Second)
 	}
+	// The recorder logs a call when it returns, just after the hook
+	// reported the delivery.
 	var got []string
-	for _, m := range p.b.rec.acked() {
-		got = append(got, string(m.Value))
-	}
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		got = got[:0]
+		for _, m := range p.b.rec.acked() {
+			got = append(got, string(m.Value))
+		}
+		assert.Len(c, got, len(values))
+	}, 5*time.Second, 10*time.Millisecond)
 	require.Equal(t, values, got, "each once, in order")
 	p.b.rec.requireNoOverlap(t)
 }

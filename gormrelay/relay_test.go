@@ -664,10 +664,24 @@ func TestRelayMisconfiguration(t *testing.T) {
 		require.EqualValues(t, 11, b.count(t))
 		require.NoError(t, b.messages().Where("message_id = ?", "wide").Delete(&outbox.MessageRow{}).Error)
 
-		// A relay with a different bucket count than the store.
+		// A relay configured with a different bucket count than the
+		// store's outbox: New refuses it, naming both counts.
 		cfg := fastConfig(t, "c")
 		cfg.BucketCount = 16
-		require.ErrorAs(t, startErr(t, b.store, cfg), &me)
+		_, err := relay.New(b.store, relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) { return 0, nil }), cfg)
+		var ce *relay.ConfigError
+		require.ErrorAs(t, err, &ce)
+		require.ErrorIs(t, err, relay.ErrInvalidConfig)
+		require.Equal(t, "BucketCount", ce.Field)
+		require.Contains(t, err.Error(), "has 8 buckets")
+		// The same count, or none, is the store's.
+		cfg.BucketCount = 0
+		r0, err := relay.New(b.store, relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) { return 0, nil }), cfg)
+		require.NoError(t, err)
+		require.Empty(t, r0.Leases())
+		// A store asked directly for another count still refuses it.
+		_, err = b.store.AcquireLeases(t.Context(), relay.AcquireRequest{RelayID: "c", BucketCount: 16, LeaseDuration: time.Second})
+		require.ErrorAs(t, err, &me)
 		require.Equal(t, "BucketCount", me.Setting)
 
 		// Started before AutoMigrate.

@@ -39,8 +39,10 @@ const (
 )
 
 // Store is the GORM implementation of the relay's storage contract
-// (relay.Store) with the relay.LeaseRenewer and relay.FailureRecorder
-// capabilities, on PostgreSQL, MySQL/MariaDB and SQLite.
+// (relay.Store) with the relay.LeaseRenewer, relay.FailureRecorder,
+// relay.BatchAdvancer and relay.BucketCounter capabilities, on
+// PostgreSQL, MySQL/MariaDB and SQLite. It passes the relay/storetest
+// conformance suite on all three.
 //
 // The relay.Store operations are each one or a few short, indexed
 // statements outside any transaction; the concurrency model is the guarded
@@ -295,21 +297,22 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 		return relay.Acquired{}, err
 	}
 	// Claim in random order so relays starting together rarely race for
-	// the same rows; a lost race is just a zero-row UPDATE.
+	// the same rows; a lost race just claims fewer. The claims go out a
+	// chunk per statement (a relay taking 256 free buckets makes one or
+	// two round trips, not 256); the candidates after a lost race are
+	// tried once more.
 	rand.Shuffle(len(candidates), func(i, j int) { candidates[i], candidates[j] = candidates[j], candidates[i] })
-	for _, c := range candidates {
-		if len(held) >= share {
+	for range 2 {
+		need := min(share-len(held), len(candidates))
+		if need <= 0 {
 			break
 		}
-		r := db.Exec("UPDATE "+s.leases+" SET owner = ?, term = term + 1, expires_at_ms = ?"+
-			" WHERE bucket = ? AND term = ? AND paused = ? AND (owner IS NULL OR expires_at_ms <= ?)",
-			me, expires, c.Bucket, c.Term, false, now)
-		if r.Error != nil {
-			return relay.Acquired{}, r.Error
+		claimed, err := s.claim(db, me, candidates[:need], now, expires)
+		if err != nil {
+			return relay.Acquired{}, err
 		}
-		if r.RowsAffected == 1 {
-			held = append(held, relay.Lease{Bucket: c.Bucket, Term: c.Term + 1})
-		}
+		held = append(held, claimed...)
+		candidates = candidates[need:]
 	}
 	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
 	res := relay.Acquired{Leases: held, LiveRelays: live, FairShare: share}
@@ -502,6 +505,49 @@ func (s *Store) renew(db *gorm.DB, me string, leases []relay.Lease, now, expires
 	return held, nil
 }
 
+// claim takes the free or expired leases among candidates (each under the
+// term it was read with) for me, and returns those it got, with their new
+// terms.
+func (s *Store) claim(db *gorm.DB, me string, candidates []relay.Lease, now, expires int64) ([]relay.Lease, error) {
+	var got []relay.Lease
+	for chunk := range slices.Chunk(candidates, probeChunk) {
+		var sb strings.Builder
+		sb.WriteString("UPDATE " + s.leases + " SET owner = ?, term = term + 1, expires_at_ms = ?" +
+			" WHERE paused = ? AND (owner IS NULL OR expires_at_ms <= ?) AND bucket IN ? AND ")
+		args := leaseGuard(&sb, []any{me, expires, false, now, buckets(chunk)}, chunk)
+		r := db.Exec(sb.String(), args...)
+		if r.Error != nil {
+			return nil, r.Error
+		}
+		if int(r.RowsAffected) == len(chunk) {
+			for _, c := range chunk {
+				got = append(got, relay.Lease{Bucket: c.Bucket, Term: c.Term + 1})
+			}
+			continue
+		}
+		if r.RowsAffected == 0 {
+			continue
+		}
+		// Some were claimed by another relay first: read back ours, the
+		// rows with our owner, this expiry and the next term.
+		next := make([]relay.Lease, len(chunk))
+		for i, c := range chunk {
+			next[i] = relay.Lease{Bucket: c.Bucket, Term: c.Term + 1}
+		}
+		sb.Reset()
+		sb.WriteString("SELECT bucket, term FROM " + s.leases + " WHERE owner = ? AND expires_at_ms = ? AND bucket IN ? AND ")
+		args = leaseGuard(&sb, []any{me, expires, buckets(next)}, next)
+		var rows []outbox.LeaseRow
+		if err := db.Raw(sb.String(), args...).Scan(&rows).Error; err != nil {
+			return nil, err
+		}
+		for _, r := range rows {
+			got = append(got, relay.Lease{Bucket: int(r.Bucket), Term: r.Term})
+		}
+	}
+	return got, nil
+}
+
 // release clears the owner of the leases me holds under their terms.
 func (s *Store) release(db *gorm.DB, me string, leases []relay.Lease) error {
 	for chunk := range slices.Chunk(leases, probeChunk) {
@@ -598,29 +644,55 @@ func (s *Store) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {
 // whole BatchSize of Message structs each time.
 const batchCapMin = 64
 
+// batchColumns are the message columns a batch read selects, in the order
+// scanBatch scans them.
+const batchColumns = "id, message_id, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts"
+
 // NextBatch implements relay.Store: the oldest limit rows of bucket by id,
 // read through the (bucket, id) index (see bucketRange).
 func (s *Store) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Message, error) {
 	db, ctx, cancel := s.op(ctx, "read batch")
 	defer cancel()
-	rows, err := db.Raw("SELECT id, message_id, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts FROM "+
+	rows, err := db.Raw("SELECT "+batchColumns+" FROM "+
 		s.messages+" WHERE "+bucketRange+" ORDER BY bucket, id LIMIT ?", bucket, bucket, limit).Rows()
 	if err != nil {
 		return nil, s.fail(ctx, "read batch", err)
 	}
 	defer rows.Close()
+	msgs, err := scanBatch(rows, bucket, limit, nil)
+	if err != nil {
+		return nil, s.fail(ctx, "read batch", err)
+	}
+	return msgs, nil
+}
+
+// scanBatch scans the rows of a batch read, batchColumns after the
+// columns of prefix. A row whose id is NULL (the placeholder row of an
+// outer join that found no message) is skipped.
+func scanBatch(rows *sql.Rows, bucket, limit int, prefix []any) ([]relay.Message, error) {
 	// Every row is scanned through the same destinations, so that nothing
 	// but the column values themselves is allocated per row.
 	var (
 		m         relay.Message
+		id        sql.NullInt64
+		mid       sql.NullString
+		topic     sql.NullString
 		headers   []byte
 		partition sql.NullInt32
-		created   int64
-		attempts  int64
+		created   sql.NullInt64
+		attempts  sql.NullInt64
 	)
-	dest := []any{&m.ID, &m.MessageID, &m.Topic, &m.Key, &m.Value, &headers, &partition, &created, &attempts}
+	dest := append(prefix, &id, &mid, &topic, &m.Key, &m.Value, &headers, &partition, &created, &attempts)
 	var msgs []relay.Message
 	for rows.Next() {
+		m = relay.Message{}
+		headers = nil
+		if err := rows.Scan(dest...); err != nil {
+			return nil, err
+		}
+		if !id.Valid {
+			continue
+		}
 		if msgs == nil {
 			msgs = make([]relay.Message, 0, min(limit, batchCapMin))
 		} else if len(msgs) == cap(msgs) {
@@ -628,27 +700,90 @@ func (s *Store) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Messa
 			// rather than by doubling.
 			msgs = slices.Grow(msgs, limit-len(msgs))
 		}
-		m = relay.Message{}
-		headers = nil
-		if err := rows.Scan(dest...); err != nil {
-			return nil, s.fail(ctx, "read batch", err)
-		}
+		var err error
 		if m.Headers, err = outbox.DecodeHeaders(headers); err != nil {
-			return nil, fmt.Errorf("outbox: store read batch: message %d: %w", m.ID, err)
+			return nil, fmt.Errorf("outbox: store read batch: message %d: %w", id.Int64, err)
 		}
 		if partition.Valid {
 			p := partition.Int32
 			m.Partition = &p
 		}
+		m.ID, m.MessageID, m.Topic = id.Int64, mid.String, topic.String
 		m.Bucket = bucket
-		m.CreatedAt = time.UnixMilli(created)
-		m.Attempts = int(attempts)
+		m.CreatedAt = time.UnixMilli(created.Int64)
+		m.Attempts = int(attempts.Int64)
 		msgs = append(msgs, m)
 	}
-	if err := rows.Err(); err != nil {
-		return nil, s.fail(ctx, "read batch", err)
+	return msgs, rows.Err()
+}
+
+var _ relay.BatchAdvancer = (*Store)(nil)
+
+// MarkPublishedNext implements relay.BatchAdvancer. On PostgreSQL it is
+// one statement, one round trip: a data-modifying WITH deletes msgs under
+// the lease guard, and the main query, which sees the table as it was
+// before the delete, reads the next batch from the head of the bucket
+// without the deleted ids, joined to the guard so that a refused delete
+// returns no batch. MySQL/MariaDB (whose drivers run one statement per
+// round trip unless multiStatements is set on the DSN) and SQLite (in
+// process, no round trip to save) run MarkPublished and then NextBatch.
+func (s *Store) MarkPublishedNext(ctx context.Context, relayID string, lease relay.Lease, msgs []relay.Message, limit int) ([]relay.Message, error) {
+	if !s.postgres || len(msgs) == 0 || len(msgs) > storeChunk {
+		if err := s.MarkPublished(ctx, relayID, lease, msgs); err != nil {
+			return nil, err
+		}
+		next, err := s.NextBatch(ctx, lease.Bucket, limit)
+		if err != nil {
+			// Deleted, not read ahead: the relay reads with NextBatch.
+			return nil, nil
+		}
+		if next == nil {
+			next = []relay.Message{}
+		}
+		return next, nil
 	}
-	return msgs, nil
+	db, ctx, cancel := s.op(ctx, "delete published messages and read the next batch")
+	defer cancel()
+	ids := make([]int64, len(msgs))
+	maxID := int64(0)
+	for i, m := range msgs {
+		ids[i] = m.ID
+		maxID = max(maxID, m.ID)
+	}
+	now := nowMs()
+	// The ids are written into the statement as an array literal (digits
+	// and commas only): with a parameter, PostgreSQL's generic plan for
+	// the statement deletes and reads about twice as slowly as it plans a
+	// literal.
+	lit, _ := int8Array(ids).Value()
+	arr := "'" + lit.(string) + "'::bigint[]"
+	// The guard is evaluated twice on one snapshot with the same now, so
+	// the delete and the held flag agree. The read excludes what the
+	// delete returned; rows above the largest deleted id skip that test.
+	q := "WITH del AS (DELETE FROM " + s.messages + " WHERE bucket = ? AND id = ANY(" + arr + ") AND " + s.leaseHeld() + " RETURNING id)," +
+		" g AS (SELECT " + s.leaseHeld() + " AS held)" +
+		" SELECT g.held, n.* FROM g LEFT JOIN LATERAL (SELECT " + batchColumns + " FROM " + s.messages +
+		" WHERE " + bucketRange + " AND (id > ? OR id NOT IN (SELECT id FROM del)) ORDER BY bucket, id LIMIT ?) n ON g.held ORDER BY n.id"
+	rows, err := db.Raw(q,
+		lease.Bucket, lease.Bucket, relayID, lease.Term, now,
+		lease.Bucket, relayID, lease.Term, now,
+		lease.Bucket, lease.Bucket, maxID, limit).Rows()
+	if err != nil {
+		return nil, s.fail(ctx, "delete published messages and read the next batch", err)
+	}
+	defer rows.Close()
+	var held bool
+	next, err := scanBatch(rows, lease.Bucket, limit, []any{&held})
+	if err != nil {
+		return nil, s.fail(ctx, "delete published messages and read the next batch", err)
+	}
+	if !held {
+		return nil, fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+	}
+	if next == nil {
+		next = []relay.Message{}
+	}
+	return next, nil
 }
 
 // leaseHeld is the lease guard used inside DELETE and UPDATE statements on
@@ -810,3 +945,10 @@ func (s *Store) checkSchemaOnce(ctx context.Context) error {
 	s.schemaOK.Store(true)
 	return nil
 }
+
+var _ relay.BucketCounter = (*Store)(nil)
+
+// BucketCount implements relay.BucketCounter: the outbox's BucketCount,
+// from the Config the store was made with, which relay.New takes as the
+// relay's.
+func (s *Store) BucketCount() int { return s.buckets }

@@ -38,6 +38,13 @@ const (
 	// retries take, so it only ends a publish that no longer makes
 	// progress.
 	PublishTimeoutDefault = time.Minute
+	// ParallelismDefault is how many buckets one relay drains at once.
+	// Four drainers overlap one bucket's database round trips with
+	// another's publish, which on a two-core machine already reaches the
+	// database's pace; more only add contention.
+	ParallelismDefault = 4
+	// ParallelismMax is the largest accepted Parallelism.
+	ParallelismMax = 256
 	// RelayIDMaxLen is the longest accepted RelayID, the width of the
 	// lease owner and heartbeat columns.
 	RelayIDMaxLen = 128
@@ -53,15 +60,28 @@ type Config struct {
 	// bytes.
 	RelayID string
 
-	// BucketCount is the number of ordering buckets, 1 to 4096. Default 8.
-	// It must equal the BucketCount of every writer and relay sharing the
-	// outbox; the store reports a mismatch as a *MisconfigurationError and
-	// the relay stops.
+	// BucketCount is the number of ordering buckets, 1 to 4096. Leave it
+	// zero: a store that knows the outbox's BucketCount (BucketCounter; the
+	// GORM store does) provides it, and a non-zero value that differs is
+	// refused by New with a *ConfigError. With a store that does not know
+	// it, the default is 8, and it must equal the BucketCount of every
+	// writer and relay sharing the outbox; the store reports a mismatch as
+	// a *MisconfigurationError and the relay stops.
 	BucketCount int
 
 	// BatchSize is how many rows of one bucket are read, published and
 	// deleted per round trip, 1 to 10000. Default 500.
 	BatchSize int
+
+	// Parallelism is how many buckets the relay drains at once, 1 to 256,
+	// each by its own drainer, one batch at a time under that bucket's
+	// lease: a bucket never has two batches in flight, so order per key is
+	// kept whatever the value. Default 4 (ParallelismDefault); never more
+	// than the buckets the relay owns. With more than 1 the Publisher, the
+	// Store and the FailureHandler are called concurrently for different
+	// buckets (the Kafka publishers and the GORM store are safe for it);
+	// 1 drains one bucket after another.
+	Parallelism int
 
 	// PollInterval is the fallback discovery interval: how often a relay
 	// owning buckets looks for pending rows it was not told about (writers
@@ -152,6 +172,9 @@ func (c Config) WithDefaults() Config {
 	if c.BatchSize == 0 {
 		c.BatchSize = BatchSizeDefault
 	}
+	if c.Parallelism == 0 {
+		c.Parallelism = ParallelismDefault
+	}
 	if c.PollInterval == 0 {
 		c.PollInterval = PollIntervalDefault
 	}
@@ -191,6 +214,8 @@ func (c Config) validate() error {
 		return bad("BucketCount", c.BucketCount, fmt.Sprintf("must be between 1 and %d", BucketCountMax))
 	case c.BatchSize < 1 || c.BatchSize > BatchSizeMax:
 		return bad("BatchSize", c.BatchSize, fmt.Sprintf("must be between 1 and %d", BatchSizeMax))
+	case c.Parallelism < 1 || c.Parallelism > ParallelismMax:
+		return bad("Parallelism", c.Parallelism, fmt.Sprintf("must be between 1 and %d", ParallelismMax))
 	case c.PollInterval < 0:
 		return bad("PollInterval", c.PollInterval, "must be positive")
 	case c.LeaseDuration < 2*time.Millisecond:
@@ -273,9 +298,10 @@ const (
 	FailureRetry
 )
 
-// FailureHandler is the failure policy's seam: it is called on the relay's
-// goroutine after a publish failed, never for a publish cancelled by Stop or
-// by a lost lease. An error it returns is logged and treated as
+// FailureHandler is the failure policy's seam: it is called on the
+// drainer that published, after a publish failed, never for a publish
+// cancelled by Stop or by a lost lease. With Config.Parallelism above 1 it
+// is called concurrently for different buckets, never for the same one. An error it returns is logged and treated as
 // FailureBackoff.
 type FailureHandler interface {
 	HandleFailure(ctx context.Context, f Failure) (FailureAction, error)
@@ -302,4 +328,22 @@ func (f FailureHandlerFunc) HandleFailure(ctx context.Context, fl Failure) (Fail
 // Observer.MessagesDeadLettered as parked.
 type BatchFilter interface {
 	FilterBatch(ctx context.Context, relayID string, lease Lease, msgs []Message) ([]Message, error)
+}
+
+// takeBucketCount fills cfg.BucketCount from a store that knows the
+// outbox's (BucketCounter) and refuses a Config value that disagrees.
+func takeBucketCount(store Store, cfg *Config) error {
+	bc, ok := store.(BucketCounter)
+	if !ok {
+		return nil
+	}
+	n := bc.BucketCount()
+	switch {
+	case cfg.BucketCount == 0:
+		cfg.BucketCount = n
+	case cfg.BucketCount != n:
+		return &ConfigError{Field: "BucketCount", Value: cfg.BucketCount,
+			Reason: fmt.Sprintf("the store's outbox has %d buckets (set once, on the outbox configuration); leave relay.Config.BucketCount zero to take it from the store", n)}
+	}
+	return nil
 }

@@ -43,9 +43,10 @@ type Message struct {
 // Publish returns how many leading messages of msgs the sink acknowledged
 // and the first error. Only a contiguous prefix counts: if message 3 of 5
 // failed, acked is at most 2 even when 4 and 5 were acknowledged, and the
-// relay republishes 3, 4 and 5 later. A publisher must be safe to call from
-// one goroutine at a time; the relay never calls it concurrently for the
-// same bucket.
+// relay republishes 3, 4 and 5 later. A relay with Config.Parallelism
+// above 1 (the default) calls Publish concurrently for different buckets,
+// never concurrently for the same bucket; a publisher that is not safe
+// for concurrent use needs Parallelism 1.
 type Publisher interface {
 	Publish(ctx context.Context, msgs []Message) (acked int, err error)
 }

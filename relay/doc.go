@@ -11,6 +11,38 @@
 //	_ = r.Start(ctx)
 //	defer r.Stop(shutdownCtx)
 //
+// # The engine
+//
+// A started relay is three parts with one job each:
+//
+//   - the lease keeper, the only writer of lease state: acquisition,
+//     renewal, fair share and the trust deadline. Each lease it holds
+//     carries a context that ends when the lease is lost, when the trust
+//     window passes without a renewal, or when the relay releases the
+//     bucket; a publish runs under that context, so it is cancelled by
+//     any of the three.
+//   - the scheduler: the ready buckets in a fair FIFO queue, one state
+//     per bucket (ready, in flight, backoff, the batch cap after a
+//     failure), fed by hints and discovery.
+//   - a pool of Config.Parallelism drainers (default 4). A drainer takes
+//     the bucket at the head of the queue, drains one batch of it under
+//     its lease, and hands it back: to the back of the queue if the batch
+//     was full. The scheduler never hands one bucket to two drainers, so
+//     one bucket has at most one batch in flight while other buckets'
+//     database round trips and publishes overlap with it.
+//
+// Acquisition (which releases surplus leases and claims new ones) and
+// the announcements to a LeaseAware publisher run behind a barrier: the
+// scheduler stops handing out batches, the batches in flight finish, the
+// keeper acquires, the publisher is told, draining resumes. A bucket is
+// therefore never released, or announced, while its batch is in flight.
+// Renewal needs no barrier: it runs on the keeper's own goroutine at any
+// time, including while the barrier waits for a slow publish.
+//
+// With Parallelism above 1 the Publisher, the Store and the
+// FailureHandler are called concurrently for different buckets, never
+// for the same bucket. Parallelism 1 drains one bucket after another.
+//
 // Delivery is at least once. A message is deleted only after the publisher
 // acknowledged it; a crash, a lost lease or a failed delete can publish it
 // again, never drop it. Every message carries a stable MessageID for
@@ -19,7 +51,10 @@
 // # Buckets and ordering
 //
 // Writers put each message in one of BucketCount buckets, by key (or by
-// pinned partition). Within a bucket, the store's row id is the submission
+// pinned partition). BucketCount is set once, on the writers' outbox
+// configuration; a store that knows it (BucketCounter) gives it to the
+// relay, and a relay.Config value that disagrees is refused by New.
+// Within a bucket, the store's row id is the submission
 // order. One relay at a time drains a bucket, in id order, one batch at a
 // time, and deletes exactly the contiguous prefix the publisher
 // acknowledged, by id list. If the publisher acknowledges 2 of 5 messages
@@ -30,7 +65,10 @@
 // become visible at commit, so a slow transaction can commit a smaller id
 // after larger ones were already published. Every batch is read afresh from
 // the start of the bucket, and deletion names ids, never a range, so such
-// a row is published on the next read rather than skipped.
+// a row is published on the next read rather than skipped. A store with
+// the BatchAdvancer capability deletes a batch and reads the next one
+// from the head of the bucket in one round trip; the relay uses it after
+// a full batch and publishes that read ahead as the bucket's next batch.
 //
 // # Leases and terms
 //
@@ -68,12 +106,13 @@
 //
 // # Renewal during a slow publish
 //
-// Leases are renewed every LeaseRenewInterval by the loop, and also while a
-// publish is in flight: a separate goroutine renews through the store's
-// LeaseRenewer capability, concurrently with the publisher, so a healthy
-// publish that takes longer than LeaseDuration (Kafka retrying a slow
-// broker) keeps its buckets. If the renewal reports the bucket lost, or the
-// trust window ends, the publish context is cancelled; the relay waits for
+// Leases are renewed every LeaseRenewInterval by the acquisition, and
+// whenever the acquisition is late (it waits for the batches in flight) by
+// the keeper's renewal goroutine through the store's LeaseRenewer
+// capability, concurrently with the publishers, so a healthy publish that
+// takes longer than LeaseDuration (Kafka retrying a slow broker) keeps its
+// buckets. If the renewal reports the bucket lost, or the trust window
+// ends, the lease's context ends and with it the publish; the relay waits for
 // the publisher to return, deletes what was acknowledged if the term guard
 // still allows it, and leaves the rest to the new owner. It never starts
 // another publish for a bucket it no longer trusts. A store without a
@@ -98,16 +137,17 @@
 // its buckets to the others when its leases expire. A relay that stops
 // cleanly releases its leases and removes its heartbeat, so the others take
 // its buckets over at their next acquisition, not after LeaseDuration.
-// Acquisition and release happen between batches, never while a publish is
-// in flight. BucketCount bounds the parallelism: extra relays stay live,
+// Acquisition and release happen behind the barrier, between batches,
+// never while a publish is in flight. BucketCount bounds the parallelism: extra relays stay live,
 // own nothing and wait.
 //
 // # Wake-ups
 //
-// Draining runs in bounded sweeps: one batch per ready bucket per sweep, so
-// a busy bucket cannot starve the others. A bucket whose batch came back
-// full stays ready and is read again in the next sweep without a discovery
-// query; one that came back short is done until something says otherwise.
+// Ready buckets wait in a FIFO queue and each turn drains one batch, so a
+// busy bucket cannot starve the others: a bucket whose batch came back
+// full goes to the back of the queue and is read again without a
+// discovery query; one that came back short is done until something says
+// otherwise (a hint that arrived during its batch makes it ready again).
 // Three things make a bucket ready:
 //
 //   - a hint: Config.Hints (the outbox's after-commit Notifier) names the
@@ -187,8 +227,8 @@
 // # Lifecycle
 //
 // Start checks the store (StartChecker) and runs the relay in the
-// background. Stop is synchronous: it stops claiming batches, lets the
-// in-flight batch finish within the context's deadline (cancelling it
+// background. Stop is synchronous: it stops handing out batches, lets the
+// in-flight batches finish within the context's deadline (cancelling them
 // after), and releases the leases under context.WithoutCancel; it returns
 // at most StopOverrun (5s) after its context ended, the relay finishing in
 // the background if a publisher or the database ignores cancellation. Stop
@@ -204,4 +244,11 @@
 //
 // Several outboxes (different tables) in one process are independent:
 // give each its own Store and Relay.
+//
+// # Writing a store
+//
+// Package relay/storetest is the conformance suite of the Store contract
+// and of each optional capability: run storetest.Run from a test of your
+// store with a Harness that creates an empty outbox and inserts messages.
+// The GORM store and the engine's own in-memory test store pass it.
 package relay

@@ -174,6 +174,7 @@ func (s *fakeStore) PendingBuckets(ctx context.Context, buckets []int) ([]int, e
 			out = append(out, b)
 		}
 	}
+	slices.Sort(out)
 	return out, nil
 }
 
@@ -290,4 +291,48 @@ func (h *fakeHints) Take(dst []int) ([]int, bool) {
 	u := h.unknown
 	h.unknown = false
 	return dst, u
+}
+
+// markPublishedNext is relay.BatchAdvancer for advancingStore: the
+// delete and the read of the next batch under one lock, as a database
+// does them in one round trip.
+func (s *fakeStore) markPublishedNext(ctx context.Context, id string, l relay.Lease, msgs []relay.Message, limit int) ([]relay.Message, error) {
+	err := s.begin("advance")
+	defer s.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	if !s.held(id, l, time.Now()) {
+		return nil, fmt.Errorf("%w: bucket %d", relay.ErrLeaseLost, l.Bucket)
+	}
+	s.msgs[l.Bucket] = slices.DeleteFunc(s.msgs[l.Bucket], func(m relay.Message) bool {
+		return slices.ContainsFunc(msgs, func(p relay.Message) bool { return p.ID == m.ID })
+	})
+	ms := s.msgs[l.Bucket]
+	return append([]relay.Message{}, ms[:min(limit, len(ms))]...), nil
+}
+
+// bucketCount is relay.BucketCounter for advancingStore.
+func (s *fakeStore) bucketCount() int { return s.buckets }
+
+// advancingStore is a fakeStore with every capability, BatchAdvancer and
+// BucketCounter included.
+type advancingStore struct{ *fakeStore }
+
+func (a advancingStore) MarkPublishedNext(ctx context.Context, id string, l relay.Lease, msgs []relay.Message, limit int) ([]relay.Message, error) {
+	return a.markPublishedNext(ctx, id, l, msgs, limit)
+}
+
+func (a advancingStore) BucketCount() int { return a.bucketCount() }
+
+// insert appends msgs to their buckets with fresh ids, as committed.
+func (s *fakeStore) insert(msgs []relay.Message) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, m := range msgs {
+		s.nextID++
+		m.ID = s.nextID
+		m.Attempts = 0
+		s.msgs[m.Bucket] = append(s.msgs[m.Bucket], m)
+	}
 }

@@ -20,9 +20,9 @@ const (
 // the relay and a metrics system (package metrics implements it for
 // Prometheus), so that the relay itself imports none.
 //
-// The relay calls the methods synchronously from its own goroutines, the
-// loop and the lease renewal that runs during a publish, so they may be
-// called concurrently and must be fast and safe for concurrent use: update
+// The relay calls the methods synchronously from its own goroutines (the
+// control loop, the drainers, the lease renewal), so they may be called
+// concurrently and must be fast and safe for concurrent use: update
 // a counter, never block on I/O. Events are reported once per batch or per
 // lease change, never once per message.
 //
@@ -51,10 +51,12 @@ type Observer interface {
 	// cancelled. See PublishEvent.
 	Published(e PublishEvent)
 
-	// CycleFinished reports the duration of one pass of the relay loop
-	// that did work: lease maintenance when due, discovery when due, and
-	// one sweep over the ready buckets. Idle waits and backoff waits are
-	// not included. DrainOnce reports no cycles.
+	// CycleFinished reports the duration of one pass of the relay's
+	// control loop that did work: lease maintenance when due (once the
+	// batches in flight have finished; the wait for them is not included)
+	// and discovery when due. Batches run on the drainers and are reported by
+	// Published. Idle waits and backoff waits are not included. DrainOnce
+	// reports no cycles.
 	CycleFinished(d time.Duration)
 
 	// MessagesDeadLettered reports n messages that the failure policy took

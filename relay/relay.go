@@ -41,6 +41,7 @@ type Relay struct {
 	publisher Publisher
 	renewer   LeaseRenewer    // nil if the store cannot renew
 	recorder  FailureRecorder // nil if the store does not record attempts
+	advancer  BatchAdvancer   // nil if the store cannot delete and read ahead at once
 	filter    BatchFilter     // nil if the failure handler filters nothing
 	limiter   *rate.Limiter   // nil without Config.RateLimit
 
@@ -69,6 +70,9 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 	if publisher == nil {
 		return nil, &ConfigError{Field: "publisher", Value: nil, Reason: "a Publisher is required"}
 	}
+	if err := takeBucketCount(store, &cfg); err != nil {
+		return nil, err
+	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
@@ -82,6 +86,7 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 	}
 	r.renewer, _ = store.(LeaseRenewer)
 	r.recorder, _ = store.(FailureRecorder)
+	r.advancer, _ = store.(BatchAdvancer)
 	r.leaseAware, _ = publisher.(LeaseAware)
 	if r.cfg.FailureHandler == nil {
 		r.cfg.FailureHandler, _ = store.(FailureHandler)

@@ -103,6 +103,7 @@ func TestConfig(t *testing.T) {
 	c := relay.Config{}.WithDefaults()
 	require.Equal(t, 8, c.BucketCount)
 	require.Equal(t, 500, c.BatchSize)
+	require.Equal(t, relay.ParallelismDefault, c.Parallelism)
 	require.Equal(t, time.Second, c.PollInterval)
 	require.Equal(t, 30*time.Second, c.LeaseDuration)
 	require.Equal(t, 10*time.Second, c.LeaseRenewInterval)
@@ -121,6 +122,8 @@ func TestConfig(t *testing.T) {
 		{"BucketCount", relay.Config{BucketCount: 5000}},
 		{"BucketCount", relay.Config{BucketCount: -1}},
 		{"BatchSize", relay.Config{BatchSize: 10_001}},
+		{"Parallelism", relay.Config{Parallelism: -1}},
+		{"Parallelism", relay.Config{Parallelism: relay.ParallelismMax + 1}},
 		{"PollInterval", relay.Config{PollInterval: -time.Second}},
 		{"LeaseDuration", relay.Config{LeaseDuration: time.Millisecond, LeaseRenewInterval: time.Millisecond}},
 		{"BackoffMax", relay.Config{BackoffMin: time.Minute, BackoffMax: time.Second}},

@@ -5,10 +5,12 @@ import (
 	"time"
 )
 
-// Store is the relay's storage contract. The relay calls it from one
-// goroutine at a time, except that a LeaseRenewer's RenewLeases runs
-// concurrently with the publisher (never with another Store call of the same
-// relay's loop).
+// Store is the relay's storage contract. It must be safe for concurrent
+// use: the relay's drainers call NextBatch, MarkPublished and the other
+// per-bucket methods concurrently for different buckets (never for the
+// same bucket), discovery and a LeaseRenewer's RenewLeases run alongside
+// them, and AcquireLeases runs while no batch is in flight. Package
+// relay/storetest checks an implementation against this contract.
 //
 // A store needs two primitives: an atomic conditional write for leases (a
 // guarded UPDATE ... WHERE owner = ... AND term = ... AND expires_at > now)
@@ -154,4 +156,34 @@ func FairShare(bucketCount, live int) int {
 		live = 1
 	}
 	return (bucketCount + live - 1) / live
+}
+
+// BucketCounter is an optional Store capability: telling the outbox's
+// BucketCount, which is set once, on the writers' configuration (the GORM
+// store takes it from outbox.Config). relay.New then takes the relay's
+// BucketCount from the store: Config.BucketCount may be left zero, and a
+// non-zero value that differs is refused with a *ConfigError.
+type BucketCounter interface {
+	BucketCount() int
+}
+
+// BatchAdvancer is an optional Store capability: deleting a batch's
+// acknowledged messages and reading the next batch of the same bucket in
+// one call, in one round trip where the database allows it. The relay
+// uses it after a full batch was published completely, instead of
+// MarkPublished followed by NextBatch.
+type BatchAdvancer interface {
+	// MarkPublishedNext deletes msgs exactly as MarkPublished does (by id,
+	// guarded in the same statement by relayID holding lease unexpired
+	// under its term; an error wrapping ErrLeaseLost when the guard
+	// refuses, with nothing deleted and no batch), then returns up to limit
+	// pending messages of lease.Bucket oldest first, as NextBatch would
+	// return them after the delete: read from the head of the bucket, none
+	// of msgs among them.
+	//
+	// A nil batch with a nil error says the delete succeeded but nothing
+	// was read ahead (the read failed after the delete): the relay reads
+	// the bucket with NextBatch. An empty, non-nil batch says the bucket is
+	// empty.
+	MarkPublishedNext(ctx context.Context, relayID string, lease Lease, msgs []Message, limit int) ([]Message, error)
 }

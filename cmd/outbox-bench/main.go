@@ -41,13 +41,18 @@ type config struct {
 	Buckets    int
 	Partitions int
 	BatchSize  int
-	Rate       int
-	Duration   time.Duration
-	WriteOps   int
-	Growth     []int
-	Relays     []int
-	JSON       bool
-	TmpDir     string
+	// Parallelism is the relay's Config.Parallelism; 0 takes the relay's
+	// default.
+	Parallelism int
+	// WideBuckets is the bucket count of the drain scenario's wide run.
+	WideBuckets int
+	Rate        int
+	Duration    time.Duration
+	WriteOps    int
+	Growth      []int
+	Relays      []int
+	JSON        bool
+	TmpDir      string
 	// Brokers is an Apache Kafka cluster to run against instead of the
 	// Kafka-protocol broker the harness starts in its own process.
 	Brokers []string
@@ -101,6 +106,8 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.Buckets, "buckets", 8, "outbox buckets")
 	fs.IntVar(&c.Partitions, "partitions", 8, "topic partitions")
 	fs.IntVar(&c.BatchSize, "batch", 500, "relay batch size")
+	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
+	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
 	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
 	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")
@@ -148,6 +155,9 @@ func parseFlags(args []string) (config, error) {
 	}
 	if c.Driver != "sqlite" && c.DSN == "" {
 		return c, fmt.Errorf("-dsn is required for %s", c.Driver)
+	}
+	if c.Parallelism < 0 || c.WideBuckets < 1 {
+		return c, fmt.Errorf("-parallelism must be 0 or positive and -wide-buckets positive")
 	}
 	if c.N < 1 || c.Keys < 1 || c.Buckets < 1 || c.Partitions < 1 || c.BatchSize < 1 || c.Rate < 1 {
 		return c, fmt.Errorf("sizes must be positive")

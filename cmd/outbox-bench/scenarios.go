@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"os/signal"
 	"runtime"
@@ -142,7 +143,7 @@ func (e *env) startRelay(ctx context.Context, pub relay.Publisher, hints bool) (
 	if err != nil {
 		return nil, err
 	}
-	rc := relay.Config{BucketCount: e.cfg.Buckets, BatchSize: e.cfg.BatchSize, Logger: quiet}
+	rc := relay.Config{BatchSize: e.cfg.BatchSize, Parallelism: e.cfg.Parallelism, Logger: quiet}
 	if hints {
 		rc.Hints = e.plugin.Notifier()
 	}
@@ -358,6 +359,8 @@ func drainScenario(ctx context.Context, cfg config, r *result) error {
 	defer broker.stop()
 	r.Params["messages"], r.Params["keys"], r.Params["value_bytes"] = cfg.N, cfg.Keys, cfg.ValueSize
 	r.Params["buckets"], r.Params["partitions"], r.Params["batch"] = cfg.Buckets, cfg.Partitions, cfg.BatchSize
+	r.Params["parallelism"] = cfg.Parallelism
+	r.Params["wide_buckets"] = cfg.WideBuckets
 	dbRate, err := dbCeiling(ctx, cfg, cfg.N)
 	if err != nil {
 		return err
@@ -370,11 +373,43 @@ func drainScenario(ctx context.Context, cfg config, r *result) error {
 	if err != nil {
 		return err
 	}
+	// The same drain one bucket after another (Parallelism 1): the
+	// engine's serial baseline, measured in the same run.
+	serialCfg := cfg
+	serialCfg.Parallelism = 1
+	serialRate, _, err := relayDrain(ctx, serialCfg, brokers, cfg.N, false)
+	if err != nil {
+		return fmt.Errorf("parallelism 1: %w", err)
+	}
+	// The same drain over many more buckets.
+	wideCfg := cfg
+	wideCfg.Buckets = cfg.WideBuckets
+	wideRate, _, err := relayDrain(ctx, wideCfg, brokers, cfg.N, false)
+	if err != nil {
+		return fmt.Errorf("%d buckets: %w", cfg.WideBuckets, err)
+	}
+	// The database's own limit over as many buckets: a bucket's rows are
+	// then spread over more pages, which no relay can do anything about.
+	wideDB, err := dbCeiling(ctx, wideCfg, cfg.N)
+	if err != nil {
+		return fmt.Errorf("%d buckets db ceiling: %w", cfg.WideBuckets, err)
+	}
+	// The serial limit: a relay doing the database's work and Kafka's work
+	// back to back on the shared CPU, with no waiting.
+	serialLimit := 1 / (1/dbRate + 1/kRate)
 	r.add("relay", relayRate, "msg/s")
 	r.add("db_ceiling", dbRate, "msg/s")
 	r.add("kafka_ceiling", kRate, "msg/s")
+	r.add("serial_limit", serialLimit, "msg/s")
+	r.add("relay/serial_limit", relayRate/serialLimit, "ratio")
 	r.add("relay/db_ceiling", relayRate/dbRate, "ratio")
 	r.add("relay/kafka_ceiling", relayRate/kRate, "ratio")
+	r.add("relay_parallelism_1", serialRate, "msg/s")
+	r.add("relay/relay_parallelism_1", relayRate/serialRate, "ratio")
+	r.add(fmt.Sprintf("relay_%d_buckets", cfg.WideBuckets), wideRate, "msg/s")
+	r.add(fmt.Sprintf("relay_%d_buckets/relay", cfg.WideBuckets), wideRate/relayRate, "ratio")
+	r.add(fmt.Sprintf("db_ceiling_%d_buckets", cfg.WideBuckets), wideDB, "msg/s")
+	r.add(fmt.Sprintf("relay_%d_buckets/db_ceiling_%d_buckets", cfg.WideBuckets, cfg.WideBuckets), wideRate/wideDB, "ratio")
 	return nil
 }
 
@@ -435,8 +470,12 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 	}
 	defer broker.stop()
 	r.Params["rate_tx_s"], r.Params["duration_s"] = cfg.Rate, cfg.Duration.Seconds()
-	for _, mode := range []string{"notify", "poll"} {
-		lat, lost, err := measureLatency(ctx, cfg, brokers, mode == "notify", benchTopic+"-latency-"+mode)
+	r.Params["parallelism"] = cfg.Parallelism
+	// notify: one paced writer enqueueing, local hints; rules8: eight
+	// independent writers creating rows through a publish rule, local
+	// hints; poll: one paced writer, no hints.
+	for _, mode := range []string{"notify", "rules8", "poll"} {
+		lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode)
 		if err != nil {
 			return fmt.Errorf("%s: %w", mode, err)
 		}
@@ -445,21 +484,42 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 		}
 		r.add(mode+"_p50", float64(percentile(lat, 0.50).Microseconds())/1000, "ms")
 		r.add(mode+"_p99", float64(percentile(lat, 0.99).Microseconds())/1000, "ms")
+		r.add(mode+"_p99.9", float64(percentile(lat, 0.999).Microseconds())/1000, "ms")
 		r.add(mode+"_max", float64(lat[len(lat)-1].Microseconds())/1000, "ms")
 		r.add(mode+"_messages", float64(len(lat)), "msgs")
 	}
 	return nil
 }
 
+// LatencyOrder is the business row of the latency scenario's rules8
+// mode; its publish rule sends Token as the message value.
+type LatencyOrder struct {
+	ID    uint64 `gorm:"primaryKey"`
+	Token string `gorm:"size:32"`
+}
+
 // measureLatency writes cfg.Rate one-message transactions per second for
 // cfg.Duration while a relay runs, and measures commit-return → consumer
-// receipt for each message.
-func measureLatency(ctx context.Context, cfg config, brokers []string, hints bool, topic string) ([]time.Duration, int, error) {
-	e, err := newEnv(ctx, cfg)
+// receipt for each message. mode is notify, rules8 or poll (see
+// latencyScenario).
+func measureLatency(ctx context.Context, cfg config, brokers []string, mode, topic string) ([]time.Duration, int, error) {
+	hints := mode != "poll"
+	var rules []outbox.Rule
+	if mode == "rules8" {
+		rules = append(rules, outbox.OnCreate(func(c outbox.Change[*LatencyOrder]) (*outbox.Message, error) {
+			return &outbox.Message{Topic: topic, Key: []byte("k" + strings.SplitN(c.Entity.Token[1:], "-", 2)[0]), Value: []byte(c.Entity.Token)}, nil
+		}))
+	}
+	e, err := newEnv(ctx, cfg, rules...)
 	if err != nil {
 		return nil, 0, err
 	}
 	defer e.close()
+	if mode == "rules8" {
+		if err := e.db.WithContext(ctx).AutoMigrate(&LatencyOrder{}); err != nil {
+			return nil, 0, err
+		}
+	}
 	sc := sarama.NewConfig()
 	sc.ClientID = "outbox-bench-consumer"
 	sc.Version = sarama.V2_1_0_0
@@ -490,6 +550,12 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, hints boo
 		go func() {
 			for m := range pc.Messages() {
 				now := time.Now()
+				if mode == "rules8" {
+					mu.Lock()
+					recv[string(m.Value)] = now // the row's token
+					mu.Unlock()
+					continue
+				}
 				for _, h := range m.Headers {
 					if string(h.Key) == publisher.MessageIDHeaderDefault {
 						mu.Lock()
@@ -514,34 +580,12 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, hints boo
 	total := int(float64(cfg.Rate) * cfg.Duration.Seconds())
 	committed := make([]time.Time, total)
 	ids := make([]string, total)
-	jobs := make(chan int, total)
-	var wg sync.WaitGroup
 	var werr atomic.Value
-	for w := 0; w < 8; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range jobs {
-				m := &outbox.Message{Topic: topic, Key: []byte("k" + strconv.Itoa(i%cfg.Keys)), Value: []byte("v")}
-				err := e.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return e.plugin.Enqueue(tx, m) })
-				if err != nil {
-					werr.Store(err)
-					continue
-				}
-				committed[i], ids[i] = time.Now(), m.ID
-			}
-		}()
+	if mode == "rules8" {
+		writeRules8(ctx, e, cfg, total, committed, ids, &werr)
+	} else {
+		writePaced(ctx, e, cfg, topic, total, committed, ids, &werr)
 	}
-	interval := time.Second / time.Duration(cfg.Rate)
-	start := time.Now()
-	for i := 0; i < total; i++ {
-		if d := time.Until(start.Add(time.Duration(i) * interval)); d > 0 {
-			time.Sleep(d) // pacing the writer, not synchronization
-		}
-		jobs <- i
-	}
-	close(jobs)
-	wg.Wait()
 	if err, _ := werr.Load().(error); err != nil {
 		return nil, 0, err
 	}
@@ -576,6 +620,70 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, hints boo
 		return nil, lost, errors.New("no message arrived")
 	}
 	return lat, lost, nil
+}
+
+// writePaced enqueues total one-message transactions at cfg.Rate from
+// one schedule, handed to a pool of 8 connections so that a slow commit
+// does not delay the next one, recording each commit's return.
+func writePaced(ctx context.Context, e *env, cfg config, topic string, total int, committed []time.Time, ids []string, werr *atomic.Value) {
+	jobs := make(chan int, total)
+	var wg sync.WaitGroup
+	for w := 0; w < 8; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range jobs {
+				m := &outbox.Message{Topic: topic, Key: []byte("k" + strconv.Itoa(i%cfg.Keys)), Value: []byte("v")}
+				err := e.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return e.plugin.Enqueue(tx, m) })
+				if err != nil {
+					werr.Store(err)
+					continue
+				}
+				committed[i], ids[i] = time.Now(), m.ID
+			}
+		}()
+	}
+	interval := time.Second / time.Duration(cfg.Rate)
+	start := time.Now()
+	for i := 0; i < total; i++ {
+		if d := time.Until(start.Add(time.Duration(i) * interval)); d > 0 {
+			time.Sleep(d) // pacing the writer, not synchronization
+		}
+		jobs <- i
+	}
+	close(jobs)
+	wg.Wait()
+}
+
+// writeRules8 runs 8 independent writers, each on its own schedule at an
+// eighth of cfg.Rate from a random phase, each creating one LatencyOrder
+// per transaction whose publish rule emits the message: what a service
+// with concurrent requests does.
+func writeRules8(ctx context.Context, e *env, cfg config, total int, committed []time.Time, ids []string, werr *atomic.Value) {
+	const writers = 8
+	interval := writers * time.Second / time.Duration(cfg.Rate)
+	start := time.Now()
+	var wg sync.WaitGroup
+	for w := 0; w < writers; w++ {
+		phase := time.Duration(rand.Int64N(int64(interval)))
+		wg.Go(func() {
+			for n, i := 0, w; i < total; n, i = n+1, i+writers {
+				if d := time.Until(start.Add(phase + time.Duration(n)*interval)); d > 0 {
+					time.Sleep(d) // pacing the writer, not synchronization
+				}
+				token := "t" + strconv.Itoa(i%cfg.Keys) + "-" + strconv.Itoa(i)
+				err := e.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+					return tx.Create(&LatencyOrder{Token: token}).Error
+				})
+				if err != nil {
+					werr.Store(err)
+					continue
+				}
+				committed[i], ids[i] = time.Now(), token
+			}
+		})
+	}
+	wg.Wait()
 }
 
 // BenchOrder is the business row of the write scenario.
@@ -668,6 +776,7 @@ func multiRelayDrain(ctx context.Context, cfg config, brokers []string, count in
 		"OUTBOX_BENCH_DRIVER=" + cfg.Driver, "OUTBOX_BENCH_DSN=" + e.dbx.dsn,
 		"OUTBOX_BENCH_BROKERS=" + strings.Join(brokers, ","),
 		"OUTBOX_BENCH_BUCKETS=" + strconv.Itoa(cfg.Buckets), "OUTBOX_BENCH_BATCH=" + strconv.Itoa(cfg.BatchSize),
+		"OUTBOX_BENCH_PARALLELISM=" + strconv.Itoa(cfg.Parallelism),
 	}
 	start := time.Now()
 	var children []*child
@@ -700,6 +809,7 @@ func runRelayRole() int {
 	defer stop()
 	buckets, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BUCKETS"))
 	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))
+	parallelism, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_PARALLELISM"))
 	db, err := openGorm(os.Getenv("OUTBOX_BENCH_DRIVER"), os.Getenv("OUTBOX_BENCH_DSN"))
 	if err != nil {
 		return fail(err)
@@ -715,7 +825,7 @@ func runRelayRole() int {
 	}
 	defer pub.Close()
 	// Short renewals so the relays rebalance quickly as peers start.
-	rl, err := relay.New(store, pub, relay.Config{BucketCount: buckets, BatchSize: batch, Logger: quiet,
+	rl, err := relay.New(store, pub, relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, Logger: quiet,
 		LeaseDuration: 3 * time.Second, LeaseRenewInterval: 500 * time.Millisecond, PollInterval: 50 * time.Millisecond})
 	if err != nil {
 		return fail(err)

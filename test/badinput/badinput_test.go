@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -149,14 +150,21 @@ func nilAndEmpty(t *testing.T, e *env) {
 	}
 
 	// Read back by the relay as written.
-	var seen []relay.Message
+	var (
+		seenMu sync.Mutex // buckets are published concurrently
+		seen   []relay.Message
+	)
 	pub := relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) {
+		seenMu.Lock()
 		seen = append(seen, msgs...)
+		seenMu.Unlock()
 		return 0, errors.New("only looking")
 	})
 	r, err := relay.New(e.store(nil, 0), pub, e.relayConfig("look"))
 	require.NoError(t, err)
 	_, _ = r.DrainOnce(context.Background())
+	seenMu.Lock()
+	defer seenMu.Unlock()
 	require.Len(t, seen, len(cases))
 	for _, got := range seen {
 		var want *outbox.Message
@@ -330,15 +338,15 @@ func bucketMismatch(t *testing.T, e *env) {
 	require.Equal(t, "BucketCount", mis.Setting)
 	require.Equal(t, total, e.pending(), "nothing deleted by the misconfigured relay")
 
-	// A relay whose count differs from its store's is refused too.
+	// A relay configured with a count other than its store's is refused
+	// by New, with a typed error naming both counts.
 	cfg = e.relayConfig("mixed")
 	cfg.BucketCount = 8
-	r2, err := relay.New(e.store(nil, 32), &sink{}, cfg)
-	require.NoError(t, err)
-	_, err = r2.DrainOnce(context.Background())
-	require.True(t, relay.IsMisconfiguration(err), "relay 8 vs store 32: %v", err)
-	_, err = e.startErr(e.store(nil, 32), &sink{}, cfg)
-	require.True(t, relay.IsMisconfiguration(err), "relay 8 vs store 32: %v", err)
+	_, err = relay.New(e.store(nil, 32), &sink{}, cfg)
+	var ce *relay.ConfigError
+	require.ErrorAs(t, err, &ce, "relay 8 vs store 32: %v", err)
+	require.Equal(t, "BucketCount", ce.Field)
+	require.ErrorContains(t, err, "32 buckets")
 	require.Equal(t, total, e.pending())
 
 	// The right count delivers all, nothing lost.
@@ -498,8 +506,9 @@ func backendKilledMidBatch(t *testing.T, e *env) {
 	case dbtest.MySQL:
 		require.NoError(t, relayDB.Raw("SELECT CONNECTION_ID()").Scan(&session).Error)
 	}
-	// kill runs on the relay's goroutine (in the publisher): it records
-	// errors for the test goroutine instead of failing there.
+	// kill runs on a relay's drainer (in the publisher), one call at a
+	// time: it records errors for the test goroutine instead of failing
+	// there.
 	killed := 0
 	var killErrs []error
 	kill := func() {
@@ -537,9 +546,12 @@ func backendKilledMidBatch(t *testing.T, e *env) {
 			killed++
 		}
 	}
+	var killMu sync.Mutex // the relay's drainers publish concurrently
 	s := &sink{hook: func(_ context.Context, call int, msgs []relay.Message) (int, error) {
 		if call <= 3 {
+			killMu.Lock()
 			kill()
+			killMu.Unlock()
 		}
 		return len(msgs), nil
 	}}
@@ -550,6 +562,8 @@ func backendKilledMidBatch(t *testing.T, e *env) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	require.NoError(t, r.Stop(ctx)) // no publisher call runs any more
+	killMu.Lock()
+	defer killMu.Unlock()
 	require.Empty(t, killErrs, "terminating the relay's database session")
 	require.Equal(t, 3, killed, "sessions ended mid-batch")
 	got := s.ids()

@@ -1,0 +1,502 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	ibackoff "github.com/gorm-outbox/outbox/internal/backoff"
+)
+
+// outcome is what one batch of one bucket came to.
+type outcome int
+
+const (
+	outEmpty   outcome = iota // the bucket had no pending rows
+	outDrained                // a partial batch was published: the bucket is empty as far as we know
+	outFull                   // a full batch was published: more rows are probably waiting
+	outFailed                 // the publish or a store call failed: back off
+	outRetry                  // the failure handler cleared the way: read again at once
+	outLost                   // the lease is gone: leave the rows to the new owner
+	outStopped                // the relay is stopping and the publish was cancelled
+)
+
+// worker is one run of the relay engine (Start) or one DrainOnce. It
+// joins the three parts of the engine: the lease keeper (keeper.go), the
+// scheduler (scheduler.go) and a pool of drainers (drainer.go). Its
+// control loop (run) owns acquisition, announcements to a LeaseAware
+// publisher, hints and discovery.
+type worker struct {
+	r       *Relay
+	cfg     Config
+	log     *slog.Logger
+	oneShot bool // DrainOnce: failures are reported, not retried
+
+	k     *keeper
+	sched *scheduler
+
+	kickC     chan struct{} // wakes the control loop: a batch ended, a lease was lost
+	published atomic.Int64
+
+	mu        sync.Mutex
+	fatal     error // a misconfiguration a drainer or the renewal met
+	drainErrs []error
+
+	hintBuf []int
+	// announced is what a LeaseAware publisher was last told the relay
+	// holds, bucket -> term (see syncLeases). Control loop only.
+	announced map[int]int64
+}
+
+func newWorker(r *Relay) *worker {
+	w := &worker{
+		r:     r,
+		cfg:   r.cfg,
+		log:   r.cfg.Logger,
+		kickC: make(chan struct{}, 1),
+	}
+	w.sched = newScheduler(r.cfg.BucketCount, w.kick)
+	w.k = newKeeper(w)
+	return w
+}
+
+// kick wakes the control loop.
+func (w *worker) kick() {
+	select {
+	case w.kickC <- struct{}{}:
+	default:
+	}
+}
+
+// setFatal records the first misconfiguration met off the control loop
+// and stops the drainers.
+func (w *worker) setFatal(err error) {
+	w.mu.Lock()
+	if w.fatal == nil {
+		w.fatal = err
+	}
+	w.mu.Unlock()
+	w.sched.close()
+	w.kick()
+}
+
+func (w *worker) fatalErr() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.fatal
+}
+
+// init sets the context the leases' contexts derive from. It runs on the
+// goroutine that acquires, before the first acquisition.
+func (w *worker) init(ctx context.Context) {
+	w.k.base = ctx
+}
+
+// startPool starts the drainers and returns the function that closes the
+// scheduler and waits for them to finish their batches.
+func (w *worker) startPool(ctx context.Context) (wait func(), stop func()) {
+	w.sched.start(w.oneShot)
+	n := min(w.cfg.Parallelism, w.cfg.BucketCount)
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() { w.drain(ctx) })
+	}
+	// A cancelled context stops handing out batches; the drainers' batches
+	// see the cancellation themselves.
+	unwatch := context.AfterFunc(ctx, w.sched.close)
+	wait = func() {
+		wg.Wait()
+		unwatch()
+	}
+	stop = func() {
+		w.sched.close()
+		wait()
+	}
+	return wait, stop
+}
+
+// startRenewal starts the keeper's renewal goroutine if the store can
+// renew, and returns the function that stops it.
+func (w *worker) startRenewal(ctx context.Context) (stop func()) {
+	if w.r.renewer == nil {
+		return func() {}
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() { w.k.renewLoop(rctx) })
+	return func() { cancel(); wg.Wait() }
+}
+
+// run is the control loop of a started relay. It returns nil when stopped
+// and an error only for a misconfiguration. Before it returns, the
+// drainers have finished their batches.
+func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
+	w.init(ctx)
+	defer w.k.close()
+	// Deferred in this order, the drainers finish their batches while the
+	// leases are still being renewed.
+	defer w.startRenewal(ctx)()
+	_, stopPool := w.startPool(ctx)
+	defer stopPool()
+
+	var (
+		nextAcquire   time.Time // zero: acquire at once
+		nextPoll      time.Time
+		discover      bool
+		wantAcquire   bool
+		storeFailures int
+		hintsC        <-chan struct{}
+	)
+	if w.cfg.Hints != nil {
+		hintsC = w.cfg.Hints.Ready()
+	}
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+
+	for {
+		if isStopping(ctx, stopping) {
+			return nil
+		}
+		if err := w.fatalErr(); err != nil {
+			return err
+		}
+		now := time.Now()
+		worked := false
+		w.k.expireTrust()
+		if !now.Before(nextAcquire) || w.k.takeNeedAcquire() {
+			wantAcquire = true
+		}
+		if wantAcquire && w.sched.pause() {
+			// The barrier: no batch in flight, so the store releases
+			// surplus leases between batches and the LeaseAware publisher
+			// is never told of a change during a publish.
+			wantAcquire, worked = false, true
+			// First announce the leases lost since the last barrier, so a
+			// bucket acquired again under its old term is announced anew.
+			if err := w.syncLeases(ctx); err != nil {
+				w.sched.resume()
+				return err
+			}
+			err := w.k.acquire(ctx)
+			switch {
+			case err == nil:
+				storeFailures = 0
+				nextAcquire = now.Add(jitter(w.cfg.LeaseRenewInterval))
+			case IsMisconfiguration(err):
+				w.sched.resume()
+				return err
+			case isStop(ctx, err):
+				w.sched.resume()
+				return nil
+			default:
+				storeFailures++
+				d := backoff(w.cfg, storeFailures)
+				w.log.Warn("relay: acquire leases failed", "err", err, "retry_in", d)
+				nextAcquire = now.Add(d)
+			}
+			w.k.expireTrust()
+			err = w.syncLeases(ctx)
+			w.sched.resume()
+			if err != nil {
+				return err
+			}
+		}
+		owned := w.k.ownedCount()
+
+		if w.cfg.Hints != nil {
+			var unknown bool
+			w.hintBuf, unknown = w.cfg.Hints.Take(w.hintBuf[:0])
+			if owned > 0 {
+				for _, b := range w.hintBuf {
+					if b >= 0 && b < w.cfg.BucketCount {
+						if _, ok := w.k.lease(b); ok {
+							w.sched.mark(b, now)
+						}
+					}
+				}
+				discover = discover || unknown
+			}
+		}
+		if w.k.takeNeedDiscover() {
+			discover = true
+		}
+		if owned > 0 && (discover || !now.Before(nextPoll)) {
+			worked = true
+			err := w.discover(ctx)
+			switch {
+			case err == nil:
+				discover = false
+				nextPoll = now.Add(jitter(w.cfg.PollInterval))
+			case IsMisconfiguration(err):
+				return err
+			case isStop(ctx, err):
+				return nil
+			default:
+				w.log.Warn("relay: find pending buckets failed", "err", err)
+				discover = false
+				nextPoll = now.Add(backoff(w.cfg, 1))
+			}
+		}
+		retry, retrying := w.sched.promote(time.Now())
+		if worked {
+			w.observeCycle(now)
+		}
+
+		// Sleep until the next lease refresh, poll or backoff end, a hint,
+		// or a drainer's news. A relay owning nothing waits for its next
+		// lease refresh only.
+		wake := nextAcquire
+		if wantAcquire {
+			// Waiting for the batches in flight to end: the last one kicks
+			// the loop (and so does the trust timer).
+			wake = now.Add(w.cfg.LeaseRenewInterval / 4)
+		}
+		if w.k.ownedCount() > 0 {
+			wake = earliest(wake, nextPoll)
+			if retrying {
+				wake = earliest(wake, retry)
+			}
+		}
+		timer.Reset(time.Until(wake))
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-stopping:
+			return nil
+		case <-timer.C:
+		case <-hintsC:
+		case <-w.kickC:
+		}
+	}
+}
+
+// drainRoundsMax bounds DrainOnce's rounds: a round acquires, drains
+// every owned bucket, and looks for pending rows in buckets it did not
+// own; a lease that lapsed mid-drain (a slow database) is acquired again
+// in the next round.
+const drainRoundsMax = 4
+
+// drainAll is DrainOnce: acquire, drain every owned bucket until empty or
+// failed, again while buckets with pending rows were lost and progress is
+// made, and report the buckets with pending rows it could not own.
+func (w *worker) drainAll(ctx context.Context) (int, error) {
+	w.init(ctx)
+	defer w.k.close()
+	defer w.startRenewal(ctx)()
+	all := make([]int, w.cfg.BucketCount)
+	for b := range all {
+		all[b] = b
+	}
+	published := func() int { return int(w.published.Load()) }
+	joined := func(extra ...error) error {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return errors.Join(append(slices.Clone(w.drainErrs), extra...)...)
+	}
+	for round := 1; ; round++ {
+		if err := w.k.acquire(ctx); err != nil {
+			return published(), err
+		}
+		if err := w.syncLeases(ctx); err != nil {
+			return published(), err
+		}
+		w.k.takeNeedDiscover()
+		if err := w.discover(ctx); err != nil {
+			return published(), err
+		}
+		before := published()
+		wait, _ := w.startPool(ctx)
+		wait()
+		if err := w.fatalErr(); err != nil {
+			return published(), err
+		}
+		if err := ctx.Err(); err != nil {
+			return published(), joined(err)
+		}
+		w.k.expireTrust()
+		if err := w.syncLeases(ctx); err != nil {
+			return published(), err
+		}
+		pending, err := w.r.store.PendingBuckets(ctx, all)
+		if err != nil {
+			return published(), joined(err)
+		}
+		var unowned []int
+		for _, b := range pending {
+			if w.sched.failedBucket(b) {
+				continue // reported with its error
+			}
+			if _, ok := w.k.lease(b); !ok {
+				unowned = append(unowned, b)
+			}
+		}
+		if len(unowned) == 0 {
+			break
+		}
+		// Stop after a round that acquired again and still made no
+		// progress: peers hold those buckets.
+		if round == drainRoundsMax || (round > 1 && published() == before) {
+			w.mu.Lock()
+			w.drainErrs = append(w.drainErrs, &NotOwnedError{Buckets: unowned})
+			w.mu.Unlock()
+			break
+		}
+	}
+	return published(), joined()
+}
+
+// discover asks the store which owned buckets hold pending rows.
+func (w *worker) discover(ctx context.Context) error {
+	owned := w.k.trustedLeases()
+	if len(owned) == 0 {
+		return nil
+	}
+	buckets := make([]int, len(owned))
+	for i, l := range owned {
+		buckets[i] = l.Bucket
+	}
+	pending, err := w.r.store.PendingBuckets(ctx, buckets)
+	if err != nil {
+		return err
+	}
+	now := time.Now()
+	for _, b := range pending {
+		if _, ok := w.k.lease(b); ok {
+			w.sched.mark(b, now)
+		}
+	}
+	return nil
+}
+
+// releaseAll gives up every lease; it runs when the loop ends, after the
+// drainers finished, under context.WithoutCancel so a cancelled or
+// expired stop context still lets peers take over at once.
+func (w *worker) releaseAll(ctx context.Context) {
+	held := w.k.releaseAll()
+	w.cfg.Observer.OwnedBuckets(0)
+	_ = w.syncLeases(context.WithoutCancel(ctx)) // tell the publisher first; never a misconfiguration here
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	defer cancel()
+	if err := w.r.store.ReleaseLeases(rctx, w.cfg.RelayID, held); err != nil {
+		w.log.Warn("relay: release leases failed; peers take the buckets over when the leases expire", "err", err)
+		return
+	}
+	if len(held) > 0 {
+		w.log.Info("relay: released leases", "buckets", len(held))
+	}
+}
+
+// trustedLeases is Relay.Leases.
+func (w *worker) trustedLeases() []Lease {
+	return w.k.trustedLeases()
+}
+
+// lease returns the trusted lease of bucket b.
+func (w *worker) lease(b int) (Lease, bool) {
+	hl, ok := w.k.lease(b)
+	if !ok {
+		return Lease{}, false
+	}
+	return hl.Lease, true
+}
+
+func (w *worker) ownedCount() int {
+	return w.k.ownedCount()
+}
+
+// syncLeases tells a LeaseAware publisher how the held leases changed
+// since it was last told: first the released ones (a bucket re-acquired
+// under a new term counts as released, then acquired), then the acquired
+// ones. It runs on the control loop under the scheduler's barrier, or
+// after the drainers finished, so never while a publish is in flight, and
+// returns an error only for a misconfiguration.
+func (w *worker) syncLeases(ctx context.Context) error {
+	la := w.r.leaseAware
+	if la == nil {
+		return nil
+	}
+	cur := w.k.trustedLeases()
+	var acquired, released []Lease
+	for _, l := range cur {
+		if t, ok := w.announced[l.Bucket]; !ok || t != l.Term {
+			acquired = append(acquired, l)
+		}
+	}
+	if len(acquired) == 0 && len(cur) == len(w.announced) {
+		return nil
+	}
+	next := make(map[int]int64, len(cur))
+	for _, l := range cur {
+		next[l.Bucket] = l.Term
+	}
+	for b, t := range w.announced {
+		if nt, ok := next[b]; !ok || nt != t {
+			released = append(released, Lease{Bucket: b, Term: t})
+		}
+	}
+	w.announced = next
+	if len(released) > 0 {
+		slices.SortFunc(released, func(a, b Lease) int { return a.Bucket - b.Bucket })
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+		la.LeasesReleased(rctx, released)
+		cancel()
+	}
+	if len(acquired) > 0 {
+		actx, cancel := context.WithDeadline(ctx, w.k.trustDeadline())
+		err := la.LeasesAcquired(actx, acquired)
+		cancel()
+		if IsMisconfiguration(err) {
+			return err
+		}
+		if err != nil && !isStop(ctx, err) {
+			w.log.Warn("relay: publisher could not prepare for acquired leases", "buckets", len(acquired), "err", err)
+		}
+	}
+	return nil
+}
+
+func isStopping(ctx context.Context, stopping <-chan struct{}) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	select {
+	case <-stopping:
+		return true
+	default:
+		return false
+	}
+}
+
+// backoff returns the wait after the n-th consecutive failure: BackoffMin
+// doubled n-1 times, capped at BackoffMax, with the upper half jittered.
+func backoff(cfg Config, n int) time.Duration {
+	return ibackoff.Exponential(cfg.BackoffMin, cfg.BackoffMax, n)
+}
+
+// jitter shortens d by up to a tenth, so relays started together spread
+// their queries.
+func jitter(d time.Duration) time.Duration {
+	if d < 10 {
+		return d
+	}
+	return d - rand.N(d/10)
+}
+
+func earliest(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
+}
+
+func later(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
+}

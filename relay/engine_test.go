@@ -1,0 +1,230 @@
+package relay_test
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// With Parallelism 2, two buckets are published at the same time; with 1,
+// never.
+func TestParallelDrain(t *testing.T) {
+	t.Parallel()
+	for _, par := range []int{1, 2} {
+		t.Run(strconv.Itoa(par), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				s := newFakeStore(8)
+				for b := range 4 {
+					s.add(b, 30)
+				}
+				var inFlight, peak atomic.Int32
+				cfg := config("a")
+				cfg.Parallelism = par
+				r, err := relay.New(s, relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+					n := inFlight.Add(1)
+					for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+					}
+					time.Sleep(10 * time.Millisecond) // the sink's round trip, on the bubble's clock
+					inFlight.Add(-1)
+					return len(msgs), nil
+				}), cfg)
+				require.NoError(t, err)
+				n, err := r.DrainOnce(t.Context())
+				require.NoError(t, err)
+				require.Equal(t, 120, n)
+				require.Zero(t, s.pending())
+				require.EqualValues(t, par, peak.Load())
+			})
+		})
+	}
+}
+
+// A hint for one bucket is published while another bucket's publish is
+// stuck: buckets no longer wait behind each other's batches.
+func TestHintNotBehindSlowBucket(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		hints := newFakeHints()
+		cfg := config("a")
+		cfg.Hints = hints
+		cfg.PollInterval = time.Hour
+		release := make(chan struct{})
+		published := make(chan int, 10)
+		r := start(t, s, relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			if msgs[0].Bucket == 0 {
+				<-release
+			}
+			published <- msgs[0].Bucket
+			return len(msgs), nil
+		}), cfg)
+		synctest.Wait()
+		s.add(0, 1)
+		hints.notify(0)
+		synctest.Wait() // bucket 0's publish is blocked
+		s.add(1, 1)
+		hints.notify(1)
+		require.Equal(t, 1, <-published, "bucket 1 published while bucket 0 is in flight")
+		close(release)
+		require.Equal(t, 0, <-published)
+		stop(t, r)
+	})
+}
+
+// After a full batch the relay deletes it and reads the next one in one
+// store call (BatchAdvancer): one NextBatch for a backlog of five batches.
+func TestAdvancerUsed(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(2, 50)
+		var log pubLog
+		r, err := relay.New(advancingStore{s}, log.publisher(nil), config("a"))
+		require.NoError(t, err)
+		n, err := r.DrainOnce(t.Context())
+		require.NoError(t, err)
+		require.Equal(t, 50, n)
+		require.Zero(t, s.pending())
+		require.Equal(t, 1, s.count("batch"))
+		require.Equal(t, 5, s.count("advance"), "each full batch deleted with the next read")
+		require.Zero(t, s.count("mark"), "the last read came back empty: nothing left to delete separately")
+		seq := 0
+		for i := range log.n() {
+			for _, m := range log.call(i) {
+				require.Equal(t, fmt.Sprintf("2/%d", seq), string(m.Value))
+				seq++
+			}
+		}
+	})
+}
+
+// The relay takes BucketCount from a store that knows it, and refuses a
+// Config value that disagrees.
+func TestBucketCountFromStore(t *testing.T) {
+	t.Parallel()
+	pub := relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil })
+	s := advancingStore{newFakeStore(16)}
+	cfg := config("a")
+	cfg.BucketCount = 0
+	r, err := relay.New(s, pub, cfg)
+	require.NoError(t, err)
+	synctest.Test(t, func(t *testing.T) {
+		s.add(15, 1)
+		n, err := r.DrainOnce(t.Context())
+		require.NoError(t, err)
+		require.Equal(t, 1, n, "bucket 15 exists: the relay uses the store's 16 buckets")
+	})
+	cfg.BucketCount = 16
+	_, err = relay.New(s, pub, cfg)
+	require.NoError(t, err)
+	cfg.BucketCount = 8
+	_, err = relay.New(s, pub, cfg)
+	var ce *relay.ConfigError
+	require.ErrorAs(t, err, &ce)
+	require.Equal(t, "BucketCount", ce.Field)
+	require.Contains(t, err.Error(), "has 16 buckets")
+}
+
+// Several relays with several drainers each share one outbox while
+// writers keep adding, relays join and leave: no bucket ever has two
+// batches in flight (in one relay or across relays), every bucket is
+// published in order, and everything is delivered.
+func TestRelaysRace(t *testing.T) {
+	t.Parallel()
+	const buckets = 16
+	s := newFakeStore(buckets)
+	var (
+		mu       sync.Mutex
+		busy     = map[int]string{}
+		last     = map[int]int64{} // bucket -> largest id published
+		seen     = map[int64]bool{}
+		problems []string
+	)
+	pub := func(id string) relay.Publisher {
+		return relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			b := msgs[0].Bucket
+			mu.Lock()
+			if other, ok := busy[b]; ok {
+				problems = append(problems, fmt.Sprintf("bucket %d: %s publishes while %s does", b, id, other))
+			}
+			busy[b] = id
+			mu.Unlock()
+			time.Sleep(time.Millisecond + time.Duration(len(msgs))*20*time.Microsecond)
+			mu.Lock()
+			delete(busy, b)
+			for _, m := range msgs {
+				// Ids grow with submission: within a bucket each message
+				// is published after the earlier ones (a repeat of an
+				// earlier one is a duplicate, not a reorder).
+				if m.ID <= last[b] && !seen[m.ID] {
+					problems = append(problems, fmt.Sprintf("bucket %d: message %d published after %d", b, m.ID, last[b]))
+				}
+				seen[m.ID] = true
+				last[b] = max(last[b], m.ID)
+			}
+			mu.Unlock()
+			return len(msgs), nil
+		})
+	}
+	cfgFor := func(id string) relay.Config {
+		cfg := config(id)
+		cfg.BucketCount = buckets
+		cfg.PollInterval = time.Millisecond
+		cfg.LeaseDuration = 2 * time.Second
+		cfg.LeaseRenewInterval = 20 * time.Millisecond
+		cfg.BackoffMin = time.Millisecond
+		cfg.BackoffMax = 10 * time.Millisecond
+		return cfg
+	}
+	var stores []relay.Store
+	stores = append(stores, s, advancingStore{s}, basicStore{s})
+	stopWriting := make(chan struct{})
+	var writers sync.WaitGroup
+	writers.Go(func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stopWriting:
+				return
+			case <-time.After(time.Millisecond):
+			}
+			s.add(i%buckets, 1+i%7)
+		}
+	})
+	var relays []*relay.Relay
+	for i := range 3 {
+		id := fmt.Sprintf("r%d", i)
+		cfg := cfgFor(id)
+		cfg.Parallelism = 1 + 3*i
+		relays = append(relays, start(t, stores[i], pub(id), cfg))
+	}
+	// Relays join and leave while the writers write.
+	for round := range 6 {
+		time.Sleep(100 * time.Millisecond)
+		i := round % 3
+		stop(t, relays[i])
+		id := fmt.Sprintf("r%d-%d", i, round)
+		relays[i] = start(t, stores[i], pub(id), cfgFor(id))
+	}
+	close(stopWriting)
+	writers.Wait()
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, s.pending()) }, time.Minute, 10*time.Millisecond)
+	for _, r := range relays {
+		stop(t, r)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	require.Empty(t, problems)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	require.Len(t, seen, int(s.nextID), "every message delivered")
+}

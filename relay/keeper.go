@@ -1,0 +1,408 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+)
+
+// errReleased is the cause of a held lease's context when the relay gave
+// the bucket up (fair share, pause, stop).
+var errReleased = errors.New("relay: lease released")
+
+// heldLease is one lease the relay holds. Its context ends when the lease
+// is lost (a renewal, delete or the sink said so), when the local trust
+// window ends without a renewal, or when the relay releases the bucket;
+// its cause says which. A drainer publishes the bucket under this context
+// only.
+type heldLease struct {
+	Lease
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+}
+
+// keeper is the lease keeper: the only writer of the relay's lease state.
+// It adopts the result of every acquisition and renewal, extends the
+// trust deadline (on the monotonic clock, never backwards), drops lost
+// leases and ends their contexts, and expires every lease when the trust
+// window passes without a renewal. The engine's control loop calls
+// acquire under the scheduler's barrier (no batch in flight); the renewal
+// goroutine calls renew at any time, concurrently with drainers.
+type keeper struct {
+	cfg  Config
+	w    *worker
+	base context.Context // parent of every lease context
+
+	mu           sync.Mutex
+	held         map[int]*heldLease
+	trustedUntil time.Time   // local monotonic deadline for trusting leases
+	renewedAt    time.Time   // start of the last successful acquisition or renewal
+	renewTriedAt time.Time   // start of the last attempt
+	needAcquire  bool        // a lease was lost: run the full acquisition soon
+	needDiscover bool        // leases were gained: look for their pending rows
+	trustTimer   *time.Timer // expires the leases at trustedUntil
+	waitingFor   string      // the Acquired.Waiting last logged, to log a change once
+}
+
+func newKeeper(w *worker) *keeper {
+	k := &keeper{cfg: w.cfg, w: w, held: map[int]*heldLease{}}
+	k.trustTimer = time.AfterFunc(time.Hour, k.expireTrust)
+	k.trustTimer.Stop()
+	return k
+}
+
+// close stops the trust timer.
+func (k *keeper) close() { k.trustTimer.Stop() }
+
+// extendTrust moves the trust deadline to start + trustWindow if that is
+// later, and re-arms the expiry timer. k.mu must be held.
+func (k *keeper) extendTrust(start time.Time) {
+	until := start.Add(k.cfg.trustWindow())
+	if until.After(k.trustedUntil) {
+		k.trustedUntil = until
+	}
+	if start.After(k.renewedAt) {
+		k.renewedAt = start
+	}
+	k.trustTimer.Reset(time.Until(k.trustedUntil))
+}
+
+// acquire runs the store's lease maintenance and adopts its result. It is
+// called with no batch in flight (the scheduler's barrier), so a lease the
+// store releases above the fair share is released between batches.
+func (k *keeper) acquire(ctx context.Context) error {
+	start := time.Now()
+	k.mu.Lock()
+	k.renewTriedAt = start
+	k.mu.Unlock()
+	res, err := k.w.r.store.AcquireLeases(ctx, AcquireRequest{
+		RelayID:       k.cfg.RelayID,
+		BucketCount:   k.cfg.BucketCount,
+		LeaseDuration: k.cfg.LeaseDuration,
+	})
+	if err != nil {
+		return err
+	}
+	next := make(map[int]int64, len(res.Leases))
+	for _, l := range res.Leases {
+		if l.Bucket < 0 || l.Bucket >= k.cfg.BucketCount {
+			k.w.log.Error("relay: store returned a lease outside the bucket range; ignoring it", "bucket", l.Bucket)
+			continue
+		}
+		next[l.Bucket] = l.Term
+	}
+	var gained, released []int
+	var fresh []int // gained buckets the relay did not hold at all before
+	k.mu.Lock()
+	for b, hl := range k.held {
+		if t, ok := next[b]; !ok || t != hl.Term {
+			hl.cancel(errReleased)
+			delete(k.held, b)
+			if !ok {
+				released = append(released, b)
+			}
+		}
+	}
+	for b, t := range next {
+		if _, ok := k.held[b]; ok {
+			continue
+		}
+		lctx, cancel := context.WithCancelCause(k.base)
+		k.held[b] = &heldLease{Lease: Lease{Bucket: b, Term: t}, ctx: lctx, cancel: cancel}
+		gained = append(gained, b)
+		k.needDiscover = true
+	}
+	k.extendTrust(start)
+	k.mu.Unlock()
+
+	for _, b := range gained {
+		if !slices.Contains(released, b) {
+			fresh = append(fresh, b)
+		}
+	}
+	for _, b := range released {
+		k.w.sched.forget(b)
+	}
+	for _, b := range fresh {
+		k.w.sched.reset(b)
+	}
+	if len(gained) > 0 || len(released) > 0 {
+		slices.Sort(gained)
+		slices.Sort(released)
+		k.w.log.Info("relay: leases changed", "owned", len(next), "acquired", gained, "released", released,
+			"live_relays", res.LiveRelays, "fair_share", res.FairShare)
+	}
+	k.logWaiting(res.Waiting)
+	k.w.observeAcquired(len(gained))
+	return nil
+}
+
+// renew extends the held leases through the LeaseRenewer. It runs
+// concurrently with drainers; a lease it finds lost has its context ended,
+// which cancels a publish in flight for it.
+func (k *keeper) renew(ctx context.Context) error {
+	k.mu.Lock()
+	held, until := k.leasesLocked(), k.trustedUntil
+	start := time.Now()
+	k.renewTriedAt = start
+	k.mu.Unlock()
+	if len(held) == 0 {
+		return nil
+	}
+	// A renewal that completes after the trust window is of no use.
+	rctx, cancel := context.WithDeadline(ctx, until)
+	defer cancel()
+	still, err := k.w.r.renewer.RenewLeases(rctx, k.cfg.RelayID, held, k.cfg.LeaseDuration)
+	if err != nil {
+		return fmt.Errorf("relay: renew leases: %w", err)
+	}
+	kept := make(map[Lease]bool, len(still))
+	for _, l := range still {
+		kept[l] = true
+	}
+	var lost []int
+	k.mu.Lock()
+	for _, l := range held {
+		if kept[l] {
+			continue
+		}
+		if hl, ok := k.held[l.Bucket]; ok && hl.Term == l.Term {
+			hl.cancel(fmt.Errorf("%w: bucket %d taken over (found at renewal)", ErrLeaseLost, l.Bucket))
+			delete(k.held, l.Bucket)
+			lost = append(lost, l.Bucket)
+		}
+	}
+	k.extendTrust(start)
+	if len(lost) > 0 {
+		k.needAcquire = true
+	}
+	k.mu.Unlock()
+	if len(lost) > 0 {
+		k.w.log.Warn("relay: leases lost at renewal", "buckets", lost)
+		for _, b := range lost {
+			k.w.sched.forget(b)
+		}
+		k.w.kick()
+	}
+	k.w.observeLost(len(lost))
+	return nil
+}
+
+// renewLoop renews the leases whenever the renewal is due and no
+// acquisition did it: while the acquisition waits for a slow publish to
+// finish, or the control loop is busy. It runs only with a LeaseRenewer.
+func (k *keeper) renewLoop(ctx context.Context) {
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	var retryAt time.Time
+	for {
+		k.mu.Lock()
+		due := later(k.renewedAt.Add(k.cfg.LeaseRenewInterval), k.renewTriedAt.Add(k.cfg.LeaseRenewInterval/4))
+		has := len(k.held) > 0
+		k.mu.Unlock()
+		due = later(due, retryAt)
+		wait := time.Until(due)
+		if !has {
+			wait = k.cfg.LeaseRenewInterval / 4
+		}
+		t.Reset(wait)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if !has || time.Now().Before(due) {
+			continue
+		}
+		err := k.renew(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		retryAt = time.Time{}
+		if err != nil {
+			if IsMisconfiguration(err) {
+				k.w.setFatal(err)
+				return
+			}
+			k.w.log.Warn("relay: renew leases failed", "err", err)
+			retryAt = time.Now().Add(k.cfg.LeaseRenewInterval / 4)
+		}
+	}
+}
+
+// expireTrust drops every lease once the trust window has ended without
+// a renewal. It runs on the trust timer and from the control loop.
+func (k *keeper) expireTrust() {
+	k.mu.Lock()
+	expired := len(k.held) > 0 && !time.Now().Before(k.trustedUntil)
+	var dropped []int
+	if expired {
+		for b, hl := range k.held {
+			hl.cancel(fmt.Errorf("%w: bucket %d: local lease deadline passed without a renewal", ErrLeaseLost, b))
+			dropped = append(dropped, b)
+		}
+		k.held = map[int]*heldLease{}
+		k.needAcquire = true
+	}
+	k.mu.Unlock()
+	if !expired {
+		return
+	}
+	for _, b := range dropped {
+		k.w.sched.forget(b)
+	}
+	k.w.log.Warn("relay: lease deadline passed without a successful renewal; stopped publishing until leases are acquired again", "buckets", len(dropped))
+	k.w.observeLost(len(dropped))
+	k.w.kick()
+}
+
+// drop forgets a lease a drainer found lost (a refused delete, a fenced
+// publish, a renewal or trust expiry during its publish).
+func (k *keeper) drop(l Lease, cause error) {
+	k.mu.Lock()
+	hl, held := k.held[l.Bucket]
+	held = held && hl.Term == l.Term
+	if held {
+		hl.cancel(cause)
+		delete(k.held, l.Bucket)
+	}
+	k.needAcquire = true
+	k.mu.Unlock()
+	if held {
+		k.w.observeLost(1)
+	}
+	k.w.kick()
+}
+
+// releaseAll takes every lease out of the keeper, ending their contexts,
+// and returns them for the store's release.
+func (k *keeper) releaseAll() []Lease {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	out := k.leasesLocked()
+	for _, hl := range k.held {
+		hl.cancel(errReleased)
+	}
+	k.held = map[int]*heldLease{}
+	return out
+}
+
+// lease returns the held lease of bucket b if the relay still trusts it.
+func (k *keeper) lease(b int) (*heldLease, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	hl, ok := k.held[b]
+	if !ok || !time.Now().Before(k.trustedUntil) || hl.ctx.Err() != nil {
+		return nil, false
+	}
+	return hl, true
+}
+
+// trusts reports whether l is held under its term and trusted.
+func (k *keeper) trusts(l Lease) bool {
+	hl, ok := k.lease(l.Bucket)
+	return ok && hl.Term == l.Term
+}
+
+func (k *keeper) leasesLocked() []Lease {
+	out := make([]Lease, 0, len(k.held))
+	for _, hl := range k.held {
+		out = append(out, hl.Lease)
+	}
+	slices.SortFunc(out, func(a, b Lease) int { return a.Bucket - b.Bucket })
+	return out
+}
+
+// leases returns every held lease, trusted or not, by bucket.
+func (k *keeper) leases() []Lease {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.leasesLocked()
+}
+
+// trustedLeases returns the held leases while the trust window lasts.
+func (k *keeper) trustedLeases() []Lease {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if !time.Now().Before(k.trustedUntil) {
+		return nil
+	}
+	return k.leasesLocked()
+}
+
+func (k *keeper) ownedCount() int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if !time.Now().Before(k.trustedUntil) {
+		return 0
+	}
+	return len(k.held)
+}
+
+func (k *keeper) trustDeadline() time.Time {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.trustedUntil
+}
+
+func (k *keeper) takeNeedAcquire() bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	v := k.needAcquire
+	k.needAcquire = false
+	return v
+}
+
+func (k *keeper) takeNeedDiscover() bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	v := k.needDiscover
+	k.needDiscover = false
+	return v
+}
+
+// logWaiting says, once per change, which buckets the relay waits for and
+// until when: after an unclean exit the restarted relay (a new relay id)
+// cannot take its predecessor's buckets before their leases expire.
+func (k *keeper) logWaiting(waiting []HeldLease) {
+	byOwner := map[string][]HeldLease{}
+	var owners []string
+	for _, h := range waiting {
+		if byOwner[h.Owner] == nil {
+			owners = append(owners, h.Owner)
+		}
+		byOwner[h.Owner] = append(byOwner[h.Owner], h)
+	}
+	slices.Sort(owners)
+	key := ""
+	for _, o := range owners {
+		key += fmt.Sprint(o, bucketsOf(byOwner[o]), ";")
+	}
+	if key == k.waitingFor {
+		return
+	}
+	k.waitingFor = key
+	for _, o := range owners {
+		until := byOwner[o][0].ExpiresAt
+		for _, h := range byOwner[o][1:] {
+			if h.ExpiresAt.After(until) {
+				until = h.ExpiresAt
+			}
+		}
+		k.w.log.Info("relay: waiting for buckets another relay holds beyond its fair share; "+
+			"it releases them at its next renewal, or, if it exited without releasing them, they are taken over when its leases expire",
+			"owner", o, "buckets", bucketsOf(byOwner[o]), "until", until)
+	}
+}
+
+func bucketsOf(hs []HeldLease) []int {
+	bs := make([]int, len(hs))
+	for i, h := range hs {
+		bs[i] = h.Bucket
+	}
+	slices.Sort(bs)
+	return bs
+}

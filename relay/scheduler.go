@@ -1,0 +1,264 @@
+package relay
+
+import (
+	"sync"
+	"time"
+)
+
+// bucketState is the scheduler's state of one bucket.
+type bucketState struct {
+	ready    bool      // may hold pending rows
+	queued   bool      // in the ready FIFO
+	busy     bool      // a drainer holds it: its one batch in flight
+	marks    uint64    // hints and discoveries so far, to notice one during a batch
+	failures int       // consecutive failures
+	retryAt  time.Time // backoff end
+	// shrink caps the next batch at the messages before the one a
+	// publisher named as the cause of the last failure.
+	shrink int
+	// next is a batch read ahead with the delete of the previous one
+	// (BatchAdvancer), under term nextTerm: the next batch of the bucket,
+	// read from its head.
+	next     []Message
+	nextTerm int64
+	failed   bool // DrainOnce: its publish failed; not retried
+}
+
+// batchResult is what a drainer reports after one batch.
+type batchResult struct {
+	out    outcome
+	err    error
+	shrink int       // > 0: cap the bucket's next batch (FailedIndex, BatchRejected)
+	next   []Message // read ahead under the same lease (BatchAdvancer)
+	term   int64
+}
+
+// scheduler hands ready buckets to drainers in a fair FIFO: a bucket
+// that had a full batch goes to the back of the queue, so a busy bucket
+// cannot starve the others, and a bucket is never handed to two drainers
+// at once. Hints and discovery mark buckets ready; a failed bucket waits
+// out its own backoff outside the queue. The keeper's barrier (pause)
+// stops new batches until the ones in flight are done.
+type scheduler struct {
+	mu       sync.Mutex
+	cond     *sync.Cond
+	buckets  []bucketState
+	fifo     []int
+	inFlight int
+	paused   bool // barrier: hand out nothing
+	closed   bool // stopping: hand out nothing, drainers exit
+	oneShot  bool // DrainOnce: drainers exit when nothing is ready or in flight
+	idle     func()
+}
+
+func newScheduler(n int, idle func()) *scheduler {
+	s := &scheduler{buckets: make([]bucketState, n), idle: idle}
+	s.cond = sync.NewCond(&s.mu)
+	return s
+}
+
+// mark makes bucket b ready (a hint or a discovery found rows). The
+// caller checked that the relay holds it.
+func (s *scheduler) mark(b int, now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := &s.buckets[b]
+	st.marks++
+	if st.failed {
+		return
+	}
+	st.ready = true
+	s.enqueueLocked(b, now)
+}
+
+// enqueueLocked puts a ready, idle bucket that is not backing off at the
+// back of the FIFO.
+func (s *scheduler) enqueueLocked(b int, now time.Time) {
+	st := &s.buckets[b]
+	if !st.ready || st.queued || st.busy || st.retryAt.After(now) {
+		return
+	}
+	st.queued = true
+	s.fifo = append(s.fifo, b)
+	s.cond.Signal()
+}
+
+// promote queues the ready buckets whose backoff ended by now and returns
+// the earliest backoff end still ahead.
+func (s *scheduler) promote(now time.Time) (time.Time, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var next time.Time
+	for b := range s.buckets {
+		st := &s.buckets[b]
+		if !st.ready || st.queued || st.busy {
+			continue
+		}
+		if st.retryAt.After(now) {
+			if next.IsZero() || st.retryAt.Before(next) {
+				next = st.retryAt
+			}
+			continue
+		}
+		s.enqueueLocked(b, now)
+	}
+	return next, !next.IsZero()
+}
+
+// next blocks until a queued bucket can be drained and hands it out, with
+// its state for the batch. It reports false when the scheduler is closed,
+// or in one-shot mode when nothing is left to do.
+func (s *scheduler) next(k *keeper) (b int, hl *heldLease, st bucketState, ok bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for {
+		if s.closed {
+			return 0, nil, bucketState{}, false
+		}
+		if !s.paused && len(s.fifo) > 0 {
+			b = s.fifo[0]
+			s.fifo = s.fifo[1:]
+			cur := &s.buckets[b]
+			cur.queued = false
+			hl, held := k.lease(b)
+			if !held {
+				s.forgetLocked(b)
+				continue
+			}
+			cur.busy = true
+			s.inFlight++
+			st = *cur
+			cur.shrink = 0
+			cur.next = nil
+			return b, hl, st, true
+		}
+		if s.oneShot && len(s.fifo) == 0 && s.inFlight == 0 {
+			return 0, nil, bucketState{}, false
+		}
+		s.cond.Wait()
+	}
+}
+
+// done takes back bucket b after a batch drawn with marks and applies its
+// result.
+func (s *scheduler) done(b int, marks uint64, r batchResult, cfg Config, now time.Time) {
+	s.mu.Lock()
+	st := &s.buckets[b]
+	st.busy = false
+	s.inFlight--
+	hinted := st.marks != marks // a hint arrived during the batch
+	switch r.out {
+	case outEmpty, outDrained:
+		st.ready = hinted
+		st.failures, st.retryAt = 0, time.Time{}
+	case outFull, outRetry:
+		st.ready = true
+		st.failures, st.retryAt = 0, time.Time{}
+		if r.shrink > 0 {
+			st.shrink = r.shrink
+		}
+		if r.next != nil {
+			st.next, st.nextTerm = r.next, r.term
+		}
+	case outFailed:
+		if s.oneShot {
+			st.ready, st.failed = false, true
+			break
+		}
+		st.failures++
+		st.retryAt = now.Add(backoff(cfg, st.failures))
+	case outLost:
+		s.forgetLocked(b)
+	case outStopped:
+	}
+	s.enqueueLocked(b, now)
+	quiet := s.inFlight == 0
+	if quiet && s.oneShot && len(s.fifo) == 0 {
+		s.cond.Broadcast() // the other drainers exit
+	}
+	s.mu.Unlock()
+	if quiet && s.idle != nil {
+		s.idle()
+	}
+}
+
+// forget clears a bucket's state after its lease went away.
+func (s *scheduler) forget(b int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.forgetLocked(b)
+}
+
+func (s *scheduler) forgetLocked(b int) {
+	st := &s.buckets[b]
+	st.ready = false
+	st.failures, st.retryAt = 0, time.Time{}
+	st.shrink = 0
+	st.next = nil
+	// A queued entry stays in the FIFO; next skips it since the bucket is
+	// no longer held, and a bucket marked again meanwhile is not queued
+	// twice.
+}
+
+// reset clears the backoff of a bucket acquired anew.
+func (s *scheduler) reset(b int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := &s.buckets[b]
+	st.failures, st.retryAt = 0, time.Time{}
+	st.failed = false
+}
+
+// pause raises the barrier: no new batch starts. It reports whether no
+// batch is in flight; otherwise the idle callback runs when the last one
+// ends.
+func (s *scheduler) pause() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.paused = true
+	return s.inFlight == 0
+}
+
+// resume lowers the barrier.
+func (s *scheduler) resume() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.paused = false
+	s.cond.Broadcast()
+}
+
+// close makes the drainers exit once their batch is done.
+func (s *scheduler) close() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	s.cond.Broadcast()
+}
+
+// start readies the scheduler for a pool of drainers.
+func (s *scheduler) start(oneShot bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed, s.paused, s.oneShot = false, false, oneShot
+}
+
+// anyQueued reports whether a bucket waits in the FIFO or is in flight.
+func (s *scheduler) anyQueued() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.fifo) > 0 || s.inFlight > 0
+}
+
+// runnable reports whether a bucket waits in the FIFO.
+func (s *scheduler) runnable() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.fifo) > 0
+}
+
+// failedBucket reports whether DrainOnce saw bucket b fail.
+func (s *scheduler) failedBucket(b int) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.buckets[b].failed
+}

@@ -282,7 +282,8 @@ func lockWaiters(t testing.TB, db *dbtest.DB, table string) int64 {
 		err = db.DB.Raw("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE ?", "%"+table+"%").Scan(&n).Error
 	case dbtest.MySQL:
 		// By the waiting session's database: trx_query is not always
-		// filled in for a statement that waits.
+		// filled in for a statement that waits. Callers poll no faster
+		// than every 100 ms, or InnoDB serves its cached list unrefreshed.
 		err = db.DB.Raw(`SELECT COUNT(*) FROM information_schema.INNODB_TRX t
 			JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id
 			WHERE t.trx_state = 'LOCK WAIT' AND p.DB = ?`, db.Namespace).Scan(&n).Error
@@ -335,9 +336,12 @@ func TestConcurrentDeliveriesApplyOnce(t *testing.T) {
 			}()
 			if db.Dialect != dbtest.SQLite {
 				// The second delivery is blocked on the key, not yet decided.
+				// Polled every 250 ms: InnoDB refreshes the cache behind
+				// INNODB_TRX only when it was not read for 100 ms, so a
+				// faster poll keeps reading a stale list.
 				assert.EventuallyWithT(t, func(c *assert.CollectT) {
 					assert.EqualValues(c, 1, lockWaiters(t, db, b.cfg.Table))
-				}, time.Minute, 10*time.Millisecond)
+				}, 40*time.Second, 250*time.Millisecond)
 			}
 			close(release)
 			first, sec := <-firstDone, <-secondDone

@@ -2,10 +2,8 @@ package outbox_test
 
 import (
 	"context"
-	"io/fs"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -15,7 +13,6 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/inbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
-	"github.com/gorm-outbox/outbox/migrations"
 )
 
 // The inbox table's migrations are a set of their own, shipped under
@@ -43,24 +40,7 @@ func TestInboxMigrationFiles(t *testing.T) {
 					require.NoError(t, os.WriteFile(filepath.Join(dir, f.Name), f.Content, 0o644))
 				}
 			}
-			var want []string
-			for _, f := range files {
-				want = append(want, f.Name)
-				got, err := os.ReadFile(filepath.Join(dir, f.Name))
-				require.NoError(t, err, "missing file: run go generate")
-				require.Equal(t, string(f.Content), string(got), "%s/%s differs from inbox.MigrationFiles: run go generate", dir, f.Name)
-				if !*updateMigrations {
-					embedded, err := fs.ReadFile(migrations.FS, filepath.ToSlash(filepath.Join(strings.TrimPrefix(dir, "migrations"+string(filepath.Separator)), f.Name)))
-					require.NoError(t, err, "migrations.FS lacks %s", f.Name)
-					require.Equal(t, got, embedded)
-				}
-			}
-			onDisk, err := filepath.Glob(filepath.Join(dir, "*.sql"))
-			require.NoError(t, err)
-			for i := range onDisk {
-				onDisk[i] = filepath.Base(onDisk[i])
-			}
-			require.ElementsMatch(t, want, onDisk, "%s holds files inbox.MigrationFiles does not produce", dir)
+			requireMigrationDir(t, dir, files, "inbox.MigrationFiles")
 		}
 	}
 	_, err := inbox.MigrationFiles("postgres", "", "", "flyway")

@@ -56,26 +56,34 @@ func TestMigrationFiles(t *testing.T) {
 					require.NoError(t, os.WriteFile(filepath.Join(dir, f.Name), f.Content, 0o644))
 				}
 			}
-			var want []string
-			for _, f := range files {
-				want = append(want, f.Name)
-				got, err := os.ReadFile(filepath.Join(dir, f.Name))
-				require.NoError(t, err, "missing file: run go generate")
-				require.Equal(t, string(f.Content), string(got), "%s/%s differs from outbox.MigrationFiles: run go generate", dir, f.Name)
-				if !*updateMigrations { // migrations.FS was embedded before the update
-					embedded, err := fs.ReadFile(migrations.FS, filepath.ToSlash(filepath.Join(strings.TrimPrefix(dir, "migrations"+string(filepath.Separator)), f.Name)))
-					require.NoError(t, err, "migrations.FS lacks %s", f.Name)
-					require.Equal(t, got, embedded)
-				}
-			}
-			onDisk, err := filepath.Glob(filepath.Join(dir, "*.sql"))
-			require.NoError(t, err)
-			for i := range onDisk {
-				onDisk[i] = filepath.Base(onDisk[i])
-			}
-			require.ElementsMatch(t, want, onDisk, "%s holds files outbox.MigrationFiles does not produce", dir)
+			requireMigrationDir(t, dir, files, "outbox.MigrationFiles")
 		}
 	}
+}
+
+// requireMigrationDir checks that dir holds exactly files, byte for byte,
+// and (unless they were just regenerated) that migrations.FS embeds the
+// same bytes; source names the function that produces them.
+func requireMigrationDir(t *testing.T, dir string, files []outbox.MigrationFile, source string) {
+	t.Helper()
+	var want []string
+	for _, f := range files {
+		want = append(want, f.Name)
+		got, err := os.ReadFile(filepath.Join(dir, f.Name))
+		require.NoError(t, err, "missing file: run go generate")
+		require.Equal(t, string(f.Content), string(got), "%s/%s differs from %s: run go generate", dir, f.Name, source)
+		if !*updateMigrations { // migrations.FS was embedded before the update
+			embedded, err := fs.ReadFile(migrations.FS, filepath.ToSlash(filepath.Join(strings.TrimPrefix(dir, "migrations"+string(filepath.Separator)), f.Name)))
+			require.NoError(t, err, "migrations.FS lacks %s", f.Name)
+			require.Equal(t, got, embedded)
+		}
+	}
+	onDisk, err := filepath.Glob(filepath.Join(dir, "*.sql"))
+	require.NoError(t, err)
+	for i := range onDisk {
+		onDisk[i] = filepath.Base(onDisk[i])
+	}
+	require.ElementsMatch(t, want, onDisk, "%s holds files %s does not produce", dir, source)
 }
 
 func TestSchemaSQLArguments(t *testing.T) {

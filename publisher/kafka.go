@@ -320,8 +320,9 @@ type envelope struct {
 	// same call with the same topic and key (for keyless messages, the
 	// same pinned partition), nil if none. A message is written only if
 	// its predecessor reached a produce request before it and has not
-	// failed, and, once either of them is being retried, only after the
-	// predecessor was acknowledged; see admit.
+	// failed, and, once a retry may be under way for the call
+	// (call.underRetry), only after the predecessor was acknowledged; see
+	// admit.
 	prev    *envelope
 	encodes atomic.Int32 // times the message was added to a produce request
 	acked   atomic.Bool  // the producer reported the message written

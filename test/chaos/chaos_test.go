@@ -287,6 +287,9 @@ func runChaos(t *testing.T, p params) {
 	// live again quickly: progress within the liveness bound.
 	healStart := time.Now()
 	live := waitEmpty(t, d.DB, tables.MessagesTable(), p.drainLimit)
+	if real != nil {
+		real.endQuiet() // the other test may break brokers again
+	}
 	remaining := live.remaining
 	drainTime := time.Since(healStart)
 	bound := p.lease + livenessPolls*chaosPoll

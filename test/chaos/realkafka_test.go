@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -30,17 +31,60 @@ const (
 	brokerSession = 9 * time.Second // broker.session.timeout.ms in scripts/kafka.sh
 )
 
+// clusterFaults is shared by the chaos tests that run in parallel on one
+// real cluster (TestChaos and TestChaosStrict): the rule that at most one
+// broker is down at a time holds across them, not only within each test,
+// and while a test measures its recovery no broker fault starts, so that
+// its liveness bound is not charged with another test's outage.
+var clusterFaults struct {
+	sync.Mutex
+	owner string // the test whose broker fault is in progress, "" when none
+	quiet int    // tests measuring their recovery
+}
+
+// claimFault reserves the cluster for one broker fault of test name. It
+// fails while another broker fault is in progress or a test measures its
+// recovery.
+func claimFault(name string) bool {
+	clusterFaults.Lock()
+	defer clusterFaults.Unlock()
+	if clusterFaults.owner != "" || clusterFaults.quiet > 0 {
+		return false
+	}
+	clusterFaults.owner = name
+	return true
+}
+
+// endFault gives the cluster back after test name's broker fault healed.
+func endFault(name string) {
+	clusterFaults.Lock()
+	defer clusterFaults.Unlock()
+	if clusterFaults.owner == name {
+		clusterFaults.owner = ""
+	}
+}
+
+// faultInProgress reports whether any test's broker fault is in progress.
+func faultInProgress() bool {
+	clusterFaults.Lock()
+	defer clusterFaults.Unlock()
+	return clusterFaults.owner != ""
+}
+
 // realBrokers drives the nodes of a cluster started by scripts/kafka.sh.
-// At most one broker is down (killed or stopped) at a time, and the next
-// broker fault waits until every partition, internal ones included, is
-// fully replicated again: with three nodes and min.insync.replicas 2 the
-// cluster then always accepts acks=all writes, and what the suite measures
-// is the relay's recovery, not an unavailable cluster.
+// At most one broker is down (killed or stopped) at a time, across all the
+// tests sharing the cluster (clusterFaults), and the next broker fault
+// waits until every partition, internal ones included, is fully replicated
+// again: with three nodes and min.insync.replicas 2 the cluster then
+// always accepts acks=all writes, and what the suite measures is the
+// relay's recovery, not an unavailable cluster.
 type realBrokers struct {
+	name    string // the test's name, for clusterFaults
 	script  string
 	cluster *kafkatest.Cluster
 	topic   string
 	nodes   int
+	quiet   bool // heal made the cluster quiet; endQuiet ends it (under clusterFaults)
 
 	down     int    // the node that is killed or stopped, 0 when none
 	downKind string // evBrokerKill or evBrokerStop
@@ -63,7 +107,11 @@ func newRealBrokers(t *testing.T, cluster *kafkatest.Cluster, topic string) *rea
 		}
 		t.Skip(msg)
 	}
-	rb := &realBrokers{script: script, cluster: cluster, topic: topic}
+	rb := &realBrokers{name: t.Name(), script: script, cluster: cluster, topic: topic}
+	t.Cleanup(func() {
+		rb.endQuiet()
+		endFault(rb.name)
+	})
 	out, err := rb.run("status")
 	if err != nil {
 		t.Fatal(err)
@@ -114,12 +162,13 @@ func (rb *realBrokers) stop(in *injector) bool {
 // takeDown applies verb (kafka.sh kill or pause) to a random node for d,
 // unless a broker is already down.
 func (rb *realBrokers) takeDown(in *injector, verb, kind string, d time.Duration) bool {
-	if rb.down != 0 {
+	if rb.down != 0 || !claimFault(rb.name) {
 		return false
 	}
 	node := 1 + in.rng.IntN(rb.nodes)
 	if _, err := rb.run(verb, strconv.Itoa(node)); err != nil {
 		in.t.Log(err)
+		endFault(rb.name)
 		return false
 	}
 	rb.down, rb.downKind = node, kind
@@ -155,11 +204,13 @@ func (rb *realBrokers) checkHealed(in *injector) {
 	if ok {
 		in.log.end(rb.downKind, -1, time.Now())
 		rb.down, rb.downKind, rb.healing = 0, "", false
+		endFault(rb.name)
 		return
 	}
 	if time.Now().After(rb.healBy) {
 		in.t.Logf("chaos: node %d did not rejoin within 3 minutes (%s %v); giving up on it", rb.down, reason, err)
 		rb.down, rb.downKind, rb.healing = 0, "", false
+		endFault(rb.name)
 		return
 	}
 	in.after(500*time.Millisecond, func() { rb.checkHealed(in) })
@@ -168,9 +219,10 @@ func (rb *realBrokers) checkHealed(in *injector) {
 // moveLeader moves the leadership of one partition of the topic to another
 // in-sync replica.
 func (rb *realBrokers) moveLeader(in *injector) bool {
-	if rb.down != 0 {
+	if rb.down != 0 || !claimFault(rb.name) {
 		return false // a partition may have a single in-sync replica
 	}
+	defer endFault(rb.name)
 	partition := int32(in.rng.IntN(int(in.partitions)))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -184,11 +236,45 @@ func (rb *realBrokers) moveLeader(in *injector) bool {
 	return true
 }
 
-// heal undoes the broker fault in progress and waits until the cluster is
-// fully replicated.
+// heal stops every test sharing the cluster from starting broker faults
+// until this one measured its recovery (endQuiet), undoes this test's
+// broker fault, and waits until no test's broker fault is in progress and
+// the cluster is fully replicated.
 func (rb *realBrokers) heal(in *injector) {
+	clusterFaults.Lock()
+	if !rb.quiet {
+		rb.quiet = true
+		clusterFaults.quiet++
+	}
+	clusterFaults.Unlock()
 	if rb.down != 0 && !rb.healing {
 		rb.undo(in)
 	}
 	in.runDue(true)
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		ok, reason, err := rb.cluster.FullyReplicated(ctx)
+		cancel()
+		busy := faultInProgress()
+		if ok && !busy {
+			return
+		}
+		if time.Now().After(deadline) {
+			in.t.Logf("chaos: the cluster did not heal within 3 minutes (another test's broker fault in progress: %v; %s %v)", busy, reason, err)
+			return
+		}
+		time.Sleep(250 * time.Millisecond) // polling the cluster's state
+	}
+}
+
+// endQuiet lets the tests sharing the cluster start broker faults again
+// once this test measured its recovery.
+func (rb *realBrokers) endQuiet() {
+	clusterFaults.Lock()
+	defer clusterFaults.Unlock()
+	if rb.quiet {
+		rb.quiet = false
+		clusterFaults.quiet--
+	}
 }

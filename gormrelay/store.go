@@ -273,6 +273,8 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 		mine := r.Owner != nil && *r.Owner == me
 		expired := r.ExpiresAtMs <= now
 		switch {
+		case mine && r.Paused && !expired && slices.Contains(req.Busy, l.Bucket):
+			renew = append(renew, l) // released after its batch, by a later call
 		case mine && r.Paused:
 			release = append(release, l)
 		case mine && !expired:
@@ -289,9 +291,28 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 		return relay.Acquired{}, err
 	}
 	if len(held) > share {
-		// Keep the lowest buckets; give the rest back to the newcomers.
-		release = append(release, held[share:]...)
-		held = held[:share]
+		// Keep the buckets whose batch is in flight and then the lowest
+		// ones; give the rest back to the newcomers.
+		var keep, surplus []relay.Lease
+		room := share
+		for _, l := range held {
+			if slices.Contains(req.Busy, l.Bucket) {
+				keep = append(keep, l)
+				room--
+			}
+		}
+		for _, l := range held {
+			switch {
+			case slices.Contains(req.Busy, l.Bucket):
+			case room > 0:
+				keep = append(keep, l)
+				room--
+			default:
+				surplus = append(surplus, l)
+			}
+		}
+		release = append(release, surplus...)
+		held = keep
 	}
 	if err := s.release(db, me, release); err != nil {
 		return relay.Acquired{}, err

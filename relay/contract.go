@@ -154,8 +154,9 @@ func FailedIndex(err error) (int, bool) {
 // discovers it by type assertion on the Publisher given to New; a wrapper
 // around a publisher should forward it.
 //
-// Both methods are called from the relay's loop goroutine, never while a
-// Publish of the same relay is in flight, and in lease order: a bucket is
+// Both methods are called from the relay's loop goroutine, while other
+// buckets' Publish calls may be in flight but never one of a bucket they
+// name, and in lease order: a bucket is
 // released (under its old term) before it is acquired again under a new
 // one. Every bucket announced as acquired is announced as released when the
 // relay gives it up, loses it, stops trusting it, or stops.

@@ -31,13 +31,18 @@
 //     one bucket has at most one batch in flight while other buckets'
 //     database round trips and publishes overlap with it.
 //
-// Acquisition (which releases surplus leases and claims new ones) and
-// the announcements to a LeaseAware publisher run behind a barrier: the
-// scheduler stops handing out batches, the batches in flight finish, the
-// keeper acquires, the publisher is told, draining resumes. A bucket is
-// therefore never released, or announced, while its batch is in flight.
-// Renewal needs no barrier: it runs on the keeper's own goroutine at any
-// time, including while the barrier waits for a slow publish.
+// Acquisition (which releases surplus leases and claims new ones) does
+// not wait for the batches in flight: the scheduler starts no new batch
+// during the store call, and the call names the buckets in flight
+// (AcquireRequest.Busy), whose leases the store keeps; their surplus goes
+// at a later acquisition, between batches. A LeaseAware publisher is told
+// of a bucket's change only while that bucket has no batch in flight (a
+// change met during its batch is announced when the batch ends), and a
+// drainer takes a newly acquired bucket only once it was announced. A
+// bucket is therefore never released, or announced, during its own
+// publish, and a slow or hung publish of one bucket holds up neither the
+// lease maintenance nor the other buckets. Renewal runs on the keeper's
+// own goroutine at any time.
 //
 // With Parallelism above 1 the Publisher, the Store and the
 // FailureHandler are called concurrently for different buckets, never
@@ -137,9 +142,9 @@
 // its buckets to the others when its leases expire. A relay that stops
 // cleanly releases its leases and removes its heartbeat, so the others take
 // its buckets over at their next acquisition, not after LeaseDuration.
-// Acquisition and release happen behind the barrier, between batches,
-// never while a publish is in flight. BucketCount bounds the parallelism: extra relays stay live,
-// own nothing and wait.
+// A bucket is released only between its batches, never while its publish
+// is in flight. BucketCount bounds the parallelism: extra relays stay
+// live, own nothing and wait.
 //
 // # Wake-ups
 //

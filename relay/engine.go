@@ -171,27 +171,27 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 		if !now.Before(nextAcquire) || w.k.takeNeedAcquire() {
 			wantAcquire = true
 		}
-		if wantAcquire && w.sched.pause() {
-			// The barrier: no batch in flight, so the store releases
-			// surplus leases between batches and the LeaseAware publisher
-			// is never told of a change during a publish.
+		if wantAcquire {
 			wantAcquire, worked = false, true
-			// First announce the leases lost since the last barrier, so a
-			// bucket acquired again under its old term is announced anew.
+			// First announce the leases lost since the last acquisition,
+			// so a bucket acquired again under its old term is announced
+			// anew.
 			if err := w.syncLeases(ctx); err != nil {
-				w.sched.resume()
 				return err
 			}
-			err := w.k.acquire(ctx)
+			// No new batch starts during the store call; the batches in
+			// flight go on, and the store keeps their buckets (Busy), so a
+			// surplus lease is released only between batches of its
+			// bucket.
+			err := w.k.acquire(ctx, w.sched.hold())
+			w.sched.resume()
 			switch {
 			case err == nil:
 				storeFailures = 0
 				nextAcquire = now.Add(jitter(w.cfg.LeaseRenewInterval))
 			case IsMisconfiguration(err):
-				w.sched.resume()
 				return err
 			case isStop(ctx, err):
-				w.sched.resume()
 				return nil
 			default:
 				storeFailures++
@@ -200,9 +200,7 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 				nextAcquire = now.Add(d)
 			}
 			w.k.expireTrust()
-			err = w.syncLeases(ctx)
-			w.sched.resume()
-			if err != nil {
+			if err := w.syncLeases(ctx); err != nil {
 				return err
 			}
 		}
@@ -251,11 +249,6 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 		// or a drainer's news. A relay owning nothing waits for its next
 		// lease refresh only.
 		wake := nextAcquire
-		if wantAcquire {
-			// Waiting for the batches in flight to end: the last one kicks
-			// the loop (and so does the trust timer).
-			wake = now.Add(w.cfg.LeaseRenewInterval / 4)
-		}
 		if w.k.ownedCount() > 0 {
 			wake = earliest(wake, nextPoll)
 			if retrying {
@@ -299,7 +292,7 @@ func (w *worker) drainAll(ctx context.Context) (int, error) {
 		return errors.Join(append(slices.Clone(w.drainErrs), extra...)...)
 	}
 	for round := 1; ; round++ {
-		if err := w.k.acquire(ctx); err != nil {
+		if err := w.k.acquire(ctx, nil); err != nil { // no batch in flight between rounds
 			return published(), err
 		}
 		if err := w.syncLeases(ctx); err != nil {
@@ -412,32 +405,42 @@ func (w *worker) ownedCount() int {
 // syncLeases tells a LeaseAware publisher how the held leases changed
 // since it was last told: first the released ones (a bucket re-acquired
 // under a new term counts as released, then acquired), then the acquired
-// ones. It runs on the control loop under the scheduler's barrier, or
-// after the drainers finished, so never while a publish is in flight, and
-// returns an error only for a misconfiguration.
+// ones, which drainers take only once announced. It runs on the control
+// loop, or after the drainers finished, and never announces a bucket
+// whose batch is in flight: that bucket's change is announced once the
+// batch ends (the scheduler wakes the loop). It returns an error only for
+// a misconfiguration.
 func (w *worker) syncLeases(ctx context.Context) error {
 	la := w.r.leaseAware
 	if la == nil {
 		return nil
 	}
 	cur := w.k.trustedLeases()
+	next := make(map[int]int64, len(cur))
 	var acquired, released []Lease
 	for _, l := range cur {
-		if t, ok := w.announced[l.Bucket]; !ok || t != l.Term {
+		t, ok := w.announced[l.Bucket]
+		switch {
+		case ok && t == l.Term:
+			next[l.Bucket] = t
+		case w.sched.busyWake(l.Bucket):
+			if ok {
+				next[l.Bucket] = t // still announced under the old term
+			}
+		default:
 			acquired = append(acquired, l)
+			next[l.Bucket] = l.Term
 		}
-	}
-	if len(acquired) == 0 && len(cur) == len(w.announced) {
-		return nil
-	}
-	next := make(map[int]int64, len(cur))
-	for _, l := range cur {
-		next[l.Bucket] = l.Term
 	}
 	for b, t := range w.announced {
-		if nt, ok := next[b]; !ok || nt != t {
-			released = append(released, Lease{Bucket: b, Term: t})
+		if nt, ok := next[b]; ok && nt == t {
+			continue
 		}
+		if w.sched.busyWake(b) {
+			next[b] = t
+			continue
+		}
+		released = append(released, Lease{Bucket: b, Term: t})
 	}
 	w.announced = next
 	if len(released) > 0 {
@@ -456,6 +459,7 @@ func (w *worker) syncLeases(ctx context.Context) error {
 		if err != nil && !isStop(ctx, err) {
 			w.log.Warn("relay: publisher could not prepare for acquired leases", "buckets", len(acquired), "err", err)
 		}
+		w.k.announced(acquired)
 	}
 	return nil
 }

@@ -81,6 +81,147 @@ func TestHintNotBehindSlowBucket(t *testing.T) {
 	})
 }
 
+// A publish that hangs does not hold up the relay's lease maintenance or
+// its other buckets: acquisitions go on while bucket 0's batch is in
+// flight, they tell the store that bucket 0 is busy, and a bucket hinted
+// after several of them is published.
+func TestAcquisitionNotBehindSlowBucket(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		hints := newFakeHints()
+		cfg := config("a")
+		cfg.Hints = hints
+		cfg.PollInterval = time.Hour
+		cfg.PublishTimeout = time.Hour
+		release := make(chan struct{})
+		published := make(chan int, 10)
+		r := start(t, s, relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			if msgs[0].Bucket == 0 {
+				<-release
+			}
+			published <- msgs[0].Bucket
+			return len(msgs), nil
+		}), cfg)
+		synctest.Wait()
+		s.add(0, 1)
+		hints.notify(0)
+		synctest.Wait() // bucket 0's publish is blocked
+		before := s.count("acquire")
+		time.Sleep(5 * cfg.LeaseRenewInterval) // the bubble's clock: five renewal periods pass
+		synctest.Wait()
+		require.GreaterOrEqual(t, s.count("acquire")-before, 4, "acquisitions go on during the slow publish")
+		s.mu.Lock()
+		require.Equal(t, 1, s.acquireBusy[len(s.acquireBusy)-1], "the store is told that bucket 0 is in flight")
+		s.mu.Unlock()
+		require.Equal(t, "a", s.owner(0), "bucket 0's lease is kept")
+		s.add(1, 1)
+		hints.notify(1)
+		select {
+		case b := <-published:
+			require.Equal(t, 1, b)
+		case <-time.After(time.Minute):
+			t.Fatal("bucket 1 was not published while bucket 0's publish hung")
+		}
+		close(release)
+		require.Equal(t, 0, <-published)
+		stop(t, r)
+	})
+}
+
+// awarePub is a LeaseAware publisher whose publishes of bucket 0 wait for
+// release. It records a problem whenever it is told of a bucket whose
+// Publish is in flight, and what it was told.
+type awarePub struct {
+	release  chan struct{}
+	mu       sync.Mutex
+	inFlight map[int]bool
+	problems []string
+	released []int
+	acquired []int
+}
+
+func (p *awarePub) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
+	b := msgs[0].Bucket
+	p.mu.Lock()
+	p.inFlight[b] = true
+	p.mu.Unlock()
+	if b == 0 {
+		<-p.release
+	}
+	p.mu.Lock()
+	delete(p.inFlight, b)
+	p.mu.Unlock()
+	return len(msgs), nil
+}
+
+func (p *awarePub) told(what string, ls []relay.Lease, into *[]int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, l := range ls {
+		if p.inFlight[l.Bucket] {
+			p.problems = append(p.problems, fmt.Sprintf("%s bucket %d during its publish", what, l.Bucket))
+		}
+		*into = append(*into, l.Bucket)
+	}
+}
+
+func (p *awarePub) LeasesAcquired(_ context.Context, ls []relay.Lease) error {
+	p.told("acquired", ls, &p.acquired)
+	return nil
+}
+
+func (p *awarePub) LeasesReleased(_ context.Context, ls []relay.Lease) {
+	p.told("released", ls, &p.released)
+}
+
+// While bucket 0's publish hangs, a second relay joins: the first one
+// gives up its surplus buckets at once but keeps bucket 0, and its
+// LeaseAware publisher is never told of a bucket during that bucket's
+// publish.
+func TestSurplusReleasedBesideSlowBucket(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		hints := newFakeHints()
+		cfg := config("a")
+		cfg.Hints = hints
+		cfg.PollInterval = time.Hour
+		cfg.PublishTimeout = time.Hour
+		pub := &awarePub{release: make(chan struct{}), inFlight: map[int]bool{}}
+		a := start(t, s, pub, cfg)
+		synctest.Wait()
+		require.Len(t, a.Leases(), 8)
+		s.add(0, 1)
+		hints.notify(0)
+		synctest.Wait() // bucket 0's publish is blocked
+
+		b := start(t, s, relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil }), config("b"))
+		time.Sleep(3 * cfg.LeaseRenewInterval) // the bubble's clock
+		synctest.Wait()
+		var held []int
+		for _, l := range a.Leases() {
+			held = append(held, l.Bucket)
+		}
+		require.Len(t, held, 4, "a keeps its fair share")
+		require.Contains(t, held, 0, "a keeps the bucket in flight")
+		require.Len(t, b.Leases(), 4, "b took the others while a's publish hangs")
+		pub.mu.Lock()
+		require.Len(t, pub.released, 4)
+		require.NotContains(t, pub.released, 0)
+		pub.mu.Unlock()
+
+		close(pub.release)
+		synctest.Wait()
+		stop(t, b)
+		stop(t, a)
+		pub.mu.Lock()
+		defer pub.mu.Unlock()
+		require.Empty(t, pub.problems)
+		require.ElementsMatch(t, pub.acquired, pub.released, "every announced lease is announced released at the end")
+	})
+}
+
 // After a full batch the relay deletes it and reads the next one in one
 // store call (BatchAdvancer): one NextBatch for a backlog of five batches.
 func TestAdvancerUsed(t *testing.T) {

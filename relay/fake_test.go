@@ -22,6 +22,9 @@ type fakeStore struct {
 	nextID  int64
 	calls   map[string]int
 	batches []int // bucket of every NextBatch call
+	// acquireBusy is, for every AcquireLeases call, how many of the
+	// relay's held buckets it named busy.
+	acquireBusy []int
 
 	// allowed, if set, limits the buckets a relay may claim.
 	allowed func(relayID string, bucket int) bool
@@ -122,9 +125,18 @@ func (s *fakeStore) AcquireLeases(ctx context.Context, req relay.AcquireRequest)
 	}
 	share := relay.FairShare(s.buckets, live)
 	var held []relay.Lease
+	busy := 0
 	for b := range s.leases {
 		l := &s.leases[b]
-		if l.owner == req.RelayID && now.Before(l.expires) {
+		if l.owner == req.RelayID && now.Before(l.expires) && slices.Contains(req.Busy, b) {
+			l.expires = now.Add(req.LeaseDuration) // never released mid-batch
+			held = append(held, relay.Lease{Bucket: b, Term: l.term})
+			busy++
+		}
+	}
+	for b := range s.leases {
+		l := &s.leases[b]
+		if l.owner == req.RelayID && now.Before(l.expires) && !slices.Contains(req.Busy, b) {
 			if len(held) < share {
 				l.expires = now.Add(req.LeaseDuration)
 				held = append(held, relay.Lease{Bucket: b, Term: l.term})
@@ -133,6 +145,7 @@ func (s *fakeStore) AcquireLeases(ctx context.Context, req relay.AcquireRequest)
 			}
 		}
 	}
+	s.acquireBusy = append(s.acquireBusy, busy)
 	for b := range s.leases {
 		l := &s.leases[b]
 		if len(held) >= share {

@@ -22,6 +22,10 @@ type heldLease struct {
 	Lease
 	ctx    context.Context
 	cancel context.CancelCauseFunc
+	// announced: a LeaseAware publisher was told of the lease (always
+	// true without one). Drainers take only announced leases. Under
+	// keeper.mu.
+	announced bool
 }
 
 // keeper is the lease keeper: the only writer of the relay's lease state.
@@ -29,8 +33,9 @@ type heldLease struct {
 // trust deadline (on the monotonic clock, never backwards), drops lost
 // leases and ends their contexts, and expires every lease when the trust
 // window passes without a renewal. The engine's control loop calls
-// acquire under the scheduler's barrier (no batch in flight); the renewal
-// goroutine calls renew at any time, concurrently with drainers.
+// acquire while drainers publish (the scheduler starts no new batch
+// meanwhile, and the store keeps the leases of the buckets in flight); the
+// renewal goroutine calls renew at any time, concurrently with drainers.
 type keeper struct {
 	cfg  Config
 	w    *worker
@@ -70,10 +75,11 @@ func (k *keeper) extendTrust(start time.Time) {
 	k.trustTimer.Reset(time.Until(k.trustedUntil))
 }
 
-// acquire runs the store's lease maintenance and adopts its result. It is
-// called with no batch in flight (the scheduler's barrier), so a lease the
-// store releases above the fair share is released between batches.
-func (k *keeper) acquire(ctx context.Context) error {
+// acquire runs the store's lease maintenance and adopts its result. busy
+// are the buckets whose batch is in flight: the store keeps their leases,
+// so a lease it releases above the fair share is released between batches
+// of that bucket.
+func (k *keeper) acquire(ctx context.Context, busy []int) error {
 	start := time.Now()
 	k.mu.Lock()
 	k.renewTriedAt = start
@@ -82,6 +88,7 @@ func (k *keeper) acquire(ctx context.Context) error {
 		RelayID:       k.cfg.RelayID,
 		BucketCount:   k.cfg.BucketCount,
 		LeaseDuration: k.cfg.LeaseDuration,
+		Busy:          busy,
 	})
 	if err != nil {
 		return err
@@ -111,7 +118,8 @@ func (k *keeper) acquire(ctx context.Context) error {
 			continue
 		}
 		lctx, cancel := context.WithCancelCause(k.base)
-		k.held[b] = &heldLease{Lease: Lease{Bucket: b, Term: t}, ctx: lctx, cancel: cancel}
+		k.held[b] = &heldLease{Lease: Lease{Bucket: b, Term: t}, ctx: lctx, cancel: cancel,
+			announced: k.w.r.leaseAware == nil}
 		gained = append(gained, b)
 		k.needDiscover = true
 	}
@@ -264,12 +272,18 @@ func (k *keeper) expireTrust() {
 func (k *keeper) drop(l Lease, cause error) {
 	k.mu.Lock()
 	hl, held := k.held[l.Bucket]
+	newer := held && hl.Term != l.Term
 	held = held && hl.Term == l.Term
 	if held {
 		hl.cancel(cause)
 		delete(k.held, l.Bucket)
 	}
 	k.needAcquire = true
+	if newer {
+		// Acquired again under a new term while the lost batch was in
+		// flight; the scheduler forgot the bucket with that batch.
+		k.needDiscover = true
+	}
 	k.mu.Unlock()
 	if held {
 		k.w.observeLost(1)
@@ -290,15 +304,29 @@ func (k *keeper) releaseAll() []Lease {
 	return out
 }
 
-// lease returns the held lease of bucket b if the relay still trusts it.
+// lease returns the held lease of bucket b if the relay still trusts it
+// and it was announced to a LeaseAware publisher.
 func (k *keeper) lease(b int) (*heldLease, bool) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	hl, ok := k.held[b]
-	if !ok || !time.Now().Before(k.trustedUntil) || hl.ctx.Err() != nil {
+	if !ok || !hl.announced || !time.Now().Before(k.trustedUntil) || hl.ctx.Err() != nil {
 		return nil, false
 	}
 	return hl, true
+}
+
+// announced marks leases as told to the LeaseAware publisher, so drainers
+// may take them, and has their buckets looked at for pending rows.
+func (k *keeper) announced(ls []Lease) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, l := range ls {
+		if hl, ok := k.held[l.Bucket]; ok && hl.Term == l.Term {
+			hl.announced = true
+			k.needDiscover = true
+		}
+	}
 }
 
 // trusts reports whether l is held under its term and trusted.

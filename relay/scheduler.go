@@ -22,6 +22,9 @@ type bucketState struct {
 	next     []Message
 	nextTerm int64
 	failed   bool // DrainOnce: its publish failed; not retried
+	// wake asks done to wake the control loop: a lease announcement waits
+	// for this bucket's batch to end.
+	wake bool
 }
 
 // batchResult is what a drainer reports after one batch.
@@ -37,15 +40,15 @@ type batchResult struct {
 // that had a full batch goes to the back of the queue, so a busy bucket
 // cannot starve the others, and a bucket is never handed to two drainers
 // at once. Hints and discovery mark buckets ready; a failed bucket waits
-// out its own backoff outside the queue. The keeper's barrier (pause)
-// stops new batches until the ones in flight are done.
+// out its own backoff outside the queue. While the keeper acquires (hold)
+// no new batch starts; the batches in flight go on.
 type scheduler struct {
 	mu       sync.Mutex
 	cond     *sync.Cond
 	buckets  []bucketState
 	fifo     []int
 	inFlight int
-	paused   bool // barrier: hand out nothing
+	paused   bool // acquiring: hand out nothing
 	closed   bool // stopping: hand out nothing, drainers exit
 	oneShot  bool // DrainOnce: drainers exit when nothing is ready or in flight
 	idle     func()
@@ -176,8 +179,10 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, cfg Config, now tim
 	if quiet && s.oneShot && len(s.fifo) == 0 {
 		s.cond.Broadcast() // the other drainers exit
 	}
+	wake := st.wake
+	st.wake = false
 	s.mu.Unlock()
-	if quiet && s.idle != nil {
+	if (quiet || wake) && s.idle != nil {
 		s.idle()
 	}
 }
@@ -209,17 +214,35 @@ func (s *scheduler) reset(b int) {
 	st.failed = false
 }
 
-// pause raises the barrier: no new batch starts. It reports whether no
-// batch is in flight; otherwise the idle callback runs when the last one
-// ends.
-func (s *scheduler) pause() bool {
+// hold stops handing out batches while the keeper acquires, and returns
+// the buckets whose batch is in flight, in ascending order: the store
+// keeps those leases (AcquireRequest.Busy). It does not wait for them.
+func (s *scheduler) hold() []int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.paused = true
-	return s.inFlight == 0
+	var busy []int
+	for b := range s.buckets {
+		if s.buckets[b].busy {
+			busy = append(busy, b)
+		}
+	}
+	return busy
 }
 
-// resume lowers the barrier.
+// busyWake reports whether bucket b has a batch in flight; if so, done wakes
+// the control loop when it ends.
+func (s *scheduler) busyWake(b int) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := &s.buckets[b]
+	if st.busy {
+		st.wake = true
+	}
+	return st.busy
+}
+
+// resume hands out batches again after hold.
 func (s *scheduler) resume() {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -8,9 +8,10 @@ import (
 // Store is the relay's storage contract. It must be safe for concurrent
 // use: the relay's drainers call NextBatch, MarkPublished and the other
 // per-bucket methods concurrently for different buckets (never for the
-// same bucket), discovery and a LeaseRenewer's RenewLeases run alongside
-// them, and AcquireLeases runs while no batch is in flight. Package
-// relay/storetest checks an implementation against this contract.
+// same bucket), and discovery, a LeaseRenewer's RenewLeases and
+// AcquireLeases run alongside them (AcquireRequest.Busy names the buckets
+// whose batch is in flight). Package relay/storetest checks an
+// implementation against this contract.
 //
 // A store needs two primitives: an atomic conditional write for leases (a
 // guarded UPDATE ... WHERE owner = ... AND term = ... AND expires_at > now)
@@ -42,7 +43,11 @@ type Store interface {
 	//   - renews the unexpired leases the relay holds (owner and term
 	//     guarded), releases those above its fair share, and claims free or
 	//     expired leases up to its fair share, incrementing the term of each
-	//     claimed lease in the same guarded UPDATE.
+	//     claimed lease in the same guarded UPDATE. A held lease in
+	//     req.Busy is never released by this call, whatever the fair share
+	//     or an operator's pause: it is renewed, and the surplus is taken
+	//     from the other held leases (what remains is released by a later
+	//     call, once that batch is done).
 	// It returns every lease the relay holds afterwards, each valid until
 	// at least the call's start plus req.LeaseDuration.
 	AcquireLeases(ctx context.Context, req AcquireRequest) (Acquired, error)
@@ -78,6 +83,12 @@ type AcquireRequest struct {
 	RelayID       string
 	BucketCount   int
 	LeaseDuration time.Duration
+	// Busy lists, in ascending order, the held buckets whose batch is in
+	// flight while the call runs. The store must not release them: a
+	// bucket is released only between its batches, so that no other relay
+	// starts on it while this one still publishes. Acquisition does not
+	// wait for slow publishes to end.
+	Busy []int
 }
 
 // Acquired is the result of Store.AcquireLeases.

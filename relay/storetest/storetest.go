@@ -70,6 +70,7 @@ func Run(t *testing.T, h Harness) {
 		{"PendingBuckets", testPendingBuckets},
 		{"AcquireLeases", testAcquire},
 		{"FairShare", testFairShare},
+		{"FairShareKeepsBusy", testFairShareBusy},
 		{"BucketCountMismatch", testBucketCountMismatch},
 		{"ReleaseLeases", testRelease},
 		{"MarkPublished", testMarkPublished},
@@ -240,6 +241,26 @@ func testFairShare(t *testing.T, h Harness) {
 	require.Equal(t, 3, c.FairShare)
 }
 
+// testFairShareBusy: a lease named in AcquireRequest.Busy is never
+// released, however far above its fair share the relay is; the surplus
+// comes from the others, and the rest goes once the batches are done.
+func testFairShareBusy(t *testing.T, h Harness) {
+	s := h.New(t, 8)
+	require.Len(t, acquire(t, s, "a", 8, long).Leases, 8)
+	acquire(t, s, "b", 8, long) // a second live relay: a's fair share is 4
+	busy := []int{1, 3, 5, 6, 7}
+	res, err := s.AcquireLeases(t.Context(), relay.AcquireRequest{RelayID: "a", BucketCount: 8, LeaseDuration: long, Busy: busy})
+	require.NoError(t, err)
+	require.Equal(t, 4, res.FairShare)
+	require.Equal(t, busy, bucketsOf(res.Leases), "every busy lease is kept and renewed; every other one is surplus")
+	b := acquire(t, s, "b", 8, long)
+	require.Equal(t, []int{0, 2, 4}, bucketsOf(b.Leases), "b claims what a released")
+	res, err = s.AcquireLeases(t.Context(), relay.AcquireRequest{RelayID: "a", BucketCount: 8, LeaseDuration: long, Busy: []int{7}})
+	require.NoError(t, err)
+	require.Len(t, res.Leases, 4, "once the batches are done, a gives up the rest of its surplus")
+	require.Contains(t, bucketsOf(res.Leases), 7)
+}
+
 func testBucketCountMismatch(t *testing.T, h Harness) {
 	s := h.New(t, 4)
 	_, err := s.AcquireLeases(t.Context(), relay.AcquireRequest{RelayID: "a", BucketCount: 8, LeaseDuration: long})
@@ -334,7 +355,7 @@ func testRenewer(t *testing.T, h Harness) {
 	}
 	const short = 300 * time.Millisecond
 	h.Insert(t, s, msgs(0, 0, 1))
-	res := acquire(t, s, "a", 2, short)
+	res := acquire(t, s, "a", 2, long)
 	require.Len(t, res.Leases, 2)
 	stale := relay.Lease{Bucket: 1, Term: res.Leases[1].Term + 1}
 	kept, err := rn.RenewLeases(t.Context(), "a", []relay.Lease{res.Leases[0], stale}, long)
@@ -343,7 +364,11 @@ func testRenewer(t *testing.T, h Harness) {
 	kept, err = rn.RenewLeases(t.Context(), "b", res.Leases, long)
 	require.NoError(t, err)
 	require.Empty(t, kept, "nor one held by another relay")
-	// Bucket 0 now lasts a minute; bucket 1 expires and b takes it over.
+	// A renewal sets the expiry to now + d: bucket 1 renewed for a moment
+	// expires and b takes it over, while bucket 0 lasts a minute.
+	kept, err = rn.RenewLeases(t.Context(), "a", res.Leases[1:], short)
+	require.NoError(t, err)
+	require.Equal(t, res.Leases[1:], kept)
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		res, err := s.AcquireLeases(context.Background(), relay.AcquireRequest{RelayID: "b", BucketCount: 2, LeaseDuration: long})
 		if assert.NoError(c, err) {
@@ -352,7 +377,7 @@ func testRenewer(t *testing.T, h Harness) {
 	}, 30*time.Second, 20*time.Millisecond)
 	kept, err = rn.RenewLeases(t.Context(), "a", res.Leases, long)
 	require.NoError(t, err)
-	require.Equal(t, []relay.Lease{res.Leases[0]}, kept, "the renewed lease outlived its first expiry; the other was lost")
+	require.Equal(t, []relay.Lease{res.Leases[0]}, kept, "the lease renewed for a minute outlived the other, which was lost")
 	require.NoError(t, s.MarkPublished(t.Context(), "a", res.Leases[0], next(t, s, 0, 1)))
 }
 

@@ -51,6 +51,9 @@ type worker struct {
 	// announced is what a LeaseAware publisher was last told the relay
 	// holds, bucket -> term (see syncLeases). Control loop only.
 	announced map[int]int64
+	// deferred: syncLeases left a change for after a batch in flight.
+	// Control loop only.
+	deferred bool
 }
 
 func newWorker(r *Relay) *worker {
@@ -200,6 +203,12 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 				nextAcquire = now.Add(d)
 			}
 			w.k.expireTrust()
+			if err := w.syncLeases(ctx); err != nil {
+				return err
+			}
+		} else if w.deferred {
+			// A change met during a bucket's batch, announced once that
+			// batch ended (its drainer woke the loop).
 			if err := w.syncLeases(ctx); err != nil {
 				return err
 			}
@@ -418,12 +427,14 @@ func (w *worker) syncLeases(ctx context.Context) error {
 	cur := w.k.trustedLeases()
 	next := make(map[int]int64, len(cur))
 	var acquired, released []Lease
+	w.deferred = false
 	for _, l := range cur {
 		t, ok := w.announced[l.Bucket]
 		switch {
 		case ok && t == l.Term:
 			next[l.Bucket] = t
 		case w.sched.busyWake(l.Bucket):
+			w.deferred = true
 			if ok {
 				next[l.Bucket] = t // still announced under the old term
 			}
@@ -437,6 +448,7 @@ func (w *worker) syncLeases(ctx context.Context) error {
 			continue
 		}
 		if w.sched.busyWake(b) {
+			w.deferred = true
 			next[b] = t
 			continue
 		}

@@ -196,6 +196,42 @@ func TestSurplusReleasedBesideSlowBucket(t *testing.T) {
 	})
 }
 
+// A lease taken away during its bucket's hung publish is announced
+// released only once that publish ended, and then at once, not at the next
+// acquisition.
+func TestLostLeaseAnnouncedAfterItsBatch(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s, hints, cfg := hintedSetup()
+		pub := &awarePub{release: make(chan struct{}), inFlight: map[int]bool{}}
+		a := start(t, s, pub, cfg)
+		synctest.Wait()
+		s.add(0, 1)
+		hints.notify(0)
+		synctest.Wait() // bucket 0's publish is blocked
+
+		s.mu.Lock()
+		s.leases[0].owner, s.leases[0].term = "other", s.leases[0].term+1 // taken over
+		s.mu.Unlock()
+		time.Sleep(2 * cfg.LeaseRenewInterval) // the bubble's clock: acquisitions see it
+		synctest.Wait()
+		for _, l := range a.Leases() {
+			require.NotEqual(t, 0, l.Bucket, "the relay no longer holds bucket 0")
+		}
+		pub.mu.Lock()
+		require.NotContains(t, pub.released, 0, "not announced during its publish")
+		pub.mu.Unlock()
+
+		close(pub.release)
+		synctest.Wait() // no time passes: no acquisition is due
+		pub.mu.Lock()
+		require.Contains(t, pub.released, 0, "announced as soon as its publish ended")
+		require.Empty(t, pub.problems)
+		pub.mu.Unlock()
+		stop(t, a)
+	})
+}
+
 // After a full batch the relay deletes it and reads the next one in one
 // store call (BatchAdvancer): one NextBatch for a backlog of five batches.
 func TestAdvancerUsed(t *testing.T) {

@@ -154,6 +154,20 @@ func (p *awarePub) LeasesReleased(_ context.Context, ls []relay.Lease) {
 	p.told("released", ls, &p.released)
 }
 
+// startHung starts relay "a" alone on 8 buckets with an awarePub, and
+// returns once it holds them all and bucket 0's publish hangs.
+func startHung(t *testing.T) (*fakeStore, relay.Config, *awarePub, *relay.Relay) {
+	s, hints, cfg := hintedSetup()
+	pub := &awarePub{release: make(chan struct{}), inFlight: map[int]bool{}}
+	a := start(t, s, pub, cfg)
+	synctest.Wait()
+	require.Len(t, a.Leases(), 8)
+	s.add(0, 1)
+	hints.notify(0)
+	synctest.Wait() // bucket 0's publish is blocked
+	return s, cfg, pub, a
+}
+
 // While bucket 0's publish hangs, a second relay joins: the first one
 // gives up its surplus buckets at once but keeps bucket 0, and its
 // LeaseAware publisher is never told of a bucket during that bucket's
@@ -161,14 +175,7 @@ func (p *awarePub) LeasesReleased(_ context.Context, ls []relay.Lease) {
 func TestSurplusReleasedBesideSlowBucket(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		s, hints, cfg := hintedSetup()
-		pub := &awarePub{release: make(chan struct{}), inFlight: map[int]bool{}}
-		a := start(t, s, pub, cfg)
-		synctest.Wait()
-		require.Len(t, a.Leases(), 8)
-		s.add(0, 1)
-		hints.notify(0)
-		synctest.Wait() // bucket 0's publish is blocked
+		s, cfg, pub, a := startHung(t)
 
 		b := start(t, s, relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil }), config("b"))
 		time.Sleep(3 * cfg.LeaseRenewInterval) // the bubble's clock
@@ -202,13 +209,7 @@ func TestSurplusReleasedBesideSlowBucket(t *testing.T) {
 func TestLostLeaseAnnouncedAfterItsBatch(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		s, hints, cfg := hintedSetup()
-		pub := &awarePub{release: make(chan struct{}), inFlight: map[int]bool{}}
-		a := start(t, s, pub, cfg)
-		synctest.Wait()
-		s.add(0, 1)
-		hints.notify(0)
-		synctest.Wait() // bucket 0's publish is blocked
+		s, cfg, pub, a := startHung(t)
 
 		s.mu.Lock()
 		s.leases[0].owner, s.leases[0].term = "other", s.leases[0].term+1 // taken over

@@ -666,29 +666,54 @@ func (c *Cluster) MoveLeader(ctx context.Context, topic string, partition int32)
 	}
 }
 
-// FullyReplicated reports whether every partition of every topic,
-// internal ones included, has a leader and all its replicas in sync; when
-// not, the reason names the first partition that is not. It is for fault
-// injection on a real cluster (no second broker fault before the first
-// healed) and may be called from any goroutine.
-func (c *Cluster) FullyReplicated(ctx context.Context) (ok bool, reason string, err error) {
-	meta, err := kmsg.NewPtrMetadataRequest().RequestWith(ctx, c.admin) // nil Topics: all of them
-	if err != nil {
-		return false, "", fmt.Errorf("kafkatest: metadata: %w", err)
-	}
+// underReplicated names the first topic or partition of meta that has an
+// error, no leader or a replica out of sync; "" if none.
+func underReplicated(meta *kmsg.MetadataResponse) string {
 	for _, t := range meta.Topics {
 		name := ""
 		if t.Topic != nil {
 			name = *t.Topic
 		}
 		if err := kerr.ErrorForCode(t.ErrorCode); err != nil {
-			return false, fmt.Sprintf("topic %s: %v", name, err), nil
+			return fmt.Sprintf("topic %s: %v", name, err)
 		}
 		for _, p := range t.Partitions {
 			if p.Leader < 0 || len(p.ISR) < len(p.Replicas) {
-				return false, fmt.Sprintf("%s/%d: leader %d, replicas %v, in sync %v", name, p.Partition, p.Leader, p.Replicas, p.ISR), nil
+				return fmt.Sprintf("%s/%d: leader %d, replicas %v, in sync %v", name, p.Partition, p.Leader, p.Replicas, p.ISR)
 			}
 		}
+	}
+	return ""
+}
+
+// NodeHealthy reports whether the broker at addr (one of Brokers) serves
+// requests itself, and whether, as it sees the cluster, a controller is
+// elected, every broker of Brokers is registered, and every partition,
+// internal ones included, has a leader and all its replicas in sync.
+// Asking the restarted node itself matters: right after a broker was
+// killed and started again, the others may still list it, in sync, until
+// the controller fences it, and while it starts up it answers nothing. It
+// is for fault injection on a real cluster (no second broker fault before
+// the first healed) and may be called from any goroutine.
+func (c *Cluster) NodeHealthy(ctx context.Context, addr string) (ok bool, reason string, err error) {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(addr))
+	if err != nil {
+		return false, "", fmt.Errorf("kafkatest: client for %s: %w", addr, err)
+	}
+	defer cl.Close()
+	resp, err := cl.SeedBrokers()[0].Request(ctx, kmsg.NewPtrMetadataRequest()) // nil Topics: all of them
+	if err != nil {
+		return false, fmt.Sprintf("%s does not answer: %v", addr, err), nil
+	}
+	meta := resp.(*kmsg.MetadataResponse)
+	if meta.ControllerID < 0 {
+		return false, fmt.Sprintf("%s sees no controller", addr), nil
+	}
+	if len(meta.Brokers) < len(c.brokers) {
+		return false, fmt.Sprintf("%s sees %d of %d brokers", addr, len(meta.Brokers), len(c.brokers)), nil
+	}
+	if why := underReplicated(meta); why != "" {
+		return false, why, nil
 	}
 	return true, "", nil
 }

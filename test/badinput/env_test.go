@@ -130,8 +130,11 @@ func (e *env) relayConfig(id string) relay.Config {
 		BucketCount:        e.cfg.BucketCount,
 		BatchSize:          50,
 		PollInterval:       50 * time.Millisecond,
-		LeaseDuration:      600 * time.Millisecond,
-		LeaseRenewInterval: 200 * time.Millisecond,
+		// Long enough that a busy machine's slow queries do not let a
+		// relay's own leases lapse mid-drain (DrainOnce would then report
+		// its own buckets as held by others).
+		LeaseDuration:      2 * time.Second,
+		LeaseRenewInterval: 500 * time.Millisecond,
 		BackoffMin:         10 * time.Millisecond,
 		BackoffMax:         100 * time.Millisecond,
 		Logger:             testLogger(e.t),

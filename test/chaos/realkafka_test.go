@@ -198,9 +198,8 @@ func (rb *realBrokers) undo(in *injector) {
 }
 
 func (rb *realBrokers) checkHealed(in *injector) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	ok, reason, err := rb.cluster.FullyReplicated(ctx)
-	cancel()
+	ok, reason, err := rb.healthy(rb.down)
+
 	if ok {
 		in.log.end(rb.downKind, -1, time.Now())
 		rb.down, rb.downKind, rb.healing = 0, "", false
@@ -214,6 +213,27 @@ func (rb *realBrokers) checkHealed(in *injector) {
 		return
 	}
 	in.after(500*time.Millisecond, func() { rb.checkHealed(in) })
+}
+
+// healthy reports whether node (1-based; 0: every node) answers itself
+// and sees a controller, every broker registered and every partition fully
+// replicated. Asking the other brokers only is not enough: after a kill
+// and restart they list the node, in sync, until the controller fences
+// it, while the node itself is still starting up.
+func (rb *realBrokers) healthy(node int) (bool, string, error) {
+	addrs := rb.cluster.Brokers()
+	if node > 0 {
+		addrs = addrs[node-1 : node]
+	}
+	for _, a := range addrs {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		ok, reason, err := rb.cluster.NodeHealthy(ctx, a)
+		cancel()
+		if !ok || err != nil {
+			return false, reason, err
+		}
+	}
+	return true, "", nil
 }
 
 // moveLeader moves the leadership of one partition of the topic to another
@@ -253,9 +273,7 @@ func (rb *realBrokers) heal(in *injector) {
 	in.runDue(true)
 	deadline := time.Now().Add(3 * time.Minute)
 	for {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		ok, reason, err := rb.cluster.FullyReplicated(ctx)
-		cancel()
+		ok, reason, err := rb.healthy(0)
 		busy := faultInProgress()
 		if ok && !busy {
 			return

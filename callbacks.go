@@ -205,11 +205,7 @@ func (p *Plugin) beforeCreate(db *gorm.DB) {
 	if !m.for_(Insert | Update) {
 		return
 	}
-	c, ok := db.Statement.Clauses["ON CONFLICT"]
-	if !ok {
-		return
-	}
-	oc, ok := c.Expression.(clause.OnConflict)
+	oc, ok := statementClause[clause.OnConflict](db, "ON CONFLICT")
 	if !ok || entityCount(db) == 0 {
 		return
 	}
@@ -331,15 +327,24 @@ func sameValue(a, b any) bool {
 
 // setColumns returns the columns of the statement's SET clause.
 func setColumns(db *gorm.DB) []string {
-	c, ok := db.Statement.Clauses["SET"]
-	if !ok {
-		return nil
-	}
-	set, ok := c.Expression.(clause.Set)
+	set, ok := statementClause[clause.Set](db, "SET")
 	if !ok {
 		return nil
 	}
 	return columnNames(set)
+}
+
+// statementClause returns the expression of the statement's clause name,
+// and false when the statement has no such clause or its expression is
+// not a T.
+func statementClause[T clause.Expression](db *gorm.DB, name string) (T, bool) {
+	c, ok := db.Statement.Clauses[name]
+	if !ok {
+		var zero T
+		return zero, false
+	}
+	e, ok := c.Expression.(T)
+	return e, ok
 }
 
 // columnNames returns the columns a SET (or DO UPDATE SET) assigns.
@@ -476,11 +481,7 @@ func keysFromWhere(db *gorm.DB) []reflect.Value {
 	if s.PrioritizedPrimaryField == nil || len(s.PrimaryFields) != 1 {
 		return nil
 	}
-	c, ok := db.Statement.Clauses["WHERE"]
-	if !ok {
-		return nil
-	}
-	where, ok := c.Expression.(clause.Where)
+	where, ok := statementClause[clause.Where](db, "WHERE")
 	if !ok {
 		return nil
 	}

@@ -46,7 +46,7 @@ func (b *bundle) transport(t *testing.T, name string, edit ...func(*pgnotify.Con
 		ApplicationName:     b.app + "_" + name,
 		ReconnectBackoffMin: 20 * time.Millisecond,
 		ReconnectBackoffMax: 200 * time.Millisecond,
-		Logger:              testLogger(),
+		Logger:              dbtest.Logger(t),
 	}
 	for _, e := range edit {
 		e(&cfg)
@@ -327,7 +327,7 @@ func TestListenUnreachable(t *testing.T) {
 		DSN:                 "host=127.0.0.1 port=1 user=postgres dbname=test connect_timeout=1",
 		ReconnectBackoffMin: 5 * time.Millisecond,
 		ReconnectBackoffMax: 20 * time.Millisecond,
-		Logger:              testLogger(),
+		Logger:              dbtest.Logger(t),
 	})
 	require.NoError(t, err)
 	defer tr.Close()

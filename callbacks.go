@@ -205,11 +205,7 @@ func (p *Plugin) beforeCreate(db *gorm.DB) {
 	if !m.for_(Insert | Update) {
 		return
 	}
-	c, ok := db.Statement.Clauses["ON CONFLICT"]
-	if !ok {
-		return
-	}
-	oc, ok := c.Expression.(clause.OnConflict)
+	oc, ok := statementClause[clause.OnConflict](db, "ON CONFLICT")
 	if !ok || entityCount(db) == 0 {
 		return
 	}
@@ -331,15 +327,24 @@ func sameValue(a, b any) bool {
 
 // setColumns returns the columns of the statement's SET clause.
 func setColumns(db *gorm.DB) []string {
-	c, ok := db.Statement.Clauses["SET"]
-	if !ok {
-		return nil
-	}
-	set, ok := c.Expression.(clause.Set)
+	set, ok := statementClause[clause.Set](db, "SET")
 	if !ok {
 		return nil
 	}
 	return columnNames(set)
+}
+
+// statementClause returns the expression of the statement's clause name,
+// and false when the statement has no such clause or its expression is
+// not a T.
+func statementClause[T clause.Expression](db *gorm.DB, name string) (T, bool) {
+	c, ok := db.Statement.Clauses[name]
+	if !ok {
+		var zero T
+		return zero, false
+	}
+	e, ok := c.Expression.(T)
+	return e, ok
 }
 
 // columnNames returns the columns a SET (or DO UPDATE SET) assigns.
@@ -378,6 +383,14 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 	if v, ok := db.InstanceGet(keyBefore); ok {
 		before = v.(reflect.Value)
 	}
+	p.runEach(db, m, Update, keyedEntities(db), changed, false, func(ptr reflect.Value) *change {
+		return &change{entity: ptr, before: before, changed: changed, rowsAffected: affected}
+	})
+}
+
+// keyedEntities returns the statement's entities whose primary key is
+// known.
+func keyedEntities(db *gorm.DB) []reflect.Value {
 	var targets []reflect.Value
 	_ = entities(db, func(ptr reflect.Value) error {
 		if primaryKeyKnown(db, ptr) {
@@ -385,14 +398,21 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 		}
 		return nil
 	})
+	return targets
+}
+
+// runEach runs the rules of op for each target, with the change changeOf
+// makes of it, or the bulk rules when there is no target, and finishes the
+// statement with the messages.
+func (p *Plugin) runEach(db *gorm.DB, m *modelRules, op Operation, targets []reflect.Value, changed []string, soft bool, changeOf func(ptr reflect.Value) *change) {
 	var msgs []*Message
 	var err error
 	if len(targets) == 0 {
-		msgs, err = p.runBulk(db, m, Update, changed, false)
+		msgs, err = p.runBulk(db, m, op, changed, soft)
 	} else {
 		for _, ptr := range targets {
 			var out []*Message
-			out, err = p.runRules(db, m, Update, &change{entity: ptr, before: before, changed: changed, rowsAffected: affected})
+			out, err = p.runRules(db, m, op, changeOf(ptr))
 			msgs = append(msgs, out...)
 			if err != nil {
 				break
@@ -436,13 +456,7 @@ func (p *Plugin) afterDelete(db *gorm.DB) {
 	if db.RowsAffected == 0 {
 		return
 	}
-	var targets []reflect.Value
-	_ = entities(db, func(ptr reflect.Value) error {
-		if primaryKeyKnown(db, ptr) {
-			targets = append(targets, ptr)
-		}
-		return nil
-	})
+	targets := keyedEntities(db)
 	if len(targets) == 0 {
 		targets = keysFromWhere(db)
 	}
@@ -451,21 +465,9 @@ func (p *Plugin) afterDelete(db *gorm.DB) {
 	// statement.
 	changed := setColumns(db)
 	soft := changed != nil
-	var msgs []*Message
-	var err error
-	if len(targets) == 0 {
-		msgs, err = p.runBulk(db, m, Delete, changed, soft)
-	} else {
-		for _, ptr := range targets {
-			var out []*Message
-			out, err = p.runRules(db, m, Delete, &change{entity: ptr, keyOnly: onlyPrimaryKey(db, ptr), changed: changed, soft: soft, rowsAffected: db.RowsAffected})
-			msgs = append(msgs, out...)
-			if err != nil {
-				break
-			}
-		}
-	}
-	p.finish(db, msgs, err)
+	p.runEach(db, m, Delete, targets, changed, soft, func(ptr reflect.Value) *change {
+		return &change{entity: ptr, keyOnly: onlyPrimaryKey(db, ptr), changed: changed, soft: soft, rowsAffected: db.RowsAffected}
+	})
 }
 
 // keysFromWhere turns a delete by primary key values (db.Delete(&T{}, 7)
@@ -476,11 +478,7 @@ func keysFromWhere(db *gorm.DB) []reflect.Value {
 	if s.PrioritizedPrimaryField == nil || len(s.PrimaryFields) != 1 {
 		return nil
 	}
-	c, ok := db.Statement.Clauses["WHERE"]
-	if !ok {
-		return nil
-	}
-	where, ok := c.Expression.(clause.Where)
+	where, ok := statementClause[clause.Where](db, "WHERE")
 	if !ok {
 		return nil
 	}

@@ -89,20 +89,10 @@ func TestInboxSchemaSQLMatchesAutoMigrate(t *testing.T) {
 			files, err := inbox.MigrationFiles(db.Dialect, "", "", format)
 			require.NoError(t, err)
 			dir := inboxMigrationDir(db.Dialect, format)
-			up := func() {
-				if format == outbox.FormatGoose {
-					applyGoose(t, db, filepath.Join(dir, files[0].Name), "Up")
-				} else {
-					applyGolangMigrate(t, db, filepath.Join(dir, files[0].Name))
-				}
-			}
+			up := func() { applyMigration(t, db, dir, format, files, true) }
 			up()
 			up()
-			if format == outbox.FormatGoose {
-				applyGoose(t, db, filepath.Join(dir, files[0].Name), "Down")
-			} else {
-				applyGolangMigrate(t, db, filepath.Join(dir, files[1].Name))
-			}
+			applyMigration(t, db, dir, format, files, false)
 			require.False(t, db.DB.Migrator().HasTable(inbox.TableDefault), format)
 			up()
 			ib, err := inbox.New(db.DB, inbox.Config{})

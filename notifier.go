@@ -19,10 +19,7 @@ import (
 // plugin could not observe, a process restart) costs latency, not
 // messages.
 type Notifier struct {
-	mu      sync.Mutex
-	pending bucketset.Set
-	any     bool
-	unknown bool
+	pending *bucketset.Hints
 	ready   chan struct{}
 
 	subMu sync.RWMutex
@@ -35,7 +32,7 @@ func NewNotifier(bucketCount int) *Notifier {
 		bucketCount = 1
 	}
 	return &Notifier{
-		pending: bucketset.New(bucketCount),
+		pending: bucketset.NewHints(bucketCount),
 		ready:   make(chan struct{}, 1),
 	}
 }
@@ -66,14 +63,7 @@ func (n *Notifier) NotifyReceived(buckets []int) {
 
 // record adds buckets to the pending set and wakes the reader.
 func (n *Notifier) record(buckets []int) {
-	n.mu.Lock()
-	for _, b := range buckets {
-		if !n.pending.Add(b) && !n.pending.Contains(b) {
-			n.unknown = true
-		}
-	}
-	n.any = true
-	n.mu.Unlock()
+	n.pending.Add(buckets)
 	n.wake()
 }
 
@@ -81,10 +71,7 @@ func (n *Notifier) record(buckets []int) {
 // known, so the relay must discover pending buckets itself. Subscribers
 // receive it as []int{UnknownBucket}.
 func (n *Notifier) NotifyUnknown() {
-	n.mu.Lock()
-	n.unknown = true
-	n.any = true
-	n.mu.Unlock()
+	n.pending.AddUnknown()
 	n.wake()
 	n.publish([]int{UnknownBucket})
 }
@@ -104,16 +91,7 @@ func (n *Notifier) Ready() <-chan struct{} { return n.ready }
 // Take appends the pending bucket ids to dst in ascending order, clears
 // them, and reports whether an unknown-bucket hint was pending.
 func (n *Notifier) Take(dst []int) (buckets []int, unknown bool) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if !n.any {
-		return dst, false
-	}
-	dst = n.pending.Drain(dst)
-	unknown = n.unknown
-	n.unknown = false
-	n.any = false
-	return dst, unknown
+	return n.pending.Take(dst)
 }
 
 // Subscribe registers fn to be called with the bucket ids of every

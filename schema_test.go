@@ -364,6 +364,22 @@ func applyGoose(t *testing.T, db *dbtest.DB, path, section string) {
 	require.NoError(t, tx.Commit())
 }
 
+// applyMigration applies the up (or the down) migration of files, the
+// files of format in dir, as the format's tool does.
+func applyMigration(t *testing.T, db *dbtest.DB, dir, format string, files []outbox.MigrationFile, up bool) {
+	t.Helper()
+	switch {
+	case format == outbox.FormatGoose && up:
+		applyGoose(t, db, filepath.Join(dir, files[0].Name), "Up")
+	case format == outbox.FormatGoose:
+		applyGoose(t, db, filepath.Join(dir, files[0].Name), "Down")
+	case up:
+		applyGolangMigrate(t, db, filepath.Join(dir, files[0].Name))
+	default:
+		applyGolangMigrate(t, db, filepath.Join(dir, files[1].Name))
+	}
+}
+
 // A relay runs on tables made only from the shipped migration files, in
 // both formats: enqueue through the plugin, DrainOnce, rows gone. Down
 // removes every table, and up runs again.
@@ -378,20 +394,8 @@ func TestMigrationFilesRunRelay(t *testing.T) {
 			files, err := outbox.MigrationFiles(db.Dialect, outbox.Tables{}, format)
 			require.NoError(t, err)
 			dir := migrationDir(db.Dialect, format)
-			up := func() {
-				if format == outbox.FormatGoose {
-					applyGoose(t, db, filepath.Join(dir, files[0].Name), "Up")
-				} else {
-					applyGolangMigrate(t, db, filepath.Join(dir, files[0].Name))
-				}
-			}
-			down := func() {
-				if format == outbox.FormatGoose {
-					applyGoose(t, db, filepath.Join(dir, files[0].Name), "Down")
-				} else {
-					applyGolangMigrate(t, db, filepath.Join(dir, files[1].Name))
-				}
-			}
+			up := func() { applyMigration(t, db, dir, format, files, true) }
+			down := func() { applyMigration(t, db, dir, format, files, false) }
 			up()
 			up() // idempotent: adopting existing tables is a no-op
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -159,11 +160,8 @@ type HintBridge struct {
 	startMu   sync.Mutex
 	started   bool
 
-	mu      sync.Mutex
-	bits    bucketset.Set
-	any     bool
-	unknown bool
-	pending chan struct{} // 1-buffered: something is in bits
+	hints   *bucketset.Hints
+	pending chan struct{} // 1-buffered: something is in hints
 
 	sent, sendFailures, received, listenRestarts atomic.Uint64
 }
@@ -209,7 +207,7 @@ func NewHintBridge(notifier *Notifier, transport Transport, cfg HintBridgeConfig
 		notifier:  notifier,
 		transport: transport,
 		log:       cfg.Logger,
-		bits:      bucketset.New(BucketCountMax),
+		hints:     bucketset.NewHints(BucketCountMax),
 		pending:   make(chan struct{}, 1),
 	}, nil
 }
@@ -306,14 +304,7 @@ func (b *HintBridge) Stats() HintBridgeStats {
 // add is the notifier subscription. It runs on the committing goroutine:
 // it only sets bits and signals the sender, never blocks.
 func (b *HintBridge) add(buckets []int) {
-	b.mu.Lock()
-	for _, id := range buckets {
-		if !b.bits.Add(id) && !b.bits.Contains(id) {
-			b.unknown = true
-		}
-	}
-	b.any = true
-	b.mu.Unlock()
+	b.hints.Add(buckets)
 	select {
 	case b.pending <- struct{}{}:
 	default:
@@ -323,16 +314,11 @@ func (b *HintBridge) add(buckets []int) {
 // take appends the pending ids to dst (UnknownBucket first if pending) and
 // clears them.
 func (b *HintBridge) take(dst []int) []int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if !b.any {
-		return dst
+	n := len(dst)
+	dst, unknown := b.hints.Take(dst)
+	if unknown {
+		dst = slices.Insert(dst, n, UnknownBucket)
 	}
-	if b.unknown {
-		dst = append(dst, UnknownBucket)
-	}
-	dst = b.bits.Drain(dst)
-	b.any, b.unknown = false, false
 	return dst
 }
 

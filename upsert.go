@@ -298,11 +298,7 @@ func (p *Plugin) checkNotUpdated(db *gorm.DB, plan *upsertPlan) error {
 // upsertColumns returns the columns an upsert's DO UPDATE sets, as GORM
 // finally built them (it turns UpdateAll into DoUpdates).
 func upsertColumns(db *gorm.DB) []string {
-	c, ok := db.Statement.Clauses["ON CONFLICT"]
-	if !ok {
-		return nil
-	}
-	oc, ok := c.Expression.(clause.OnConflict)
+	oc, ok := statementClause[clause.OnConflict](db, "ON CONFLICT")
 	if !ok {
 		return nil
 	}

@@ -94,8 +94,7 @@ func TestAdminDeadLetters(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{Tables: outbox.WithPrefix("adm_")})
-		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-		require.NoError(t, err)
+		admin := b.newAdmin(t)
 		t0 := time.Now().Add(-time.Hour).UnixMilli()
 		part := int32(3)
 		hdrs := []outbox.Header{{Key: "trace", Value: []byte("abc")}, {Key: "bin", Value: []byte{0xff, 0x00}}}
@@ -211,8 +210,7 @@ func TestAdminPurge(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{})
-		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-		require.NoError(t, err)
+		admin := b.newAdmin(t)
 		old := time.Now().Add(-48 * time.Hour)
 		b.insert(t, outbox.MessageRow{MessageID: "pending-old", Key: []byte("k"), Value: []byte("p"), CreatedAtMs: old.Add(-time.Hour).UnixMilli()})
 		b.insertDead(t,
@@ -220,7 +218,7 @@ func TestAdminPurge(t *testing.T) {
 			outbox.DeadLetterRow{ID: 2, Bucket: 2, DeadAtMs: old.UnixMilli()},
 			outbox.DeadLetterRow{ID: 3, Bucket: 1, Key: []byte("k"), State: "parked"},
 		)
-		_, err = admin.PurgeDeadLetters(ctx, time.Time{})
+		_, err := admin.PurgeDeadLetters(ctx, time.Time{})
 		require.ErrorIs(t, err, gormrelay.ErrInvalidRequest)
 
 		n, err := admin.PurgeDeadLetters(ctx, time.Now().Add(-24*time.Hour))
@@ -292,8 +290,7 @@ func TestAdminPauseResume(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 2})
-		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-		require.NoError(t, err)
+		admin := b.newAdmin(t)
 		require.ErrorIs(t, admin.PauseBucket(ctx, 2), gormrelay.ErrInvalidRequest)
 		require.ErrorIs(t, admin.PauseBucket(ctx, -1), gormrelay.ErrInvalidRequest)
 
@@ -345,7 +342,7 @@ func TestAdminPauseResume(t *testing.T) {
 		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.leaseRows(c)[0].ExpiresAtMs > mark+600) }, 10*time.Second, 10*time.Millisecond)
 		require.Len(t, b.ids(t, 1), 1)
 		require.NoError(t, admin.ResumeBucket(ctx, 1))
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 	})
 }
 
@@ -354,8 +351,7 @@ func TestAdminStatusAndWatch(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
-		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-		require.NoError(t, err)
+		admin := b.newAdmin(t)
 		admin = admin.WithLiveWindow(600 * time.Millisecond)
 
 		st, err := admin.Status(ctx)

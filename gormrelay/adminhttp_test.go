@@ -61,8 +61,7 @@ func TestAdminHandler(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
-		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-		require.NoError(t, err)
+		admin := b.newAdmin(t)
 		b.insert(t, outbox.MessageRow{ID: 100, MessageID: "p", Bucket: 1, Key: []byte("k"), Value: []byte("k/9")})
 		old := time.Now().Add(-72 * time.Hour).UnixMilli()
 		b.insertDead(t,
@@ -188,8 +187,7 @@ func TestAdminHandlerJSONRoundTrip(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
-		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-		require.NoError(t, err)
+		admin := b.newAdmin(t)
 		b.insertDead(t, roundTripDeadLetters()...)
 		c := httpClient{t, httptest.NewServer(gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{Logger: dbtest.Logger(t)}))}
 		defer c.srv.Close()

@@ -68,6 +68,19 @@ func (b *storeBundle) relayConfig(t testing.TB, id string) relay.Config {
 	return cfg
 }
 
+// startPolicyRelay starts relay "a" on the bundle's store with a failure
+// policy of pc, publishing into a new recorder through pois.
+func (b *storeBundle) startPolicyRelay(t *testing.T, pc gormrelay.FailurePolicyConfig, pois *poison) (*gormrelay.FailurePolicy, *recorder) {
+	t.Helper()
+	policy, err := gormrelay.NewFailurePolicy(b.store, pc)
+	require.NoError(t, err)
+	rec := newRecorder()
+	cfg := b.relayConfig(t, "a")
+	cfg.FailureHandler = policy
+	startRelay(t, b.store, rec.publisher("a", pois.hook), cfg)
+	return policy, rec
+}
+
 // deadRows reads the dead-letter table in id order.
 func (b *storeBundle) deadRows(t require.TestingT) []outbox.DeadLetterRow {
 	helper(t)
@@ -141,14 +154,9 @@ func TestFailurePolicyMaxAttempts(t *testing.T) {
 		)
 		created := time.Now()
 		pois := newPoison(errors.New("broker unavailable"), "p/0")
-		policy, err := gormrelay.NewFailurePolicy(b.store, gormrelay.FailurePolicyConfig{MaxAttempts: 3, Logger: dbtest.Logger(t)})
-		require.NoError(t, err)
-		rec := newRecorder()
-		cfg := b.relayConfig(t, "a")
-		cfg.FailureHandler = policy
-		startRelay(t, b.store, rec.publisher("a", pois.hook), cfg)
+		_, rec := b.startPolicyRelay(t, gormrelay.FailurePolicyConfig{MaxAttempts: 3, Logger: dbtest.Logger(t)}, pois)
 
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 		dead := b.deadRows(t)
 		require.Len(t, dead, 1)
 		d := dead[0]
@@ -182,7 +190,7 @@ func TestFailurePolicyPermanentDefault(t *testing.T) {
 		rec := newRecorder()
 		startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
 
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 		dead := b.deadRows(t)
 		require.Len(t, dead, 1)
 		require.Equal(t, "failed", dead[0].State)
@@ -202,14 +210,13 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
-		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-		require.NoError(t, err)
+		admin := b.newAdmin(t)
 		b.insert(t, keyed([]string{"k", "j"}, 3)...) // k/0 j/0 k/1 j/1 k/2 j/2
 		pois := newPoison(relay.Permanent(errors.New("rejected")), "k/0")
 		rec := newRecorder()
 		r := startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
 
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 		require.Equal(t, map[string]string{"k/0": "failed", "k/1": "parked", "k/2": "parked"}, deadValues(b.deadRows(t)))
 		requireKeyOrder(t, ackedValues(rec), "j", 0, 1, 2)
 		requireKeyOrder(t, ackedValues(rec), "k")
@@ -217,7 +224,7 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 		// Later messages: the quarantined key is parked, the other flows.
 		b.insert(t, outbox.MessageRow{MessageID: "k-3", Key: []byte("k"), Value: []byte("k/3")},
 			outbox.MessageRow{MessageID: "j-3", Key: []byte("j"), Value: []byte("j/3")})
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 		require.Equal(t, "parked", deadValues(b.deadRows(t))["k/3"])
 		requireKeyOrder(t, ackedValues(rec), "j", 0, 1, 2, 3)
 		requireKeyOrder(t, ackedValues(rec), "k")
@@ -248,7 +255,7 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 		require.Nil(t, reset[0].LastError)
 
 		startRelay(t, b.store, rec.publisher("b", pois.hook), b.relayConfig(t, "b"))
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 		requireKeyOrder(t, ackedValues(rec), "k", 0, 1, 2, 3, 4)
 		require.Empty(t, b.deadRows(t))
 		rec.requireNoOverlap(t)
@@ -263,8 +270,7 @@ func TestFailurePolicyRequeueWhileRunning(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
-		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-		require.NoError(t, err)
+		admin := b.newAdmin(t)
 		b.insert(t, keyed([]string{"k"}, 3)...)
 		pois := newPoison(relay.Permanent(errors.New("rejected")), "k/0")
 		rec := newRecorder()
@@ -278,7 +284,7 @@ func TestFailurePolicyRequeueWhileRunning(t *testing.T) {
 		require.EqualValues(t, 3, res.Requeued, "a keyed dead letter brings its key group back")
 		require.Equal(t, []int64{999_999}, res.NotFound)
 
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 		require.Empty(t, b.deadRows(t))
 		requireKeyOrder(t, ackedValues(rec), "k", 0, 1, 2)
 	})
@@ -293,13 +299,8 @@ func TestFailurePolicyBlock(t *testing.T) {
 		stuck, free := keyInBucket(t, 0, 2), keyInBucket(t, 1, 2)
 		b.insert(t, keyed([]string{stuck, free}, 3)...)
 		pois := newPoison(relay.Permanent(errors.New("rejected")), stuck+"/0")
-		policy, err := gormrelay.NewFailurePolicy(b.store, gormrelay.FailurePolicyConfig{Mode: gormrelay.ModeBlock, MaxAttempts: 2})
-		require.NoError(t, err)
+		policy, rec := b.startPolicyRelay(t, gormrelay.FailurePolicyConfig{Mode: gormrelay.ModeBlock, MaxAttempts: 2}, pois)
 		require.Equal(t, gormrelay.ModeBlock, policy.Config().Mode)
-		rec := newRecorder()
-		cfg := b.relayConfig(t, "a")
-		cfg.FailureHandler = policy
-		startRelay(t, b.store, rec.publisher("a", pois.hook), cfg)
 
 		var head outbox.MessageRow
 		require.Eventually(t, func() bool {
@@ -331,13 +332,8 @@ func TestFailurePolicyNoQuarantine(t *testing.T) {
 			outbox.MessageRow{MessageID: "e1", Key: []byte{}, Value: []byte("e/1")},
 		)
 		pois := newPoison(relay.Permanent(errors.New("rejected")), "n/0", "k/0")
-		policy, err := gormrelay.NewFailurePolicy(b.store, gormrelay.FailurePolicyConfig{DisableQuarantine: true})
-		require.NoError(t, err)
-		rec := newRecorder()
-		cfg := b.relayConfig(t, "a")
-		cfg.FailureHandler = policy
-		startRelay(t, b.store, rec.publisher("a", pois.hook), cfg)
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		_, rec := b.startPolicyRelay(t, gormrelay.FailurePolicyConfig{DisableQuarantine: true}, pois)
+		b.requireDrained(t, 10*time.Second)
 		require.Equal(t, map[string]string{"n/0": "failed", "k/0": "failed"}, deadValues(b.deadRows(t)))
 		require.Equal(t, []string{"n/1", "k/1", "e/0", "e/1"}, ackedValues(rec))
 	})
@@ -364,8 +360,7 @@ func TestFailurePolicyEmptyKey(t *testing.T) {
 		require.Equal(t, 1, n)
 		require.Equal(t, map[string]string{"e/0": "failed", "e/1": "parked"}, deadValues(b.deadRows(t)))
 
-		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-		require.NoError(t, err)
+		admin := b.newAdmin(t)
 		pois.heal()
 		res, err := admin.RequeueKey(ctx, []byte{})
 		require.NoError(t, err)

@@ -34,8 +34,7 @@ func TestHealth(t *testing.T) {
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
 		ctx := context.Background()
 		b := newStoreBundle(t, db, outbox.Config{})
-		admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-		require.NoError(t, err)
+		admin := b.newAdmin(t)
 		h := gormrelay.HealthHandler(admin, 5*time.Minute)
 
 		// Empty: healthy, no age.
@@ -100,8 +99,7 @@ func TestOldestPendingManyBuckets(t *testing.T) {
 	t.Parallel()
 	db := dbtest.Open(t, dbtest.Postgres)
 	b := newStoreBundle(t, db, outbox.Config{BucketCount: 300})
-	admin, err := gormrelay.NewAdmin(db.DB, b.cfg)
-	require.NoError(t, err)
+	admin := b.newAdmin(t)
 	now := time.Now()
 	b.insert(t,
 		outbox.MessageRow{Bucket: 7, CreatedAtMs: now.UnixMilli()},

@@ -19,6 +19,7 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/pgnotifytest"
 	"github.com/gorm-outbox/outbox/pgnotify"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -218,33 +219,14 @@ type pgPair struct {
 	appA, appB string
 }
 
-func newPGTransport(t *testing.T, channel, app string, edit ...func(*pgnotify.Config)) *pgnotify.Transport {
-	t.Helper()
-	cfg := pgnotify.Config{
-		DSN:                 dbtest.PostgresDSN(),
-		Channel:             channel,
-		ApplicationName:     app,
-		ReconnectBackoffMin: 20 * time.Millisecond,
-		ReconnectBackoffMax: 200 * time.Millisecond,
-		Logger:              dbtest.Logger(t),
-	}
-	for _, e := range edit {
-		e(&cfg)
-	}
-	tr, err := pgnotify.New(cfg)
-	require.NoError(t, err)
-	t.Cleanup(tr.Close) // after the bridge stopped: cleanups run in reverse
-	return tr
-}
-
 // startPGPair starts two processes whose transports share nothing but the
 // database. editB adjusts B's transport.
 func startPGPair(t *testing.T, pollB time.Duration, editB ...func(*pgnotify.Config)) *pgPair {
 	t.Helper()
 	db := dbtest.Open(t, dbtest.Postgres)
 	p := &pgPair{db: db, channel: dbtest.Name("hints_"), appA: dbtest.Name("a_"), appB: dbtest.Name("b_")}
-	p.ta = newPGTransport(t, p.channel, p.appA)
-	p.tb = newPGTransport(t, p.channel, p.appB, editB...)
+	p.ta = pgnotifytest.New(t, p.channel, p.appA)
+	p.tb = pgnotifytest.New(t, p.channel, p.appB, editB...)
 	p.a = startHintProcess(t, db, "a", p.ta, 30*time.Second)
 	p.b = startHintProcess(t, db, "b", p.tb, pollB)
 	require.Eventually(t, func() bool {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -24,6 +23,7 @@ import (
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
+	"github.com/gorm-outbox/outbox/internal/promtest"
 	"github.com/gorm-outbox/outbox/metrics"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
@@ -90,30 +90,10 @@ func newCollector(t *testing.T, cfg metrics.Config) (*metrics.Collector, *promet
 }
 
 // gather returns the series of family name by their labels other than
-// outbox ("" for none): counter and gauge values, histogram sample counts.
+// outbox ("" for none), whose value must be "orders".
 func gather(t require.TestingT, reg prometheus.Gatherer, name string) map[string]float64 {
 	helper(t)
-	mfs, err := reg.Gather()
-	require.NoError(t, err)
-	out := map[string]float64{}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			var labels []string
-			for _, l := range m.GetLabel() {
-				if l.GetName() != "outbox" {
-					labels = append(labels, l.GetName()+"="+l.GetValue())
-				} else {
-					require.Equal(t, "orders", l.GetValue())
-				}
-			}
-			v := m.GetGauge().GetValue() + m.GetCounter().GetValue() + float64(m.GetHistogram().GetSampleCount())
-			out[strings.Join(labels, ",")] = v
-		}
-	}
-	return out
+	return promtest.Series(t, reg, name, "orders")
 }
 
 func one(t require.TestingT, reg prometheus.Gatherer, name string) float64 {

@@ -409,36 +409,34 @@ func (s *Store) checkBuckets(db *gorm.DB) error {
 	if err := s.checkMessageBuckets(db); err != nil {
 		return err
 	}
-	var found []int32
-	if err := db.Raw("SELECT bucket FROM "+s.leases+" WHERE bucket >= ? LIMIT 1", s.buckets).Scan(&found).Error; err != nil {
-		return err
-	}
-	if len(found) > 0 {
-		return &relay.MisconfigurationError{
-			Setting: "BucketCount",
-			Reason: fmt.Sprintf("table %s has a lease for bucket %d, outside 0..%d: another relay uses a larger BucketCount; changing it requires draining the outbox and deleting the lease rows",
-				s.tables.LeasesTable(), found[0], s.buckets-1),
-		}
-	}
-	return nil
+	return s.checkTableBuckets(db, s.leases, func(bucket int32) string {
+		return fmt.Sprintf("table %s has a lease for bucket %d, outside 0..%d: another relay uses a larger BucketCount; changing it requires draining the outbox and deleting the lease rows",
+			s.tables.LeasesTable(), bucket, s.buckets-1)
+	})
 }
 
 // checkMessageBuckets fails when messages exist outside 0..BucketCount-1
 // (one index seek). PendingBuckets runs it too, so a writer with a larger
 // BucketCount is noticed within a poll interval.
 func (s *Store) checkMessageBuckets(db *gorm.DB) error {
+	return s.checkTableBuckets(db, s.messages, func(bucket int32) string {
+		return fmt.Sprintf("table %s holds messages in bucket %d, outside 0..%d: a writer uses a larger BucketCount than this relay, so no relay can publish them; use one BucketCount everywhere",
+			s.tables.MessagesTable(), bucket, s.buckets-1)
+	})
+}
+
+// checkTableBuckets fails with a BucketCount *relay.MisconfigurationError,
+// its reason told by reason, when the (quoted) table holds a row of a
+// bucket outside 0..BucketCount-1.
+func (s *Store) checkTableBuckets(db *gorm.DB, table string, reason func(bucket int32) string) error {
 	var found []int32
-	if err := db.Raw("SELECT bucket FROM "+s.messages+" WHERE bucket >= ? LIMIT 1", s.buckets).Scan(&found).Error; err != nil {
+	if err := db.Raw("SELECT bucket FROM "+table+" WHERE bucket >= ? LIMIT 1", s.buckets).Scan(&found).Error; err != nil {
 		return err
 	}
-	if len(found) > 0 {
-		return &relay.MisconfigurationError{
-			Setting: "BucketCount",
-			Reason: fmt.Sprintf("table %s holds messages in bucket %d, outside 0..%d: a writer uses a larger BucketCount than this relay, so no relay can publish them; use one BucketCount everywhere",
-				s.tables.MessagesTable(), found[0], s.buckets-1),
-		}
+	if len(found) == 0 {
+		return nil
 	}
-	return nil
+	return &relay.MisconfigurationError{Setting: "BucketCount", Reason: reason(found[0])}
 }
 
 // leaseRows reads every lease row, creating the missing ones first.

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
 
@@ -31,6 +32,14 @@ func newStoreBundle(t testing.TB, db *dbtest.DB, cfg outbox.Config) *storeBundle
 	store, err := gormrelay.NewStore(db.DB, cfg)
 	require.NoError(t, err)
 	return &storeBundle{db: db, cfg: cfg, store: store}
+}
+
+// newAdmin returns the admin API over the bundle's database and config.
+func (b *storeBundle) newAdmin(t testing.TB) *gormrelay.Admin {
+	t.Helper()
+	admin, err := gormrelay.NewAdmin(b.db.DB, b.cfg)
+	require.NoError(t, err)
+	return admin
 }
 
 func (b *storeBundle) messages() *gorm.DB {
@@ -110,6 +119,12 @@ func (b *storeBundle) count(t require.TestingT) int64 {
 	var n int64
 	require.NoError(t, b.messages().Count(&n).Error)
 	return n
+}
+
+// requireDrained waits, up to within, until the outbox holds no message.
+func (b *storeBundle) requireDrained(t *testing.T, within time.Duration, msgAndArgs ...any) {
+	t.Helper()
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, b.count(c)) }, within, 10*time.Millisecond, msgAndArgs...)
 }
 
 func (b *storeBundle) ids(t require.TestingT, bucket int) []int64 {

@@ -124,7 +124,7 @@ func TestStrictRelayDelivers(t *testing.T) {
 		cfg.BucketCount = 4
 		cfg.BatchSize = 25
 		r := startRelay(t, b.store, counted, cfg)
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 20*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 20*time.Second)
 
 		got := committedValues(t, c, topic, kafkatest.ReadCommitted())
 		for _, k := range keys {
@@ -206,7 +206,7 @@ func TestStrictPartialFailure(t *testing.T) {
 		require.Empty(t, committedValues(t, c, topic), "nothing reached the broker, even uncommitted")
 
 		close(repair)
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 		require.Equal(t, map[string][]string{"order-1": seqValues("order-1", 3)}, committedValues(t, c, topic, kafkatest.ReadCommitted()))
 	})
 }
@@ -235,7 +235,7 @@ func TestStrictCulpritWithFailurePolicy(t *testing.T) {
 		require.NoError(t, b.messages().Where("id = ?", culprit.ID).Update("msg_value", make([]byte, 2*maxBytes)).Error)
 
 		startRelay(t, b.store, tx, fastConfig(t, "a")) // the store's failure policy
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 
 		require.Equal(t, map[string][]string{k1: {k1 + "/0"}, k2: seqValues(k2, 3)}, committedValues(t, c, topic, kafkatest.ReadCommitted()))
 		var dead []outbox.DeadLetterRow
@@ -290,28 +290,6 @@ type countingStore struct {
 func (s *countingStore) MarkPublished(ctx context.Context, id string, l relay.Lease, msgs []relay.Message) error {
 	s.deletes.Add(1)
 	return s.crashStore.MarkPublished(ctx, id, l, msgs)
-}
-
-// holdRequest makes the broker hold the first request of key that match
-// accepts until release is closed; held is closed once it is held.
-func holdRequest(fake *kfake.Cluster, key kmsg.Key, match func(kmsg.Request) bool) (held, release chan struct{}) {
-	held, release = make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	fake.ControlKey(int16(key), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		if !match(req) {
-			return nil, nil, false // not handled: the control stays
-		}
-		first := false
-		once.Do(func() { first = true })
-		if !first {
-			fake.DropControl()
-			return nil, nil, false
-		}
-		close(held)
-		fake.SleepControl(func() { <-release })
-		return nil, nil, false // then handle it as usual
-	})
-	return held, release
 }
 
 // TestStrictTakeoverFencesStaleRelay is the takeover Dekaf documents as
@@ -385,7 +363,7 @@ func testStrictTakeover(t *testing.T, db *dbtest.DB, at kmsg.Key) {
 		held, release = make(chan struct{}), make(chan struct{})
 		pubA.hold, pubA.held, pubA.release = true, held, release
 	} else {
-		held, release = holdRequest(fake, at, func(req kmsg.Request) bool {
+		held, release = kafkatest.HoldRequest(fake, at, func(req kmsg.Request) bool {
 			if r, ok := req.(*kmsg.EndTxnRequest); ok {
 				return r.TransactionalID == pubA.TransactionalID(bucket) && r.Commit
 			}
@@ -412,7 +390,7 @@ func testStrictTakeover(t *testing.T, db *dbtest.DB, at kmsg.Key) {
 	storeA.dead.Store(true)
 
 	r2 := startRelay(t, b.store, pubB, cfgB)
-	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 20*time.Second, 10*time.Millisecond, "B publishes everything")
+	b.requireDrained(t, 20*time.Second, "B publishes everything")
 	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Contains(c, leaseBuckets(r2.Leases()), bucket) }, 20*time.Second, 10*time.Millisecond,
 		"B holds the bucket (under load a lease may lapse and be re-acquired)")
 	var newer []outbox.MessageRow
@@ -422,7 +400,7 @@ func testStrictTakeover(t *testing.T, db *dbtest.DB, at kmsg.Key) {
 		}
 	}
 	b.insert(t, newer...)
-	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond, "B publishes the newer rows")
+	b.requireDrained(t, 10*time.Second, "B publishes the newer rows")
 
 	// A resumes, with a working database again.
 	storeA.dead.Store(false)
@@ -557,7 +535,7 @@ func TestStrictLeaseAwareContract(t *testing.T) {
 		r2 := startRelay(t, b.store, tb, fastConfig(t, "b"))
 		require.Eventually(t, func() bool { return len(a.Leases()) == 4 && len(r2.Leases()) == 4 }, 10*time.Second, 10*time.Millisecond)
 		b.insert(t, keyed(keysN(20), 5)...)
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -569,7 +547,7 @@ func TestStrictLeaseAwareContract(t *testing.T) {
 
 		require.Eventually(t, func() bool { return len(r2.Leases()) == 8 }, 10*time.Second, 10*time.Millisecond)
 		b.insert(t, keyed(keysN(20), 2)...)
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 		held, _, _ = tb.check(t)
 		require.Equal(t, 8, held)
 	})
@@ -595,7 +573,7 @@ func TestStrictFencedRelayRecovers(t *testing.T) {
 			return 0, nil
 		}
 		r := startRelay(t, store, tr, fastConfig(t, "a"))
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.count(c) == 0) }, 10*time.Second, 10*time.Millisecond)
+		b.requireDrained(t, 10*time.Second)
 		require.GreaterOrEqual(t, fenced.Load(), int32(2))
 		require.EqualValues(t, 1, store.deletes.Load(), "one delete, after the publish that succeeded")
 		held, acquired, released := tr.check(t)

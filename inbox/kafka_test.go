@@ -93,6 +93,23 @@ func newKafka(t *testing.T, brokers []string) *publisher.Kafka {
 	return pub
 }
 
+// failFirstAttempt runs h, then fails the first attempt at every record
+// (by message id) that fails selects, so that its transaction, with what h
+// wrote, rolls back and the record is processed again.
+func failFirstAttempt(h inbox.Handler, fails func(rec inbox.Record, id []byte) bool) inbox.Handler {
+	var failed sync.Map
+	return func(ctx context.Context, tx *gorm.DB, rec inbox.Record) error {
+		id, _ := rec.Header(inbox.MessageIDHeaderDefault)
+		if err := h(ctx, tx, rec); err != nil {
+			return err
+		}
+		if _, again := failed.LoadOrStore(string(id), true); !again && fails(rec, id) {
+			return errors.New("first attempt fails")
+		}
+		return nil
+	}
+}
+
 // The consumer-group adapter: a duplicate record is skipped, a failing
 // handler is retried until it applies the record once, and offsets are
 // marked only after the commit, so a restarted member resumes after the
@@ -119,17 +136,9 @@ func TestConsumerGroupHandler(t *testing.T) {
 		require.Equal(t, 15, n)
 
 		var calls atomic.Int32
-		var failed sync.Map
-		handler := func(ctx context.Context, tx *gorm.DB, rec inbox.Record) error {
-			id, _ := rec.Header(inbox.MessageIDHeaderDefault)
-			if err := apply("g", &calls)(ctx, tx, rec); err != nil {
-				return err
-			}
-			if _, again := failed.LoadOrStore(string(id), true); !again && len(id) > 0 && id[len(id)-1]%3 == 0 {
-				return errors.New("first attempt fails") // msg-0, msg-3, msg-6, msg-9
-			}
-			return nil
-		}
+		handler := failFirstAttempt(apply("g", &calls), func(rec inbox.Record, id []byte) bool {
+			return len(id) > 0 && id[len(id)-1]%3 == 0 // msg-0, msg-3, msg-6, msg-9
+		})
 		group := dbtest.Name("g_")
 		c1 := startConsumer(t, cluster.Brokers(), group, topic, b.inbox, handler, true)
 		assert.EventuallyWithT(t, func(c *assert.CollectT) {
@@ -230,17 +239,7 @@ func TestEndToEndExactlyOnceEffects(t *testing.T) {
 		})
 
 		var calls atomic.Int32
-		var failed sync.Map
-		handler := func(ctx context.Context, tx *gorm.DB, rec inbox.Record) error {
-			id, _ := rec.Header(inbox.MessageIDHeaderDefault)
-			if err := apply("e2e", &calls)(ctx, tx, rec); err != nil {
-				return err
-			}
-			if _, again := failed.LoadOrStore(string(id), true); !again && rec.Offset%4 == 0 {
-				return errors.New("first attempt fails")
-			}
-			return nil
-		}
+		handler := failFirstAttempt(apply("e2e", &calls), func(rec inbox.Record, _ []byte) bool { return rec.Offset%4 == 0 })
 		appliedRows := func() int64 {
 			var n int64
 			assert.NoError(t, db.DB.Model(&Applied{}).Count(&n).Error)

@@ -338,17 +338,10 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// ageAt is how long a message created at oldest has waited at now, and
-// whether that is known: 0 for an empty backlog, unknown without a
-// timestamp, never negative.
+// ageAt is relay.Backlog.OldestAge of a backlog of pending messages, the
+// oldest created at oldest, sampled at now.
 func ageAt(pending int64, oldest, now time.Time) (time.Duration, bool) {
-	if pending == 0 {
-		return 0, true
-	}
-	if oldest.IsZero() {
-		return 0, false
-	}
-	return max(now.Sub(oldest), 0), true
+	return relay.Backlog{Pending: pending, Oldest: oldest, SampledAt: now}.OldestAge()
 }
 
 // OwnedBuckets implements relay.Observer.

@@ -9,10 +9,10 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
-	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/gorm-outbox/outbox/internal/promtest"
 	"github.com/gorm-outbox/outbox/metrics"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -41,43 +41,7 @@ func setup(t *testing.T, cfg metrics.Config) *bundle {
 // Counters and gauges give their value, histograms their sample count.
 func (b *bundle) series(t *testing.T, name string) map[string]float64 {
 	t.Helper()
-	return Series(t, b.reg, name)
-}
-
-// Series gathers g and returns the series of family name (see
-// bundle.series). Exported to the deploy tests of this package.
-func Series(t testing.TB, g prometheus.Gatherer, name string) map[string]float64 {
-	t.Helper()
-	mfs, err := g.Gather()
-	require.NoError(t, err)
-	out := map[string]float64{}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			var labels []string
-			for _, l := range m.GetLabel() {
-				if l.GetName() != "outbox" {
-					labels = append(labels, l.GetName()+"="+l.GetValue())
-				}
-			}
-			out[strings.Join(labels, ",")] = value(m)
-		}
-	}
-	return out
-}
-
-func value(m *dto.Metric) float64 {
-	switch {
-	case m.Counter != nil:
-		return m.Counter.GetValue()
-	case m.Gauge != nil:
-		return m.Gauge.GetValue()
-	case m.Histogram != nil:
-		return float64(m.Histogram.GetSampleCount())
-	}
-	return 0
+	return promtest.Series(t, b.reg, name, "")
 }
 
 func TestLint(t *testing.T) {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/pgnotifytest"
 	"github.com/gorm-outbox/outbox/pgnotify"
 )
 
@@ -40,21 +41,7 @@ func setup(t *testing.T) *bundle {
 // listener connections of several transports apart.
 func (b *bundle) transport(t *testing.T, name string, edit ...func(*pgnotify.Config)) *pgnotify.Transport {
 	t.Helper()
-	cfg := pgnotify.Config{
-		DSN:                 dbtest.PostgresDSN(),
-		Channel:             b.channel,
-		ApplicationName:     b.app + "_" + name,
-		ReconnectBackoffMin: 20 * time.Millisecond,
-		ReconnectBackoffMax: 200 * time.Millisecond,
-		Logger:              testLogger(),
-	}
-	for _, e := range edit {
-		e(&cfg)
-	}
-	tr, err := pgnotify.New(cfg)
-	require.NoError(t, err)
-	t.Cleanup(tr.Close)
-	return tr
+	return pgnotifytest.New(t, b.channel, b.app+"_"+name, edit...)
 }
 
 // listenerPIDs returns the backend pids of connections named app.
@@ -327,7 +314,7 @@ func TestListenUnreachable(t *testing.T) {
 		DSN:                 "host=127.0.0.1 port=1 user=postgres dbname=test connect_timeout=1",
 		ReconnectBackoffMin: 5 * time.Millisecond,
 		ReconnectBackoffMax: 20 * time.Millisecond,
-		Logger:              testLogger(),
+		Logger:              dbtest.Logger(t),
 	})
 	require.NoError(t, err)
 	defer tr.Close()

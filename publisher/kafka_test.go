@@ -469,20 +469,7 @@ func TestKafkaFaultDroppedReply(t *testing.T) {
 // holdProduce makes the broker hold the first produce request until release
 // is closed; held is closed once it is held.
 func holdProduce(fake *kfake.Cluster) (held, release chan struct{}) {
-	held, release = make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	fake.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
-		first := false
-		once.Do(func() { first = true })
-		if !first {
-			fake.DropControl()
-			return nil, nil, false
-		}
-		close(held)
-		fake.SleepControl(func() { <-release })
-		return nil, nil, false // then handle it as usual
-	})
-	return held, release
+	return kafkatest.HoldRequest(fake, kmsg.Produce, nil)
 }
 
 func TestKafkaContextCancelledMidPublish(t *testing.T) {

@@ -189,28 +189,6 @@ func TestTransactionalBrokerRejectionAborts(t *testing.T) {
 	}
 }
 
-// holdKey makes the broker hold the first request of key that match
-// accepts until release is closed; held is closed once it is held.
-func holdKey(fake *kfake.Cluster, key kmsg.Key, match func(kmsg.Request) bool) (held, release chan struct{}) {
-	held, release = make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	fake.ControlKey(int16(key), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		if !match(req) {
-			return nil, nil, false // not handled: the control stays
-		}
-		first := false
-		once.Do(func() { first = true })
-		if !first {
-			fake.DropControl()
-			return nil, nil, false
-		}
-		close(held)
-		fake.SleepControl(func() { <-release })
-		return nil, nil, false // then handle it as usual
-	})
-	return held, release
-}
-
 type publishResult struct {
 	acked int
 	err   error
@@ -250,7 +228,7 @@ func TestTransactionalFencedInFlight(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, 5, acked)
 
-			held, release := holdKey(fake, at, func(req kmsg.Request) bool {
+			held, release := kafkatest.HoldRequest(fake, at, func(req kmsg.Request) bool {
 				if r, ok := req.(*kmsg.EndTxnRequest); ok {
 					return r.TransactionalID == a.TransactionalID(bucket) && r.Commit
 				}
@@ -361,7 +339,7 @@ func TestTransactionalCancelAborts(t *testing.T) {
 	fake := c.RequireFake(t) // kfake only: the broker holds the produce request
 	topic := c.Topic(t, 1)
 	tx := newTransactional(t, c)
-	held, release := holdKey(fake, kmsg.Produce, func(kmsg.Request) bool { return true })
+	held, release := kafkatest.HoldRequest(fake, kmsg.Produce, func(kmsg.Request) bool { return true })
 
 	cancelled := publishertest.Messages(topic, "cancelled", 10)
 	ctx, cancel := context.WithCancel(context.Background())

@@ -17,12 +17,11 @@ import (
 
 	"github.com/IBM/sarama"
 
-	"github.com/gorm-outbox/outbox/publisher"
-	"gorm.io/driver/mysql"
-	"gorm.io/driver/postgres"
-	"gorm.io/driver/sqlite"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
+
+	"github.com/gorm-outbox/outbox/internal/dbopen"
+	"github.com/gorm-outbox/outbox/publisher"
 
 	// database/sql drivers for the admin connections.
 	_ "github.com/go-sql-driver/mysql"
@@ -68,12 +67,7 @@ func newDatabase(driver, baseDSN, tmp string) (*database, error) {
 			admin.Close()
 			return nil, fmt.Errorf("create database: %w", err)
 		}
-		slash := strings.LastIndex(baseDSN, "/")
-		rest, q := baseDSN[slash+1:], ""
-		if i := strings.IndexByte(rest, '?'); i >= 0 {
-			q = rest[i:]
-		}
-		return &database{driver: driver, dsn: baseDSN[:slash+1] + name + q, drop: func() {
+		return &database{driver: driver, dsn: dbopen.WithMySQLDatabase(baseDSN, name), drop: func() {
 			_, _ = admin.Exec("DROP DATABASE " + name)
 			admin.Close()
 		}}, nil
@@ -89,29 +83,15 @@ func newDatabase(driver, baseDSN, tmp string) (*database, error) {
 }
 
 func openGorm(driver, dsn string) (*gorm.DB, error) {
-	cfg := &gorm.Config{Logger: logger.Discard}
-	var dl gorm.Dialector
-	switch driver {
-	case "postgres":
-		dl = postgres.Open(dsn)
-	case "mysql":
-		dl = mysql.Open(dsn)
-	case "sqlite":
-		dl = sqlite.Open(dsn)
-	default:
-		return nil, fmt.Errorf("unknown driver %q", driver)
-	}
-	db, err := gorm.Open(dl, cfg)
+	db, err := dbopen.Open(driver, dsn, &gorm.Config{Logger: logger.Discard})
 	if err != nil {
 		return nil, err
 	}
-	sqlDB, err := db.DB()
-	if err != nil {
-		return nil, err
-	}
-	if driver == "sqlite" {
-		sqlDB.SetMaxOpenConns(1)
-	} else {
+	if driver != dbopen.SQLite {
+		sqlDB, err := db.DB()
+		if err != nil {
+			return nil, err
+		}
 		sqlDB.SetMaxOpenConns(16)
 		sqlDB.SetMaxIdleConns(16)
 	}

@@ -1,9 +1,13 @@
 // Package bucketset is the one set of bucket ids of the module, a bitset
-// of a fixed number of buckets: the transaction's touched buckets and the
-// notifier's pending hints are both one.
+// of a fixed number of buckets: the transaction's touched buckets are one,
+// and Hints, the pending hints of the notifier and of the hint bridge,
+// holds one.
 package bucketset
 
-import "math/bits"
+import (
+	"math/bits"
+	"sync"
+)
 
 // Set holds bucket ids 0..n-1. The zero value holds nothing and accepts
 // nothing; make one with New.
@@ -55,4 +59,53 @@ func (s *Set) Drain(dst []int) []int {
 		s.words[w] = 0
 	}
 	return dst
+}
+
+// Hints gathers bucket hints until they are taken: the buckets in range,
+// and whether a hint named one outside it (an unknown bucket, for which
+// the reader must discover the pending buckets itself). Its memory is
+// bounded by the bucket count however many hints arrive. It is safe for
+// concurrent use; make one with NewHints.
+type Hints struct {
+	mu      sync.Mutex
+	set     Set
+	any     bool // something was recorded since the last Take
+	unknown bool
+}
+
+// NewHints returns an empty Hints of n buckets.
+func NewHints(n int) *Hints { return &Hints{set: New(n)} }
+
+// Add records buckets; one outside 0..n-1 records an unknown hint.
+func (h *Hints) Add(buckets []int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, b := range buckets {
+		if !h.set.Add(b) && !h.set.Contains(b) {
+			h.unknown = true
+		}
+	}
+	h.any = true
+}
+
+// AddUnknown records an unknown hint.
+func (h *Hints) AddUnknown() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.unknown = true
+	h.any = true
+}
+
+// Take appends the recorded buckets to dst in ascending order, clears
+// them, and reports whether an unknown hint was recorded.
+func (h *Hints) Take(dst []int) (buckets []int, unknown bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !h.any {
+		return dst, false
+	}
+	dst = h.set.Drain(dst)
+	unknown = h.unknown
+	h.any, h.unknown = false, false
+	return dst, unknown
 }

@@ -16,25 +16,23 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	gometrics "github.com/rcrowley/go-metrics"
 	"go.uber.org/goleak"
-	"gorm.io/driver/mysql"
-	"gorm.io/driver/postgres"
-	"gorm.io/driver/sqlite"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
+
+	"github.com/gorm-outbox/outbox/internal/dbopen"
 )
 
 // Dialect names.
 const (
-	Postgres = "postgres"
-	MySQL    = "mysql"
-	SQLite   = "sqlite"
+	Postgres = dbopen.Postgres
+	MySQL    = dbopen.MySQL
+	SQLite   = dbopen.SQLite
 )
 
 // Dialects lists every dialect the tests run on.
@@ -161,7 +159,7 @@ func Open(t testing.TB, dialect string, opts ...Options) *DB {
 			_, _ = admin.Exec("DROP DATABASE " + d.Namespace)
 			admin.Close()
 		})
-		d.DSN = withMySQLDatabase(MySQLDSN(), d.Namespace)
+		d.DSN = dbopen.WithMySQLDatabase(MySQLDSN(), d.Namespace)
 	case SQLite:
 		d.DSN = "file:" + filepath.Join(t.TempDir(), d.Namespace+".db") + "?_busy_timeout=10000&_journal_mode=WAL&_txlock=immediate"
 	default:
@@ -184,43 +182,10 @@ func Open(t testing.TB, dialect string, opts ...Options) *DB {
 	return d
 }
 
-// OpenGorm opens a GORM connection for the dialect and DSN.
+// OpenGorm opens a GORM connection for the dialect and DSN (one
+// connection for SQLite).
 func OpenGorm(dialect, dsn string, cfg *gorm.Config) (*gorm.DB, error) {
-	var dl gorm.Dialector
-	switch dialect {
-	case Postgres:
-		dl = postgres.Open(dsn)
-	case MySQL:
-		dl = mysql.Open(dsn)
-	case SQLite:
-		dl = sqlite.Open(dsn)
-	default:
-		return nil, fmt.Errorf("dbtest: unknown dialect %q", dialect)
-	}
-	db, err := gorm.Open(dl, cfg)
-	if err != nil {
-		return nil, err
-	}
-	if dialect == SQLite {
-		// One writer at a time: SQLite serializes writes anyway, and a
-		// single connection avoids SQLITE_BUSY between pooled connections.
-		sqlDB, _ := db.DB()
-		sqlDB.SetMaxOpenConns(1)
-	}
-	return db, nil
-}
-
-func withMySQLDatabase(dsn, name string) string {
-	slash := strings.LastIndex(dsn, "/")
-	if slash < 0 {
-		return dsn
-	}
-	rest := dsn[slash+1:]
-	q := ""
-	if i := strings.IndexByte(rest, '?'); i >= 0 {
-		q = rest[i:]
-	}
-	return dsn[:slash+1] + name + q
+	return dbopen.Open(dialect, dsn, cfg)
 }
 
 func mustOpen(t testing.TB, driver, dsn string) *sql.DB {

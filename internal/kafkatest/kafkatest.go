@@ -22,6 +22,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -150,6 +151,30 @@ func (c *Cluster) RequireFake(t testing.TB) *kfake.Cluster {
 		t.Skipf("kafkatest: kfake only: this test injects a broker fault or observes requests, which Apache Kafka (%s) cannot be made to do on demand; it runs on kfake in the default pass", EnvBrokers)
 	}
 	return c.fake
+}
+
+// HoldRequest makes the kfake broker hold the first request of key that
+// match accepts (any request of key for a nil match) until release is
+// closed; held is closed once it is held. The requests match refuses, and
+// every one after the held one, are handled as usual.
+func HoldRequest(fake *kfake.Cluster, key kmsg.Key, match func(kmsg.Request) bool) (held, release chan struct{}) {
+	held, release = make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	fake.ControlKey(int16(key), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		if match != nil && !match(req) {
+			return nil, nil, false // not handled: the control stays
+		}
+		first := false
+		once.Do(func() { first = true })
+		if !first {
+			fake.DropControl()
+			return nil, nil, false
+		}
+		close(held)
+		fake.SleepControl(func() { <-release })
+		return nil, nil, false // then handle it as usual
+	})
+	return held, release
 }
 
 // TopicOption configures a topic that Topic creates.

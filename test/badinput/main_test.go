@@ -9,16 +9,7 @@ package badinput_test
 import (
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
 )
 
-func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m,
-		// database/sql keeps one opener goroutine per pool until Close; the
-		// pools are closed in t.Cleanup, but the check runs after them.
-		goleak.IgnoreTopFunction("database/sql.(*DB).connectionOpener"),
-		// sarama's broker metrics start one process-wide go-metrics ticker
-		// that is never stopped (see publisher/main_test.go).
-		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
-	)
-}
+func TestMain(m *testing.M) { dbtest.VerifyTestMain(m) }

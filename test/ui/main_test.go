@@ -13,7 +13,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"os"
 	"os/exec"
 	"sync"
@@ -148,12 +147,4 @@ func tab(t *testing.T) context.Context {
 		t.Cleanup(cancelWait)
 	}
 	return ctx
-}
-
-// testLogger discards the UI's log unless OUTBOX_TEST_LOG is set.
-func testLogger(t testing.TB) *slog.Logger {
-	if os.Getenv("OUTBOX_TEST_LOG") == "" {
-		return slog.New(slog.DiscardHandler)
-	}
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("test", t.Name())
 }

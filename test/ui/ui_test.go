@@ -59,7 +59,7 @@ func (b *bundle) serve(t *testing.T, opts gormrelay.UIOptions) *httptest.Server 
 		opts.CSRFSecret = testSecret
 	}
 	if opts.Logger == nil {
-		opts.Logger = testLogger(t)
+		opts.Logger = dbtest.Logger(t)
 	}
 	mux := http.NewServeMux()
 	mux.Handle(mount+"/", http.StripPrefix(mount, gormrelay.NewUI(b.admin, opts)))

@@ -123,16 +123,16 @@ func (e *env) store(db *gorm.DB, buckets int) *gormrelay.Store {
 	return s
 }
 
-// relayConfig is a relay configuration with short timings.
+// relayConfig is a relay configuration with short timings. Its lease is
+// long enough that a busy machine's slow queries do not let a relay's own
+// leases lapse mid-drain (DrainOnce would then report its own buckets as
+// held by others).
 func (e *env) relayConfig(id string) relay.Config {
 	return relay.Config{
 		RelayID:            id,
 		BucketCount:        e.cfg.BucketCount,
 		BatchSize:          50,
 		PollInterval:       50 * time.Millisecond,
-		// Long enough that a busy machine's slow queries do not let a
-		// relay's own leases lapse mid-drain (DrainOnce would then report
-		// its own buckets as held by others).
 		LeaseDuration:      2 * time.Second,
 		LeaseRenewInterval: 500 * time.Millisecond,
 		BackoffMin:         10 * time.Millisecond,

@@ -210,7 +210,7 @@ func useExternalBrokers(brokers []string) {
 // no effect on a real cluster: it stores every record.
 func startBroker(ctx context.Context, partitions int, blackhole bool) (*child, []string, error) {
 	if len(externalBrokers) > 0 {
-		if err := createTopics(externalBrokers, partitions, benchTopic, benchTopic+"-latency-notify", benchTopic+"-latency-poll"); err != nil {
+		if err := createTopics(externalBrokers, partitions, append([]string{benchTopic}, latencyTopics()...)...); err != nil {
 			return nil, nil, err
 		}
 		return &child{}, externalBrokers, nil

@@ -48,11 +48,13 @@ type config struct {
 	WideBuckets int
 	Rate        int
 	Duration    time.Duration
-	WriteOps    int
-	Growth      []int
-	Relays      []int
-	JSON        bool
-	TmpDir      string
+	// Warmup is written before Duration and not counted (latency).
+	Warmup   time.Duration
+	WriteOps int
+	Growth   []int
+	Relays   []int
+	JSON     bool
+	TmpDir   string
 	// Brokers is an Apache Kafka cluster to run against instead of the
 	// Kafka-protocol broker the harness starts in its own process.
 	Brokers []string
@@ -110,6 +112,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
 	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
+	fs.DurationVar(&c.Warmup, "warmup", 0, "latency: how long to write before -duration without counting those messages")
 	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")
 	fs.StringVar(&growth, "growth", "10000,100000,1000000", "growth: backlog sizes")
 	fs.StringVar(&relays, "relays", "1,2,4", "relays: relay process counts")
@@ -158,6 +161,9 @@ func parseFlags(args []string) (config, error) {
 	}
 	if c.Parallelism < 0 || c.WideBuckets < 1 {
 		return c, fmt.Errorf("-parallelism must be 0 or positive and -wide-buckets positive")
+	}
+	if c.Warmup < 0 {
+		return c, fmt.Errorf("-warmup must not be negative")
 	}
 	if c.N < 1 || c.Keys < 1 || c.Buckets < 1 || c.Partitions < 1 || c.BatchSize < 1 || c.Rate < 1 {
 		return c, fmt.Errorf("sizes must be positive")

@@ -40,9 +40,33 @@ func TestSmoke(t *testing.T) {
 			for _, r := range results {
 				require.Empty(t, r.Err, "%s: %s", r.Scenario, r.Err)
 				require.NotEmpty(t, r.Figures, r.Scenario)
+				if r.Scenario == "latency" {
+					requireLatencyModes(t, cfg, r)
+				}
 			}
 		})
 	}
+}
+
+// requireLatencyModes checks that the latency scenario ran every mode
+// (the listen mode on PostgreSQL only, reported as skipped elsewhere) and
+// received every message it wrote.
+func requireLatencyModes(t *testing.T, cfg config, r *result) {
+	t.Helper()
+	written := float64(cfg.Rate) * cfg.Duration.Seconds()
+	for _, m := range latencyModes {
+		if m.listen && cfg.Driver != dbtest.Postgres {
+			require.Contains(t, r.Params, m.name, "the skipped listen mode is reported")
+			require.NotContains(t, r.Values, m.name+"_messages")
+			continue
+		}
+		require.Equal(t, written, r.Values[m.name+"_messages"], m.name)
+		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max"} {
+			require.Contains(t, r.Values, m.name+f)
+		}
+	}
+	require.Contains(t, r.Values, "notify_p99/poll10_p99")
+	require.Contains(t, r.Values, "rules8_p99/poll10_p99")
 }
 
 func TestParseFlags(t *testing.T) {

@@ -70,7 +70,7 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 			r.Notes = append(r.Notes, mode.name+": skipped, LISTEN/NOTIFY needs PostgreSQL")
 			continue
 		}
-		lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name)
+		lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, &r.Notes)
 		if err != nil {
 			return fmt.Errorf("%s: %w", mode.name, err)
 		}
@@ -197,7 +197,11 @@ func startNotifySender(ctx context.Context, e *env, channel string) (stop func()
 // measureLatency writes cfg.Rate one-message transactions per second for
 // cfg.Warmup + cfg.Duration while mode's relay runs, and measures commit
 // return → consumer receipt for each message written after the warm-up.
-func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string) ([]time.Duration, int, error) {
+//
+// With cfg.Timeline it also records each message's path through the
+// relay (not for listen, whose relay runs elsewhere), writes it there and
+// appends a summary of the slowest messages to notes.
+func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string) ([]time.Duration, int, error) {
 	var rules []outbox.Rule
 	if mode.rules8 {
 		rules = append(rules, outbox.OnCreate(func(c outbox.Change[*LatencyOrder]) (*outbox.Message, error) {
@@ -260,6 +264,17 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 			}
 		}()
 	}
+	if cfg.Timeline != "" && !mode.listen {
+		e.tl = newTimeline(func(m relay.Message) string {
+			if mode.rules8 {
+				return string(m.Value)
+			}
+			return m.MessageID
+		})
+		stopProbe := make(chan struct{})
+		go e.tl.probe(stopProbe)
+		defer close(stopProbe)
+	}
 	rl, err := startLatencyRelay(ctx, e, cfg, brokers, mode)
 	if err != nil {
 		return nil, 0, err
@@ -318,6 +333,13 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	sortDurations(lat)
 	if len(lat) == 0 {
 		return nil, lost, errors.New("no message arrived")
+	}
+	if e.tl != nil {
+		msgs := e.tl.trace(ids[warm:], committed[warm:], recv)
+		*notes = append(*notes, mode.name+" timeline: "+e.tl.summary(msgs, percentile(lat, 0.99)))
+		if err := e.tl.write(cfg.Timeline, mode.name, msgs); err != nil {
+			return nil, 0, fmt.Errorf("timeline: %w", err)
+		}
 	}
 	return lat, lost, nil
 }

@@ -49,7 +49,10 @@ type config struct {
 	Rate        int
 	Duration    time.Duration
 	// Warmup is written before Duration and not counted (latency).
-	Warmup   time.Duration
+	Warmup time.Duration
+	// Timeline is a directory for the latency scenario's per-message
+	// timelines; empty records none.
+	Timeline string
 	WriteOps int
 	Growth   []int
 	Relays   []int
@@ -112,7 +115,8 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
 	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
-	fs.DurationVar(&c.Warmup, "warmup", 0, "latency: how long to write before -duration without counting those messages")
+	fs.StringVar(&c.Timeline, "timeline", "", "latency: record each message's path through the relay into this directory and summarise the slow ones (costs some speed)")
+	fs.DurationVar(&c.Warmup, "warmup", time.Second, "latency: how long to write before -duration, delivered but not counted (fresh connections run 2-3x slower)")
 	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")
 	fs.StringVar(&growth, "growth", "10000,100000,1000000", "growth: backlog sizes")
 	fs.StringVar(&relays, "relays", "1,2,4", "relays: relay process counts")
@@ -137,6 +141,7 @@ func parseFlags(args []string) (config, error) {
 	}
 	if smoke {
 		c.N, c.Keys, c.Rate, c.Duration, c.WriteOps = 2000, 100, 200, time.Second, 100
+		c.Warmup = 200 * time.Millisecond
 		c.Growth, c.Relays = []int{500, 2000}, []int{1, 2}
 	}
 	for _, s := range strings.Split(scenarios, ",") {
@@ -277,11 +282,14 @@ func print(w io.Writer, cfg config, results []*result) {
 		for _, f := range r.Figures {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", r.Scenario, f.Name, formatValue(f.Value), f.Unit)
 		}
-		for _, n := range r.Notes {
-			fmt.Fprintf(tw, "%s\tnote\t%s\t\n", r.Scenario, n)
-		}
 	}
 	tw.Flush()
+	// Notes after the table: they are sentences, too long for a column.
+	for _, r := range results {
+		for _, n := range r.Notes {
+			fmt.Fprintf(w, "%s note: %s\n", r.Scenario, n)
+		}
+	}
 }
 
 func formatValue(v float64) string {

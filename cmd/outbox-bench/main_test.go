@@ -4,6 +4,9 @@ import (
 	"context"
 	"io"
 	"os"
+	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -34,6 +37,10 @@ func TestSmoke(t *testing.T) {
 			cfg, err := parseFlags([]string{"-smoke", "-driver", driver})
 			require.NoError(t, err)
 			cfg.TmpDir = t.TempDir()
+			if driver == dbtest.SQLite {
+				// One driver also runs the latency modes with -timeline.
+				cfg.Timeline = t.TempDir()
+			}
 			results, err := run(context.Background(), cfg, io.Discard)
 			require.NoError(t, err)
 			require.Len(t, results, len(allScenarios))
@@ -67,6 +74,26 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 	}
 	require.Contains(t, r.Values, "notify_p99/poll10_p99")
 	require.Contains(t, r.Values, "rules8_p99/poll10_p99")
+	if cfg.Timeline == "" {
+		return
+	}
+	for _, m := range latencyModes {
+		if m.listen {
+			continue // its relay runs in another process: no timeline
+		}
+		b, err := os.ReadFile(filepath.Join(cfg.Timeline, m.name+"-messages.tsv"))
+		require.NoError(t, err)
+		// A header and one line per counted message, each traced to its
+		// publish.
+		lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+		require.Len(t, lines, 1+int(written), m.name)
+		for _, l := range lines[1:] {
+			require.Len(t, strings.Split(l, "\t"), 8, m.name)
+		}
+		_, err = os.Stat(filepath.Join(cfg.Timeline, m.name+"-steps.tsv"))
+		require.NoError(t, err)
+		require.True(t, slices.ContainsFunc(r.Notes, func(n string) bool { return strings.HasPrefix(n, m.name+" timeline: ") }), m.name)
+	}
 }
 
 func TestParseFlags(t *testing.T) {

@@ -34,6 +34,8 @@ type env struct {
 	dbx    *database
 	db     *gorm.DB
 	plugin *outbox.Plugin
+	// tl, if set, times the steps of the relays startRelay starts.
+	tl *timeline
 }
 
 func newEnv(ctx context.Context, cfg config, rules ...outbox.Rule) (*env, error) {
@@ -147,7 +149,11 @@ func (e *env) startRelay(ctx context.Context, pub relay.Publisher, hints bool, p
 	if hints {
 		rc.Hints = e.plugin.Notifier()
 	}
-	r, err := relay.New(store, pub, rc)
+	var st relay.Store = store
+	if e.tl != nil {
+		st, pub = timedStore{store, e.tl}, timedPub{pub, e.tl}
+	}
+	r, err := relay.New(st, pub, rc)
 	if err != nil {
 		return nil, err
 	}

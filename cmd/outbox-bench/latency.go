@@ -1,14 +1,18 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
+	"os/signal"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -62,6 +66,7 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 	defer broker.stop()
 	r.Params["rate_tx_s"], r.Params["duration_s"] = cfg.Rate, cfg.Duration.Seconds()
 	r.Params["warmup_s"] = cfg.Warmup.Seconds()
+	r.Params["consumer"] = cfg.Consumer
 	r.Params["parallelism"] = cfg.Parallelism
 	p99 := map[string]float64{}
 	for _, mode := range latencyModes {
@@ -218,52 +223,18 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 			return nil, 0, err
 		}
 	}
-	sc := sarama.NewConfig()
-	sc.ClientID = "outbox-bench-consumer"
-	sc.Version = sarama.V2_1_0_0
-	sc.Consumer.MaxWaitTime = 50 * time.Millisecond
-	sc.Metadata.AllowAutoTopicCreation = true
-	client, err := sarama.NewClient(brokers, sc)
-	if err != nil {
-		return nil, 0, err
-	}
-	defer client.Close()
-	parts, err := client.Partitions(topic)
-	if err != nil {
-		return nil, 0, err
-	}
-	consumer, err := sarama.NewConsumerFromClient(client)
-	if err != nil {
-		return nil, 0, err
-	}
-	defer consumer.Close()
 	var mu sync.Mutex
 	recv := map[string]time.Time{}
-	for _, p := range parts {
-		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetNewest)
-		if err != nil {
-			return nil, 0, err
-		}
-		defer pc.Close()
-		go func() {
-			for m := range pc.Messages() {
-				now := time.Now()
-				if mode.rules8 {
-					mu.Lock()
-					recv[string(m.Value)] = now // the row's token
-					mu.Unlock()
-					continue
-				}
-				for _, h := range m.Headers {
-					if string(h.Key) == publisher.MessageIDHeaderDefault {
-						mu.Lock()
-						recv[string(h.Value)] = now
-						mu.Unlock()
-					}
-				}
-			}
-		}()
+	got := func(key string, at time.Time) {
+		mu.Lock()
+		recv[key] = at
+		mu.Unlock()
 	}
+	stopConsumer, err := startConsumer(ctx, cfg, brokers, topic, mode.rules8, got)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer stopConsumer()
 	if cfg.Timeline != "" && !mode.listen {
 		e.tl = newTimeline(func(m relay.Message) string {
 			if mode.rules8 {
@@ -406,4 +377,134 @@ func writeRules8(ctx context.Context, e *env, cfg config, total int, committed [
 		})
 	}
 	wg.Wait()
+}
+
+// startConsumer consumes topic from its end, in a process of its own
+// (cfg.Consumer "process") or in this one ("inline"), and calls got with
+// each message's key (its message id, or with byValue its value) and the
+// time it was received. The returned function stops it.
+func startConsumer(ctx context.Context, cfg config, brokers []string, topic string, byValue bool, got func(key string, at time.Time)) (stop func(), err error) {
+	if cfg.Consumer == "inline" {
+		return consume(ctx, brokers, topic, byValue, got)
+	}
+	env := []string{"OUTBOX_BENCH_BROKERS=" + strings.Join(brokers, ","), "OUTBOX_BENCH_TOPIC=" + topic}
+	if byValue {
+		env = append(env, "OUTBOX_BENCH_BY_VALUE=1")
+	}
+	c, err := startChildLines(ctx, "consumer", env, "READY", func(l string) {
+		// "R <key> <unix nanoseconds>": this host's wall clock, the one
+		// the writer's commit times are read from.
+		f := strings.Fields(l)
+		if len(f) != 3 || f[0] != "R" {
+			return
+		}
+		if ns, err := strconv.ParseInt(f[2], 10, 64); err == nil {
+			got(f[1], time.Unix(0, ns))
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	return c.stop, nil
+}
+
+// consume is the latency scenario's consumer: every partition of topic
+// from its end.
+func consume(ctx context.Context, brokers []string, topic string, byValue bool, got func(key string, at time.Time)) (stop func(), err error) {
+	sc := sarama.NewConfig()
+	sc.ClientID = "outbox-bench-consumer"
+	sc.Version = sarama.V2_1_0_0
+	sc.Consumer.MaxWaitTime = 50 * time.Millisecond
+	sc.Metadata.AllowAutoTopicCreation = true
+	client, err := sarama.NewClient(brokers, sc)
+	if err != nil {
+		return nil, err
+	}
+	parts, err := client.Partitions(topic)
+	if err != nil {
+		client.Close()
+		return nil, err
+	}
+	consumer, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		client.Close()
+		return nil, err
+	}
+	var (
+		wg  sync.WaitGroup
+		pcs []sarama.PartitionConsumer
+	)
+	stop = func() {
+		for _, pc := range pcs {
+			pc.AsyncClose() // ends its Messages channel, and so its loop
+		}
+		wg.Wait()
+		consumer.Close()
+		client.Close()
+	}
+	for _, p := range parts {
+		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		pcs = append(pcs, pc)
+		wg.Go(func() {
+			for m := range pc.Messages() {
+				now := time.Now()
+				if byValue {
+					got(string(m.Value), now) // the row's token
+					continue
+				}
+				for _, h := range m.Headers {
+					if string(h.Key) == publisher.MessageIDHeaderDefault {
+						got(string(h.Value), now)
+					}
+				}
+			}
+		})
+	}
+	return stop, nil
+}
+
+// runConsumerRole is the latency scenario's consumer process: it prints
+// READY once it consumes every partition, then "R <key> <unix ns>" per
+// message received, until interrupted.
+func runConsumerRole() int {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	var mu sync.Mutex
+	out := bufio.NewWriter(os.Stdout)
+	stopConsume, err := consume(ctx, strings.Split(os.Getenv("OUTBOX_BENCH_BROKERS"), ","), os.Getenv("OUTBOX_BENCH_TOPIC"),
+		os.Getenv("OUTBOX_BENCH_BY_VALUE") == "1", func(key string, at time.Time) {
+			mu.Lock()
+			fmt.Fprintf(out, "R %s %d\n", key, at.UnixNano())
+			mu.Unlock()
+		})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "outbox-bench consumer:", err)
+		return 1
+	}
+	fmt.Println("READY")
+	// Receipt times are taken before the write, so flushing in batches
+	// delays only the report, not the figure.
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			stopConsume()
+			mu.Lock()
+			_ = out.Flush()
+			mu.Unlock()
+			return 0
+		case <-tick.C:
+			mu.Lock()
+			err := out.Flush()
+			mu.Unlock()
+			if err != nil {
+				return 1
+			}
+		}
+	}
 }

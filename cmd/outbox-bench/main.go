@@ -50,6 +50,9 @@ type config struct {
 	Duration    time.Duration
 	// Warmup is written before Duration and not counted (latency).
 	Warmup time.Duration
+	// Consumer is where the latency scenario's consumer runs: "process"
+	// (its own) or "inline" (the bench's).
+	Consumer string
 	// Timeline is a directory for the latency scenario's per-message
 	// timelines; empty records none.
 	Timeline string
@@ -115,6 +118,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
 	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
+	fs.StringVar(&c.Consumer, "consumer", "process", "latency: run the consumer in its own process, or inline in the bench's, sharing its CPU and Go runtime with the writer and the relay")
 	fs.StringVar(&c.Timeline, "timeline", "", "latency: record each message's path through the relay into this directory and summarise the slow ones (costs some speed)")
 	fs.DurationVar(&c.Warmup, "warmup", time.Second, "latency: how long to write before -duration, delivered but not counted (fresh connections run 2-3x slower)")
 	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")
@@ -167,6 +171,9 @@ func parseFlags(args []string) (config, error) {
 	if c.Parallelism < 0 || c.WideBuckets < 1 {
 		return c, fmt.Errorf("-parallelism must be 0 or positive and -wide-buckets positive")
 	}
+	if c.Consumer != "process" && c.Consumer != "inline" {
+		return c, fmt.Errorf("-consumer must be process or inline, not %q", c.Consumer)
+	}
 	if c.Warmup < 0 {
 		return c, fmt.Errorf("-warmup must not be negative")
 	}
@@ -207,6 +214,8 @@ func main() {
 		os.Exit(runBrokerRole())
 	case "relay":
 		os.Exit(runRelayRole())
+	case "consumer":
+		os.Exit(runConsumerRole())
 	}
 	cfg, err := parseFlags(os.Args[1:])
 	if err != nil {

@@ -22,6 +22,8 @@ func TestMain(m *testing.M) {
 		os.Exit(runBrokerRole())
 	case "relay":
 		os.Exit(runRelayRole())
+	case "consumer":
+		os.Exit(runConsumerRole())
 	}
 	os.Exit(m.Run())
 }
@@ -38,8 +40,9 @@ func TestSmoke(t *testing.T) {
 			require.NoError(t, err)
 			cfg.TmpDir = t.TempDir()
 			if driver == dbtest.SQLite {
-				// One driver also runs the latency modes with -timeline.
-				cfg.Timeline = t.TempDir()
+				// One driver runs the latency modes with -timeline and the
+				// consumer inline.
+				cfg.Timeline, cfg.Consumer = t.TempDir(), "inline"
 			}
 			results, err := run(context.Background(), cfg, io.Discard)
 			require.NoError(t, err)
@@ -99,6 +102,8 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 func TestParseFlags(t *testing.T) {
 	_, err := parseFlags([]string{"-scenarios", "drain,nope"})
 	require.ErrorContains(t, err, `unknown scenario "nope"`)
+	_, err = parseFlags([]string{"-consumer", "elsewhere"})
+	require.ErrorContains(t, err, "-consumer must be process or inline")
 	_, err = parseFlags([]string{"-growth", "10k"})
 	require.Error(t, err)
 	c, err := parseFlags([]string{"-growth", "1_000,2000", "-driver", "sqlite"})

@@ -114,6 +114,12 @@ type child struct {
 // startChild re-executes this binary with OUTBOX_BENCH_ROLE=role and the
 // given environment, and waits for its first output line (prefix).
 func startChild(ctx context.Context, role string, env []string, prefix string) (*child, error) {
+	return startChildLines(ctx, role, env, prefix, nil)
+}
+
+// startChildLines is startChild that also hands every line the child
+// prints after its first to onLine, on one goroutine, if onLine is set.
+func startChildLines(ctx context.Context, role string, env []string, prefix string, onLine func(string)) (*child, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -135,9 +141,12 @@ func startChild(ctx context.Context, role string, env []string, prefix string) (
 		first := true
 		for {
 			l, err := r.ReadString('\n')
-			if first && strings.HasPrefix(l, prefix) {
+			switch {
+			case first && strings.HasPrefix(l, prefix):
 				lines <- strings.TrimSpace(strings.TrimPrefix(l, prefix))
 				first = false
+			case !first && onLine != nil && strings.HasSuffix(l, "\n"):
+				onLine(strings.TrimSuffix(l, "\n"))
 			}
 			if err != nil {
 				_, _ = io.Copy(io.Discard, r)
@@ -190,7 +199,7 @@ func useExternalBrokers(brokers []string) {
 // no effect on a real cluster: it stores every record.
 func startBroker(ctx context.Context, partitions int, blackhole bool) (*child, []string, error) {
 	if len(externalBrokers) > 0 {
-		if err := createTopics(externalBrokers, partitions, benchTopic, benchTopic+"-latency-notify", benchTopic+"-latency-poll"); err != nil {
+		if err := createTopics(externalBrokers, partitions, append([]string{benchTopic}, latencyTopics()...)...); err != nil {
 			return nil, nil, err
 		}
 		return &child{}, externalBrokers, nil

@@ -48,11 +48,19 @@ type config struct {
 	WideBuckets int
 	Rate        int
 	Duration    time.Duration
-	WriteOps    int
-	Growth      []int
-	Relays      []int
-	JSON        bool
-	TmpDir      string
+	// Warmup is written before Duration and not counted (latency).
+	Warmup time.Duration
+	// Consumer is where the latency scenario's consumer runs: "process"
+	// (its own) or "inline" (the bench's).
+	Consumer string
+	// Timeline is a directory for the latency scenario's per-message
+	// timelines; empty records none.
+	Timeline string
+	WriteOps int
+	Growth   []int
+	Relays   []int
+	JSON     bool
+	TmpDir   string
 	// Brokers is an Apache Kafka cluster to run against instead of the
 	// Kafka-protocol broker the harness starts in its own process.
 	Brokers []string
@@ -110,6 +118,9 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
 	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
+	fs.StringVar(&c.Consumer, "consumer", "process", "latency: run the consumer in its own process, or inline in the bench's, sharing its CPU and Go runtime with the writer and the relay")
+	fs.StringVar(&c.Timeline, "timeline", "", "latency: record each message's path through the relay into this directory and summarise the slow ones (costs some speed)")
+	fs.DurationVar(&c.Warmup, "warmup", time.Second, "latency: how long to write before -duration, delivered but not counted (fresh connections run 2-3x slower)")
 	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")
 	fs.StringVar(&growth, "growth", "10000,100000,1000000", "growth: backlog sizes")
 	fs.StringVar(&relays, "relays", "1,2,4", "relays: relay process counts")
@@ -134,6 +145,7 @@ func parseFlags(args []string) (config, error) {
 	}
 	if smoke {
 		c.N, c.Keys, c.Rate, c.Duration, c.WriteOps = 2000, 100, 200, time.Second, 100
+		c.Warmup = 200 * time.Millisecond
 		c.Growth, c.Relays = []int{500, 2000}, []int{1, 2}
 	}
 	for _, s := range strings.Split(scenarios, ",") {
@@ -158,6 +170,12 @@ func parseFlags(args []string) (config, error) {
 	}
 	if c.Parallelism < 0 || c.WideBuckets < 1 {
 		return c, fmt.Errorf("-parallelism must be 0 or positive and -wide-buckets positive")
+	}
+	if c.Consumer != "process" && c.Consumer != "inline" {
+		return c, fmt.Errorf("-consumer must be process or inline, not %q", c.Consumer)
+	}
+	if c.Warmup < 0 {
+		return c, fmt.Errorf("-warmup must not be negative")
 	}
 	if c.N < 1 || c.Keys < 1 || c.Buckets < 1 || c.Partitions < 1 || c.BatchSize < 1 || c.Rate < 1 {
 		return c, fmt.Errorf("sizes must be positive")
@@ -196,6 +214,8 @@ func main() {
 		os.Exit(runBrokerRole())
 	case "relay":
 		os.Exit(runRelayRole())
+	case "consumer":
+		os.Exit(runConsumerRole())
 	}
 	cfg, err := parseFlags(os.Args[1:])
 	if err != nil {
@@ -271,11 +291,14 @@ func print(w io.Writer, cfg config, results []*result) {
 		for _, f := range r.Figures {
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", r.Scenario, f.Name, formatValue(f.Value), f.Unit)
 		}
-		for _, n := range r.Notes {
-			fmt.Fprintf(tw, "%s\tnote\t%s\t\n", r.Scenario, n)
-		}
 	}
 	tw.Flush()
+	// Notes after the table: they are sentences, too long for a column.
+	for _, r := range results {
+		for _, n := range r.Notes {
+			fmt.Fprintf(w, "%s note: %s\n", r.Scenario, n)
+		}
+	}
 }
 
 func formatValue(v float64) string {

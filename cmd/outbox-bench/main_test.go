@@ -4,6 +4,9 @@ import (
 	"context"
 	"io"
 	"os"
+	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -19,6 +22,8 @@ func TestMain(m *testing.M) {
 		os.Exit(runBrokerRole())
 	case "relay":
 		os.Exit(runRelayRole())
+	case "consumer":
+		os.Exit(runConsumerRole())
 	}
 	os.Exit(m.Run())
 }
@@ -34,20 +39,71 @@ func TestSmoke(t *testing.T) {
 			cfg, err := parseFlags([]string{"-smoke", "-driver", driver})
 			require.NoError(t, err)
 			cfg.TmpDir = t.TempDir()
+			if driver == dbtest.SQLite {
+				// One driver runs the latency modes with -timeline and the
+				// consumer inline.
+				cfg.Timeline, cfg.Consumer = t.TempDir(), "inline"
+			}
 			results, err := run(context.Background(), cfg, io.Discard)
 			require.NoError(t, err)
 			require.Len(t, results, len(allScenarios))
 			for _, r := range results {
 				require.Empty(t, r.Err, "%s: %s", r.Scenario, r.Err)
 				require.NotEmpty(t, r.Figures, r.Scenario)
+				if r.Scenario == "latency" {
+					requireLatencyModes(t, cfg, r)
+				}
 			}
 		})
+	}
+}
+
+// requireLatencyModes checks that the latency scenario ran every mode
+// (the listen mode on PostgreSQL only, reported as skipped elsewhere) and
+// received every message it wrote.
+func requireLatencyModes(t *testing.T, cfg config, r *result) {
+	t.Helper()
+	written := float64(cfg.Rate) * cfg.Duration.Seconds()
+	for _, m := range latencyModes {
+		if m.listen && cfg.Driver != dbtest.Postgres {
+			require.Contains(t, r.Params, m.name, "the skipped listen mode is reported")
+			require.NotContains(t, r.Values, m.name+"_messages")
+			continue
+		}
+		require.Equal(t, written, r.Values[m.name+"_messages"], m.name)
+		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max"} {
+			require.Contains(t, r.Values, m.name+f)
+		}
+	}
+	require.Contains(t, r.Values, "notify_p99/poll10_p99")
+	require.Contains(t, r.Values, "rules8_p99/poll10_p99")
+	if cfg.Timeline == "" {
+		return
+	}
+	for _, m := range latencyModes {
+		if m.listen {
+			continue // its relay runs in another process: no timeline
+		}
+		b, err := os.ReadFile(filepath.Join(cfg.Timeline, m.name+"-messages.tsv"))
+		require.NoError(t, err)
+		// A header and one line per counted message, each traced to its
+		// publish.
+		lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+		require.Len(t, lines, 1+int(written), m.name)
+		for _, l := range lines[1:] {
+			require.Len(t, strings.Split(l, "\t"), 8, m.name)
+		}
+		_, err = os.Stat(filepath.Join(cfg.Timeline, m.name+"-steps.tsv"))
+		require.NoError(t, err)
+		require.True(t, slices.ContainsFunc(r.Notes, func(n string) bool { return strings.HasPrefix(n, m.name+" timeline: ") }), m.name)
 	}
 }
 
 func TestParseFlags(t *testing.T) {
 	_, err := parseFlags([]string{"-scenarios", "drain,nope"})
 	require.ErrorContains(t, err, `unknown scenario "nope"`)
+	_, err = parseFlags([]string{"-consumer", "elsewhere"})
+	require.ErrorContains(t, err, "-consumer must be process or inline")
 	_, err = parseFlags([]string{"-growth", "10k"})
 	require.Error(t, err)
 	c, err := parseFlags([]string{"-growth", "1_000,2000", "-driver", "sqlite"})

@@ -3,16 +3,13 @@ package main
 import (
 	"context"
 	"database/sql"
-	"errors"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"os/signal"
 	"runtime"
 	"runtime/debug"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -22,6 +19,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
+	"github.com/gorm-outbox/outbox/pgnotify"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -36,6 +34,8 @@ type env struct {
 	dbx    *database
 	db     *gorm.DB
 	plugin *outbox.Plugin
+	// tl, if set, times the steps of the relays startRelay starts.
+	tl *timeline
 }
 
 func newEnv(ctx context.Context, cfg config, rules ...outbox.Rule) (*env, error) {
@@ -138,16 +138,22 @@ func newPublisher(brokers []string) (*publisher.Kafka, error) {
 	}})
 }
 
-func (e *env) startRelay(ctx context.Context, pub relay.Publisher, hints bool) (*relay.Relay, error) {
+// startRelay starts a relay on the env's outbox, with the plugin's local
+// hints if hints is set and poll as its PollInterval (0: the default).
+func (e *env) startRelay(ctx context.Context, pub relay.Publisher, hints bool, poll time.Duration) (*relay.Relay, error) {
 	store, err := gormrelay.NewStore(e.db, e.plugin.Config())
 	if err != nil {
 		return nil, err
 	}
-	rc := relay.Config{BatchSize: e.cfg.BatchSize, Parallelism: e.cfg.Parallelism, Logger: quiet}
+	rc := relay.Config{BatchSize: e.cfg.BatchSize, Parallelism: e.cfg.Parallelism, PollInterval: poll, Logger: quiet}
 	if hints {
 		rc.Hints = e.plugin.Notifier()
 	}
-	r, err := relay.New(store, pub, rc)
+	var st relay.Store = store
+	if e.tl != nil {
+		st, pub = timedStore{store, e.tl}, timedPub{pub, e.tl}
+	}
+	r, err := relay.New(st, pub, rc)
 	if err != nil {
 		return nil, err
 	}
@@ -195,7 +201,7 @@ func drainWith(ctx context.Context, cfg config, n int, rss bool, newPub func() (
 		resetPeakRSS()
 	}
 	start := time.Now()
-	r, err := e.startRelay(ctx, pub, true)
+	r, err := e.startRelay(ctx, pub, true, 0)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -463,229 +469,6 @@ func readPeakRSS() int64 {
 	return 0
 }
 
-func latencyScenario(ctx context.Context, cfg config, r *result) error {
-	broker, brokers, err := startBroker(ctx, cfg.Partitions, false)
-	if err != nil {
-		return err
-	}
-	defer broker.stop()
-	r.Params["rate_tx_s"], r.Params["duration_s"] = cfg.Rate, cfg.Duration.Seconds()
-	r.Params["parallelism"] = cfg.Parallelism
-	// notify: one paced writer enqueueing, local hints; rules8: eight
-	// independent writers creating rows through a publish rule, local
-	// hints; poll: one paced writer, no hints.
-	for _, mode := range []string{"notify", "rules8", "poll"} {
-		lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode)
-		if err != nil {
-			return fmt.Errorf("%s: %w", mode, err)
-		}
-		if lost > 0 {
-			return fmt.Errorf("%s: %d messages never arrived", mode, lost)
-		}
-		r.add(mode+"_p50", float64(percentile(lat, 0.50).Microseconds())/1000, "ms")
-		r.add(mode+"_p99", float64(percentile(lat, 0.99).Microseconds())/1000, "ms")
-		r.add(mode+"_p99.9", float64(percentile(lat, 0.999).Microseconds())/1000, "ms")
-		r.add(mode+"_max", float64(lat[len(lat)-1].Microseconds())/1000, "ms")
-		r.add(mode+"_messages", float64(len(lat)), "msgs")
-	}
-	return nil
-}
-
-// LatencyOrder is the business row of the latency scenario's rules8
-// mode; its publish rule sends Token as the message value.
-type LatencyOrder struct {
-	ID    uint64 `gorm:"primaryKey"`
-	Token string `gorm:"size:32"`
-}
-
-// measureLatency writes cfg.Rate one-message transactions per second for
-// cfg.Duration while a relay runs, and measures commit-return → consumer
-// receipt for each message. mode is notify, rules8 or poll (see
-// latencyScenario).
-func measureLatency(ctx context.Context, cfg config, brokers []string, mode, topic string) ([]time.Duration, int, error) {
-	hints := mode != "poll"
-	var rules []outbox.Rule
-	if mode == "rules8" {
-		rules = append(rules, outbox.OnCreate(func(c outbox.Change[*LatencyOrder]) (*outbox.Message, error) {
-			return &outbox.Message{Topic: topic, Key: []byte("k" + strings.SplitN(c.Entity.Token[1:], "-", 2)[0]), Value: []byte(c.Entity.Token)}, nil
-		}))
-	}
-	e, err := newEnv(ctx, cfg, rules...)
-	if err != nil {
-		return nil, 0, err
-	}
-	defer e.close()
-	if mode == "rules8" {
-		if err := e.db.WithContext(ctx).AutoMigrate(&LatencyOrder{}); err != nil {
-			return nil, 0, err
-		}
-	}
-	sc := sarama.NewConfig()
-	sc.ClientID = "outbox-bench-consumer"
-	sc.Version = sarama.V2_1_0_0
-	sc.Consumer.MaxWaitTime = 50 * time.Millisecond
-	sc.Metadata.AllowAutoTopicCreation = true
-	client, err := sarama.NewClient(brokers, sc)
-	if err != nil {
-		return nil, 0, err
-	}
-	defer client.Close()
-	parts, err := client.Partitions(topic)
-	if err != nil {
-		return nil, 0, err
-	}
-	consumer, err := sarama.NewConsumerFromClient(client)
-	if err != nil {
-		return nil, 0, err
-	}
-	defer consumer.Close()
-	var mu sync.Mutex
-	recv := map[string]time.Time{}
-	for _, p := range parts {
-		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetNewest)
-		if err != nil {
-			return nil, 0, err
-		}
-		defer pc.Close()
-		go func() {
-			for m := range pc.Messages() {
-				now := time.Now()
-				if mode == "rules8" {
-					mu.Lock()
-					recv[string(m.Value)] = now // the row's token
-					mu.Unlock()
-					continue
-				}
-				for _, h := range m.Headers {
-					if string(h.Key) == publisher.MessageIDHeaderDefault {
-						mu.Lock()
-						recv[string(h.Value)] = now
-						mu.Unlock()
-					}
-				}
-			}
-		}()
-	}
-	pub, err := newPublisher(brokers)
-	if err != nil {
-		return nil, 0, err
-	}
-	defer pub.Close()
-	rl, err := e.startRelay(ctx, pub, hints)
-	if err != nil {
-		return nil, 0, err
-	}
-	defer stopRelay(rl)
-
-	total := int(float64(cfg.Rate) * cfg.Duration.Seconds())
-	committed := make([]time.Time, total)
-	ids := make([]string, total)
-	var werr atomic.Value
-	if mode == "rules8" {
-		writeRules8(ctx, e, cfg, total, committed, ids, &werr)
-	} else {
-		writePaced(ctx, e, cfg, topic, total, committed, ids, &werr)
-	}
-	if err, _ := werr.Load().(error); err != nil {
-		return nil, 0, err
-	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		mu.Lock()
-		n := len(recv)
-		mu.Unlock()
-		if n >= total || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	mu.Lock()
-	defer mu.Unlock()
-	lat := make([]time.Duration, 0, total)
-	lost := 0
-	for i, id := range ids {
-		at, ok := recv[id]
-		if !ok {
-			lost++
-			continue
-		}
-		d := at.Sub(committed[i])
-		if d < 0 {
-			d = 0 // received before the writer's goroutine read the clock
-		}
-		lat = append(lat, d)
-	}
-	sortDurations(lat)
-	if len(lat) == 0 {
-		return nil, lost, errors.New("no message arrived")
-	}
-	return lat, lost, nil
-}
-
-// writePaced enqueues total one-message transactions at cfg.Rate from
-// one schedule, handed to a pool of 8 connections so that a slow commit
-// does not delay the next one, recording each commit's return.
-func writePaced(ctx context.Context, e *env, cfg config, topic string, total int, committed []time.Time, ids []string, werr *atomic.Value) {
-	jobs := make(chan int, total)
-	var wg sync.WaitGroup
-	for w := 0; w < 8; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range jobs {
-				m := &outbox.Message{Topic: topic, Key: []byte("k" + strconv.Itoa(i%cfg.Keys)), Value: []byte("v")}
-				err := e.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return e.plugin.Enqueue(tx, m) })
-				if err != nil {
-					werr.Store(err)
-					continue
-				}
-				committed[i], ids[i] = time.Now(), m.ID
-			}
-		}()
-	}
-	interval := time.Second / time.Duration(cfg.Rate)
-	start := time.Now()
-	for i := 0; i < total; i++ {
-		if d := time.Until(start.Add(time.Duration(i) * interval)); d > 0 {
-			time.Sleep(d) // pacing the writer, not synchronization
-		}
-		jobs <- i
-	}
-	close(jobs)
-	wg.Wait()
-}
-
-// writeRules8 runs 8 independent writers, each on its own schedule at an
-// eighth of cfg.Rate from a random phase, each creating one LatencyOrder
-// per transaction whose publish rule emits the message: what a service
-// with concurrent requests does.
-func writeRules8(ctx context.Context, e *env, cfg config, total int, committed []time.Time, ids []string, werr *atomic.Value) {
-	const writers = 8
-	interval := writers * time.Second / time.Duration(cfg.Rate)
-	start := time.Now()
-	var wg sync.WaitGroup
-	for w := 0; w < writers; w++ {
-		phase := time.Duration(rand.Int64N(int64(interval)))
-		wg.Go(func() {
-			for n, i := 0, w; i < total; n, i = n+1, i+writers {
-				if d := time.Until(start.Add(phase + time.Duration(n)*interval)); d > 0 {
-					time.Sleep(d) // pacing the writer, not synchronization
-				}
-				token := "t" + strconv.Itoa(i%cfg.Keys) + "-" + strconv.Itoa(i)
-				err := e.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-					return tx.Create(&LatencyOrder{Token: token}).Error
-				})
-				if err != nil {
-					werr.Store(err)
-					continue
-				}
-				committed[i], ids[i] = time.Now(), token
-			}
-		})
-	}
-	wg.Wait()
-}
-
 // BenchOrder is the business row of the write scenario.
 type BenchOrder struct {
 	ID     uint64 `gorm:"primaryKey"`
@@ -772,12 +555,7 @@ func multiRelayDrain(ctx context.Context, cfg config, brokers []string, count in
 	if err := e.prefill(ctx, cfg.N); err != nil {
 		return 0, err
 	}
-	env := []string{
-		"OUTBOX_BENCH_DRIVER=" + cfg.Driver, "OUTBOX_BENCH_DSN=" + e.dbx.dsn,
-		"OUTBOX_BENCH_BROKERS=" + strings.Join(brokers, ","),
-		"OUTBOX_BENCH_BUCKETS=" + strconv.Itoa(cfg.Buckets), "OUTBOX_BENCH_BATCH=" + strconv.Itoa(cfg.BatchSize),
-		"OUTBOX_BENCH_PARALLELISM=" + strconv.Itoa(cfg.Parallelism),
-	}
+	env := relayEnv(cfg, e, brokers)
 	start := time.Now()
 	var children []*child
 	defer func() {
@@ -798,8 +576,20 @@ func multiRelayDrain(ctx context.Context, cfg config, brokers []string, count in
 	return float64(cfg.N) / time.Since(start).Seconds(), nil
 }
 
-// runRelayRole is a relay process of the relays scenario: it drains the
-// outbox named by its environment until interrupted.
+// relayEnv is the environment of a relay process (runRelayRole) draining
+// e's outbox.
+func relayEnv(cfg config, e *env, brokers []string) []string {
+	return []string{
+		"OUTBOX_BENCH_DRIVER=" + cfg.Driver, "OUTBOX_BENCH_DSN=" + e.dbx.dsn,
+		"OUTBOX_BENCH_BROKERS=" + strings.Join(brokers, ","),
+		"OUTBOX_BENCH_BUCKETS=" + strconv.Itoa(cfg.Buckets), "OUTBOX_BENCH_BATCH=" + strconv.Itoa(cfg.BatchSize),
+		"OUTBOX_BENCH_PARALLELISM=" + strconv.Itoa(cfg.Parallelism),
+	}
+}
+
+// runRelayRole is a relay process of the relays scenario, or with
+// OUTBOX_BENCH_LISTEN_CHANNEL the relay of the latency scenario's listen
+// mode: it drains the outbox named by its environment until interrupted.
 func runRelayRole() int {
 	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, "outbox-bench relay:", err)
@@ -825,17 +615,54 @@ func runRelayRole() int {
 	}
 	defer pub.Close()
 	// Short renewals so the relays rebalance quickly as peers start.
-	rl, err := relay.New(store, pub, relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, Logger: quiet,
-		LeaseDuration: 3 * time.Second, LeaseRenewInterval: 500 * time.Millisecond, PollInterval: 50 * time.Millisecond})
+	rc := relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, Logger: quiet,
+		LeaseDuration: 3 * time.Second, LeaseRenewInterval: 500 * time.Millisecond, PollInterval: 50 * time.Millisecond}
+	channel := os.Getenv("OUTBOX_BENCH_LISTEN_CHANNEL")
+	var transport *pgnotify.Transport
+	if channel != "" {
+		// The listen mode: the relay's default intervals, like the
+		// in-process modes, and hints from the other process's NOTIFYs.
+		rc = relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, Logger: quiet}
+		notifier := outbox.NewNotifier(buckets)
+		if transport, err = pgnotify.New(pgnotify.Config{DSN: os.Getenv("OUTBOX_BENCH_DSN"), Channel: channel, Logger: quiet}); err != nil {
+			return fail(err)
+		}
+		defer transport.Close()
+		bridge, err := outbox.StartHintBridge(ctx, notifier, transport, outbox.HintBridgeConfig{Logger: quiet})
+		if err != nil {
+			return fail(err)
+		}
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			_ = bridge.Stop(sctx)
+		}()
+		rc.Hints = notifier
+	}
+	rl, err := relay.New(store, pub, rc)
 	if err != nil {
 		return fail(err)
 	}
 	if err := rl.Start(ctx); err != nil {
 		return fail(err)
 	}
+	defer stopRelay(rl)
+	if transport != nil {
+		// Ready once it owns every bucket and listens: the first measured
+		// commit must not wait for the relay's start.
+		if err := waitOwnsAll(ctx, rl, buckets); err != nil {
+			return fail(err)
+		}
+		for transport.Stats().Subscriptions == 0 {
+			select {
+			case <-ctx.Done():
+				return 0
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}
 	fmt.Println("READY")
 	<-ctx.Done()
-	stopRelay(rl)
 	return 0
 }
 

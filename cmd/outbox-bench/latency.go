@@ -1,0 +1,510 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/IBM/sarama"
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/pgnotify"
+	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// latencyMode is one way the latency scenario writes and wakes the relay.
+type latencyMode struct {
+	name string
+	// rules8: eight independent writers creating rows through a publish
+	// rule; otherwise one paced writer enqueueing.
+	rules8 bool
+	// hints: the relay takes the plugin's local hints.
+	hints bool
+	// poll is the relay's PollInterval; 0 is the relay's default (1s).
+	poll time.Duration
+	// listen: the relay runs in another process and takes its hints from
+	// PostgreSQL LISTEN/NOTIFY (package pgnotify); the writer's process
+	// sends a NOTIFY after its commits. PostgreSQL only.
+	listen bool
+}
+
+// latencyModes are the latency scenario's modes, in the order they run.
+var latencyModes = []latencyMode{
+	{name: "notify", hints: true},
+	{name: "rules8", rules8: true, hints: true},
+	{name: "poll"},
+	{name: "poll10", poll: 10 * time.Millisecond},
+	{name: "listen", listen: true},
+}
+
+// latencyTopics are the topics of the latency scenario's modes.
+func latencyTopics() []string {
+	var out []string
+	for _, m := range latencyModes {
+		out = append(out, benchTopic+"-latency-"+m.name)
+	}
+	return out
+}
+
+func latencyScenario(ctx context.Context, cfg config, r *result) error {
+	broker, brokers, err := startBroker(ctx, cfg.Partitions, false)
+	if err != nil {
+		return err
+	}
+	defer broker.stop()
+	r.Params["rate_tx_s"], r.Params["duration_s"] = cfg.Rate, cfg.Duration.Seconds()
+	r.Params["warmup_s"] = cfg.Warmup.Seconds()
+	r.Params["consumer"] = cfg.Consumer
+	r.Params["parallelism"] = cfg.Parallelism
+	p99 := map[string]float64{}
+	for _, mode := range latencyModes {
+		if mode.listen && cfg.Driver != "postgres" {
+			r.Params[mode.name] = "skipped: LISTEN/NOTIFY needs PostgreSQL"
+			r.Notes = append(r.Notes, mode.name+": skipped, LISTEN/NOTIFY needs PostgreSQL")
+			continue
+		}
+		lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, &r.Notes)
+		if err != nil {
+			return fmt.Errorf("%s: %w", mode.name, err)
+		}
+		if lost > 0 {
+			return fmt.Errorf("%s: %d messages never arrived", mode.name, lost)
+		}
+		ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+		p99[mode.name] = ms(percentile(lat, 0.99))
+		r.add(mode.name+"_p50", ms(percentile(lat, 0.50)), "ms")
+		r.add(mode.name+"_p99", p99[mode.name], "ms")
+		r.add(mode.name+"_p99.9", ms(percentile(lat, 0.999)), "ms")
+		r.add(mode.name+"_max", ms(lat[len(lat)-1]), "ms")
+		r.add(mode.name+"_messages", float64(len(lat)), "msgs")
+	}
+	// A hint-driven relay should have no worse a tail than a relay polling
+	// every 10 ms, measured in the same run.
+	if base := p99["poll10"]; base > 0 {
+		for _, m := range []string{"notify", "rules8", "listen"} {
+			if v, ok := p99[m]; ok {
+				r.add(m+"_p99/poll10_p99", v/base, "ratio")
+			}
+		}
+	}
+	return nil
+}
+
+// LatencyOrder is the business row of the latency scenario's rules8
+// mode; its publish rule sends Token as the message value.
+type LatencyOrder struct {
+	ID    uint64 `gorm:"primaryKey"`
+	Token string `gorm:"size:32"`
+}
+
+// latencyRelay is the relay of one latency run: in this process, or in a
+// child process for the listen mode.
+type latencyRelay struct {
+	local *relay.Relay
+	pub   *publisher.Kafka
+	child *child
+	// channel is the NOTIFY channel of the child's relay.
+	channel string
+}
+
+func (l latencyRelay) stop() {
+	if l.local != nil {
+		stopRelay(l.local)
+		l.pub.Close()
+	}
+	if l.child != nil {
+		l.child.stop()
+	}
+}
+
+// startLatencyRelay starts mode's relay and returns once it owns every
+// bucket (and, for listen, listens), so that the first measured commit
+// does not wait for the relay's start.
+func startLatencyRelay(ctx context.Context, e *env, cfg config, brokers []string, mode latencyMode) (latencyRelay, error) {
+	if mode.listen {
+		channel := "outbox_bench_" + randomSuffix()
+		c, err := startChild(ctx, "relay", append(relayEnv(cfg, e, brokers), "OUTBOX_BENCH_LISTEN_CHANNEL="+channel), "READY")
+		return latencyRelay{child: c, channel: channel}, err
+	}
+	pub, err := newPublisher(brokers)
+	if err != nil {
+		return latencyRelay{}, err
+	}
+	rl, err := e.startRelay(ctx, pub, mode.hints, mode.poll)
+	if err != nil {
+		pub.Close()
+		return latencyRelay{}, err
+	}
+	if err := waitOwnsAll(ctx, rl, cfg.Buckets); err != nil {
+		stopRelay(rl)
+		pub.Close()
+		return latencyRelay{}, err
+	}
+	return latencyRelay{local: rl, pub: pub}, nil
+}
+
+// waitOwnsAll polls until rl trusts leases on all n buckets.
+func waitOwnsAll(ctx context.Context, rl *relay.Relay, n int) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for len(rl.Leases()) < n {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("relay owns %d of %d buckets after 30s", len(rl.Leases()), n)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+// startNotifySender sends the env's commits to other processes as NOTIFYs
+// (pgnotify through a send-only HintBridge), with its NOTIFY connection
+// opened before it returns. The returned function stops it.
+func startNotifySender(ctx context.Context, e *env, channel string) (stop func(), err error) {
+	transport, err := pgnotify.New(pgnotify.Config{DSN: e.dbx.dsn, Channel: channel, Logger: quiet})
+	if err != nil {
+		return nil, err
+	}
+	// Open the NOTIFY connection now, so the first measured commit does
+	// not pay for it; the relay reads an unknown-bucket hint as a prompt
+	// to look for work, of which there is none yet.
+	if err := transport.Publish(ctx, []int{outbox.UnknownBucket}); err != nil {
+		transport.Close()
+		return nil, fmt.Errorf("first NOTIFY: %w", err)
+	}
+	bridge, err := outbox.StartHintBridge(ctx, e.plugin.Notifier(), transport, outbox.HintBridgeConfig{SendOnly: true, Logger: quiet})
+	if err != nil {
+		transport.Close()
+		return nil, err
+	}
+	return func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = bridge.Stop(sctx)
+		transport.Close()
+	}, nil
+}
+
+// measureLatency writes cfg.Rate one-message transactions per second for
+// cfg.Warmup + cfg.Duration while mode's relay runs, and measures commit
+// return → consumer receipt for each message written after the warm-up.
+//
+// With cfg.Timeline it also records each message's path through the
+// relay (not for listen, whose relay runs elsewhere), writes it there and
+// appends a summary of the slowest messages to notes.
+func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string) ([]time.Duration, int, error) {
+	var rules []outbox.Rule
+	if mode.rules8 {
+		rules = append(rules, outbox.OnCreate(func(c outbox.Change[*LatencyOrder]) (*outbox.Message, error) {
+			return &outbox.Message{Topic: topic, Key: []byte("k" + strings.SplitN(c.Entity.Token[1:], "-", 2)[0]), Value: []byte(c.Entity.Token)}, nil
+		}))
+	}
+	e, err := newEnv(ctx, cfg, rules...)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer e.close()
+	if mode.rules8 {
+		if err := e.db.WithContext(ctx).AutoMigrate(&LatencyOrder{}); err != nil {
+			return nil, 0, err
+		}
+	}
+	var mu sync.Mutex
+	recv := map[string]time.Time{}
+	got := func(key string, at time.Time) {
+		mu.Lock()
+		recv[key] = at
+		mu.Unlock()
+	}
+	stopConsumer, err := startConsumer(ctx, cfg, brokers, topic, mode.rules8, got)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer stopConsumer()
+	if cfg.Timeline != "" && !mode.listen {
+		e.tl = newTimeline(func(m relay.Message) string {
+			if mode.rules8 {
+				return string(m.Value)
+			}
+			return m.MessageID
+		})
+		stopProbe := make(chan struct{})
+		go e.tl.probe(stopProbe)
+		defer close(stopProbe)
+	}
+	rl, err := startLatencyRelay(ctx, e, cfg, brokers, mode)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer rl.stop()
+	if mode.listen {
+		stopSender, err := startNotifySender(ctx, e, rl.channel)
+		if err != nil {
+			return nil, 0, err
+		}
+		defer stopSender()
+	}
+
+	warm := int(float64(cfg.Rate) * cfg.Warmup.Seconds())
+	total := warm + int(float64(cfg.Rate)*cfg.Duration.Seconds())
+	committed := make([]time.Time, total)
+	ids := make([]string, total)
+	var werr atomic.Value
+	if mode.rules8 {
+		writeRules8(ctx, e, cfg, total, committed, ids, &werr)
+	} else {
+		writePaced(ctx, e, cfg, topic, total, committed, ids, &werr)
+	}
+	if err, _ := werr.Load().(error); err != nil {
+		return nil, 0, err
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		mu.Lock()
+		n := len(recv)
+		mu.Unlock()
+		if n >= total || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	lat := make([]time.Duration, 0, total-warm)
+	lost := 0
+	for i, id := range ids {
+		at, ok := recv[id]
+		if !ok {
+			lost++
+			continue
+		}
+		if i < warm {
+			continue // written during the warm-up: delivered, not counted
+		}
+		d := at.Sub(committed[i])
+		if d < 0 {
+			d = 0 // received before the writer's goroutine read the clock
+		}
+		lat = append(lat, d)
+	}
+	sortDurations(lat)
+	if len(lat) == 0 {
+		return nil, lost, errors.New("no message arrived")
+	}
+	if e.tl != nil {
+		msgs := e.tl.trace(ids[warm:], committed[warm:], recv)
+		*notes = append(*notes, mode.name+" timeline: "+e.tl.summary(msgs, percentile(lat, 0.99)))
+		if err := e.tl.write(cfg.Timeline, mode.name, msgs); err != nil {
+			return nil, 0, fmt.Errorf("timeline: %w", err)
+		}
+	}
+	return lat, lost, nil
+}
+
+// writePaced enqueues total one-message transactions at cfg.Rate from
+// one schedule, handed to a pool of 8 connections so that a slow commit
+// does not delay the next one, recording each commit's return.
+func writePaced(ctx context.Context, e *env, cfg config, topic string, total int, committed []time.Time, ids []string, werr *atomic.Value) {
+	jobs := make(chan int, total)
+	var wg sync.WaitGroup
+	for w := 0; w < 8; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range jobs {
+				m := &outbox.Message{Topic: topic, Key: []byte("k" + strconv.Itoa(i%cfg.Keys)), Value: []byte("v")}
+				err := e.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error { return e.plugin.Enqueue(tx, m) })
+				if err != nil {
+					werr.Store(err)
+					continue
+				}
+				committed[i], ids[i] = time.Now(), m.ID
+			}
+		}()
+	}
+	interval := time.Second / time.Duration(cfg.Rate)
+	start := time.Now()
+	for i := 0; i < total; i++ {
+		if d := time.Until(start.Add(time.Duration(i) * interval)); d > 0 {
+			time.Sleep(d) // pacing the writer, not synchronization
+		}
+		jobs <- i
+	}
+	close(jobs)
+	wg.Wait()
+}
+
+// writeRules8 runs 8 independent writers, each on its own schedule at an
+// eighth of cfg.Rate from a random phase, each creating one LatencyOrder
+// per transaction whose publish rule emits the message: what a service
+// with concurrent requests does.
+func writeRules8(ctx context.Context, e *env, cfg config, total int, committed []time.Time, ids []string, werr *atomic.Value) {
+	const writers = 8
+	interval := writers * time.Second / time.Duration(cfg.Rate)
+	start := time.Now()
+	var wg sync.WaitGroup
+	for w := 0; w < writers; w++ {
+		phase := time.Duration(rand.Int64N(int64(interval)))
+		wg.Go(func() {
+			for n, i := 0, w; i < total; n, i = n+1, i+writers {
+				if d := time.Until(start.Add(phase + time.Duration(n)*interval)); d > 0 {
+					time.Sleep(d) // pacing the writer, not synchronization
+				}
+				token := "t" + strconv.Itoa(i%cfg.Keys) + "-" + strconv.Itoa(i)
+				err := e.db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
+					return tx.Create(&LatencyOrder{Token: token}).Error
+				})
+				if err != nil {
+					werr.Store(err)
+					continue
+				}
+				committed[i], ids[i] = time.Now(), token
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// startConsumer consumes topic from its end, in a process of its own
+// (cfg.Consumer "process") or in this one ("inline"), and calls got with
+// each message's key (its message id, or with byValue its value) and the
+// time it was received. The returned function stops it.
+func startConsumer(ctx context.Context, cfg config, brokers []string, topic string, byValue bool, got func(key string, at time.Time)) (stop func(), err error) {
+	if cfg.Consumer == "inline" {
+		return consume(ctx, brokers, topic, byValue, got)
+	}
+	env := []string{"OUTBOX_BENCH_BROKERS=" + strings.Join(brokers, ","), "OUTBOX_BENCH_TOPIC=" + topic}
+	if byValue {
+		env = append(env, "OUTBOX_BENCH_BY_VALUE=1")
+	}
+	c, err := startChildLines(ctx, "consumer", env, "READY", func(l string) {
+		// "R <key> <unix nanoseconds>": this host's wall clock, the one
+		// the writer's commit times are read from.
+		f := strings.Fields(l)
+		if len(f) != 3 || f[0] != "R" {
+			return
+		}
+		if ns, err := strconv.ParseInt(f[2], 10, 64); err == nil {
+			got(f[1], time.Unix(0, ns))
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	return c.stop, nil
+}
+
+// consume is the latency scenario's consumer: every partition of topic
+// from its end.
+func consume(ctx context.Context, brokers []string, topic string, byValue bool, got func(key string, at time.Time)) (stop func(), err error) {
+	sc := sarama.NewConfig()
+	sc.ClientID = "outbox-bench-consumer"
+	sc.Version = sarama.V2_1_0_0
+	sc.Consumer.MaxWaitTime = 50 * time.Millisecond
+	sc.Metadata.AllowAutoTopicCreation = true
+	client, err := sarama.NewClient(brokers, sc)
+	if err != nil {
+		return nil, err
+	}
+	parts, err := client.Partitions(topic)
+	if err != nil {
+		client.Close()
+		return nil, err
+	}
+	consumer, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		client.Close()
+		return nil, err
+	}
+	var (
+		wg  sync.WaitGroup
+		pcs []sarama.PartitionConsumer
+	)
+	stop = func() {
+		for _, pc := range pcs {
+			pc.AsyncClose() // ends its Messages channel, and so its loop
+		}
+		wg.Wait()
+		consumer.Close()
+		client.Close()
+	}
+	for _, p := range parts {
+		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		pcs = append(pcs, pc)
+		wg.Go(func() {
+			for m := range pc.Messages() {
+				now := time.Now()
+				if byValue {
+					got(string(m.Value), now) // the row's token
+					continue
+				}
+				for _, h := range m.Headers {
+					if string(h.Key) == publisher.MessageIDHeaderDefault {
+						got(string(h.Value), now)
+					}
+				}
+			}
+		})
+	}
+	return stop, nil
+}
+
+// runConsumerRole is the latency scenario's consumer process: it prints
+// READY once it consumes every partition, then "R <key> <unix ns>" per
+// message received, until interrupted.
+func runConsumerRole() int {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	var mu sync.Mutex
+	out := bufio.NewWriter(os.Stdout)
+	stopConsume, err := consume(ctx, strings.Split(os.Getenv("OUTBOX_BENCH_BROKERS"), ","), os.Getenv("OUTBOX_BENCH_TOPIC"),
+		os.Getenv("OUTBOX_BENCH_BY_VALUE") == "1", func(key string, at time.Time) {
+			mu.Lock()
+			fmt.Fprintf(out, "R %s %d\n", key, at.UnixNano())
+			mu.Unlock()
+		})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "outbox-bench consumer:", err)
+		return 1
+	}
+	fmt.Println("READY")
+	// Receipt times are taken before the write, so flushing in batches
+	// delays only the report, not the figure.
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			stopConsume()
+			mu.Lock()
+			_ = out.Flush()
+			mu.Unlock()
+			return 0
+		case <-tick.C:
+			mu.Lock()
+			err := out.Flush()
+			mu.Unlock()
+			if err != nil {
+				return 1
+			}
+		}
+	}
+}

@@ -49,8 +49,10 @@ type worker struct {
 
 	hintBuf []int
 	// announced is what a LeaseAware publisher was last told the relay
-	// holds, bucket -> term (see syncLeases). Control loop only.
-	announced map[int]int64
+	// holds, by bucket: the keeper's lease, so that a bucket dropped and
+	// found held again, even under the same term, is announced released
+	// and then acquired (see syncLeases). Control loop only.
+	announced map[int]*heldLease
 	// deferred: syncLeases left a change for after a batch in flight.
 	// Control loop only.
 	deferred bool
@@ -424,35 +426,37 @@ func (w *worker) syncLeases(ctx context.Context) error {
 	if la == nil {
 		return nil
 	}
-	cur := w.k.trustedLeases()
-	next := make(map[int]int64, len(cur))
+	cur := w.k.trustedHeld()
+	next := make(map[int]*heldLease, len(cur))
 	var acquired, released []Lease
+	var gained []*heldLease
 	w.deferred = false
-	for _, l := range cur {
-		t, ok := w.announced[l.Bucket]
+	for _, hl := range cur {
+		prev, ok := w.announced[hl.Bucket]
 		switch {
-		case ok && t == l.Term:
-			next[l.Bucket] = t
-		case w.sched.busyWake(l.Bucket):
+		case ok && prev == hl:
+			next[hl.Bucket] = hl
+		case w.sched.busyWake(hl.Bucket):
 			w.deferred = true
 			if ok {
-				next[l.Bucket] = t // still announced under the old term
+				next[hl.Bucket] = prev // still announced as before
 			}
 		default:
-			acquired = append(acquired, l)
-			next[l.Bucket] = l.Term
+			acquired = append(acquired, hl.Lease)
+			gained = append(gained, hl)
+			next[hl.Bucket] = hl
 		}
 	}
-	for b, t := range w.announced {
-		if nt, ok := next[b]; ok && nt == t {
+	for b, prev := range w.announced {
+		if next[b] == prev {
 			continue
 		}
 		if w.sched.busyWake(b) {
 			w.deferred = true
-			next[b] = t
+			next[b] = prev
 			continue
 		}
-		released = append(released, Lease{Bucket: b, Term: t})
+		released = append(released, prev.Lease)
 	}
 	w.announced = next
 	if len(released) > 0 {
@@ -471,7 +475,7 @@ func (w *worker) syncLeases(ctx context.Context) error {
 		if err != nil && !isStop(ctx, err) {
 			w.log.Warn("relay: publisher could not prepare for acquired leases", "buckets", len(acquired), "err", err)
 		}
-		w.k.announced(acquired)
+		w.k.announced(gained)
 	}
 	return nil
 }

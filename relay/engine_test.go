@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"sync"
@@ -113,6 +114,7 @@ func TestHintNotBehindSlowBucket(t *testing.T) {
 // Publish is in flight, and what it was told.
 type awarePub struct {
 	release  chan struct{}
+	fence    atomic.Int32 // publishes of bucket 1 still to fail as fenced
 	mu       sync.Mutex
 	inFlight map[int]bool
 	problems []string
@@ -131,6 +133,9 @@ func (p *awarePub) Publish(ctx context.Context, msgs []relay.Message) (int, erro
 	p.mu.Lock()
 	delete(p.inFlight, b)
 	p.mu.Unlock()
+	if b == 1 && p.fence.Add(-1) >= 0 {
+		return 0, relay.Fenced(errors.New("another producer took the bucket's identity"))
+	}
 	return len(msgs), nil
 }
 
@@ -156,7 +161,7 @@ func (p *awarePub) LeasesReleased(_ context.Context, ls []relay.Lease) {
 
 // startHung starts relay "a" alone on 8 buckets with an awarePub, and
 // returns once it holds them all and bucket 0's publish hangs.
-func startHung(t *testing.T) (*fakeStore, relay.Config, *awarePub, *relay.Relay) {
+func startHung(t *testing.T) (*fakeStore, *fakeHints, relay.Config, *awarePub, *relay.Relay) {
 	s, hints, cfg := hintedSetup()
 	pub := &awarePub{release: make(chan struct{}), inFlight: map[int]bool{}}
 	a := start(t, s, pub, cfg)
@@ -165,7 +170,7 @@ func startHung(t *testing.T) (*fakeStore, relay.Config, *awarePub, *relay.Relay)
 	s.add(0, 1)
 	hints.notify(0)
 	synctest.Wait() // bucket 0's publish is blocked
-	return s, cfg, pub, a
+	return s, hints, cfg, pub, a
 }
 
 // While bucket 0's publish hangs, a second relay joins: the first one
@@ -175,7 +180,7 @@ func startHung(t *testing.T) (*fakeStore, relay.Config, *awarePub, *relay.Relay)
 func TestSurplusReleasedBesideSlowBucket(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		s, cfg, pub, a := startHung(t)
+		s, _, cfg, pub, a := startHung(t)
 
 		b := start(t, s, relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil }), config("b"))
 		time.Sleep(3 * cfg.LeaseRenewInterval) // the bubble's clock
@@ -209,7 +214,7 @@ func TestSurplusReleasedBesideSlowBucket(t *testing.T) {
 func TestLostLeaseAnnouncedAfterItsBatch(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		s, cfg, pub, a := startHung(t)
+		s, _, cfg, pub, a := startHung(t)
 
 		s.mu.Lock()
 		s.leases[0].owner, s.leases[0].term = "other", s.leases[0].term+1 // taken over
@@ -231,6 +236,34 @@ func TestLostLeaseAnnouncedAfterItsBatch(t *testing.T) {
 		pub.mu.Unlock()
 		stop(t, a)
 	})
+}
+
+// A fenced publish drops the bucket although the store still holds it
+// for the relay: the next acquisition finds it again under the same term,
+// and the bucket is drained, whatever the order in which its release and
+// acquisition reached the publisher.
+func TestFencedBucketHeldAgainIsDrained(t *testing.T) {
+	t.Parallel()
+	for round := range 20 {
+		t.Run(strconv.Itoa(round), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				s, hints, cfg, pub, a := startHung(t)
+				pub.fence.Store(1)
+				s.add(1, 3)
+				hints.notify(1)
+				require.EventuallyWithT(t, func(c *assert.CollectT) {
+					s.mu.Lock()
+					defer s.mu.Unlock()
+					assert.Empty(c, s.msgs[1])
+				}, 10*cfg.LeaseRenewInterval, cfg.LeaseRenewInterval/10, "bucket 1 drained after the fence")
+				pub.mu.Lock()
+				require.Empty(t, pub.problems)
+				pub.mu.Unlock()
+				close(pub.release)
+				stop(t, a)
+			})
+		})
+	}
 }
 
 // After a full batch the relay deletes it and reads the next one in one

@@ -318,15 +318,28 @@ func (k *keeper) lease(b int) (*heldLease, bool) {
 
 // announced marks leases as told to the LeaseAware publisher, so drainers
 // may take them, and has their buckets looked at for pending rows.
-func (k *keeper) announced(ls []Lease) {
+func (k *keeper) announced(hls []*heldLease) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	for _, l := range ls {
-		if hl, ok := k.held[l.Bucket]; ok && hl.Term == l.Term {
-			hl.announced = true
-			k.needDiscover = true
-		}
+	for _, hl := range hls {
+		hl.announced = true
+		k.needDiscover = true
 	}
+}
+
+// trustedHeld returns the held leases while the trust window lasts.
+func (k *keeper) trustedHeld() []*heldLease {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if !time.Now().Before(k.trustedUntil) {
+		return nil
+	}
+	out := make([]*heldLease, 0, len(k.held))
+	for _, hl := range k.held {
+		out = append(out, hl)
+	}
+	slices.SortFunc(out, func(a, b *heldLease) int { return a.Bucket - b.Bucket })
+	return out
 }
 
 // trusts reports whether l is held under its term and trusted.

@@ -131,11 +131,20 @@ func (e *env) waitEmpty(ctx context.Context, timeout time.Duration) error {
 	}
 }
 
-func newPublisher(brokers []string) (*publisher.Kafka, error) {
-	return publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Configure: func(c *sarama.Config) error {
+// newPublisher builds and starts a Kafka publisher; ctx's end closes it.
+func newPublisher(ctx context.Context, brokers []string) (*publisher.Kafka, error) {
+	p, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Configure: func(c *sarama.Config) error {
 		c.ClientID = "outbox-bench"
 		return nil
 	}})
+	if err != nil {
+		return nil, err
+	}
+	if err := p.Start(ctx); err != nil {
+		_ = p.Close()
+		return nil, err
+	}
+	return p, nil
 }
 
 func (e *env) startRelay(ctx context.Context, pub relay.Publisher, hints bool) (*relay.Relay, error) {
@@ -164,7 +173,7 @@ func stopRelay(r *relay.Relay) {
 // through the default Kafka publisher.
 func relayDrain(ctx context.Context, cfg config, brokers []string, n int, rss bool) (rate float64, peakRSS int64, err error) {
 	return drainWith(ctx, cfg, n, rss, func() (relay.Publisher, func(), error) {
-		p, err := newPublisher(brokers)
+		p, err := newPublisher(ctx, brokers)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -566,7 +575,7 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode, top
 			}
 		}()
 	}
-	pub, err := newPublisher(brokers)
+	pub, err := newPublisher(ctx, brokers)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -819,7 +828,7 @@ func runRelayRole() int {
 	if err != nil {
 		return fail(err)
 	}
-	pub, err := newPublisher(strings.Split(os.Getenv("OUTBOX_BENCH_BROKERS"), ","))
+	pub, err := newPublisher(ctx, strings.Split(os.Getenv("OUTBOX_BENCH_BROKERS"), ","))
 	if err != nil {
 		return fail(err)
 	}
@@ -856,6 +865,10 @@ func strictScenario(ctx context.Context, cfg config, r *result) error {
 			Brokers: brokers, TransactionalIDPrefix: "outbox-bench-" + randomSuffix() + ".", Logger: quiet,
 		})
 		if err != nil {
+			return nil, nil, err
+		}
+		if err := p.Start(ctx); err != nil {
+			_ = p.Close()
 			return nil, nil, err
 		}
 		return p, func() { p.Close() }, nil

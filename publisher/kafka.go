@@ -862,7 +862,8 @@ func (k *Kafka) shut() error {
 //
 // Once started, the publisher is tied to ctx: when ctx ends, it closes as
 // with Stop. Start on a running publisher does nothing and returns nil;
-// after Stop or Close it returns an error wrapping ErrStopped. Publish before Start fails with ErrNotStarted.
+// after Stop or Close it returns an error wrapping ErrStopped. Publish
+// before Start fails with ErrNotStarted.
 func (k *Kafka) Start(ctx context.Context) error { return k.lifecycle.start(ctx, k.connect, k.shut) }
 
 // Stop closes the publisher (see Close) and waits until it has closed, or

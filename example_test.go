@@ -177,6 +177,9 @@ func Example_relay() {
 	if err != nil {
 		panic(err)
 	}
+	if err := pub.Start(context.Background()); err != nil { // connects to the broker
+		panic(err)
+	}
 	defer pub.Close()
 	store, err := gormrelay.NewStore(db, p.Config())
 	if err != nil {

@@ -55,6 +55,9 @@ func ExampleNew() {
 	if err != nil {
 		panic(err)
 	}
+	if err := pub.Start(ctx); err != nil { // connects to the brokers
+		panic(err)
+	}
 	defer pub.Close()
 	r, err := gormrelay.New(db, plugin, pub)
 	if err != nil {

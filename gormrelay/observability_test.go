@@ -26,6 +26,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/promtest"
 	"github.com/gorm-outbox/outbox/metrics"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -51,10 +52,10 @@ func setupObservability(t *testing.T, dialect string, rules ...outbox.Rule) *obs
 	return &obsBundle{db: db, plugin: p, store: store, kafka: k, topic: k.Topic(t, 4)}
 }
 
-// newKafkaPublisher returns a Kafka publisher closed when the test ends.
+// newKafkaPublisher returns a started Kafka publisher closed when the test ends.
 func (b *obsBundle) newKafkaPublisher(t *testing.T) *publisher.Kafka {
 	t.Helper()
-	k, err := publisher.NewKafka(publisher.KafkaConfig{
+	return publishertest.StartKafka(t, publisher.KafkaConfig{
 		Brokers: b.kafka.Brokers(),
 		Configure: func(sc *sarama.Config) error {
 			sc.Producer.Retry.Backoff = 10 * time.Millisecond
@@ -63,9 +64,6 @@ func (b *obsBundle) newKafkaPublisher(t *testing.T) *publisher.Kafka {
 		},
 		Logger: slog.New(slog.DiscardHandler),
 	})
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, k.Close()) })
-	return k
 }
 
 // enqueue writes n messages with keys spread over the buckets, in one

@@ -21,6 +21,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -81,7 +82,7 @@ func TestBrokerOutageIsNotPoison(t *testing.T) {
 		topic := cluster.Topic(t, 3)
 		down := newOutage(fake)
 
-		k, err := publisher.NewKafka(publisher.KafkaConfig{
+		k := publishertest.StartKafka(t, publisher.KafkaConfig{
 			Brokers: cluster.Brokers(),
 			Logger:  dbtest.Logger(t),
 			Configure: func(sc *sarama.Config) error {
@@ -96,8 +97,6 @@ func TestBrokerOutageIsNotPoison(t *testing.T) {
 				return nil
 			},
 		})
-		require.NoError(t, err)
-		t.Cleanup(func() { require.NoError(t, k.Close()) })
 
 		const maxAttempts = 3
 		policy, err := gormrelay.NewFailurePolicy(b.store, gormrelay.FailurePolicyConfig{MaxAttempts: maxAttempts, Logger: dbtest.Logger(t)})

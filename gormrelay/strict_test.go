@@ -21,6 +21,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -38,21 +39,18 @@ func strictSaramaConfig(sc *sarama.Config) error {
 	return nil
 }
 
-// newStrictPublisher returns a transactional publisher on c with the
+// newStrictPublisher returns a started transactional publisher on c with the
 // given transactional id prefix, closed when the test ends (after the
 // relays started later, whose cleanups run first).
 func newStrictPublisher(t testing.TB, c *kafkatest.Cluster, prefix string, maxBytes int) *publisher.Transactional {
 	t.Helper()
-	tx, err := publisher.NewTransactional(publisher.TransactionalConfig{
+	return publishertest.StartTransactional(t, publisher.TransactionalConfig{
 		Brokers:               c.Brokers(),
 		TransactionalIDPrefix: prefix,
 		Configure:             strictSaramaConfig,
 		MaxMessageBytes:       maxBytes,
 		Logger:                dbtest.Logger(t),
 	})
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, tx.Close()) })
-	return tx
 }
 
 func strictPrefix(t testing.TB) string {

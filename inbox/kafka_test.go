@@ -21,6 +21,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/metrics"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -79,7 +80,7 @@ func (c *consumer) stop() {
 
 func newKafka(t *testing.T, brokers []string) *publisher.Kafka {
 	t.Helper()
-	pub, err := publisher.NewKafka(publisher.KafkaConfig{
+	return publishertest.StartKafka(t, publisher.KafkaConfig{
 		Brokers: brokers,
 		Configure: func(c *sarama.Config) error {
 			c.Producer.Retry.Backoff = 10 * time.Millisecond
@@ -88,9 +89,6 @@ func newKafka(t *testing.T, brokers []string) *publisher.Kafka {
 		},
 		Logger: testLogger(t),
 	})
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, pub.Close()) })
-	return pub
 }
 
 // failFirstAttempt runs h, then fails the first attempt at every record

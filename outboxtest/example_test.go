@@ -192,6 +192,9 @@ func ExampleStartBroker() {
 	if err != nil {
 		panic(err)
 	}
+	if err := pub.Start(context.Background()); err != nil { // connects to the broker
+		panic(err)
+	}
 	defer pub.Close()
 	p, err := outbox.Lookup(db, "")
 	if err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/outboxtest"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -153,7 +154,7 @@ func TestBroker(t *testing.T) {
 	}))
 	pending := outboxtest.Pending(t, db.DB, p)
 
-	pub, err := publisher.NewKafka(publisher.KafkaConfig{
+	pub := publishertest.StartKafka(t, publisher.KafkaConfig{
 		Brokers: broker.Brokers(),
 		Configure: func(c *sarama.Config) error {
 			c.Producer.Retry.Backoff = 10 * time.Millisecond
@@ -162,8 +163,6 @@ func TestBroker(t *testing.T) {
 		},
 		Logger: slog.New(slog.DiscardHandler),
 	})
-	require.NoError(t, err)
-	defer func() { require.NoError(t, pub.Close()) }()
 	store, err := gormrelay.NewStore(db.DB, p.Config())
 	require.NoError(t, err)
 	r, err := relay.New(store, pub, relay.Config{Logger: slog.New(slog.DiscardHandler)})

@@ -17,9 +17,42 @@
 // for the sink also wraps ErrTooLarge (IsTooLarge). The conformance suite
 // in package publishertest holds every publisher here to this contract.
 //
+// # Lifecycle
+//
+// Both Kafka publishers have the lifecycle of the module's other
+// background services. NewKafka and NewTransactional check the
+// configuration (a *ConfigError, or the error KafkaConfig.Configure
+// returned) and connect nothing. Start(ctx) connects: Kafka starts its
+// producer, Transactional checks that a broker answers. Start is bounded by
+// ctx although sarama's constructors take no context: the connect runs on
+// its own goroutine, and if ctx ends first Start returns ctx's error and
+// whatever the connect opens later is closed. A failed Start leaves the
+// publisher unstarted, so Start may be called again (a process starting
+// while the brokers are down can retry it); Stop or Close end it. Once
+// started, the end of ctx closes the publisher as Stop does. Start on a
+// running publisher returns nil; after Stop or Close it returns an error
+// wrapping ErrStopped.
+//
+// Publish before Start, and Transactional.LeasesAcquired, fail with an
+// error wrapping ErrNotStarted that is a *relay.MisconfigurationError: a
+// relay running with a publisher that was never started stops with it
+// instead of retrying. After Stop or Close, Publish returns ErrClosed.
+// Stop(ctx) closes synchronously, bounded by ctx; Close is Stop without a
+// deadline. Stop before Start and a second Stop are harmless. Stopped and
+// Err report the end of a started publisher.
+//
+//	pub, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers})
+//	if err != nil {
+//		return err // invalid configuration
+//	}
+//	if err := pub.Start(ctx); err != nil {
+//		return err // no broker answered, or ctx ended
+//	}
+//	defer pub.Close() // after the relay stopped
+//
 // # Kafka: what is guaranteed
 //
-// NewKafka builds one long-lived sarama AsyncProducer and enforces, after
+// Start starts one long-lived sarama AsyncProducer; NewKafka enforces, after
 // the caller's KafkaConfig.Configure ran, the settings the guarantees below
 // rest on: acks=all, the idempotent producer with one request in flight per
 // broker connection, at least one retry, Kafka protocol 0.11 or newer, and
@@ -126,7 +159,8 @@
 //
 // # Strict mode: Transactional
 //
-// NewTransactional builds the strict-mode publisher. Each bucket publishes
+// NewTransactional builds the strict-mode publisher (Start checks that a
+// broker answers; the producers start per bucket). Each bucket publishes
 // through its own transactional producer, with transactional id
 // TransactionalConfig.TransactionalIDPrefix + bucket, the same on every
 // relay of the outbox, and every batch is one Kafka transaction: begin,

@@ -221,8 +221,11 @@ const replaceGapMin = time.Second
 
 var _ relay.Publisher = (*Kafka)(nil)
 
-// NewKafka connects to the cluster and starts the producer. It fails if
-// the configuration is invalid or no broker in cfg.Brokers answers.
+var errKafkaNotStarted = notStarted("Kafka publisher")
+
+// NewKafka checks cfg and returns the publisher. It opens no connection
+// and starts no goroutine: Start connects. It fails, with a *ConfigError,
+// only if the configuration is invalid.
 func NewKafka(cfg KafkaConfig) (*Kafka, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.validate(); err != nil {
@@ -233,22 +236,28 @@ func NewKafka(cfg KafkaConfig) (*Kafka, error) {
 		return nil, err
 	}
 	k := &Kafka{
-		brokers:  slices.Clone(cfg.Brokers),
-		sc:       sc,
-		idHeader: []byte(cfg.MessageIDHeader),
-		logger:   cfg.Logger.With(slog.String("component", "outbox_publisher")),
-		stall:    cfg.StallTimeout,
-		observer: cfg.Observer,
-		health:   health{gap: replaceGapMin},
+		lifecycle: newLifecycle(),
+		brokers:   slices.Clone(cfg.Brokers),
+		sc:        sc,
+		idHeader:  []byte(cfg.MessageIDHeader),
+		logger:    cfg.Logger.With(slog.String("component", "outbox_publisher")),
+		stall:     cfg.StallTimeout,
+		observer:  cfg.Observer,
+		health:    health{gap: replaceGapMin},
 	}
 	k.countRetries()
-	p, err := k.newProducer()
-	if err != nil {
-		return nil, err
-	}
-	k.cur = p
-	k.logger.Debug("kafka publisher started", slog.Any("brokers", cfg.Brokers))
 	return k, nil
+}
+
+// connect starts the producer, bounded by ctx, and puts it in service.
+// Close waits for it.
+func (k *Kafka) connect(ctx context.Context) error {
+	err := connect(ctx, guard{&k.mu, &k.closed, &k.retired}, k.newProducer,
+		func(p *producer) { k.cur = p }, (*producer).close)
+	if err == nil {
+		k.logger.Debug("kafka publisher started", slog.Any("brokers", k.brokers))
+	}
+	return err
 }
 
 // countRetries makes sarama count each retry it starts in k.retries.
@@ -457,7 +466,8 @@ func deliver(logger *slog.Logger, msg *sarama.ProducerMessage, err error) {
 // runs, nor after a Publish that returned early because ctx ended.
 //
 // Publish is safe to call from several goroutines at once. After Close, it
-// returns ErrClosed.
+// returns ErrClosed; before Start, an error wrapping ErrNotStarted for
+// which relay.IsMisconfiguration reports true.
 func (k *Kafka) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
 	k.mu.Lock()
 	if k.closed {
@@ -465,6 +475,10 @@ func (k *Kafka) Publish(ctx context.Context, msgs []relay.Message) (int, error) 
 		return 0, errClosed
 	}
 	p := k.cur
+	if p == nil {
+		k.mu.Unlock()
+		return 0, errKafkaNotStarted
+	}
 	p.senders.Add(1)
 	k.mu.Unlock()
 
@@ -806,14 +820,19 @@ func isProducerState(err error) bool {
 	return false
 }
 
-// Close flushes the messages still in flight (waiting for their
-// acknowledgements or errors, bounded by the producer's retry and network
-// timeouts), then stops the producer and its goroutines, including a
-// replaced producer still flushing. Publish calls blocked handing messages
-// to the producer finish that first. After Close, Publish returns
-// ErrClosed. Close is safe to call more than once; later calls wait for
-// the first to finish and return nil.
-func (k *Kafka) Close() error {
+// Close stops the publisher as Stop does, without a deadline: it flushes
+// the messages still in flight (waiting for their acknowledgements or
+// errors, bounded by the producer's retry and network timeouts), then
+// stops the producer and its goroutines, including a replaced producer
+// still flushing and a connect that Start gave up on. Publish calls
+// blocked handing messages to the producer finish that first. After
+// Close, Publish returns ErrClosed and Start fails. Close is safe to call
+// more than once; later calls wait for the first to finish and return
+// nil.
+func (k *Kafka) Close() error { return k.Stop(context.Background()) }
+
+// shut closes the producer; see Close.
+func (k *Kafka) shut() error {
 	k.mu.Lock()
 	if k.closed {
 		k.mu.Unlock()
@@ -822,28 +841,36 @@ func (k *Kafka) Close() error {
 	}
 	k.closed = true
 	p := k.cur
-	k.retired.Add(1) // later Close calls wait for this one too
+	k.retired.Add(1) // later calls wait for this one too
 	k.mu.Unlock()
 
-	p.close()
+	if p != nil {
+		p.close()
+	}
 	k.retired.Done()
 	k.retired.Wait()
 	k.logger.Debug("kafka publisher closed")
 	return nil
 }
 
-// Start ties the publisher to ctx: when ctx ends, the publisher closes as
-// with Stop. The constructor already connected, so a publisher that is
-// never started publishes too; Start gives it the lifecycle of the
-// module's other services. Start on a running publisher does nothing; on
-// a stopped one it returns an error.
-func (k *Kafka) Start(ctx context.Context) error { return k.lifecycle.start(ctx, k.Close) }
+// Start connects to the cluster and starts the producer (which
+// initialises a producer id), bounded by ctx: if ctx ends first, Start
+// returns ctx's error at once and closes whatever the connect opens later.
+// It fails if no broker in KafkaConfig.Brokers answers. A failed Start
+// leaves the publisher unstarted: Start may be called again, and Stop or
+// Close end it.
+//
+// Once started, the publisher is tied to ctx: when ctx ends, it closes as
+// with Stop. Start on a running publisher does nothing and returns nil;
+// after Stop or Close it returns an error wrapping ErrStopped. Publish
+// before Start fails with ErrNotStarted.
+func (k *Kafka) Start(ctx context.Context) error { return k.lifecycle.start(ctx, k.connect, k.shut) }
 
 // Stop closes the publisher (see Close) and waits until it has closed, or
 // until ctx ends: Stop then returns ctx's error and the close finishes in
 // the background. Stop before Start and a second Stop are harmless. Stop
 // the relay first.
-func (k *Kafka) Stop(ctx context.Context) error { return k.lifecycle.stop(ctx, k.Close) }
+func (k *Kafka) Stop(ctx context.Context) error { return k.lifecycle.stop(ctx, k.shut) }
 
 // Stopped returns a channel closed when a started publisher has stopped,
 // by Stop or by the end of its Start context.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -39,7 +40,8 @@ func fastConfig(sc *sarama.Config) error {
 	return nil
 }
 
-// newKafka returns a Kafka publisher on c, closed when the test ends.
+// newKafka returns a started Kafka publisher on c, closed when the test
+// ends.
 func newKafka(t testing.TB, c *kafkatest.Cluster, mods ...func(*publisher.KafkaConfig)) *publisher.Kafka {
 	t.Helper()
 	cfg := publisher.KafkaConfig{
@@ -50,10 +52,7 @@ func newKafka(t testing.TB, c *kafkatest.Cluster, mods ...func(*publisher.KafkaC
 	for _, mod := range mods {
 		mod(&cfg)
 	}
-	k, err := publisher.NewKafka(cfg)
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, k.Close()) })
-	return k
+	return publishertest.StartKafka(t, cfg)
 }
 
 func testCtx(t testing.TB) context.Context {

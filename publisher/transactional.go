@@ -99,7 +99,7 @@ func (c TransactionalConfig) validate() error {
 
 // saramaConfig builds the configuration of the producer with transactional
 // id txnID: defaults, the user's Configure, then the enforced guarantees.
-// An empty txnID builds the configuration NewTransactional connects with.
+// An empty txnID builds the configuration Start checks the brokers with.
 // c has its defaults applied.
 func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) {
 	return guaranteedConfig("TransactionalConfig", c.Configure, c.MaxMessageBytes, txnID,
@@ -122,10 +122,12 @@ func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) 
 type Transactional struct {
 	lifecycle lifecycle
 	cfg       TransactionalConfig
+	pingCfg   *sarama.Config // Start's check that a broker answers
 	idHeader  []byte
 	logger    *slog.Logger
 
 	mu      sync.Mutex
+	started bool // Start's check succeeded
 	closed  bool
 	buckets map[int]*txProducer // the current producer of each bucket
 	// bg counts the goroutines that use producers: starts, transactions
@@ -138,6 +140,8 @@ var (
 	_ relay.Publisher  = (*Transactional)(nil)
 	_ relay.LeaseAware = (*Transactional)(nil)
 )
+
+var errTransactionalNotStarted = notStarted("Transactional publisher")
 
 // txProducer is one bucket's transactional producer.
 type txProducer struct {
@@ -164,9 +168,11 @@ type txProducer struct {
 	closing bool
 }
 
-// NewTransactional checks cfg and that a broker answers, and returns the
-// strict-mode publisher. It starts no producer: those start per bucket, when
-// the relay acquires a bucket or on the bucket's first Publish.
+// NewTransactional checks cfg and returns the strict-mode publisher. It
+// opens no connection and starts no goroutine: Start checks that a broker
+// answers, and the producers start per bucket, when the relay acquires a
+// bucket or on the bucket's first Publish. It fails, with a *ConfigError
+// or the error Configure returned, only if the configuration is invalid.
 func NewTransactional(cfg TransactionalConfig) (*Transactional, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.validate(); err != nil {
@@ -176,23 +182,33 @@ func NewTransactional(cfg TransactionalConfig) (*Transactional, error) {
 	if err != nil {
 		return nil, err
 	}
-	// Fail fast on unreachable brokers, as NewKafka does. The producers
-	// have clients of their own.
-	client, err := sarama.NewClient(cfg.Brokers, sc)
-	if err != nil {
-		return nil, fmt.Errorf("publisher: connect to Kafka: %w", err)
-	}
-	_ = client.Close()
+	return &Transactional{
+		lifecycle: newLifecycle(),
+		cfg:       cfg,
+		pingCfg:   sc,
+		idHeader:  []byte(cfg.MessageIDHeader),
+		logger:    cfg.Logger.With(slog.String("component", "outbox_publisher"), slog.Bool("transactional", true)),
+		buckets:   map[int]*txProducer{},
+	}, nil
+}
 
-	t := &Transactional{
-		cfg:      cfg,
-		idHeader: []byte(cfg.MessageIDHeader),
-		logger:   cfg.Logger.With(slog.String("component", "outbox_publisher"), slog.Bool("transactional", true)),
-		buckets:  map[int]*txProducer{},
+// connect checks that a broker answers, bounded by ctx, so that Start
+// fails fast on unreachable brokers as the Kafka publisher's does. The
+// producers have clients of their own. Close waits for it.
+func (t *Transactional) connect(ctx context.Context) error {
+	err := connect(ctx, guard{&t.mu, &t.closed, &t.bg}, func() (struct{}, error) {
+		client, err := sarama.NewClient(t.cfg.Brokers, t.pingCfg)
+		if err != nil {
+			return struct{}{}, fmt.Errorf("publisher: connect to Kafka: %w", err)
+		}
+		_ = client.Close()
+		return struct{}{}, nil
+	}, func(struct{}) { t.started = true }, func(struct{}) {})
+	if err == nil {
+		t.logger.Debug("transactional publisher started", slog.Any("brokers", t.cfg.Brokers),
+			slog.String("transactional_id_prefix", t.cfg.TransactionalIDPrefix))
 	}
-	t.logger.Debug("transactional publisher ready", slog.Any("brokers", cfg.Brokers),
-		slog.String("transactional_id_prefix", cfg.TransactionalIDPrefix))
-	return t, nil
+	return err
 }
 
 // TransactionalID returns the transactional id bucket's producer uses:
@@ -209,11 +225,17 @@ func (t *Transactional) TransactionalID(bucket int) string {
 // the previous owner can no longer commit, before this relay reads its
 // first batch. A producer that failed to start is reported and started
 // again by the bucket's next Publish. It implements relay.LeaseAware.
+// Before Start it fails, as Publish does, with ErrNotStarted, which stops
+// the relay.
 func (t *Transactional) LeasesAcquired(ctx context.Context, leases []relay.Lease) error {
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()
 		return ErrClosed
+	}
+	if !t.started {
+		t.mu.Unlock()
+		return errTransactionalNotStarted
 	}
 	var started []*txProducer
 	for _, l := range leases {
@@ -425,13 +447,18 @@ func (t *Transactional) retire(p *txProducer) {
 // not modify them meanwhile.
 //
 // Publish calls for different buckets run concurrently; calls for one
-// bucket run one transaction at a time. After Close it returns ErrClosed.
+// bucket run one transaction at a time. After Close it returns ErrClosed;
+// before Start, an error wrapping ErrNotStarted for which
+// relay.IsMisconfiguration reports true.
 func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
 	t.mu.Lock()
-	closed := t.closed
+	closed, started := t.closed, t.started
 	t.mu.Unlock()
 	if closed {
 		return 0, ErrClosed
+	}
+	if !started {
+		return 0, errTransactionalNotStarted
 	}
 	if len(msgs) == 0 {
 		return 0, nil
@@ -721,12 +748,17 @@ func isFenced(err error) bool {
 	return errors.Is(err, sarama.ErrProducerFenced) || errors.Is(err, sarama.ErrInvalidProducerEpoch)
 }
 
-// Close closes every producer, after the transaction in progress on it, if
-// any, committed or aborted (bounded by the producer's retry and network
-// timeouts). After Close, Publish returns ErrClosed. Close is safe to call
-// more than once; later calls wait for the first to finish. Stop the relay
-// before closing its publisher.
-func (t *Transactional) Close() error {
+// Close stops the publisher as Stop does, without a deadline: it closes
+// every producer, after the transaction in progress on it, if any,
+// committed or aborted (bounded by the producer's retry and network
+// timeouts), and waits for a broker check that Start gave up on. After
+// Close, Publish returns ErrClosed and Start fails. Close is safe to call
+// more than once; later calls wait for the first to finish. Stop the
+// relay before closing its publisher.
+func (t *Transactional) Close() error { return t.Stop(context.Background()) }
+
+// shut closes every producer; see Close.
+func (t *Transactional) shut() error {
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()
@@ -743,18 +775,25 @@ func (t *Transactional) Close() error {
 	return nil
 }
 
-// Start ties the publisher to ctx: when ctx ends, the publisher closes as
-// with Stop. The constructor already connected, so a publisher that is
-// never started publishes too; Start gives it the lifecycle of the
-// module's other services. Start on a running publisher does nothing; on
-// a stopped one it returns an error.
-func (t *Transactional) Start(ctx context.Context) error { return t.lifecycle.start(ctx, t.Close) }
+// Start checks that a broker in TransactionalConfig.Brokers answers,
+// bounded by ctx: if ctx ends first, Start returns ctx's error at once and
+// closes whatever the check opens later. It starts no producer (see
+// LeasesAcquired). A failed Start leaves the publisher unstarted: Start
+// may be called again, and Stop or Close end it.
+//
+// Once started, the publisher is tied to ctx: when ctx ends, it closes as
+// with Stop. Start on a running publisher does nothing and returns nil;
+// after Stop or Close it returns an error wrapping ErrStopped. Publish and
+// LeasesAcquired before Start fail with ErrNotStarted.
+func (t *Transactional) Start(ctx context.Context) error {
+	return t.lifecycle.start(ctx, t.connect, t.shut)
+}
 
 // Stop closes the publisher (see Close) and waits until it has closed, or
 // until ctx ends: Stop then returns ctx's error and the close finishes in
 // the background. Stop before Start and a second Stop are harmless. Stop
 // the relay first.
-func (t *Transactional) Stop(ctx context.Context) error { return t.lifecycle.stop(ctx, t.Close) }
+func (t *Transactional) Stop(ctx context.Context) error { return t.lifecycle.stop(ctx, t.shut) }
 
 // Stopped returns a channel closed when a started publisher has stopped,
 // by Stop or by the end of its Start context.

@@ -46,7 +46,10 @@ type Message struct {
 // relay republishes 3, 4 and 5 later. A relay with Config.Parallelism
 // above 1 (the default) calls Publish concurrently for different buckets,
 // never concurrently for the same bucket; a publisher that is not safe
-// for concurrent use needs Parallelism 1.
+// for concurrent use needs Parallelism 1. An error that is a
+// *MisconfigurationError (the publisher cannot work as configured, for
+// example it was never started) stops the relay once the acknowledged
+// prefix is deleted; it is not counted against the message.
 type Publisher interface {
 	Publish(ctx context.Context, msgs []Message) (acked int, err error)
 }

@@ -199,7 +199,10 @@
 // writer with more buckets committed after the start (the GORM store
 // checks at every discovery poll), they stop the relay, which releases its
 // leases, reported by Err and Stopped. The relay never spins on them
-// silently. Invalid Config values are refused by
+// silently. A *MisconfigurationError from the publisher (Publish, or
+// LeasesAcquired of a relay.LeaseAware one), such as a Kafka publisher
+// that was never started, stops the relay the same way; nothing is
+// recorded against the message. Invalid Config values are refused by
 // New with a *ConfigError, including LeaseRenewInterval >= LeaseDuration.
 //
 // # Clocks

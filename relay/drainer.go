@@ -155,6 +155,12 @@ func (w *worker) drainBatch(ctx context.Context, hl *heldLease, st bucketState) 
 		if ctx.Err() != nil {
 			return batchResult{out: outStopped}
 		}
+		if IsMisconfiguration(perr) {
+			// The publisher cannot work as configured (not started, not
+			// authorized): no message is at fault, so nothing is recorded
+			// against one, and the relay stops with the error.
+			return batchResult{out: outFailed, err: perr}
+		}
 		if i, ok := FailedIndex(perr); ok && i > acked && i < len(msgs) {
 			// The publisher names a later message as the cause (a
 			// transactional one aborts the whole batch): publish the

@@ -540,6 +540,37 @@ func TestMisconfigurationStops(t *testing.T) {
 	})
 }
 
+// A publisher's misconfiguration (a publisher that was never started, an
+// unauthorized identity) stops the relay with it: the message is not at
+// fault, so no failure is recorded against it and nothing is deleted, by
+// the running relay and by DrainOnce.
+func TestPublisherMisconfigurationStops(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		notStarted := &relay.MisconfigurationError{Setting: "Kafka publisher", Reason: "call Start before the relay publishes"}
+		var calls atomic.Int32
+		pub := relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) {
+			calls.Add(1)
+			return 0, notStarted
+		})
+		s := newFakeStore(8)
+		s.add(2, 1)
+		r := start(t, s, pub, config("a"))
+		<-r.Stopped()
+		require.ErrorIs(t, r.Err(), notStarted)
+		require.EqualValues(t, 1, calls.Load(), "the relay stops at the first such error")
+		require.Equal(t, 1, s.pending())
+		require.Zero(t, s.count("record"), "no failure recorded against the message")
+
+		d, err := relay.New(s, pub, config("b"))
+		require.NoError(t, err)
+		_, err = d.DrainOnce(t.Context())
+		require.ErrorIs(t, err, notStarted)
+		require.Equal(t, 1, s.pending())
+		require.Zero(t, s.count("record"))
+	})
+}
+
 // Store errors are retried with backoff, not fatal.
 func TestStoreErrorsRetry(t *testing.T) {
 	t.Parallel()

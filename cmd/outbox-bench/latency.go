@@ -138,7 +138,7 @@ func startLatencyRelay(ctx context.Context, e *env, cfg config, brokers []string
 		c, err := startChild(ctx, "relay", append(relayEnv(cfg, e, brokers), "OUTBOX_BENCH_LISTEN_CHANNEL="+channel), "READY")
 		return latencyRelay{child: c, channel: channel}, err
 	}
-	pub, err := newPublisher(brokers)
+	pub, err := newPublisher(ctx, brokers)
 	if err != nil {
 		return latencyRelay{}, err
 	}

@@ -131,11 +131,20 @@ func (e *env) waitEmpty(ctx context.Context, timeout time.Duration) error {
 	}
 }
 
-func newPublisher(brokers []string) (*publisher.Kafka, error) {
-	return publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Configure: func(c *sarama.Config) error {
+// newPublisher builds and starts a Kafka publisher; ctx's end closes it.
+func newPublisher(ctx context.Context, brokers []string) (*publisher.Kafka, error) {
+	p, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Configure: func(c *sarama.Config) error {
 		c.ClientID = "outbox-bench"
 		return nil
 	}})
+	if err != nil {
+		return nil, err
+	}
+	if err := p.Start(ctx); err != nil {
+		_ = p.Close()
+		return nil, err
+	}
+	return p, nil
 }
 
 // startRelay starts a relay on the env's outbox, with the plugin's local
@@ -170,7 +179,7 @@ func stopRelay(r *relay.Relay) {
 // through the default Kafka publisher.
 func relayDrain(ctx context.Context, cfg config, brokers []string, n int, rss bool) (rate float64, peakRSS int64, err error) {
 	return drainWith(ctx, cfg, n, rss, func() (relay.Publisher, func(), error) {
-		p, err := newPublisher(brokers)
+		p, err := newPublisher(ctx, brokers)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -609,7 +618,7 @@ func runRelayRole() int {
 	if err != nil {
 		return fail(err)
 	}
-	pub, err := newPublisher(strings.Split(os.Getenv("OUTBOX_BENCH_BROKERS"), ","))
+	pub, err := newPublisher(ctx, strings.Split(os.Getenv("OUTBOX_BENCH_BROKERS"), ","))
 	if err != nil {
 		return fail(err)
 	}
@@ -683,6 +692,10 @@ func strictScenario(ctx context.Context, cfg config, r *result) error {
 			Brokers: brokers, TransactionalIDPrefix: "outbox-bench-" + randomSuffix() + ".", Logger: quiet,
 		})
 		if err != nil {
+			return nil, nil, err
+		}
+		if err := p.Start(ctx); err != nil {
+			_ = p.Close()
 			return nil, nil, err
 		}
 		return p, func() { p.Close() }, nil

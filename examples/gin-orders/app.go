@@ -135,6 +135,13 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	}); err != nil {
 		return nil, err
 	}
+	// Start connects and initialises the producer. Like the relay, the
+	// publisher runs until Close stops it: the end of a Start context
+	// would close it. The connect is bounded by sarama's dial and
+	// metadata timeouts.
+	if err = a.pub.Start(context.WithoutCancel(ctx)); err != nil {
+		return nil, err
+	}
 	if a.metrics, err = metrics.New(metrics.Config{Outbox: a.plugin.Config().Name}); err != nil {
 		return nil, err
 	}
@@ -219,8 +226,8 @@ func (a *App) Close(ctx context.Context) {
 		}
 	}
 	if a.pub != nil {
-		if err := a.pub.Close(); err != nil {
-			a.log.Warn("publisher close", slog.Any("error", err))
+		if err := a.pub.Stop(ctx); err != nil {
+			a.log.Warn("publisher stop", slog.Any("error", err))
 		}
 	}
 	if a.consumer != nil {

@@ -18,6 +18,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -185,9 +186,7 @@ func nilAndEmpty(t *testing.T, e *env) {
 	}
 
 	// Published faithfully.
-	pub2, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: e.cluster.Brokers(), Logger: testLogger(t)})
-	require.NoError(t, err)
-	defer pub2.Close()
+	pub2 := publishertest.StartKafka(t, publisher.KafkaConfig{Brokers: e.cluster.Brokers(), Logger: testLogger(t)})
 	r2, err := relay.New(e.store(nil, 0), pub2, e.relayConfig("publish"))
 	require.NoError(t, err)
 	n, err := r2.DrainOnce(context.Background())
@@ -264,9 +263,7 @@ func partitionOutOfRange(t *testing.T, e *env) {
 	e.requireRolledBack(items, pending)
 
 	topic := e.cluster.Topic(t, 3)
-	pub, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: e.cluster.Brokers(), Logger: testLogger(t)})
-	require.NoError(t, err)
-	defer pub.Close()
+	pub := publishertest.StartKafka(t, publisher.KafkaConfig{Brokers: e.cluster.Brokers(), Logger: testLogger(t)})
 
 	// The publisher's own answer.
 	p99 := int32(99)

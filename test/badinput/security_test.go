@@ -24,6 +24,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -204,12 +205,10 @@ func TestSecretsNeverLogged(t *testing.T) {
 		requireClean(t, err.Error())
 
 		fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.TopicAuthorizationFailed, Count: -1})
-		pub, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: cluster.Brokers(), Logger: log, Configure: func(c *sarama.Config) error {
+		pub := publishertest.StartKafka(t, publisher.KafkaConfig{Brokers: cluster.Brokers(), Logger: log, Configure: func(c *sarama.Config) error {
 			c.Producer.Retry.Backoff = 10 * time.Millisecond
 			return nil
 		}})
-		require.NoError(t, err)
-		defer pub.Close()
 		cfg = e.relayConfig("refused")
 		cfg.Logger = log
 		e.startRelay(e.store(nil, 0), pub, cfg)

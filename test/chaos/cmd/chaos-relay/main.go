@@ -144,39 +144,40 @@ func run(o options) int {
 		c.Producer.Transaction.Retry.Backoff = 100 * time.Millisecond
 		return nil
 	}
-	var (
-		pub      relay.Publisher
-		closePub func() error
-	)
 	if o.mode != "default" && o.mode != "strict" {
 		log.Error("chaos-relay: -mode must be default or strict", "mode", o.mode)
 		return exitSetup
 	}
-	// The publishers check at construction that the cluster answers (the
-	// default one also initialises its idempotent producer id). A relay
-	// restarted while a broker is down can fail that check, so retry for a
-	// while, as a service supervisor restarting the process would.
-	if code, ok := retryStart(log, sig, "start publisher", 500*time.Millisecond, func() (err error) {
-		if o.mode == "default" {
-			var k *publisher.Kafka
-			if k, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Configure: configure, Logger: log}); err == nil {
-				pub, closePub = k, k.Close
-			}
-			return err
-		}
-		var k *publisher.Transactional
-		if k, err = publisher.NewTransactional(publisher.TransactionalConfig{
+	var pub interface {
+		relay.Publisher
+		Start(context.Context) error
+		Close() error
+	}
+	if o.mode == "default" {
+		pub, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Configure: configure, Logger: log})
+	} else {
+		pub, err = publisher.NewTransactional(publisher.TransactionalConfig{
 			Brokers: brokers, TransactionalIDPrefix: o.txnPrefix, Configure: configure, Logger: log,
-		}); err == nil {
-			pub, closePub = k, k.Close
-		}
-		return err
+		})
+	}
+	if err != nil {
+		log.Error("chaos-relay: publisher", "err", err)
+		return exitSetup
+	}
+	// Start checks that the cluster answers (the default publisher also
+	// initialises its idempotent producer id). A relay restarted while a
+	// broker is down can fail that check, so retry for a while, as a
+	// service supervisor restarting the process would: a failed Start
+	// leaves the publisher ready to start again.
+	if code, ok := retryStart(log, sig, "start publisher", 500*time.Millisecond, func() error {
+		return pub.Start(context.Background())
 	}); !ok {
+		_ = pub.Close()
 		return code
 	}
 	defer func() {
 		start := time.Now()
-		if err := closePub(); err != nil {
+		if err := pub.Close(); err != nil {
 			log.Warn("chaos-relay: close publisher", "err", err)
 		}
 		log.Info("chaos-relay: publisher closed", "took", time.Since(start).String())

@@ -38,20 +38,34 @@ const (
 // its liveness bound is not charged with another test's outage.
 var clusterFaults struct {
 	sync.Mutex
-	owner string // the test whose broker fault is in progress, "" when none
-	quiet int    // tests measuring their recovery
+	owner   string          // the test whose broker fault is in progress, "" when none
+	last    string          // the test of the last broker fault
+	refused map[string]bool // tests refused a broker fault since their last one
+	quiet   int             // tests measuring their recovery
 }
 
 // claimFault reserves the cluster for one broker fault of test name. It
 // fails while another broker fault is in progress or a test measures its
-// recovery.
+// recovery, and takes turns: a test that had the last broker fault waits
+// while another test was refused one since.
 func claimFault(name string) bool {
 	clusterFaults.Lock()
 	defer clusterFaults.Unlock()
-	if clusterFaults.owner != "" || clusterFaults.quiet > 0 {
+	if clusterFaults.refused == nil {
+		clusterFaults.refused = map[string]bool{}
+	}
+	turn := true
+	if clusterFaults.last == name {
+		for other, r := range clusterFaults.refused {
+			turn = turn && (other == name || !r)
+		}
+	}
+	if clusterFaults.owner != "" || clusterFaults.quiet > 0 || !turn {
+		clusterFaults.refused[name] = true
 		return false
 	}
-	clusterFaults.owner = name
+	clusterFaults.owner, clusterFaults.last = name, name
+	clusterFaults.refused[name] = false
 	return true
 }
 

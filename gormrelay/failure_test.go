@@ -309,8 +309,10 @@ func TestFailurePolicyBlock(t *testing.T) {
 		}, 10*time.Second, 10*time.Millisecond, "the poison message is retried past MaxAttempts")
 		require.Equal(t, stuck+"/0", string(head.Value))
 		require.Contains(t, *head.LastError, "rejected")
+		// The other bucket's drain runs beside the retries; on a busy
+		// machine it may end after the fourth attempt.
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Empty(c, b.ids(c, 1)) }, 10*time.Second, 10*time.Millisecond, "the other bucket flows")
 		require.Len(t, b.ids(t, 0), 3, "the blocked bucket does not advance")
-		require.Empty(t, b.ids(t, 1), "the other bucket flows")
 		require.Empty(t, b.deadRows(t))
 		requireKeyOrder(t, ackedValues(rec), free, 0, 1, 2)
 		requireKeyOrder(t, ackedValues(rec), stuck)

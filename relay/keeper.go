@@ -327,7 +327,8 @@ func (k *keeper) announced(hls []*heldLease) {
 	}
 }
 
-// trustedHeld returns the held leases while the trust window lasts.
+// trustedHeld returns the held leases while the trust window lasts, by
+// bucket.
 func (k *keeper) trustedHeld() []*heldLease {
 	k.mu.Lock()
 	defer k.mu.Unlock()
@@ -364,14 +365,15 @@ func (k *keeper) leases() []Lease {
 	return k.leasesLocked()
 }
 
-// trustedLeases returns the held leases while the trust window lasts.
+// trustedLeases returns the held leases while the trust window lasts, by
+// bucket.
 func (k *keeper) trustedLeases() []Lease {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if !time.Now().Before(k.trustedUntil) {
-		return nil
+	held := k.trustedHeld()
+	out := make([]Lease, len(held))
+	for i, hl := range held {
+		out[i] = hl.Lease
 	}
-	return k.leasesLocked()
+	return out
 }
 
 func (k *keeper) ownedCount() int {

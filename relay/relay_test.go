@@ -279,6 +279,9 @@ func TestBoundedSweeps(t *testing.T) {
 		cfg.PollInterval = time.Hour
 		cfg.LeaseDuration = 2 * time.Hour
 		cfg.LeaseRenewInterval = time.Hour
+		// One drainer: the order of the batches is the queue's alone, not
+		// also the goroutines' scheduling.
+		cfg.Parallelism = 1
 		r, err := relay.New(s, relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil }), cfg)
 		require.NoError(t, err)
 		n, err := r.DrainOnce(t.Context())

@@ -38,6 +38,11 @@ type latencyMode struct {
 	// PostgreSQL LISTEN/NOTIFY (package pgnotify); the writer's process
 	// sends a NOTIFY after its commits. PostgreSQL only.
 	listen bool
+	// direct: no relay. Each writer commits the same transaction and then
+	// publishes its message itself through the same publisher, the dual
+	// write an outbox replaces: the floor of commit → receipt on this
+	// machine, the same run's baseline for the relay's figures.
+	direct bool
 }
 
 // latencyModes are the latency scenario's modes, in the order they run.
@@ -47,6 +52,7 @@ var latencyModes = []latencyMode{
 	{name: "poll"},
 	{name: "poll10", poll: 10 * time.Millisecond},
 	{name: "listen", listen: true},
+	{name: "direct", direct: true},
 }
 
 // latencyTopics are the topics of the latency scenario's modes.
@@ -91,11 +97,19 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 		r.add(mode.name+"_messages", float64(len(lat)), "msgs")
 	}
 	// A hint-driven relay should have no worse a tail than a relay polling
-	// every 10 ms, measured in the same run.
+	// every 10 ms, measured in the same run, and can have no better one
+	// than the writer publishing for itself.
 	if base := p99["poll10"]; base > 0 {
 		for _, m := range []string{"notify", "rules8", "listen"} {
 			if v, ok := p99[m]; ok {
 				r.add(m+"_p99/poll10_p99", v/base, "ratio")
+			}
+		}
+	}
+	if base := p99["direct"]; base > 0 {
+		for _, m := range []string{"notify", "rules8", "listen", "poll10"} {
+			if v, ok := p99[m]; ok {
+				r.add(m+"_p99/direct_p99", v/base, "ratio")
 			}
 		}
 	}
@@ -235,7 +249,7 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 		return nil, 0, err
 	}
 	defer stopConsumer()
-	if cfg.Timeline != "" && !mode.listen {
+	if cfg.Timeline != "" && !mode.listen && !mode.direct {
 		e.tl = newTimeline(func(m relay.Message) string {
 			if mode.rules8 {
 				return string(m.Value)
@@ -246,11 +260,28 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 		go e.tl.probe(stopProbe)
 		defer close(stopProbe)
 	}
-	rl, err := startLatencyRelay(ctx, e, cfg, brokers, mode)
-	if err != nil {
-		return nil, 0, err
+	var (
+		after func(m *outbox.Message) error
+		rl    latencyRelay
+	)
+	if mode.direct {
+		pub, err := newPublisher(ctx, brokers)
+		if err != nil {
+			return nil, 0, err
+		}
+		defer pub.Close()
+		after = func(m *outbox.Message) error {
+			_, err := pub.Publish(ctx, []relay.Message{{
+				MessageID: m.ID, Topic: m.Topic, Key: m.Key, Value: m.Value, CreatedAt: time.Now(),
+			}})
+			return err
+		}
+	} else {
+		if rl, err = startLatencyRelay(ctx, e, cfg, brokers, mode); err != nil {
+			return nil, 0, err
+		}
+		defer rl.stop()
 	}
-	defer rl.stop()
 	if mode.listen {
 		stopSender, err := startNotifySender(ctx, e, rl.channel)
 		if err != nil {
@@ -267,7 +298,7 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	if mode.rules8 {
 		writeRules8(ctx, e, cfg, total, committed, ids, &werr)
 	} else {
-		writePaced(ctx, e, cfg, topic, total, committed, ids, &werr)
+		writePaced(ctx, e, cfg, topic, total, committed, ids, after, &werr)
 	}
 	if err, _ := werr.Load().(error); err != nil {
 		return nil, 0, err
@@ -317,8 +348,9 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 
 // writePaced enqueues total one-message transactions at cfg.Rate from
 // one schedule, handed to a pool of 8 connections so that a slow commit
-// does not delay the next one, recording each commit's return.
-func writePaced(ctx context.Context, e *env, cfg config, topic string, total int, committed []time.Time, ids []string, werr *atomic.Value) {
+// does not delay the next one, recording each commit's return. A non-nil
+// after runs with each message once its transaction committed.
+func writePaced(ctx context.Context, e *env, cfg config, topic string, total int, committed []time.Time, ids []string, after func(*outbox.Message) error, werr *atomic.Value) {
 	jobs := make(chan int, total)
 	var wg sync.WaitGroup
 	for w := 0; w < 8; w++ {
@@ -333,6 +365,11 @@ func writePaced(ctx context.Context, e *env, cfg config, topic string, total int
 					continue
 				}
 				committed[i], ids[i] = time.Now(), m.ID
+				if after != nil {
+					if err := after(m); err != nil {
+						werr.Store(err)
+					}
+				}
 			}
 		}()
 	}

@@ -77,12 +77,13 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 	}
 	require.Contains(t, r.Values, "notify_p99/poll10_p99")
 	require.Contains(t, r.Values, "rules8_p99/poll10_p99")
+	require.Contains(t, r.Values, "notify_p99/direct_p99")
 	if cfg.Timeline == "" {
 		return
 	}
 	for _, m := range latencyModes {
-		if m.listen {
-			continue // its relay runs in another process: no timeline
+		if m.listen || m.direct {
+			continue // its relay runs in another process, or there is none: no timeline
 		}
 		b, err := os.ReadFile(filepath.Join(cfg.Timeline, m.name+"-messages.tsv"))
 		require.NoError(t, err)

@@ -263,6 +263,9 @@ func (t *timeline) summary(msgs []tlMessage, threshold time.Duration) string {
 // write saves the messages and the relay's steps as tab-separated files
 // in dir, times in milliseconds from the run's start.
 func (t *timeline) write(dir, mode string, msgs []tlMessage) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
 	at := func(ts time.Time) string {
 		if ts.IsZero() {
 			return ""

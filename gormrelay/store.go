@@ -416,13 +416,17 @@ func (s *Store) checkBuckets(db *gorm.DB) error {
 }
 
 // checkMessageBuckets fails when messages exist outside 0..BucketCount-1
-// (one index seek). PendingBuckets runs it too, so a writer with a larger
-// BucketCount is noticed within a poll interval.
+// (one index seek). PendingBuckets probes for them too, so a writer with
+// a larger BucketCount is noticed within a poll interval.
 func (s *Store) checkMessageBuckets(db *gorm.DB) error {
-	return s.checkTableBuckets(db, s.messages, func(bucket int32) string {
-		return fmt.Sprintf("table %s holds messages in bucket %d, outside 0..%d: a writer uses a larger BucketCount than this relay, so no relay can publish them; use one BucketCount everywhere",
-			s.tables.MessagesTable(), bucket, s.buckets-1)
-	})
+	return s.checkTableBuckets(db, s.messages, s.messagesBeyond)
+}
+
+// messagesBeyond is the reason of the misconfiguration that messages in
+// bucket, outside 0..BucketCount-1, are.
+func (s *Store) messagesBeyond(bucket int32) string {
+	return fmt.Sprintf("table %s holds messages in bucket %d, outside 0..%d: a writer uses a larger BucketCount than this relay, so no relay can publish them; use one BucketCount everywhere",
+		s.tables.MessagesTable(), bucket, s.buckets-1)
 }
 
 // checkTableBuckets fails with a BucketCount *relay.MisconfigurationError,
@@ -630,14 +634,21 @@ const bucketRange = "bucket >= ? AND bucket <= ?"
 
 // PendingBuckets implements relay.Store with one index probe per bucket
 // (the first row of the bucket through the (bucket, id) index, UNION ALL),
-// so its cost does not grow with the backlog.
+// so its cost does not grow with the backlog. The last statement also
+// probes for a row in a bucket beyond BucketCount, which no relay can
+// publish (a writer with a larger BucketCount): one round trip in all for
+// up to probeChunk buckets.
 func (s *Store) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {
 	db, ctx, cancel := s.op(ctx, "find pending buckets")
 	defer cancel()
 	var out []int
-	for chunk := range slices.Chunk(bs, probeChunk) {
+	chunks := slices.Collect(slices.Chunk(bs, probeChunk))
+	if len(chunks) == 0 {
+		chunks = [][]int{nil}
+	}
+	for ci, chunk := range chunks {
 		var sb strings.Builder
-		args := make([]any, 0, 2*len(chunk))
+		args := make([]any, 0, 2*len(chunk)+1)
 		for i, b := range chunk {
 			if i > 0 {
 				sb.WriteString(" UNION ALL ")
@@ -645,16 +656,23 @@ func (s *Store) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {
 			fmt.Fprintf(&sb, "SELECT b FROM (SELECT bucket AS b FROM %s WHERE %s ORDER BY bucket, id LIMIT 1) p%d", s.messages, bucketRange, i)
 			args = append(args, b, b)
 		}
+		if ci == len(chunks)-1 {
+			if len(chunk) > 0 {
+				sb.WriteString(" UNION ALL ")
+			}
+			fmt.Fprintf(&sb, "SELECT b FROM (SELECT bucket AS b FROM %s WHERE bucket >= ? ORDER BY bucket, id LIMIT 1) beyond", s.messages)
+			args = append(args, s.buckets)
+		}
 		var found []int
 		if err := db.Raw(sb.String(), args...).Scan(&found).Error; err != nil {
 			return nil, s.fail(ctx, "find pending buckets", err)
 		}
 		out = append(out, found...)
 	}
-	if err := s.checkMessageBuckets(db); err != nil {
-		return nil, s.fail(ctx, "find pending buckets", err)
-	}
 	slices.Sort(out)
+	if n := len(out); n > 0 && out[n-1] >= s.buckets {
+		return nil, &relay.MisconfigurationError{Setting: "BucketCount", Reason: s.messagesBeyond(int32(out[n-1]))}
+	}
 	return out, nil
 }
 

@@ -382,6 +382,16 @@ func TestStoreMisconfiguration(t *testing.T) {
 		_, err = b.store.AcquireLeases(ctx, relay.AcquireRequest{RelayID: "a", BucketCount: 8, LeaseDuration: time.Second})
 		require.ErrorAs(t, err, &me)
 		require.Contains(t, me.Reason, "bucket 11")
+		// Discovery notices it in the same round trip as its probes, for
+		// any set of owned buckets, none included.
+		b.insert(t, outbox.MessageRow{Bucket: 2, Value: []byte("x")})
+		for _, owned := range [][]int{{0, 1, 2, 3, 4, 5, 6, 7}, {2}, nil} {
+			pending, err := b.store.PendingBuckets(ctx, owned)
+			require.ErrorAs(t, err, &me, "owned %v", owned)
+			require.Equal(t, "BucketCount", me.Setting)
+			require.Contains(t, me.Reason, "bucket 11")
+			require.Nil(t, pending)
+		}
 
 		// Invalid table names never reach SQL.
 		_, err = gormrelay.NewStore(db.DB, outbox.Config{Tables: outbox.Tables{Messages: "x; DROP TABLE y"}})

@@ -10,6 +10,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -36,6 +37,8 @@ type env struct {
 	plugin *outbox.Plugin
 	// tl, if set, times the steps of the relays startRelay starts.
 	tl *timeline
+	// observer, if set, is the Observer of the relays startRelay starts.
+	observer relay.Observer
 }
 
 func newEnv(ctx context.Context, cfg config, rules ...outbox.Rule) (*env, error) {
@@ -109,7 +112,9 @@ func (e *env) prefill(ctx context.Context, n int) error {
 // waitEmpty polls until the messages table is empty.
 func (e *env) waitEmpty(ctx context.Context, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
-	q := "SELECT id FROM " + e.table() + " LIMIT 1"
+	// Through the (bucket, id) index, which learns to skip the entries of
+	// deleted rows; a table scan would step over every row deleted so far.
+	q := "SELECT id FROM " + e.table() + " ORDER BY bucket, id LIMIT 1"
 	for {
 		var ids []int64
 		if err := e.db.WithContext(ctx).Raw(q).Scan(&ids).Error; err != nil {
@@ -154,7 +159,7 @@ func (e *env) startRelay(ctx context.Context, pub relay.Publisher, hints bool, p
 	if err != nil {
 		return nil, err
 	}
-	rc := relay.Config{BatchSize: e.cfg.BatchSize, Parallelism: e.cfg.Parallelism, PollInterval: poll, Logger: quiet}
+	rc := relay.Config{BatchSize: e.cfg.BatchSize, Parallelism: e.cfg.Parallelism, PollInterval: poll, Logger: quiet, Observer: e.observer}
 	if hints {
 		rc.Hints = e.plugin.Notifier()
 	}
@@ -209,10 +214,21 @@ func drainWith(ctx context.Context, cfg config, n int, rss bool, newPub func() (
 		debug.FreeOSMemory()
 		resetPeakRSS()
 	}
+	// The drain ends when the relay has acknowledged n messages (then the
+	// table is checked empty): polling the table all along would compete
+	// with the relay for the database, each probe stepping over the rows
+	// deleted so far.
+	acks := newAckCounter(n)
+	e.observer = acks
 	start := time.Now()
 	r, err := e.startRelay(ctx, pub, true, 0)
 	if err != nil {
 		return 0, 0, err
+	}
+	select {
+	case <-acks.done:
+	case <-time.After(10 * time.Minute):
+	case <-ctx.Done():
 	}
 	err = e.waitEmpty(ctx, 10*time.Minute)
 	elapsed := time.Since(start)
@@ -224,6 +240,26 @@ func drainWith(ctx context.Context, cfg config, n int, rss bool, newPub func() (
 		return 0, 0, err
 	}
 	return float64(n) / elapsed.Seconds(), peakRSS, nil
+}
+
+// ackCounter is a relay Observer that closes done once the relay has
+// acknowledged n messages.
+type ackCounter struct {
+	relay.NopObserver
+	n    int64
+	got  atomic.Int64
+	once sync.Once
+	done chan struct{}
+}
+
+func newAckCounter(n int) *ackCounter {
+	return &ackCounter{n: int64(n), done: make(chan struct{})}
+}
+
+func (a *ackCounter) Published(ev relay.PublishEvent) {
+	if a.got.Add(int64(ev.Acked)) >= a.n {
+		a.once.Do(func() { close(a.done) })
+	}
 }
 
 // dbCeiling prefills n messages and drains them with plain SQL: the

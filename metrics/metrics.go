@@ -231,7 +231,7 @@ func New(cfg Config) (*Collector, error) {
 		publishDur: prometheus.NewHistogram(prometheus.HistogramOpts{Name: NamePublishDuration, ConstLabels: cl,
 			Help: "Duration of publish calls (one per batch), including failed and cancelled ones.", Buckets: cfg.PublishBuckets}),
 		cycleDur: prometheus.NewHistogram(prometheus.HistogramOpts{Name: NameCycleDuration, ConstLabels: cl,
-			Help: "Duration of relay loop passes that did work: lease maintenance, discovery and one sweep of the ready buckets.", Buckets: cfg.CycleBuckets}),
+			Help: "Duration of relay loop passes that did work (lease maintenance) and of discoveries.", Buckets: cfg.CycleBuckets}),
 
 		available: desc(NamePendingAvailable,
 			"1 when a backlog sample is available, 0 when the backlog is unknown (its gauges are then absent, not zero)."),

@@ -136,7 +136,7 @@ func TestRelayEvents(t *testing.T) {
 
 	// The histogram is in seconds.
 	require.NoError(t, testutil.CollectAndCompare(b.c, strings.NewReader(`
-# HELP outbox_cycle_duration_seconds Duration of relay loop passes that did work: lease maintenance, discovery and one sweep of the ready buckets.
+# HELP outbox_cycle_duration_seconds Duration of relay loop passes that did work (lease maintenance) and of discoveries.
 # TYPE outbox_cycle_duration_seconds histogram
 outbox_cycle_duration_seconds_bucket{outbox="orders",le="0.001"} 0
 outbox_cycle_duration_seconds_bucket{outbox="orders",le="0.002"} 0

@@ -163,7 +163,9 @@
 //   - discovery: every PollInterval a relay owning buckets asks the store
 //     which of them hold rows (one index probe per bucket). This is the
 //     correctness floor for writers in other processes, lost hints and
-//     restarts. Acquiring new leases triggers a discovery at once.
+//     restarts. Acquiring new leases triggers a discovery at once. It
+//     runs beside the control loop, which goes on taking hints meanwhile;
+//     a discovery asked for while one runs follows it.
 //
 // Hints only shorten latency; they never bypass ownership, backoff or
 // ordering. A relay owning no buckets does not poll: it sleeps until its

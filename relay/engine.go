@@ -148,11 +148,17 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 	defer w.startRenewal(ctx)()
 	_, stopPool := w.startPool(ctx)
 	defer stopPool()
+	// Discovery runs beside the loop, so that hints are taken while the
+	// store looks for pending rows; deferred last, it ends first.
+	var discovery sync.WaitGroup
+	defer discovery.Wait()
+	discovered := make(chan error, 1)
 
 	var (
 		nextAcquire   time.Time // zero: acquire at once
 		nextPoll      time.Time
 		discover      bool
+		discovering   bool // a discovery runs; its result comes on discovered
 		wantAcquire   bool
 		storeFailures int
 		hintsC        <-chan struct{}
@@ -234,22 +240,16 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 		if w.k.takeNeedDiscover() {
 			discover = true
 		}
-		if owned > 0 && (discover || !now.Before(nextPoll)) {
-			worked = true
-			err := w.discover(ctx)
-			switch {
-			case err == nil:
-				discover = false
-				nextPoll = now.Add(jitter(w.cfg.PollInterval))
-			case IsMisconfiguration(err):
-				return err
-			case isStop(ctx, err):
-				return nil
-			default:
-				w.log.Warn("relay: find pending buckets failed", "err", err)
-				discover = false
-				nextPoll = now.Add(backoff(w.cfg, 1))
-			}
+		if owned > 0 && !discovering && (discover || !now.Before(nextPoll)) {
+			// A hint or a gained lease asking for discovery meanwhile asks
+			// for the next one: this one may have read before their rows.
+			discover, discovering = false, true
+			discovery.Go(func() {
+				start := time.Now()
+				err := w.discover(ctx)
+				w.observeCycle(start)
+				discovered <- err
+			})
 		}
 		retry, retrying := w.sched.promote(time.Now())
 		if worked {
@@ -257,11 +257,13 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 		}
 
 		// Sleep until the next lease refresh, poll or backoff end, a hint,
-		// or a drainer's news. A relay owning nothing waits for its next
-		// lease refresh only.
+		// a discovery's end or a drainer's news. A relay owning nothing
+		// waits for its next lease refresh only.
 		wake := nextAcquire
 		if w.k.ownedCount() > 0 {
-			wake = earliest(wake, nextPoll)
+			if !discovering {
+				wake = earliest(wake, nextPoll)
+			}
 			if retrying {
 				wake = earliest(wake, retry)
 			}
@@ -275,6 +277,19 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 		case <-timer.C:
 		case <-hintsC:
 		case <-w.kickC:
+		case err := <-discovered:
+			discovering = false
+			switch {
+			case err == nil:
+				nextPoll = time.Now().Add(jitter(w.cfg.PollInterval))
+			case IsMisconfiguration(err):
+				return err
+			case isStop(ctx, err):
+				return nil
+			default:
+				w.log.Warn("relay: find pending buckets failed", "err", err)
+				nextPoll = time.Now().Add(backoff(w.cfg, 1))
+			}
 		}
 	}
 }

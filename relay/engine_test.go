@@ -350,6 +350,54 @@ func TestAdvancerAfterHintedBatch(t *testing.T) {
 	})
 }
 
+// slowDiscovery is a fakeStore whose PendingBuckets waits for gate once
+// it said so on entered.
+type slowDiscovery struct {
+	*fakeStore
+	entered chan struct{}
+	gate    chan struct{}
+}
+
+func (s slowDiscovery) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {
+	s.entered <- struct{}{}
+	<-s.gate
+	return s.fakeStore.PendingBuckets(ctx, bs)
+}
+
+// The relay takes hints while a discovery is still waiting for the
+// store: a hinted bucket does not wait behind it. The discovery's
+// findings are drained once it returns.
+func TestHintNotBehindDiscovery(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		base, hints, cfg := hintedSetup()
+		s := slowDiscovery{fakeStore: base, entered: make(chan struct{}, 8), gate: make(chan struct{})}
+		base.add(5, 1) // found by discovery only
+		published := make(chan string, 8)
+		r := start(t, s, relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) {
+			for _, m := range msgs {
+				published <- string(m.Value)
+			}
+			return len(msgs), nil
+		}), cfg)
+		<-s.entered // the first discovery, after the leases were gained
+		base.add(1, 1)
+		hints.notify(1)
+		select {
+		case v := <-published:
+			require.Equal(t, "1/0", v)
+		case <-time.After(time.Minute): // the bubble's clock
+			close(s.gate)
+			t.Fatal("the hinted bucket waited behind the discovery")
+		}
+		close(s.gate)
+		require.Equal(t, "5/0", <-published, "the discovery's bucket is drained when it returns")
+		synctest.Wait()
+		require.Zero(t, base.pending())
+		stop(t, r)
+	})
+}
+
 // The relay takes BucketCount from a store that knows it, and refuses a
 // Config value that disagrees.
 func TestBucketCountFromStore(t *testing.T) {

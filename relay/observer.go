@@ -52,11 +52,10 @@ type Observer interface {
 	Published(e PublishEvent)
 
 	// CycleFinished reports the duration of one pass of the relay's
-	// control loop that did work: lease maintenance when due (once the
-	// batches in flight have finished; the wait for them is not included)
-	// and discovery when due. Batches run on the drainers and are reported by
-	// Published. Idle waits and backoff waits are not included. DrainOnce
-	// reports no cycles.
+	// control loop that did work (lease maintenance when due), and of
+	// each discovery, which runs beside the loop. Batches run on the
+	// drainers and are reported by Published. Idle waits and backoff
+	// waits are not included. DrainOnce reports no cycles.
 	CycleFinished(d time.Duration)
 
 	// MessagesDeadLettered reports n messages that the failure policy took

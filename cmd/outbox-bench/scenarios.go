@@ -8,6 +8,7 @@ import (
 	"os/signal"
 	"runtime"
 	"runtime/debug"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -220,6 +221,17 @@ func drainWith(ctx context.Context, cfg config, n int, rss bool, newPub func() (
 	// deleted so far.
 	acks := newAckCounter(n)
 	e.observer = acks
+	if cfg.profile != "" {
+		f, err := os.Create(cfg.profile)
+		if err != nil {
+			return 0, 0, err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return 0, 0, err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	start := time.Now()
 	r, err := e.startRelay(ctx, pub, true, 0)
 	if err != nil {
@@ -420,7 +432,9 @@ func drainScenario(ctx context.Context, cfg config, r *result) error {
 	if err != nil {
 		return err
 	}
-	relayRate, _, err := relayDrain(ctx, cfg, brokers, cfg.N, false)
+	profiled := cfg
+	profiled.profile = cfg.CPUProfile
+	relayRate, _, err := relayDrain(ctx, profiled, brokers, cfg.N, false)
 	if err != nil {
 		return err
 	}

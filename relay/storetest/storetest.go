@@ -79,6 +79,7 @@ func Run(t *testing.T, h Harness) {
 		{"LeaseRenewer", testRenewer},
 		{"FailureRecorder", testRecorder},
 		{"BatchAdvancer", testAdvancer},
+		{"LargeBatches", testLargeBatches},
 		{"BucketCounter", testBucketCounter},
 		{"StartChecker", testStartChecker},
 		{"Concurrent", testConcurrent},
@@ -433,6 +434,41 @@ func testAdvancer(t *testing.T, h Harness) {
 	require.Empty(t, last)
 	require.Empty(t, next(t, s, 1, 10))
 	require.Len(t, next(t, s, 0, 10), 1, "other buckets untouched")
+}
+
+// testLargeBatches deletes and reads ahead batches of hundreds of
+// messages, sizes at which a store may build its statements another way
+// than for a few, with holes among the ids.
+func testLargeBatches(t *testing.T, h Harness) {
+	s := h.New(t, 2)
+	h.Insert(t, s, msgs(1, 0, 900))
+	l := leaseOf(t, acquire(t, s, "a", 2, long), 1)
+	batch := next(t, s, 1, 500)
+	require.Len(t, batch, 500)
+	var odd []relay.Message
+	for i := 1; i < len(batch); i += 2 {
+		odd = append(odd, batch[i])
+	}
+	require.ErrorIs(t, s.MarkPublished(t.Context(), "b", l, odd), relay.ErrLeaseLost, "guarded")
+	require.Len(t, next(t, s, 1, 1000), 900, "a refused delete deletes nothing")
+	require.NoError(t, s.MarkPublished(t.Context(), "a", l, odd))
+	rest := next(t, s, 1, 1000)
+	require.Len(t, rest, 650)
+	require.Equal(t, "1/0", string(rest[0].Value))
+	require.Equal(t, "1/2", string(rest[1].Value), "ids, never a range")
+
+	adv, ok := s.(relay.BatchAdvancer)
+	if !ok {
+		return
+	}
+	head := rest[:400]
+	_, err := adv.MarkPublishedNext(t.Context(), "b", l, head, 300)
+	require.ErrorIs(t, err, relay.ErrLeaseLost, "guarded like MarkPublished")
+	require.Len(t, next(t, s, 1, 1000), 650, "a refused call deletes nothing")
+	got, err := adv.MarkPublishedNext(t.Context(), "a", l, head, 300)
+	require.NoError(t, err)
+	require.Equal(t, values(rest[400:650]), values(got), "the next batch, from the head, without the deleted ones")
+	require.Equal(t, next(t, s, 1, 300), got, "what NextBatch reads after the delete")
 }
 
 func testBucketCounter(t *testing.T, h Harness) {

@@ -776,11 +776,12 @@ func BenchmarkDrainPostgres(b *testing.B) {
 	b.ReportMetric(float64(total)/elapsed.Seconds(), "msg/s")
 }
 
-// BenchmarkAdvance compares, for batches of 1 to 500 messages, deleting
-// a batch and reading the next one in one call (BatchAdvancer) with the
-// two calls it replaces, on every database: what the relay pays per
-// batch, at a low rate (a hinted bucket is read ahead after a batch of a
-// few) and draining a backlog (full batches).
+// BenchmarkAdvance measures, for batches of 1 to 500 messages, deleting
+// a batch and reading the next one through BatchAdvancer and as the two
+// calls MarkPublished and NextBatch, on every database: what the relay
+// pays per batch, at a low rate (a hinted bucket is read ahead after a
+// batch of a few) and draining a backlog (full batches). It is how the
+// store's statement forms were chosen (see MarkPublishedNext).
 //
 //	go test -run '^$' -bench Advance -benchtime 300x .
 func BenchmarkAdvance(b *testing.B) {

@@ -696,17 +696,15 @@ func (s *Store) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Messa
 		return nil, s.fail(ctx, "read batch", err)
 	}
 	defer rows.Close()
-	msgs, err := scanBatch(rows, bucket, limit, nil)
+	msgs, err := scanBatch(rows, bucket, limit)
 	if err != nil {
 		return nil, s.fail(ctx, "read batch", err)
 	}
 	return msgs, nil
 }
 
-// scanBatch scans the rows of a batch read, batchColumns after the
-// columns of prefix. A row whose id is NULL (the placeholder row of an
-// outer join that found no message) is skipped.
-func scanBatch(rows *sql.Rows, bucket, limit int, prefix []any) ([]relay.Message, error) {
+// scanBatch scans the rows of a batch read, batchColumns.
+func scanBatch(rows *sql.Rows, bucket, limit int) ([]relay.Message, error) {
 	// Every row is scanned through the same destinations, so that nothing
 	// but the column values themselves is allocated per row.
 	var (
@@ -719,16 +717,13 @@ func scanBatch(rows *sql.Rows, bucket, limit int, prefix []any) ([]relay.Message
 		created   sql.NullInt64
 		attempts  sql.NullInt64
 	)
-	dest := append(prefix, &id, &mid, &topic, &m.Key, &m.Value, &headers, &partition, &created, &attempts)
+	dest := []any{&id, &mid, &topic, &m.Key, &m.Value, &headers, &partition, &created, &attempts}
 	var msgs []relay.Message
 	for rows.Next() {
 		m = relay.Message{}
 		headers = nil
 		if err := rows.Scan(dest...); err != nil {
 			return nil, err
-		}
-		if !id.Valid {
-			continue
 		}
 		if msgs == nil {
 			msgs = make([]relay.Message, 0, min(limit, batchCapMin))
@@ -756,66 +751,27 @@ func scanBatch(rows *sql.Rows, bucket, limit int, prefix []any) ([]relay.Message
 
 var _ relay.BatchAdvancer = (*Store)(nil)
 
-// MarkPublishedNext implements relay.BatchAdvancer. On PostgreSQL, for a
-// batch of fewer than literalIDsMin messages, it is one statement, one
-// round trip: a data-modifying WITH deletes msgs under the lease guard,
-// and the main query, which sees the table as it was before the delete,
-// reads the next batch from the head of the bucket without the deleted
-// ids, joined to the guard so that a refused delete returns no batch.
-// For larger batches that statement is slower than the two it replaces
-// (500 messages: 17 ms against 6 ms; BenchmarkAdvance): its read
-// steps over the rows it deleted, still in its snapshot. Larger batches,
-// MySQL/MariaDB (whose drivers run one statement per round trip unless
-// multiStatements is set on the DSN) and SQLite (in process, no round
-// trip to save) run MarkPublished and then NextBatch.
+// MarkPublishedNext implements relay.BatchAdvancer as MarkPublished and
+// then NextBatch, on every database: the relay reads the bucket's next
+// batch at once instead of handing the bucket back first.
+//
+// PostgreSQL could do both in one statement, one round trip (a
+// data-modifying WITH deleting under the lease guard, and a read of the
+// bucket's head that skips the deleted ids, which are still in its
+// snapshot). Measured on loopback it was slower than the two statements
+// at every batch size: in a relay at 1,000 tx/s, p50 1.6 ms against 0.5
+// for the delete and 0.2 for the read, and 17 ms against 6 ms for 500
+// messages (BenchmarkAdvance at 9e917b8, which still had it). MySQL/MariaDB drivers run one statement
+// per round trip unless multiStatements is set on the DSN, and SQLite has
+// no round trip to save.
 func (s *Store) MarkPublishedNext(ctx context.Context, relayID string, lease relay.Lease, msgs []relay.Message, limit int) ([]relay.Message, error) {
-	if !s.postgres || len(msgs) == 0 || len(msgs) >= literalIDsMin {
-		if err := s.MarkPublished(ctx, relayID, lease, msgs); err != nil {
-			return nil, err
-		}
-		next, err := s.NextBatch(ctx, lease.Bucket, limit)
-		if err != nil {
-			// Deleted, not read ahead: the relay reads with NextBatch.
-			return nil, nil
-		}
-		if next == nil {
-			next = []relay.Message{}
-		}
-		return next, nil
+	if err := s.MarkPublished(ctx, relayID, lease, msgs); err != nil {
+		return nil, err
 	}
-	db, ctx, cancel := s.op(ctx, "delete published messages and read the next batch")
-	defer cancel()
-	ids := make([]int64, len(msgs))
-	maxID := int64(0)
-	for i, m := range msgs {
-		ids[i] = m.ID
-		maxID = max(maxID, m.ID)
-	}
-	now := nowMs()
-	arr, arrArgs := pgIDs(ids) // a parameter: fewer than literalIDsMin
-	// The guard is evaluated twice on one snapshot with the same now, so
-	// the delete and the held flag agree. The read excludes what the
-	// delete returned; rows above the largest deleted id skip that test.
-	q := "WITH del AS (DELETE FROM " + s.messages + " WHERE bucket = ? AND id = ANY(" + arr + ") AND " + s.leaseHeld() + " RETURNING id)," +
-		" g AS (SELECT " + s.leaseHeld() + " AS held)" +
-		" SELECT g.held, n.* FROM g LEFT JOIN LATERAL (SELECT " + batchColumns + " FROM " + s.messages +
-		" WHERE " + bucketRange + " AND (id > ? OR id NOT IN (SELECT id FROM del)) ORDER BY bucket, id LIMIT ?) n ON g.held ORDER BY n.id"
-	args := append(append([]any{lease.Bucket}, arrArgs...),
-		lease.Bucket, relayID, lease.Term, now,
-		lease.Bucket, relayID, lease.Term, now,
-		lease.Bucket, lease.Bucket, maxID, limit)
-	rows, err := db.Raw(q, args...).Rows()
+	next, err := s.NextBatch(ctx, lease.Bucket, limit)
 	if err != nil {
-		return nil, s.fail(ctx, "delete published messages and read the next batch", err)
-	}
-	defer rows.Close()
-	var held bool
-	next, err := scanBatch(rows, lease.Bucket, limit, []any{&held})
-	if err != nil {
-		return nil, s.fail(ctx, "delete published messages and read the next batch", err)
-	}
-	if !held {
-		return nil, fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+		// Deleted, not read ahead: the relay reads with NextBatch.
+		return nil, nil
 	}
 	if next == nil {
 		next = []relay.Message{}
@@ -905,15 +861,16 @@ func (a int8Array) Value() (driver.Value, error) {
 	return string(append(b, '}')), nil
 }
 
-// literalIDsMin is the batch size from which PostgreSQL's delete
-// statements take their ids as an array literal in the statement text
-// instead of one parameter. With the parameter the statement text is the
-// same for every batch, so the driver prepares it once and PostgreSQL may
-// settle on a generic plan: for a few ids that is the fastest (one
-// message: 0.56 ms per delete-and-read against 1.4 ms with a literal,
-// which the driver prepares and the server plans anew each time), but
-// for 500 ids the generic plan ran 3 times slower (62 ms against 19 ms;
-// BenchmarkAdvance). From about 128 ids the two break even.
+// literalIDsMin is the batch size from which PostgreSQL's deletes take
+// their ids as an array literal in the statement text instead of one
+// parameter. With the parameter the statement text is the same for every
+// batch, so the driver prepares it once and PostgreSQL may settle on a
+// generic plan: for a few ids that is the fastest (a literal is a new
+// statement, prepared by the driver and planned by the server each
+// time: 1.4 ms against 0.5 ms to delete one message and read the next),
+// but for 500 ids the generic plan deleted 10 times slower than a
+// literal (BenchmarkAdvance, two-calls/500: 62 ms against 6 ms). From
+// about 128 ids the two break even.
 const literalIDsMin = 128
 
 // pgIDs returns the SQL expression for ids in a PostgreSQL statement and

@@ -761,9 +761,10 @@ var _ relay.BatchAdvancer = (*Store)(nil)
 // snapshot). Measured on loopback it was slower than the two statements
 // at every batch size: in a relay at 1,000 tx/s, p50 1.6 ms against 0.5
 // for the delete and 0.2 for the read, and 17 ms against 6 ms for 500
-// messages (BenchmarkAdvance at 9e917b8, which still had it). MySQL/MariaDB drivers run one statement
-// per round trip unless multiStatements is set on the DSN, and SQLite has
-// no round trip to save.
+// messages (BenchmarkAdvance at 9e917b8, which still had it).
+// MySQL/MariaDB drivers run one statement per round trip unless
+// multiStatements is set on the DSN, and SQLite has no round trip to
+// save.
 func (s *Store) MarkPublishedNext(ctx context.Context, relayID string, lease relay.Lease, msgs []relay.Message, limit int) ([]relay.Message, error) {
 	if err := s.MarkPublished(ctx, relayID, lease, msgs); err != nil {
 		return nil, err

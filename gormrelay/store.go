@@ -759,9 +759,10 @@ var _ relay.BatchAdvancer = (*Store)(nil)
 // data-modifying WITH deleting under the lease guard, and a read of the
 // bucket's head that skips the deleted ids, which are still in its
 // snapshot). Measured on loopback it was slower than the two statements
-// at every batch size: in a relay at 1,000 tx/s, p50 1.6 ms against 0.5
-// for the delete and 0.2 for the read, and 17 ms against 6 ms for 500
-// messages (BenchmarkAdvance at 9e917b8, which still had it).
+// at every batch size: for one message p50 1.6 ms against 0.5 for the
+// delete and 0.2 for the read (a relay at 1,000 tx/s that read ahead
+// after hinted batches), and 17 ms against 6 ms for 500 messages
+// (BenchmarkAdvance at 9e917b8, which still had it).
 // MySQL/MariaDB drivers run one statement per round trip unless
 // multiStatements is set on the DSN, and SQLite has no round trip to
 // save.

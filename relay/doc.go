@@ -73,8 +73,7 @@
 // a row is published on the next read rather than skipped. A store with
 // the BatchAdvancer capability deletes a batch and reads the next one
 // from the head of the bucket in one round trip; the relay uses it after
-// a full batch, or one during which the bucket was hinted again, and
-// publishes that read ahead as the bucket's next batch.
+// a full batch and publishes that read ahead as the bucket's next batch.
 //
 // # Leases and terms
 //

@@ -119,29 +119,15 @@ func (w *worker) drainBatch(ctx context.Context, hl *heldLease, st bucketState) 
 			"bucket", b, "term", lease.Term, "err", perr)
 		return batchResult{out: outLost, err: perr}
 	}
-	var (
-		next  []Message
-		marks uint64 // the bucket's marks when next was read ahead
-	)
+	var next []Message
 	if acked > 0 {
 		// Acknowledged rows are deleted even when the relay is stopping:
 		// leaving them would only publish them again. After a complete
-		// batch that was full, or during which the bucket was hinted, the
-		// next one is read in the same round trip when the store can
-		// (BatchAdvancer): more rows are waiting.
+		// full batch the next one is read in the same round trip when the
+		// store can (BatchAdvancer).
 		var err error
 		dctx := context.WithoutCancel(ctx)
-		adv := w.r.advancer
-		if adv != nil && acked == len(msgs) && perr == nil && !lost && ctx.Err() == nil {
-			var hinted bool
-			marks, hinted = w.sched.marked(b, st.marks)
-			if !full && !hinted {
-				adv = nil
-			}
-		} else {
-			adv = nil
-		}
-		if adv != nil {
+		if adv := w.r.advancer; adv != nil && full && acked == len(msgs) && perr == nil && !lost && ctx.Err() == nil {
 			next, err = adv.MarkPublishedNext(dctx, w.cfg.RelayID, lease, msgs, w.batchLimit())
 		} else {
 			err = w.r.store.MarkPublished(dctx, w.cfg.RelayID, lease, msgs[:acked])
@@ -198,9 +184,9 @@ func (w *worker) drainBatch(ctx context.Context, hl *heldLease, st bucketState) 
 	}
 	switch {
 	case next != nil && len(next) == 0:
-		return batchResult{out: outDrained, next: next, marks: marks} // read ahead: the bucket is empty
+		return batchResult{out: outDrained} // read ahead: the bucket is empty
 	case next != nil:
-		return batchResult{out: outFull, next: next, term: lease.Term, marks: marks}
+		return batchResult{out: outFull, next: next, term: lease.Term}
 	case full:
 		return batchResult{out: outFull}
 	}

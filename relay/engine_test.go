@@ -293,63 +293,6 @@ func TestAdvancerUsed(t *testing.T) {
 	})
 }
 
-// A bucket hinted while its batch is in flight has more rows waiting: the
-// relay deletes the batch and reads the next one in one store call
-// (BatchAdvancer) even though the batch was not full. A batch with no
-// hint during it ends with a plain delete, and a read ahead that finds
-// the hinted rows already published leaves the bucket idle.
-func TestAdvancerAfterHintedBatch(t *testing.T) {
-	t.Parallel()
-	synctest.Test(t, func(t *testing.T) {
-		base, hints, cfg := hintedSetup()
-		s := advancingStore{base}
-		entered := make(chan struct{}, 4)
-		release := make(chan struct{}, 4)
-		var log pubLog
-		r := start(t, s, log.publisher(func(_ context.Context, msgs []relay.Message) (int, error) {
-			entered <- struct{}{}
-			<-release
-			return len(msgs), nil
-		}), cfg)
-		synctest.Wait()
-
-		s.add(2, 1)
-		hints.notify(2)
-		<-entered // 2/0 in flight
-		s.add(2, 2)
-		hints.notify(2)
-		synctest.Wait()
-		release <- struct{}{} // 2/0 acknowledged: deleted with 2/1 and 2/2 read ahead
-		<-entered
-		release <- struct{}{}
-		synctest.Wait()
-		require.Zero(t, s.pending())
-		require.Equal(t, 1, s.count("batch"), "the hinted rows came with the delete")
-		require.Equal(t, 1, s.count("advance"))
-		require.Equal(t, 1, s.count("mark"), "no hint during the second batch: a plain delete")
-
-		s.add(3, 1)
-		hints.notify(3)
-		<-entered
-		hints.notify(3) // a hint for the row already in flight
-		synctest.Wait()
-		release <- struct{}{}
-		synctest.Wait()
-		require.Equal(t, 2, s.count("advance"), "hinted during the batch: read ahead")
-		require.Equal(t, 2, s.count("batch"), "the read ahead found the bucket empty: no read after it")
-		require.Zero(t, s.pending())
-
-		var got []string
-		for i := range log.n() {
-			for _, m := range log.call(i) {
-				got = append(got, string(m.Value))
-			}
-		}
-		require.Equal(t, []string{"2/0", "2/1", "2/2", "3/0"}, got)
-		stop(t, r)
-	})
-}
-
 // slowDiscovery is a fakeStore whose PendingBuckets waits for gate once
 // it said so on entered.
 type slowDiscovery struct {

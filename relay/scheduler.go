@@ -34,9 +34,6 @@ type batchResult struct {
 	shrink int       // > 0: cap the bucket's next batch (FailedIndex, BatchRejected)
 	next   []Message // read ahead under the same lease (BatchAdvancer)
 	term   int64
-	// marks, when read ahead, is the bucket's marks the read ahead saw:
-	// a hint up to it found its rows in next (or the bucket empty).
-	marks uint64
 }
 
 // scheduler hands ready buckets to drainers in a fair FIFO: a bucket
@@ -145,15 +142,6 @@ func (s *scheduler) next(k *keeper) (b int, hl *heldLease, st bucketState, ok bo
 	}
 }
 
-// marked reports bucket b's marks and whether they changed since marks:
-// a hint or a discovery arrived for it since.
-func (s *scheduler) marked(b int, marks uint64) (uint64, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	cur := s.buckets[b].marks
-	return cur, cur != marks
-}
-
 // done takes back bucket b after a batch drawn with marks and applies its
 // result.
 func (s *scheduler) done(b int, marks uint64, r batchResult, cfg Config, now time.Time) {
@@ -161,9 +149,6 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, cfg Config, now tim
 	st := &s.buckets[b]
 	st.busy = false
 	s.inFlight--
-	if r.next != nil {
-		marks = r.marks // the read ahead saw the hints up to r.marks
-	}
 	hinted := st.marks != marks // a hint arrived during the batch
 	switch r.out {
 	case outEmpty, outDrained:

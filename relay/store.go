@@ -181,8 +181,7 @@ type BucketCounter interface {
 // BatchAdvancer is an optional Store capability: deleting a batch's
 // acknowledged messages and reading the next batch of the same bucket in
 // one call, in one round trip where the database allows it. The relay
-// uses it after a batch was published completely that was full or during
-// which the bucket was hinted (more rows are waiting), instead of
+// uses it after a full batch was published completely, instead of
 // MarkPublished followed by NextBatch.
 type BatchAdvancer interface {
 	// MarkPublishedNext deletes msgs exactly as MarkPublished does (by id,

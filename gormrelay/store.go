@@ -819,15 +819,13 @@ func (s *Store) MarkPublished(ctx context.Context, relayID string, lease relay.L
 	// Chunks are deleted in order, so a refused chunk still leaves a
 	// contiguous suffix of the batch pending.
 	for chunk := range slices.Chunk(ids, storeChunk) {
-		del := "DELETE FROM " + s.messages + " WHERE bucket = ? AND id IN ? AND " + s.leaseHeld()
-		args := []any{lease.Bucket, chunk}
+		in, inArgs := "id IN ?", []any{chunk}
 		if s.postgres {
-			var arr string
-			arr, args = pgIDs(chunk)
-			del = "DELETE FROM " + s.messages + " WHERE bucket = ? AND id = ANY(" + arr + ") AND " + s.leaseHeld()
-			args = append([]any{lease.Bucket}, args...)
+			arr, arrArgs := pgIDs(chunk)
+			in, inArgs = "id = ANY("+arr+")", arrArgs
 		}
-		r := db.Exec(del, append(args, lease.Bucket, relayID, lease.Term, nowMs())...)
+		args := append(append([]any{lease.Bucket}, inArgs...), lease.Bucket, relayID, lease.Term, nowMs())
+		r := db.Exec("DELETE FROM "+s.messages+" WHERE bucket = ? AND "+in+" AND "+s.leaseHeld(), args...)
 		if r.Error != nil {
 			return s.fail(ctx, "delete published messages", r.Error)
 		}

@@ -171,18 +171,11 @@ func startLatencyRelay(ctx context.Context, e *env, cfg config, brokers []string
 
 // waitOwnsAll polls until rl trusts leases on all n buckets.
 func waitOwnsAll(ctx context.Context, rl *relay.Relay, n int) error {
-	deadline := time.Now().Add(30 * time.Second)
-	for len(rl.Leases()) < n {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("relay owns %d of %d buckets after 30s", len(rl.Leases()), n)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(5 * time.Millisecond):
-		}
+	err := poll(ctx, 30*time.Second, 5*time.Millisecond, func() (bool, error) { return len(rl.Leases()) >= n, nil })
+	if errors.Is(err, errPollTimeout) {
+		return fmt.Errorf("relay owns %d of %d buckets after 30s", len(rl.Leases()), n)
 	}
-	return nil
+	return err
 }
 
 // startNotifySender sends the env's commits to other processes as NOTIFYs

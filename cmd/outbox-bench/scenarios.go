@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -142,27 +143,41 @@ func (e *env) analyze(ctx context.Context) error {
 
 // waitEmpty polls until the messages table is empty.
 func (e *env) waitEmpty(ctx context.Context, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
 	// Through the (bucket, id) index, which learns to skip the entries of
 	// deleted rows; a table scan would step over every row deleted so far.
 	q := "SELECT id FROM " + e.table() + " ORDER BY bucket, id LIMIT 1"
-	for {
+	err := poll(ctx, timeout, 5*time.Millisecond, func() (bool, error) {
 		var ids []int64
-		if err := e.db.WithContext(ctx).Raw(q).Scan(&ids).Error; err != nil {
+		err := e.db.WithContext(ctx).Raw(q).Scan(&ids).Error
+		return len(ids) == 0, err
+	})
+	if errors.Is(err, errPollTimeout) {
+		var n int64
+		e.db.Raw("SELECT COUNT(*) FROM " + e.table()).Scan(&n)
+		return fmt.Errorf("%d messages still pending after %s", n, timeout)
+	}
+	return err
+}
+
+// errPollTimeout is poll's error when its timeout passed first.
+var errPollTimeout = errors.New("timed out")
+
+// poll calls done every interval until it reports true or an error, ctx
+// ends, or timeout passes (errPollTimeout).
+func poll(ctx context.Context, timeout, every time.Duration, done func() (bool, error)) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		ok, err := done()
+		if ok || err != nil {
 			return err
 		}
-		if len(ids) == 0 {
-			return nil
-		}
 		if time.Now().After(deadline) {
-			var n int64
-			e.db.Raw("SELECT COUNT(*) FROM " + e.table()).Scan(&n)
-			return fmt.Errorf("%d messages still pending after %s", n, timeout)
+			return errPollTimeout
 		}
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
-		case <-time.After(5 * time.Millisecond):
+		case <-time.After(every):
 		}
 	}
 }
@@ -682,30 +697,22 @@ func multiRelayDrain(ctx context.Context, cfg config, brokers []string, count in
 func (e *env) waitShared(ctx context.Context, count int) error {
 	q := "SELECT COUNT(*) AS n FROM " + e.db.Statement.Quote(e.plugin.Config().Tables.LeasesTable()) +
 		" WHERE owner IS NOT NULL AND expires_at_ms > ? GROUP BY owner"
-	deadline := time.Now().Add(time.Minute)
-	for {
-		var held []int
+	var held []int
+	err := poll(ctx, time.Minute, 20*time.Millisecond, func() (bool, error) {
+		held = held[:0]
 		if err := e.db.WithContext(ctx).Raw(q, time.Now().UnixMilli()).Scan(&held).Error; err != nil {
-			return err
+			return false, err
 		}
-		if len(held) == count && slices.Max(held)-slices.Min(held) <= 1 {
-			sum := 0
-			for _, n := range held {
-				sum += n
-			}
-			if sum == e.cfg.Buckets {
-				return nil
-			}
+		sum := 0
+		for _, n := range held {
+			sum += n
 		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%d relays: leases held %v after a minute, want %d buckets shared", count, held, e.cfg.Buckets)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(20 * time.Millisecond):
-		}
+		return len(held) == count && slices.Max(held)-slices.Min(held) <= 1 && sum == e.cfg.Buckets, nil
+	})
+	if errors.Is(err, errPollTimeout) {
+		return fmt.Errorf("%d relays: leases held %v after a minute, want %d buckets shared", count, held, e.cfg.Buckets)
 	}
+	return err
 }
 
 // relayEnv is the environment of a relay process (runRelayRole) draining

@@ -142,6 +142,10 @@
 // its buckets to the others when its leases expire. A relay that stops
 // cleanly releases its leases and removes its heartbeat, so the others take
 // its buckets over at their next acquisition, not after LeaseDuration.
+// That includes leases it stopped trusting before the stop (a late
+// renewal, a publish that found its lease lost): the store may still
+// record them as its own, and its owner + term guard leaves alone any a
+// peer has taken since.
 // A bucket is released only between its batches, never while its publish
 // is in flight. BucketCount bounds the parallelism: extra relays stay
 // live, own nothing and wait.

@@ -91,6 +91,23 @@ func (s *fakeStore) owner(b int) string {
 	return s.leases[b].owner
 }
 
+// failLeases makes every acquisition and renewal fail with err, as when
+// the database stops answering; nil ends that.
+func (s *fakeStore) failLeases(err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err == nil {
+		s.fail = nil
+		return
+	}
+	s.fail = func(op string) error {
+		if op == "acquire" || op == "renew" {
+			return err
+		}
+		return nil
+	}
+}
+
 // begin counts op and returns the injected failure, with s.mu held.
 func (s *fakeStore) begin(op string) error {
 	s.mu.Lock()

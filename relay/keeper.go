@@ -41,8 +41,15 @@ type keeper struct {
 	w    *worker
 	base context.Context // parent of every lease context
 
-	mu           sync.Mutex
-	held         map[int]*heldLease
+	mu   sync.Mutex
+	held map[int]*heldLease
+	// dropped are leases the relay stopped trusting on local evidence (its
+	// trust window ended, a publish under them failed as lost) that the
+	// store may still record as this relay's: released at stop with the
+	// held ones, so peers need not wait for their expiry. The store's
+	// owner + term guard makes releasing one a peer has since taken a
+	// no-op. A bucket leaves the map when the relay holds it again.
+	dropped      map[int]int64
 	trustedUntil time.Time   // local monotonic deadline for trusting leases
 	renewedAt    time.Time   // start of the last successful acquisition or renewal
 	renewTriedAt time.Time   // start of the last attempt
@@ -53,7 +60,7 @@ type keeper struct {
 }
 
 func newKeeper(w *worker) *keeper {
-	k := &keeper{cfg: w.cfg, w: w, held: map[int]*heldLease{}}
+	k := &keeper{cfg: w.cfg, w: w, held: map[int]*heldLease{}, dropped: map[int]int64{}}
 	k.trustTimer = time.AfterFunc(time.Hour, k.expireTrust)
 	k.trustTimer.Stop()
 	return k
@@ -114,6 +121,7 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 		}
 	}
 	for b, t := range next {
+		delete(k.dropped, b)
 		if _, ok := k.held[b]; ok {
 			continue
 		}
@@ -250,6 +258,7 @@ func (k *keeper) expireTrust() {
 	if expired {
 		for b, hl := range k.held {
 			hl.cancel(fmt.Errorf("%w: bucket %d: local lease deadline passed without a renewal", ErrLeaseLost, b))
+			k.dropped[b] = hl.Term
 			dropped = append(dropped, b)
 		}
 		k.held = map[int]*heldLease{}
@@ -277,6 +286,7 @@ func (k *keeper) drop(l Lease, cause error) {
 	if held {
 		hl.cancel(cause)
 		delete(k.held, l.Bucket)
+		k.dropped[l.Bucket] = l.Term
 	}
 	k.needAcquire = true
 	if newer {
@@ -292,7 +302,7 @@ func (k *keeper) drop(l Lease, cause error) {
 }
 
 // releaseAll takes every lease out of the keeper, ending their contexts,
-// and returns them for the store's release.
+// and returns them for the store's release, with the dropped ones.
 func (k *keeper) releaseAll() []Lease {
 	k.mu.Lock()
 	defer k.mu.Unlock()
@@ -300,7 +310,11 @@ func (k *keeper) releaseAll() []Lease {
 	for _, hl := range k.held {
 		hl.cancel(errReleased)
 	}
-	k.held = map[int]*heldLease{}
+	for b, t := range k.dropped {
+		out = append(out, Lease{Bucket: b, Term: t})
+	}
+	slices.SortFunc(out, func(a, b Lease) int { return a.Bucket - b.Bucket })
+	k.held, k.dropped = map[int]*heldLease{}, map[int]int64{}
 	return out
 }
 

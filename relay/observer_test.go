@@ -213,14 +213,7 @@ func TestObserverTrustExpiry(t *testing.T) {
 		var log pubLog
 		r := start(t, s, log.publisher(nil), cfg)
 		synctest.Wait()
-		s.mu.Lock()
-		s.fail = func(op string) error {
-			if op == "acquire" || op == "renew" {
-				return errors.New("database unreachable")
-			}
-			return nil
-		}
-		s.mu.Unlock()
+		s.failLeases(errors.New("database unreachable"))
 		time.Sleep(cfg.LeaseDuration)
 		obs.get(func(o *recObserver) {
 			require.Equal(t, 8, o.expired)

@@ -453,15 +453,7 @@ func TestTrustWindow(t *testing.T) {
 		r := start(t, s, log.publisher(nil), cfg)
 		synctest.Wait()
 		require.Len(t, r.Leases(), 8)
-		down := errors.New("database unreachable")
-		s.mu.Lock()
-		s.fail = func(op string) error {
-			if op == "acquire" || op == "renew" {
-				return down
-			}
-			return nil
-		}
-		s.mu.Unlock()
+		s.failLeases(errors.New("database unreachable"))
 		time.Sleep(cfg.LeaseDuration - 500*time.Millisecond)
 		require.Empty(t, r.Leases(), "no longer trusted, though the leases have not expired yet")
 		require.Equal(t, "a", s.owner(0))
@@ -469,9 +461,7 @@ func TestTrustWindow(t *testing.T) {
 		time.Sleep(5 * time.Second)
 		require.Zero(t, log.n(), "nothing published on untrusted leases")
 
-		s.mu.Lock()
-		s.fail = nil
-		s.mu.Unlock()
+		s.failLeases(nil)
 		for log.n() == 0 {
 			time.Sleep(10 * time.Millisecond)
 		}
@@ -607,4 +597,37 @@ func TestFairShare(t *testing.T) {
 		require.Equal(t, tc.want, relay.FairShare(tc.buckets, tc.live))
 		require.GreaterOrEqual(t, relay.FairShare(tc.buckets, tc.live)*max(tc.live, 1), tc.buckets)
 	}
+}
+
+// A relay that stopped trusting its leases (the store stopped answering
+// renewals, which also ended a publish in flight) releases them when it
+// stops all the same: peers take the buckets at once rather than after
+// the leases expire.
+func TestStopReleasesUntrustedLeases(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(1, 1)
+		cfg := config("a")
+		blocked := make(chan struct{}, 1)
+		r := start(t, s, relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			blocked <- struct{}{}
+			<-ctx.Done()
+			return 0, context.Cause(ctx)
+		}), cfg)
+		<-blocked
+		s.failLeases(errors.New("database unreachable"))
+		for len(r.Leases()) > 0 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		synctest.Wait() // the cancelled publish has returned
+		for b := range 8 {
+			require.Equal(t, "a", s.owner(b), "bucket %d: the stored lease outlives the trust window", b)
+		}
+		stop(t, r)
+		for b := range 8 {
+			require.Empty(t, s.owner(b), "bucket %d released at stop", b)
+		}
+		require.Equal(t, 1, s.pending())
+	})
 }

@@ -11,7 +11,8 @@
 # OUTBOX_LOADED_CI_RUN_TIMEOUT (default 30m), the load stops with the
 # script (also on Ctrl-C or an error), the pgbench database is dropped and
 # the clones are removed. The logs of failed runs are kept and their paths
-# printed. Exit status 0 only if every run passed.
+# printed; of a green run the chaos liveness and summary lines and the
+# Apache Kafka count are printed. Exit status 0 only if every run passed.
 #
 # Environment: OUTBOX_LOADED_CI_BURNERS (CPU burners, default: the number
 # of cores), OUTBOX_LOADED_CI_PGBENCH_CLIENTS (default 4),
@@ -80,8 +81,11 @@ for i in $(seq "$runs"); do
   start=$(date +%s)
   if (cd "$clone" && CI=true timeout --kill-after=30s "$run_timeout" bash .ci/run) >"$logfile" 2>&1; then
     passed=$((passed + 1))
-    rm -f "$logfile"
     log "run $i of $runs: green ($(( $(date +%s) - start ))s, load average $(cut -d' ' -f1-3 /proc/loadavg))"
+    # The figures of a green run (the chaos liveness and summary lines and
+    # the Apache Kafka count) are printed before its log is removed.
+    grep -E 'chaos liveness:|chaos summary:|^apache-kafka:' "$logfile" | sed 's/^ *\(.*\.go:[0-9]*: \)\{0,1\}/    /' || true
+    rm -f "$logfile"
   else
     log "run $i of $runs: FAILED ($(( $(date +%s) - start ))s); log: $logfile"
     grep -E -- '^(--- FAIL|FAIL|panic:)|Error:' "$logfile" | head -20 | sed 's/^/    /' || true

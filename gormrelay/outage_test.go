@@ -131,6 +131,7 @@ func TestBrokerOutageIsNotPoison(t *testing.T) {
 
 		// The outage: every broker refuses, while writers go on.
 		down.on.Store(true)
+		outageStart := time.Now()
 		b.insert(t, rows(5, 25)...)
 		// Outlast MaxAttempts many times over in every bucket that holds
 		// messages.
@@ -143,9 +144,12 @@ func TestBrokerOutageIsNotPoison(t *testing.T) {
 
 		// Back up: everything drains without an operator.
 		down.on.Store(false)
+		outageLen := time.Since(outageStart)
 		waitEmpty(2 * time.Minute)
+		drained := time.Since(outageStart) - outageLen
 		require.Empty(t, b.deadRows(t), "nothing dead-lettered or parked")
-		t.Logf("outage: %d unavailable publishes, %d other failures (%v)", unavailable, len(other), other)
+		t.Logf("outage: %s long (%.0f × MaxAttempts × BackoffMax), %d unavailable publishes, %d other failures (%v); 0 dead letters; the backlog drained %s after the brokers came back",
+			outageLen.Round(time.Millisecond), float64(outageLen)/float64(maxAttempts*cfg.BackoffMax), unavailable, len(other), other, drained.Round(time.Millisecond))
 
 		// Every message arrived. Per-key order of first deliveries is
 		// reported, not failed on: the order gate closes the retry paths,

@@ -280,6 +280,29 @@ func TestStoreTermGuard(t *testing.T) {
 
 func ptr[T any](v T) *T { return &v }
 
+// Discovery over more buckets than one statement of probes holds on
+// MySQL/MariaDB and SQLite; PostgreSQL takes them all as one array.
+func TestStorePendingManyBuckets(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 300})
+		for _, bucket := range []int32{1, 128, 129, 299} {
+			b.insert(t, outbox.MessageRow{Bucket: bucket, Value: []byte("x")})
+		}
+		all := make([]int, 300)
+		for i := range all {
+			all[i] = i
+		}
+		pending, err := b.store.PendingBuckets(ctx, all)
+		require.NoError(t, err)
+		require.Equal(t, []int{1, 128, 129, 299}, pending)
+		pending, err = b.store.PendingBuckets(ctx, []int{299, 5, 128})
+		require.NoError(t, err)
+		require.Equal(t, []int{128, 299}, pending)
+	})
+}
+
 func TestStoreBatches(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {

@@ -138,24 +138,27 @@ func (r *recorder) requireNoOverlap(t testing.TB) {
 	require.Empty(t, r.overlaps)
 }
 
+// deliverWithin bounds requireAllDelivered. It is a deadline against a
+// hung test, not a speed check: on a busy machine the databases stall for
+// seconds at a time (a 10 s bound failed that way under the loaded-CI
+// script, with every relay healthy), and a takeover waits out a lease.
+const deliverWithin = time.Minute
+
 // requireAllDelivered waits until the table is empty and every row was
-// acknowledged at least once.
-func requireAllDelivered(t testing.TB, b *storeBundle, rec *recorder, rows []outbox.MessageRow, within time.Duration) {
+// acknowledged at least once; on failure it says how many were not.
+func requireAllDelivered(t testing.TB, b *storeBundle, rec *recorder, rows []outbox.MessageRow) {
 	t.Helper()
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
-		assert.True(c, func() bool {
-			if b.count(c) != 0 {
-				return false
+		assert.Zero(c, b.count(c), "rows left in the outbox table")
+		got := rec.ackedIDs()
+		missing := 0
+		for _, r := range rows {
+			if got[r.MessageID] == 0 {
+				missing++
 			}
-			got := rec.ackedIDs()
-			for _, r := range rows {
-				if got[r.MessageID] == 0 {
-					return false
-				}
-			}
-			return true
-		}())
-	}, within, 10*time.Millisecond)
+		}
+		assert.Zero(c, missing, "rows never acknowledged, of %d", len(rows))
+	}, deliverWithin, 10*time.Millisecond)
 }
 
 // requireOrdered checks that within each key, and within each bucket, the
@@ -196,7 +199,7 @@ func TestRelayOrder(t *testing.T) {
 		cfg.BatchSize = 7 // many full and partial batches
 		startRelay(t, b.store, rec.publisher("a", nil), cfg)
 
-		requireAllDelivered(t, b, rec, rows, 10*time.Second)
+		requireAllDelivered(t, b, rec, rows)
 		got := rec.acked()
 		require.Len(t, got, len(rows), "no failures, so no duplicates")
 		requireOrdered(t, got)
@@ -311,7 +314,7 @@ func TestRelayFairShareThreeRelays(t *testing.T) {
 		require.Len(t, owners, 3)
 
 		rows := b.insert(t, keyed(keysN(40), 10)...)
-		requireAllDelivered(t, b, rec, rows, 10*time.Second)
+		requireAllDelivered(t, b, rec, rows)
 		rec.requireNoOverlap(t)
 		requireOrdered(t, rec.acked())
 		published := map[string]bool{}
@@ -407,7 +410,7 @@ func TestRelayTakeoverAfterCrash(t *testing.T) {
 		before := len(rec.snapshot())
 
 		startRelay(t, b.store, rec.publisher("b", nil), fastConfig(t, "b"))
-		requireAllDelivered(t, b, rec, rows, 10*time.Second)
+		requireAllDelivered(t, b, rec, rows)
 		for _, c := range rec.snapshot()[before:] {
 			require.Equal(t, "b", c.relay)
 			require.GreaterOrEqual(t, c.start.UnixMilli(), expiry[c.bucket], "bucket %d taken over before its lease expired", c.bucket)
@@ -463,7 +466,7 @@ func TestRelayGracefulStopHandsOver(t *testing.T) {
 		require.ErrorIs(t, a.Start(context.Background()), relay.ErrStopped)
 
 		rows := b.insert(t, keyed(keysN(10), 3)...)
-		requireAllDelivered(t, b, rec, rows, 5*time.Second)
+		requireAllDelivered(t, b, rec, rows)
 	})
 }
 
@@ -538,7 +541,10 @@ func TestRelayRenewsDuringSlowPublish(t *testing.T) {
 	})
 }
 
-// An exact bucket hint wakes an idle relay at once, far below PollInterval.
+// An exact bucket hint wakes an idle relay, which would otherwise find
+// the row only at its next poll. The poll is an hour away, so only the
+// hint can deliver within the test; the latency is logged, not bounded
+// (a busy machine stalls for seconds; speed belongs to outbox-bench).
 func TestRelayHintWakeUp(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
@@ -554,7 +560,7 @@ func TestRelayHintWakeUp(t *testing.T) {
 		})
 		notifier := outbox.NewNotifier(8)
 		cfg := fastConfig(t, "a")
-		cfg.PollInterval = 5 * time.Second
+		cfg.PollInterval = time.Hour
 		cfg.LeaseDuration = 10 * time.Second
 		cfg.LeaseRenewInterval = time.Second
 		cfg.Hints = notifier
@@ -564,7 +570,7 @@ func TestRelayHintWakeUp(t *testing.T) {
 		// known to be empty and only a poll or a hint finds new rows.
 		select {
 		case <-delivered:
-		case <-time.After(5 * time.Second):
+		case <-time.After(deliverWithin):
 			t.Fatal("pre-existing message not delivered")
 		}
 		b.insert(t, outbox.MessageRow{MessageID: "second", Key: []byte(key), Value: []byte("k/1")})
@@ -575,15 +581,13 @@ func TestRelayHintWakeUp(t *testing.T) {
 		notifier.Notify([]int{2})
 		select {
 		case at := <-delivered:
-			latency := at.Sub(notified)
-			t.Logf("hint to publish latency: %s (PollInterval %s)", latency, cfg.PollInterval)
-			require.Less(t, latency, 500*time.Millisecond)
-		case <-time.After(2 * time.Second):
+			t.Logf("hint to publish latency: %s (PollInterval %s)", at.Sub(notified), cfg.PollInterval)
+		case <-time.After(deliverWithin):
 			t.Fatal("hint did not wake the relay")
 		}
 		// The hook runs inside the publish; the recorder counts the
 		// acknowledgement after it returns.
-		require.Eventually(t, func() bool { return len(rec.acked()) == 2 }, 2*time.Second, 5*time.Millisecond)
+		require.Eventually(t, func() bool { return len(rec.acked()) == 2 }, deliverWithin, 5*time.Millisecond)
 	})
 }
 
@@ -601,12 +605,12 @@ func TestRelayWithPluginNotifier(t *testing.T) {
 
 		rec := newRecorder()
 		cfg := fastConfig(t, "a")
-		cfg.PollInterval = 5 * time.Second
+		cfg.PollInterval = time.Hour // only the notifier can deliver in time
 		cfg.LeaseDuration = 10 * time.Second
 		cfg.LeaseRenewInterval = time.Second
 		cfg.Hints = p.Notifier()
 		r := startRelay(t, store, rec.publisher("a", nil), cfg)
-		require.Eventually(t, func() bool { return len(r.Leases()) == 8 }, 5*time.Second, 5*time.Millisecond)
+		require.Eventually(t, func() bool { return len(r.Leases()) == 8 }, deliverWithin, 5*time.Millisecond)
 
 		committed := time.Now()
 		require.NoError(t, db.DB.Transaction(func(tx *gorm.DB) error {
@@ -615,7 +619,7 @@ func TestRelayWithPluginNotifier(t *testing.T) {
 				&outbox.Message{Topic: "orders", Key: []byte("o-1"), Value: []byte("o-1/1")},
 			)
 		}))
-		require.Eventually(t, func() bool { return len(rec.acked()) == 2 }, 2*time.Second, 2*time.Millisecond)
+		require.Eventually(t, func() bool { return len(rec.acked()) == 2 }, deliverWithin, 2*time.Millisecond)
 		t.Logf("commit to publish latency: %s", time.Since(committed))
 		requireOrdered(t, rec.acked())
 	})
@@ -729,8 +733,8 @@ func TestRelayTwoOutboxes(t *testing.T) {
 
 		rowsB := billing.insert(t, keyed([]string{"invoice-1", "invoice-2"}, 5)...)
 		rowsS := shipping.insert(t, keyed([]string{"parcel-1"}, 4)...)
-		requireAllDelivered(t, billing, recB, rowsB, 5*time.Second)
-		requireAllDelivered(t, shipping, recS, rowsS, 5*time.Second)
+		requireAllDelivered(t, billing, recB, rowsB)
+		requireAllDelivered(t, shipping, recS, rowsS)
 		require.Len(t, recB.acked(), 10)
 		require.Len(t, recS.acked(), 4)
 		for _, m := range recS.acked() {

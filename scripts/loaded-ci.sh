@@ -12,9 +12,10 @@
 # OUTBOX_LOADED_CI_RUN_TIMEOUT (default 45m: a run under this load took
 # 14 to 15 minutes on one 2-core machine and 26 on another), the load
 # stops with the script (also on Ctrl-C or an error), the pgbench database
-# is dropped and the clones are removed. The logs of failed runs are kept and their paths
-# printed; of a green run the chaos liveness and summary lines and the
-# Apache Kafka count are printed. Exit status 0 only if every run passed.
+# is dropped and the clones are removed. The logs of failed runs are kept
+# and their paths printed; of a green run the chaos liveness and summary
+# lines and the Apache Kafka count are printed. Exit status 0 only if
+# every run passed.
 #
 # Environment: OUTBOX_LOADED_CI_BURNERS (CPU burners, default: the number
 # of cores), OUTBOX_LOADED_CI_PGBENCH_CLIENTS (default 4),

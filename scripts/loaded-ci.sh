@@ -65,9 +65,9 @@ bash "$repo/scripts/services.sh"
 # Compile every test binary once before the load starts, so that the runs
 # measure the suite under load, not the first compile of a fresh machine:
 # with an empty Go build cache, the example's race-instrumented SQLite
-# driver (modernc.org/sqlite) alone takes most of the 30-minute limit at
-# this load. The clones share the cache; their own packages still compile
-# in every run.
+# driver (modernc.org/sqlite) alone took about 25 minutes at this load.
+# The clones share the cache; their own packages still compile in every
+# run.
 log "warming the Go build cache (before the load; not a run)"
 git clone -q --no-checkout "$repo" "$work/clone-warm"
 git -C "$work/clone-warm" checkout -q "$sha"

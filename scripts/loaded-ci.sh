@@ -13,8 +13,8 @@
 # 14 to 15 minutes on one 2-core machine and 26 on another), the load
 # stops with the script (also on Ctrl-C or an error), the pgbench database
 # is dropped and the clones are removed. The logs of failed runs are kept
-# and their paths printed; of a green run the chaos liveness and summary
-# lines and the Apache Kafka count are printed. Exit status 0 only if
+# and their paths printed; of a green run the chaos summary lines (faults,
+# loss, order, resumed after) and the Apache Kafka count are printed. Exit status 0 only if
 # every run passed.
 #
 # Environment: OUTBOX_LOADED_CI_BURNERS (CPU burners, default: the number
@@ -35,6 +35,11 @@ clients="${OUTBOX_LOADED_CI_PGBENCH_CLIENTS:-4}"
 export PGHOST="${PGHOST:-127.0.0.1}" PGPORT="${PGPORT:-5432}" PGUSER="${PGUSER:-postgres}"
 
 log() { echo "loaded-ci: $*"; }
+# clone_head DIR: a clean clone of the repository at the commit under test.
+clone_head() {
+  git clone -q --no-checkout "$repo" "$1"
+  git -C "$1" checkout -q "$sha"
+}
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/outbox-loaded-ci.XXXXXX")"
 db="outbox_loaded_ci_$$"
@@ -69,8 +74,7 @@ bash "$repo/scripts/services.sh"
 # The clones share the cache; their own packages still compile in every
 # run.
 log "warming the Go build cache (before the load; not a run)"
-git clone -q --no-checkout "$repo" "$work/clone-warm"
-git -C "$work/clone-warm" checkout -q "$sha"
+clone_head "$work/clone-warm"
 if ! (cd "$work/clone-warm" && go test -race -count=1 -run '^$' ./... >/dev/null &&
   cd examples/gin-orders && go test -race -count=1 -run '^$' ./... >/dev/null); then
   log "warning: warming the build cache failed; the first run compiles everything"
@@ -93,16 +97,15 @@ load_pids+=("$!")
 passed=0
 for i in $(seq "$runs"); do
   clone="$work/clone-$i"
-  git clone -q --no-checkout "$repo" "$clone"
-  git -C "$clone" checkout -q "$sha"
+  clone_head "$clone"
   logfile="$work/run-$i.log"
   start=$(date +%s)
   if (cd "$clone" && CI=true timeout --kill-after=30s "$run_timeout" bash .ci/run) >"$logfile" 2>&1; then
     passed=$((passed + 1))
     log "run $i of $runs: green ($(( $(date +%s) - start ))s, load average $(cut -d' ' -f1-3 /proc/loadavg))"
-    # The figures of a green run (the chaos liveness and summary lines and
-    # the Apache Kafka count) are printed before its log is removed.
-    grep -E 'chaos liveness:|chaos summary:|^apache-kafka:' "$logfile" | sed 's/^ *\(.*\.go:[0-9]*: \)\{0,1\}/    /' || true
+    # The figures of a green run (the chaos summary lines and the Apache
+    # Kafka count) are printed before its log is removed.
+    grep -E 'chaos summary:|^apache-kafka:' "$logfile" | sed 's/^ *\(.*\.go:[0-9]*: \)\{0,1\}/    /' || true
     rm -f "$logfile"
   else
     log "run $i of $runs: FAILED ($(( $(date +%s) - start ))s); log: $logfile"

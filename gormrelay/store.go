@@ -496,13 +496,20 @@ func buckets(leases []relay.Lease) []int {
 }
 
 // renew extends the leases still held by me under their terms and
-// unexpired, and returns those.
+// unexpired to at least expires, and returns those.
+//
+// A relay's acquisition and its renewal (relay.LeaseRenewer) may run at
+// the same time, and their statements may reach the database in either
+// order, so an expiry is only ever moved forward: a renewal that started
+// earlier but arrives later must not shorten the lease below what the
+// relay already trusts.
 func (s *Store) renew(db *gorm.DB, me string, leases []relay.Lease, now, expires int64) ([]relay.Lease, error) {
 	var held []relay.Lease
 	for chunk := range slices.Chunk(leases, probeChunk) {
 		var sb strings.Builder
-		sb.WriteString("UPDATE " + s.leases + " SET expires_at_ms = ? WHERE owner = ? AND expires_at_ms > ? AND bucket IN ? AND ")
-		args := leaseGuard(&sb, []any{expires, me, now, buckets(chunk)}, chunk)
+		sb.WriteString("UPDATE " + s.leases + " SET expires_at_ms = CASE WHEN expires_at_ms < ? THEN ? ELSE expires_at_ms END" +
+			" WHERE owner = ? AND expires_at_ms > ? AND bucket IN ? AND ")
+		args := leaseGuard(&sb, []any{expires, expires, me, now, buckets(chunk)}, chunk)
 		r := db.Exec(sb.String(), args...)
 		if r.Error != nil {
 			return nil, r.Error
@@ -511,10 +518,12 @@ func (s *Store) renew(db *gorm.DB, me string, leases []relay.Lease, now, expires
 			held = append(held, chunk...)
 			continue
 		}
-		// Some leases were lost, or MySQL counted a row renewed twice
-		// within one millisecond as unchanged: read back which we hold.
+		// Some leases were lost, or MySQL counted a row it left unchanged
+		// (already renewed to this expiry or later) as unaffected: read
+		// back which we hold. A concurrent renewal of ours may have moved
+		// the expiry further since, so not only this expiry counts.
 		sb.Reset()
-		sb.WriteString("SELECT bucket, term FROM " + s.leases + " WHERE owner = ? AND expires_at_ms = ? AND bucket IN ? AND ")
+		sb.WriteString("SELECT bucket, term FROM " + s.leases + " WHERE owner = ? AND expires_at_ms >= ? AND bucket IN ? AND ")
 		args = leaseGuard(&sb, []any{me, expires, buckets(chunk)}, chunk)
 		var rows []outbox.LeaseRow
 		if err := db.Raw(sb.String(), args...).Scan(&rows).Error; err != nil {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -279,6 +281,48 @@ func TestStoreTermGuard(t *testing.T) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// A relay's acquisition and its renewal run concurrently, and their
+// statements may reach the database in either order. A renewal never
+// shortens a lease, and one that finds a lease lost still reports the
+// leases the relay holds when a renewal of its own moved their expiry
+// further between its update and its read-back.
+func TestStoreRenewConcurrentWithRenewal(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 2})
+		a := acquire(t, b.store, "a", 2, time.Minute)
+		require.Len(t, a.Leases, 2)
+		leases := b.cfg.Tables.LeasesTable()
+
+		// A later, shorter renewal leaves the expiry where it was.
+		before := b.leaseRows(t)
+		held, err := b.store.RenewLeases(ctx, "a", a.Leases, time.Second)
+		require.NoError(t, err)
+		require.Equal(t, a.Leases, held)
+		for i, r := range b.leaseRows(t) {
+			require.Equal(t, before[i].ExpiresAtMs, r.ExpiresAtMs, "bucket %d: the expiry never moves back", r.Bucket)
+		}
+
+		// Bucket 1 is taken over; right after a's renewal updates the
+		// rows, a concurrent renewal of a's moves bucket 0's expiry on.
+		require.NoError(t, b.db.DB.Table(leases).Where("bucket = ?", 1).Update("owner", "z").Error)
+		var bumped atomic.Bool
+		require.NoError(t, db.DB.Callback().Raw().After("gorm:raw").Register("test:concurrent_renewal", func(tx *gorm.DB) {
+			sql := tx.Statement.SQL.String()
+			if !strings.HasPrefix(sql, "UPDATE") || !strings.Contains(sql, leases) || !strings.Contains(sql, "SET expires_at_ms") || bumped.Swap(true) {
+				return
+			}
+			tx.Session(&gorm.Session{NewDB: true}).Table(leases).Where("bucket = ?", 0).
+				Update("expires_at_ms", gorm.Expr("expires_at_ms + ?", 5000))
+		}))
+		held, err = b.store.RenewLeases(ctx, "a", a.Leases, 2*time.Minute)
+		require.NoError(t, err)
+		require.True(t, bumped.Load())
+		require.Equal(t, a.Leases[:1], held, "bucket 0 is still a's; bucket 1 is lost")
+	})
+}
 
 // Discovery over more buckets than one statement of probes holds on
 // MySQL/MariaDB and SQLite; PostgreSQL takes them all as one array.

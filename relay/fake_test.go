@@ -146,7 +146,7 @@ func (s *fakeStore) AcquireLeases(ctx context.Context, req relay.AcquireRequest)
 	for b := range s.leases {
 		l := &s.leases[b]
 		if l.owner == req.RelayID && now.Before(l.expires) && slices.Contains(req.Busy, b) {
-			l.expires = now.Add(req.LeaseDuration) // never released mid-batch
+			l.expires = laterTime(l.expires, now.Add(req.LeaseDuration)) // never released mid-batch
 			held = append(held, relay.Lease{Bucket: b, Term: l.term})
 			busy++
 		}
@@ -155,7 +155,7 @@ func (s *fakeStore) AcquireLeases(ctx context.Context, req relay.AcquireRequest)
 		l := &s.leases[b]
 		if l.owner == req.RelayID && now.Before(l.expires) && !slices.Contains(req.Busy, b) {
 			if len(held) < share {
-				l.expires = now.Add(req.LeaseDuration)
+				l.expires = laterTime(l.expires, now.Add(req.LeaseDuration))
 				held = append(held, relay.Lease{Bucket: b, Term: l.term})
 			} else {
 				l.owner, l.expires = "", time.Time{}
@@ -247,7 +247,7 @@ func (s *fakeStore) RenewLeases(ctx context.Context, id string, leases []relay.L
 	var out []relay.Lease
 	for _, l := range leases {
 		if s.held(id, l, now) {
-			s.leases[l.Bucket].expires = now.Add(d)
+			s.leases[l.Bucket].expires = laterTime(s.leases[l.Bucket].expires, now.Add(d))
 			out = append(out, l)
 		}
 	}
@@ -365,4 +365,13 @@ func (s *fakeStore) insert(msgs []relay.Message) {
 		m.Attempts = 0
 		s.msgs[m.Bucket] = append(s.msgs[m.Bucket], m)
 	}
+}
+
+// laterTime returns the later of a and b: a lease's expiry only moves
+// forward (relay.LeaseRenewer).
+func laterTime(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }

@@ -41,7 +41,8 @@ type Store interface {
 	//   - counts the live relays (heartbeat younger than LeaseDuration) and
 	//     computes the fair share, FairShare(BucketCount, live);
 	//   - renews the unexpired leases the relay holds (owner and term
-	//     guarded), releases those above its fair share, and claims free or
+	//     guarded; an expiry only moves forward, see LeaseRenewer),
+	//     releases those above its fair share, and claims free or
 	//     expired leases up to its fair share, incrementing the term of each
 	//     claimed lease in the same guarded UPDATE. A held lease in
 	//     req.Busy is never released by this call, whatever the fair share
@@ -124,8 +125,15 @@ type HeldLease struct {
 type LeaseRenewer interface {
 	// RenewLeases extends each lease still held by relayID under its term
 	// and unexpired to now plus d, refreshes the relay's heartbeat, and
-	// returns the leases it extended. A lease missing from the result is
+	// returns the leases it holds. A lease missing from the result is
 	// lost.
+	//
+	// An expiry never moves back: a lease whose expiry is already later
+	// than now plus d keeps it, and is returned as held. The relay's
+	// renewal and its AcquireLeases run concurrently, and their writes may
+	// reach the store in either order; a write that started earlier but
+	// lands later must neither shorten a lease the relay already trusts
+	// for longer nor make a held lease look lost.
 	RenewLeases(ctx context.Context, relayID string, leases []Lease, d time.Duration) ([]Lease, error)
 }
 

@@ -115,8 +115,8 @@ type FailurePolicyConfig struct {
 // nothing.
 //
 // The quarantined keys of a bucket are read from the dead-letter table
-// once per lease term (one indexed query when a relay gains the bucket)
-// and kept in memory; a batch is checked against that set without a
+// once per lease term (one query for all the buckets a relay gained, at
+// the first batch of one of them) and kept in memory; a batch is checked against that set without a
 // query, so an outbox without dead letters pays nothing per batch. Admin
 // operations that remove dead letters (requeue, purge, discard) advance
 // the bucket's lease term in the same transaction, so a relay holding a
@@ -131,6 +131,7 @@ type FailurePolicy struct {
 
 	mu         sync.Mutex
 	quarantine map[int]*quarantineSet // bucket -> keys under one term
+	loading    *quarantineLoad        // the quarantine read in flight, if any
 }
 
 // quarantineSet is the set of quarantined keys of one bucket as read
@@ -272,29 +273,106 @@ func (p *FailurePolicy) FilterBatch(ctx context.Context, relayID string, lease r
 
 // quarantined returns the quarantined keys of lease's bucket, reading
 // them once per lease term. The returned map must not be modified.
+//
+// A relay that gains many buckets at once (a start, a takeover) would
+// read them one statement per bucket, so the read on a miss also covers
+// every bucket whose last claim through this store has no set yet: the
+// claim was recorded after its UPDATE returned, so a read starting now
+// sees every dead letter written under an earlier term. One statement per
+// quarantineChunk buckets instead of one per bucket.
 func (p *FailurePolicy) quarantined(ctx context.Context, lease relay.Lease) (map[string]struct{}, error) {
-	p.mu.Lock()
-	q := p.quarantine[lease.Bucket]
-	p.mu.Unlock()
-	if q != nil && q.term == lease.Term {
-		return q.keys, nil
+	for {
+		p.mu.Lock()
+		if q := p.quarantine[lease.Bucket]; q != nil && q.term == lease.Term {
+			p.mu.Unlock()
+			return q.keys, nil
+		}
+		if l := p.loading; l != nil && l.covers(lease) {
+			p.mu.Unlock()
+			select {
+			case <-l.done:
+				continue // the set is there now, or the read failed: read again
+			case <-ctx.Done():
+				return nil, context.Cause(ctx)
+			}
+		}
+		l := &quarantineLoad{done: make(chan struct{}), leases: []relay.Lease{lease}}
+		l.leases = p.store.claimedLeases(l.leases, func(c relay.Lease) bool {
+			q := p.quarantine[c.Bucket]
+			return c.Bucket != lease.Bucket && (q == nil || q.term != c.Term)
+		})
+		if p.loading == nil {
+			p.loading = l
+		}
+		p.mu.Unlock()
+
+		sets, err := p.readQuarantined(ctx, l.leases)
+		p.mu.Lock()
+		if err == nil {
+			for _, c := range l.leases {
+				// A set already there under the same term was read after
+				// the same claim too, and may hold a key this relay
+				// dead-lettered since: keep it; and never go back to an
+				// older term.
+				if q := p.quarantine[c.Bucket]; q == nil || q.term < c.Term {
+					p.quarantine[c.Bucket] = &quarantineSet{term: c.Term, keys: sets[c.Bucket]}
+				}
+			}
+		}
+		if p.loading == l {
+			p.loading = nil
+		}
+		keys := sets[lease.Bucket]
+		if q := p.quarantine[lease.Bucket]; q != nil && q.term == lease.Term {
+			keys = q.keys
+		}
+		p.mu.Unlock()
+		close(l.done)
+		if err != nil {
+			return nil, err
+		}
+		return keys, nil
 	}
-	s := p.store
-	db, ctx, cancel := s.op(ctx, "read quarantined keys")
+}
+
+// quarantineChunk is how many buckets one quarantine read covers.
+const quarantineChunk = 256
+
+// readQuarantined reads the quarantined keys of the leases' buckets, a
+// chunk of buckets per statement. Every bucket of leases has a set in the
+// result, empty if it has no keyed dead letter.
+func (p *FailurePolicy) readQuarantined(ctx context.Context, leases []relay.Lease) (map[int]map[string]struct{}, error) {
+	db, ctx, cancel := p.store.op(ctx, "read quarantined keys")
 	defer cancel()
-	var keys [][]byte
-	err := db.Raw("SELECT DISTINCT msg_key FROM "+p.dead+" WHERE bucket = ? AND msg_key IS NOT NULL", lease.Bucket).Scan(&keys).Error
-	if err != nil {
-		return nil, p.fail(ctx, "read quarantined keys", err)
+	sets := make(map[int]map[string]struct{}, len(leases))
+	for _, l := range leases {
+		sets[l.Bucket] = map[string]struct{}{}
 	}
-	q = &quarantineSet{term: lease.Term, keys: make(map[string]struct{}, len(keys))}
-	for _, k := range keys {
-		q.keys[string(k)] = struct{}{}
+	for chunk := range slices.Chunk(leases, quarantineChunk) {
+		var rows []struct {
+			Bucket int
+			MsgKey []byte
+		}
+		err := db.Raw("SELECT DISTINCT bucket, msg_key FROM "+p.dead+" WHERE bucket IN ? AND msg_key IS NOT NULL", buckets(chunk)).Scan(&rows).Error
+		if err != nil {
+			return nil, p.fail(ctx, "read quarantined keys", err)
+		}
+		for _, r := range rows {
+			sets[r.Bucket][string(r.MsgKey)] = struct{}{}
+		}
 	}
-	p.mu.Lock()
-	p.quarantine[lease.Bucket] = q
-	p.mu.Unlock()
-	return q.keys, nil
+	return sets, nil
+}
+
+// quarantineLoad is a quarantine read in flight; a miss on a lease it
+// covers waits for it instead of reading the same rows.
+type quarantineLoad struct {
+	done   chan struct{}
+	leases []relay.Lease
+}
+
+func (l *quarantineLoad) covers(lease relay.Lease) bool {
+	return slices.Contains(l.leases, lease)
 }
 
 // addQuarantined adds key to the bucket's set after this relay

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -316,6 +317,45 @@ func TestFailurePolicyBlock(t *testing.T) {
 		require.Empty(t, b.deadRows(t))
 		requireKeyOrder(t, ackedValues(rec), free, 0, 1, 2)
 		requireKeyOrder(t, ackedValues(rec), stuck)
+	})
+}
+
+// A relay that gains many buckets reads their quarantined keys in one
+// statement, not one per bucket, and still parks every quarantined key of
+// each of them.
+func TestFailurePolicyQuarantineReadOnce(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		const n = 8
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: n})
+		var reads atomic.Int32
+		dead := b.cfg.Tables.DeadLettersTable()
+		require.NoError(t, db.DB.Callback().Row().After("gorm:row").Register("test:quarantine_reads", func(tx *gorm.DB) {
+			if sql := tx.Statement.SQL.String(); strings.Contains(sql, dead) && strings.Contains(sql, "DISTINCT") {
+				reads.Add(1)
+			}
+		}))
+
+		// Bucket 2 and 5 each have a quarantined key; every bucket has a
+		// free key with pending messages, and 2 and 5 a message of their
+		// quarantined key.
+		var rows []outbox.MessageRow
+		for bucket := range n {
+			rows = append(rows, keyed([]string{keyInBucket(t, bucket, n)}, 2)...)
+		}
+		q2, q5 := prefixedKeyInBucket(t, "q", 2, n), prefixedKeyInBucket(t, "q", 5, n)
+		b.insertDead(t,
+			outbox.DeadLetterRow{ID: 1_000_001, Bucket: 2, Key: []byte(q2), Value: []byte(q2 + "/dead")},
+			outbox.DeadLetterRow{ID: 1_000_002, Bucket: 5, Key: []byte(q5), Value: []byte(q5 + "/dead")},
+		)
+		rows = append(rows, keyed([]string{q2, q5}, 1)...)
+		b.insert(t, rows...)
+
+		_, rec := b.startPolicyRelay(t, gormrelay.FailurePolicyConfig{}, newPoison(nil))
+		b.requireDrained(t, deliverWithin)
+		require.Equal(t, map[string]string{q2 + "/dead": "failed", q5 + "/dead": "failed", q2 + "/0": "parked", q5 + "/0": "parked"}, deadValues(b.deadRows(t)))
+		require.Len(t, ackedValues(rec), 2*n)
+		require.EqualValues(t, 1, reads.Load(), "one read of the quarantined keys for %d buckets", n)
 	})
 }
 

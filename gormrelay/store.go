@@ -79,6 +79,14 @@ type Store struct {
 
 	// schemaOK is set once CheckSchema passed (schema.go)
 	schemaOK atomic.Bool
+
+	// claimed is, per bucket, the last lease term this store claimed,
+	// recorded once the claim's UPDATE returned: a read that starts
+	// later sees every dead letter written under an earlier term, so the
+	// failure policy reads the quarantined keys of all newly claimed
+	// buckets in one statement (see FailurePolicy.quarantined).
+	claimedMu sync.Mutex
+	claimed   map[int]int64
 }
 
 var (
@@ -333,6 +341,7 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 			return relay.Acquired{}, err
 		}
 		held = append(held, claimed...)
+		s.noteClaimed(claimed)
 		candidates = candidates[need:]
 	}
 	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
@@ -578,6 +587,34 @@ func (s *Store) claim(db *gorm.DB, me string, candidates []relay.Lease, now, exp
 		}
 	}
 	return got, nil
+}
+
+// noteClaimed records the terms of leases this store just claimed.
+func (s *Store) noteClaimed(leases []relay.Lease) {
+	if len(leases) == 0 {
+		return
+	}
+	s.claimedMu.Lock()
+	defer s.claimedMu.Unlock()
+	if s.claimed == nil {
+		s.claimed = make(map[int]int64, s.buckets)
+	}
+	for _, l := range leases {
+		s.claimed[l.Bucket] = l.Term
+	}
+}
+
+// claimedLeases appends to dst the last lease this store claimed in each
+// bucket for which keep returns true.
+func (s *Store) claimedLeases(dst []relay.Lease, keep func(relay.Lease) bool) []relay.Lease {
+	s.claimedMu.Lock()
+	defer s.claimedMu.Unlock()
+	for b, term := range s.claimed {
+		if l := (relay.Lease{Bucket: b, Term: term}); keep(l) {
+			dst = append(dst, l)
+		}
+	}
+	return dst
 }
 
 // release clears the owner of the leases me holds under their terms.

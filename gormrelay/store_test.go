@@ -106,8 +106,15 @@ func keysN(n int) []string {
 // keyInBucket returns a key that hashes to bucket.
 func keyInBucket(t testing.TB, bucket, n int) string {
 	t.Helper()
+	return prefixedKeyInBucket(t, "k", bucket, n)
+}
+
+// prefixedKeyInBucket returns a key starting with prefix that hashes to
+// bucket.
+func prefixedKeyInBucket(t testing.TB, prefix string, bucket, n int) string {
+	t.Helper()
 	for i := range 10_000 {
-		k := fmt.Sprintf("k%d", i)
+		k := fmt.Sprintf("%s%d", prefix, i)
 		if outbox.Bucket([]byte(k), nil, "", n) == bucket {
 			return k
 		}

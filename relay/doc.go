@@ -82,8 +82,10 @@
 //
 //   - acquire: set owner = me, term = term + 1, expiry = now + LeaseDuration
 //     where the lease is free or expired (and its term is the one just read);
-//   - renew: set expiry = now + LeaseDuration where owner = me and term =
-//     my term and expiry > now;
+//   - renew: set expiry = now + LeaseDuration, unless it is later already,
+//     where owner = me and term = my term and expiry > now (the relay's
+//     acquisition and renewal run concurrently and may land in either
+//     order: an expiry never moves back);
 //   - release: clear the owner where owner = me and term = my term;
 //   - delete published rows: delete by id where, in the same statement, the
 //     bucket's lease has owner = me, term = my term and expiry > now.

@@ -300,7 +300,7 @@ func TestAdminPauseResume(t *testing.T) {
 		rec := newRecorder()
 		r := startRelay(t, b.store, rec.publisher("a", nil), b.relayConfig(t, "a"))
 
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, len(b.ids(c, 1)) == 0) }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, len(b.ids(c, 1)) == 0) }, deliverWithin, 10*time.Millisecond)
 		// Let the relay run several lease cycles: the paused bucket is
 		// never claimed and keeps its messages.
 		mark := time.Now().Add(3 * 200 * time.Millisecond).UnixMilli()
@@ -309,7 +309,7 @@ func TestAdminPauseResume(t *testing.T) {
 				ls := b.leaseRows(c)
 				return len(ls) == 2 && ls[1].ExpiresAtMs > mark+600
 			}())
-		}, 10*time.Second, 10*time.Millisecond)
+		}, deliverWithin, 10*time.Millisecond)
 		require.Len(t, b.ids(t, 0), 3)
 		// Bucket 1 only (on a busy machine its lease may lapse and come
 		// back under a new term; bucket 0 is never claimed).
@@ -318,7 +318,7 @@ func TestAdminPauseResume(t *testing.T) {
 			if assert.Len(c, ls, 1) {
 				assert.Equal(c, 1, ls[0].Bucket)
 			}
-		}, 10*time.Second, 10*time.Millisecond)
+		}, deliverWithin, 10*time.Millisecond)
 		st, err := admin.Status(ctx)
 		require.NoError(t, err)
 		require.True(t, st.Buckets[0].Lease.Paused)
@@ -326,7 +326,7 @@ func TestAdminPauseResume(t *testing.T) {
 		require.EqualValues(t, 3, st.Buckets[0].Pending)
 
 		require.NoError(t, admin.ResumeBucket(ctx, 0))
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, len(b.ids(c, 0)) == 0) }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, len(b.ids(c, 0)) == 0) }, deliverWithin, 10*time.Millisecond)
 		requireOrdered(t, rec.acked())
 
 		// Pausing a held bucket: the relay gives it up.
@@ -336,13 +336,13 @@ func TestAdminPauseResume(t *testing.T) {
 				ls := r.Leases()
 				return len(ls) == 1 && ls[0].Bucket == 0 && b.leaseRows(c)[1].Owner == nil
 			}())
-		}, 10*time.Second, 10*time.Millisecond)
+		}, deliverWithin, 10*time.Millisecond)
 		b.insert(t, outbox.MessageRow{MessageID: "late", Key: []byte(k1), Value: []byte(k1 + "/3")})
 		mark = time.Now().Add(3 * 200 * time.Millisecond).UnixMilli()
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.leaseRows(c)[0].ExpiresAtMs > mark+600) }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, b.leaseRows(c)[0].ExpiresAtMs > mark+600) }, deliverWithin, 10*time.Millisecond)
 		require.Len(t, b.ids(t, 1), 1)
 		require.NoError(t, admin.ResumeBucket(ctx, 1))
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 	})
 }
 
@@ -402,7 +402,7 @@ func TestAdminStatusAndWatch(t *testing.T) {
 				require.NoError(c, err)
 				return st.LiveRelays == 1 && st.Pending == 0 && len(st.Relays) == 1 && st.Relays[0].Buckets == 4
 			}())
-		}, 10*time.Second, 10*time.Millisecond)
+		}, deliverWithin, 10*time.Millisecond)
 		require.Equal(t, "r1", st.Relays[0].ID)
 		for _, bs := range st.Buckets {
 			require.Equal(t, "r1", bs.Lease.Owner)

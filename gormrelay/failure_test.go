@@ -157,7 +157,7 @@ func TestFailurePolicyMaxAttempts(t *testing.T) {
 		pois := newPoison(errors.New("broker unavailable"), "p/0")
 		_, rec := b.startPolicyRelay(t, gormrelay.FailurePolicyConfig{MaxAttempts: 3, Logger: dbtest.Logger(t)}, pois)
 
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 		dead := b.deadRows(t)
 		require.Len(t, dead, 1)
 		d := dead[0]
@@ -191,7 +191,7 @@ func TestFailurePolicyPermanentDefault(t *testing.T) {
 		rec := newRecorder()
 		startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
 
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 		dead := b.deadRows(t)
 		require.Len(t, dead, 1)
 		require.Equal(t, "failed", dead[0].State)
@@ -217,7 +217,7 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 		rec := newRecorder()
 		r := startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
 
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 		require.Equal(t, map[string]string{"k/0": "failed", "k/1": "parked", "k/2": "parked"}, deadValues(b.deadRows(t)))
 		requireKeyOrder(t, ackedValues(rec), "j", 0, 1, 2)
 		requireKeyOrder(t, ackedValues(rec), "k")
@@ -225,7 +225,7 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 		// Later messages: the quarantined key is parked, the other flows.
 		b.insert(t, outbox.MessageRow{MessageID: "k-3", Key: []byte("k"), Value: []byte("k/3")},
 			outbox.MessageRow{MessageID: "j-3", Key: []byte("j"), Value: []byte("j/3")})
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 		require.Equal(t, "parked", deadValues(b.deadRows(t))["k/3"])
 		requireKeyOrder(t, ackedValues(rec), "j", 0, 1, 2, 3)
 		requireKeyOrder(t, ackedValues(rec), "k")
@@ -256,7 +256,7 @@ func TestFailurePolicyQuarantineAndRequeue(t *testing.T) {
 		require.Nil(t, reset[0].LastError)
 
 		startRelay(t, b.store, rec.publisher("b", pois.hook), b.relayConfig(t, "b"))
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 		requireKeyOrder(t, ackedValues(rec), "k", 0, 1, 2, 3, 4)
 		require.Empty(t, b.deadRows(t))
 		rec.requireNoOverlap(t)
@@ -276,7 +276,7 @@ func TestFailurePolicyRequeueWhileRunning(t *testing.T) {
 		pois := newPoison(relay.Permanent(errors.New("rejected")), "k/0")
 		rec := newRecorder()
 		r := startRelay(t, b.store, rec.publisher("a", pois.hook), b.relayConfig(t, "a"))
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, len(b.deadRows(c)) == 3) }, 10*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, len(b.deadRows(c)) == 3) }, deliverWithin, 10*time.Millisecond)
 		require.Equal(t, []relay.Lease{{Bucket: 0, Term: 1}}, r.Leases())
 
 		pois.heal()
@@ -285,7 +285,7 @@ func TestFailurePolicyRequeueWhileRunning(t *testing.T) {
 		require.EqualValues(t, 3, res.Requeued, "a keyed dead letter brings its key group back")
 		require.Equal(t, []int64{999_999}, res.NotFound)
 
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 		require.Empty(t, b.deadRows(t))
 		requireKeyOrder(t, ackedValues(rec), "k", 0, 1, 2)
 	})
@@ -307,12 +307,12 @@ func TestFailurePolicyBlock(t *testing.T) {
 		require.Eventually(t, func() bool {
 			head = outbox.MessageRow{}
 			return b.messages().Where("bucket = ?", 0).Order("id").Take(&head).Error == nil && head.Attempts >= 4
-		}, 10*time.Second, 10*time.Millisecond, "the poison message is retried past MaxAttempts")
+		}, deliverWithin, 10*time.Millisecond, "the poison message is retried past MaxAttempts")
 		require.Equal(t, stuck+"/0", string(head.Value))
 		require.Contains(t, *head.LastError, "rejected")
 		// The other bucket's drain runs beside the retries; on a busy
 		// machine it may end after the fourth attempt.
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Empty(c, b.ids(c, 1)) }, 10*time.Second, 10*time.Millisecond, "the other bucket flows")
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Empty(c, b.ids(c, 1)) }, deliverWithin, 10*time.Millisecond, "the other bucket flows")
 		require.Len(t, b.ids(t, 0), 3, "the blocked bucket does not advance")
 		require.Empty(t, b.deadRows(t))
 		requireKeyOrder(t, ackedValues(rec), free, 0, 1, 2)
@@ -352,7 +352,7 @@ func TestFailurePolicyQuarantineReadOnce(t *testing.T) {
 		b.insert(t, rows...)
 
 		_, rec := b.startPolicyRelay(t, gormrelay.FailurePolicyConfig{}, newPoison(nil))
-		b.requireDrained(t, deliverWithin)
+		b.requireDrained(t)
 		require.Equal(t, map[string]string{q2 + "/dead": "failed", q5 + "/dead": "failed", q2 + "/0": "parked", q5 + "/0": "parked"}, deadValues(b.deadRows(t)))
 		require.Len(t, ackedValues(rec), 2*n)
 		require.EqualValues(t, 1, reads.Load(), "one read of the quarantined keys for %d buckets", n)
@@ -375,7 +375,7 @@ func TestFailurePolicyNoQuarantine(t *testing.T) {
 		)
 		pois := newPoison(relay.Permanent(errors.New("rejected")), "n/0", "k/0")
 		_, rec := b.startPolicyRelay(t, gormrelay.FailurePolicyConfig{DisableQuarantine: true}, pois)
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 		require.Equal(t, map[string]string{"n/0": "failed", "k/0": "failed"}, deadValues(b.deadRows(t)))
 		require.Equal(t, []string{"n/1", "k/1", "e/0", "e/1"}, ackedValues(rec))
 	})

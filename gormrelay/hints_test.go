@@ -181,7 +181,7 @@ func converge(t *testing.T, a, b *hintProcess) []int {
 	t.Helper()
 	require.Eventually(t, func() bool {
 		return len(a.relay.Leases()) == 4 && len(b.relay.Leases()) == 4
-	}, 15*time.Second, 10*time.Millisecond, "fair share not reached")
+	}, deliverWithin, 10*time.Millisecond, "fair share not reached")
 	return leaseBuckets(b.relay.Leases())
 }
 
@@ -231,7 +231,7 @@ func startPGPair(t *testing.T, pollB time.Duration, editB ...func(*pgnotify.Conf
 	p.b = startHintProcess(t, db, "b", p.tb, pollB)
 	require.Eventually(t, func() bool {
 		return p.ta.Stats().Subscriptions == 1 && p.tb.Stats().Subscriptions == 1
-	}, 10*time.Second, 5*time.Millisecond, "listeners not subscribed")
+	}, deliverWithin, 5*time.Millisecond, "listeners not subscribed")
 	return p
 }
 
@@ -316,12 +316,12 @@ func TestPGNotifyCrossProcessLatency(t *testing.T) {
 	// and sent none on.
 	require.Eventually(t, func() bool {
 		return notifies.Load() == commits && p.ta.Stats().Published-sentA == commits
-	}, 5*time.Second, 5*time.Millisecond)
+	}, deliverWithin, 5*time.Millisecond)
 	require.Zero(t, p.tb.Stats().Published)
 	require.Empty(t, p.a.rec.acked(), "A owns none of these buckets")
 	// The recorder logs a call once the publish returned, just after the
 	// delivery await saw.
-	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, p.b.rec.acked(), commits) }, 10*time.Second, 5*time.Millisecond)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, p.b.rec.acked(), commits) }, deliverWithin, 5*time.Millisecond)
 }
 
 // Self-echoes and received hints are never sent again: one commit, one
@@ -334,7 +334,7 @@ func TestPGNotifyNoRebroadcast(t *testing.T) {
 
 	p.a.commit(t, keyInBucket(t, owned[0], 8), "once")
 	p.b.await(t, "once", 5*time.Second)
-	require.Eventually(t, func() bool { return p.ta.Stats().EchoesDropped == 1 }, 5*time.Second, 5*time.Millisecond,
+	require.Eventually(t, func() bool { return p.ta.Stats().EchoesDropped == 1 }, deliverWithin, 5*time.Millisecond,
 		"A hears its own NOTIFY and drops it")
 	require.Never(t, func() bool { return notifies.Load() > 1 }, 500*time.Millisecond, 10*time.Millisecond)
 	require.Equal(t, int64(1), notifies.Load())
@@ -377,7 +377,7 @@ func TestPGNotifyDuplicateHints(t *testing.T) {
 			got = append(got, string(m.Value))
 		}
 		assert.Len(c, got, len(values))
-	}, 5*time.Second, 10*time.Millisecond)
+	}, deliverWithin, 10*time.Millisecond)
 	require.Equal(t, values, got, "each once, in order")
 	p.b.rec.requireNoOverlap(t)
 }
@@ -398,7 +398,7 @@ func TestPGNotifyListenerKilledReconnects(t *testing.T) {
 	p.killListener(t)
 	began := p.a.commit(t, key, "gap")
 	gap := p.b.await(t, "gap", deliver).Sub(began)
-	require.Eventually(t, func() bool { return p.tb.Stats().Subscriptions == 2 }, 5*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return p.tb.Stats().Subscriptions == 2 }, deliverWithin, 5*time.Millisecond)
 	require.Len(t, p.backendPIDs(t, p.appB), 1, "one listener connection again")
 
 	began = p.a.commit(t, key, "after")

@@ -144,7 +144,7 @@ func TestObservabilityDrainMetrics(t *testing.T) {
 			s := gather(c, reg, metrics.NamePending)
 			return s[""] == n && one(c, reg, metrics.NameOwnedBuckets) == 8
 		}())
-	}, 10*time.Second, 5*time.Millisecond)
+	}, deliverWithin, 5*time.Millisecond)
 	require.Equal(t, 1.0, one(t, reg, metrics.NamePendingAvailable))
 	require.GreaterOrEqual(t, one(t, reg, metrics.NamePendingOldestAge), 3600.0)
 	ages, perBucket := gather(t, reg, metrics.NameBucketOldestAge), gather(t, reg, metrics.NameBucketPending)
@@ -166,7 +166,7 @@ func TestObservabilityDrainMetrics(t *testing.T) {
 	close(g.open)
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		assert.True(c, one(c, reg, metrics.NameAcknowledged) == n && gather(c, reg, metrics.NamePending)[""] == 0)
-	}, 20*time.Second, 5*time.Millisecond)
+	}, deliverWithin, 5*time.Millisecond)
 	recs := b.kafka.ReadAll(t, b.topic, n, 15*time.Second)
 	require.Len(t, recs, n)
 	require.EqualValues(t, n, b.kafka.RecordCount(t, b.topic), "no duplicates: acknowledged equals enqueued")
@@ -240,7 +240,7 @@ func TestObservabilityBucketZeroOwnerOnly(t *testing.T) {
 			}
 			return one(c, owner.reg, metrics.NamePendingAvailable) == 1 && one(c, other.reg, metrics.NamePendingAvailable) == 0
 		}())
-	}, 10*time.Second, 5*time.Millisecond)
+	}, deliverWithin, 5*time.Millisecond)
 	require.Equal(t, 16.0, gather(t, owner.reg, metrics.NamePending)[""])
 	for _, name := range []string{metrics.NamePending, metrics.NamePendingOldestAge, metrics.NameBucketPending, metrics.NameBucketOldestAge, metrics.NameDeadLetters} {
 		require.Empty(t, gather(t, other.reg, name), "%s: unavailable, not zero", name)
@@ -276,8 +276,8 @@ func TestObservabilityPublishFailures(t *testing.T) {
 		return relay.FailureBackoff, nil
 	})
 	startRelay(t, sb.store, pub, cfg)
-	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, sb.count(c) == 0) }, 10*time.Second, 5*time.Millisecond)
-	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, one(c, reg, metrics.NameAcknowledged) == float64(len(rows))) }, 5*time.Second, 5*time.Millisecond)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, sb.count(c) == 0) }, deliverWithin, 5*time.Millisecond)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.True(c, one(c, reg, metrics.NameAcknowledged) == float64(len(rows))) }, deliverWithin, 5*time.Millisecond)
 	require.EqualValues(t, len(rows), acked.Load())
 	require.Equal(t, map[string]float64{"kind=retryable": 1, "kind=permanent": 1, "kind=unavailable": 0, "kind=timeout": 0}, gather(t, reg, metrics.NamePublishFailures))
 	require.Equal(t, 3.0, one(t, reg, metrics.NamePublishDuration), "three calls, each timed")
@@ -307,12 +307,12 @@ func TestObservabilityDeadLetters(t *testing.T) {
 	startRelay(t, sb.store, pub, cfg)
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		assert.True(c, gather(c, reg, metrics.NamePending)[""] == 0 && gather(c, reg, metrics.NameDeadLetters)[""] == 3)
-	}, 10*time.Second, 5*time.Millisecond)
+	}, deliverWithin, 5*time.Millisecond)
 	// The sample reads the table, which can show the parked rows before
 	// the relay has told the Observer of them.
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		assert.Equal(c, map[string]float64{"state=failed": 1, "state=parked": 2}, gather(c, reg, metrics.NameDeadLettered))
-	}, 10*time.Second, 5*time.Millisecond)
+	}, deliverWithin, 5*time.Millisecond)
 	require.Equal(t, 2.0, one(t, reg, metrics.NameAcknowledged))
 	require.Equal(t, map[string]float64{"kind=retryable": 0, "kind=permanent": 1, "kind=unavailable": 0, "kind=timeout": 0}, gather(t, reg, metrics.NamePublishFailures))
 	require.Len(t, rows, 5)

@@ -138,8 +138,9 @@ func (r *recorder) requireNoOverlap(t testing.TB) {
 	require.Empty(t, r.overlaps)
 }
 
-// deliverWithin bounds requireAllDelivered. It is a deadline against a
-// hung test, not a speed check: on a busy machine the databases stall for
+// deliverWithin bounds every wait of these tests for a condition that
+// must come (delivery, a drain, a lease split, a metric): a deadline
+// against a hung test, not a speed check: on a busy machine the databases stall for
 // seconds at a time (a 10 s bound failed that way under the loaded-CI
 // script, with every relay healthy), and a takeover waits out a lease.
 const deliverWithin = time.Minute
@@ -259,7 +260,7 @@ func TestRelayPartialFailure(t *testing.T) {
 			return len(msgs), nil
 		})
 		startRelay(t, b.store, flaky, fastConfig(t, "b"))
-		b.requireDrained(t, 5*time.Second)
+		b.requireDrained(t)
 
 		var sent [][]int64
 		for _, c := range rec.snapshot() {
@@ -305,7 +306,7 @@ func TestRelayFairShareThreeRelays(t *testing.T) {
 				}
 			}
 			return len(owner) == 8
-		}, 10*time.Second, 10*time.Millisecond)
+		}, deliverWithin, 10*time.Millisecond)
 		owners := map[string]int{}
 		for _, l := range b.leaseRows(t) {
 			require.NotNil(t, l.Owner)
@@ -396,7 +397,7 @@ func TestRelayTakeoverAfterCrash(t *testing.T) {
 		a, err := relay.New(crash, rec.publisher("a", nil), fastConfig(t, "a"))
 		require.NoError(t, err)
 		require.NoError(t, a.Start(context.Background()))
-		require.Eventually(t, func() bool { return len(rec.snapshot()) >= 2 }, 5*time.Second, 5*time.Millisecond)
+		require.Eventually(t, func() bool { return len(rec.snapshot()) >= 2 }, deliverWithin, 5*time.Millisecond)
 
 		crash.dead.Store(true)
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -441,7 +442,7 @@ func TestRelayGracefulStopHandsOver(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, a.Start(context.Background()))
 		r2 := startRelay(t, b.store, rec.publisher("b", nil), long("b"))
-		require.Eventually(t, func() bool { return len(a.Leases()) == 4 && len(r2.Leases()) == 4 }, 10*time.Second, 10*time.Millisecond)
+		require.Eventually(t, func() bool { return len(a.Leases()) == 4 && len(r2.Leases()) == 4 }, deliverWithin, 10*time.Millisecond)
 
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
@@ -461,7 +462,7 @@ func TestRelayGracefulStopHandsOver(t *testing.T) {
 
 		// Well inside the 30s leases: handed over without waiting for
 		// them to expire.
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, r2.Leases(), 8) }, 20*time.Second, 5*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, r2.Leases(), 8) }, deliverWithin, 5*time.Millisecond)
 		t.Logf("handed over %s after Stop", time.Since(stopped).Round(time.Millisecond))
 		require.ErrorIs(t, a.Start(context.Background()), relay.ErrStopped)
 
@@ -504,7 +505,7 @@ func TestRelayRenewsDuringSlowPublish(t *testing.T) {
 		})
 		a := startRelay(t, b.store, slow, cfgFor("a"))
 		other := startRelay(t, b.store, rec.publisher("b", nil), cfgFor("b"))
-		require.Eventually(t, func() bool { return len(a.Leases()) == 4 && len(other.Leases()) == 4 }, 10*time.Second, 10*time.Millisecond)
+		require.Eventually(t, func() bool { return len(a.Leases()) == 4 && len(other.Leases()) == 4 }, deliverWithin, 10*time.Millisecond)
 
 		bucket := a.Leases()[0].Bucket
 		key := keyInBucket(t, bucket, 8)
@@ -534,7 +535,7 @@ func TestRelayRenewsDuringSlowPublish(t *testing.T) {
 			}
 		}
 		require.Greater(t, checks, 10)
-		b.requireDrained(t, 5*time.Second)
+		b.requireDrained(t)
 		require.Equal(t, map[string]int{"slow": 1}, rec.ackedIDs(), "published once, by a")
 		rec.requireNoOverlap(t)
 		require.Contains(t, leaseBuckets(a.Leases()), bucket, "a kept the bucket")
@@ -704,7 +705,7 @@ func TestRelayMisconfiguration(t *testing.T) {
 		rec := newRecorder()
 		started := time.Now()
 		r := startRelay(t, b.store, rec.publisher("e", nil), fastConfig(t, "e"))
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, b.count(t)) }, 20*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, b.count(t)) }, deliverWithin, 10*time.Millisecond)
 		wrote := time.Now()
 		b.insert(t, outbox.MessageRow{MessageID: "wide-later", Bucket: 8, Value: []byte("x")})
 		err = waitStopped(t, r)

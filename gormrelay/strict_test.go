@@ -122,7 +122,7 @@ func TestStrictRelayDelivers(t *testing.T) {
 		cfg.BucketCount = 4
 		cfg.BatchSize = 25
 		r := startRelay(t, b.store, counted, cfg)
-		b.requireDrained(t, 20*time.Second)
+		b.requireDrained(t)
 
 		got := committedValues(t, c, topic, kafkatest.ReadCommitted())
 		for _, k := range keys {
@@ -130,7 +130,7 @@ func TestStrictRelayDelivers(t *testing.T) {
 		}
 		require.Len(t, rows, 12*15)
 		// Under load a lease may lapse and be re-acquired: wait for all four.
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, r.Leases(), 4) }, 20*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, r.Leases(), 4) }, deliverWithin, 10*time.Millisecond)
 		if inits != nil {
 			// A lease that lapsed under load is announced again when it
 			// is re-acquired, and gets a new producer then.
@@ -204,7 +204,7 @@ func TestStrictPartialFailure(t *testing.T) {
 		require.Empty(t, committedValues(t, c, topic), "nothing reached the broker, even uncommitted")
 
 		close(repair)
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 		require.Equal(t, map[string][]string{"order-1": seqValues("order-1", 3)}, committedValues(t, c, topic, kafkatest.ReadCommitted()))
 	})
 }
@@ -233,7 +233,7 @@ func TestStrictCulpritWithFailurePolicy(t *testing.T) {
 		require.NoError(t, b.messages().Where("id = ?", culprit.ID).Update("msg_value", make([]byte, 2*maxBytes)).Error)
 
 		startRelay(t, b.store, tx, fastConfig(t, "a")) // the store's failure policy
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 
 		require.Equal(t, map[string][]string{k1: {k1 + "/0"}, k2: seqValues(k2, 3)}, committedValues(t, c, topic, kafkatest.ReadCommitted()))
 		var dead []outbox.DeadLetterRow
@@ -388,8 +388,8 @@ func testStrictTakeover(t *testing.T, db *dbtest.DB, at kmsg.Key) {
 	storeA.dead.Store(true)
 
 	r2 := startRelay(t, b.store, pubB, cfgB)
-	b.requireDrained(t, 20*time.Second, "B publishes everything")
-	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Contains(c, leaseBuckets(r2.Leases()), bucket) }, 20*time.Second, 10*time.Millisecond,
+	b.requireDrained(t, "B publishes everything")
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Contains(c, leaseBuckets(r2.Leases()), bucket) }, deliverWithin, 10*time.Millisecond,
 		"B holds the bucket (under load a lease may lapse and be re-acquired)")
 	var newer []outbox.MessageRow
 	for seq := 10; seq < 15; seq++ {
@@ -398,7 +398,7 @@ func testStrictTakeover(t *testing.T, db *dbtest.DB, at kmsg.Key) {
 		}
 	}
 	b.insert(t, newer...)
-	b.requireDrained(t, 10*time.Second, "B publishes the newer rows")
+	b.requireDrained(t, "B publishes the newer rows")
 
 	// A resumes, with a working database again.
 	storeA.dead.Store(false)
@@ -531,9 +531,9 @@ func TestStrictLeaseAwareContract(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, a.Start(context.Background()))
 		r2 := startRelay(t, b.store, tb, fastConfig(t, "b"))
-		require.Eventually(t, func() bool { return len(a.Leases()) == 4 && len(r2.Leases()) == 4 }, 10*time.Second, 10*time.Millisecond)
+		require.Eventually(t, func() bool { return len(a.Leases()) == 4 && len(r2.Leases()) == 4 }, deliverWithin, 10*time.Millisecond)
 		b.insert(t, keyed(keysN(20), 5)...)
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -543,9 +543,9 @@ func TestStrictLeaseAwareContract(t *testing.T) {
 		require.Equal(t, acquired, released)
 		require.GreaterOrEqual(t, acquired, 4)
 
-		require.Eventually(t, func() bool { return len(r2.Leases()) == 8 }, 10*time.Second, 10*time.Millisecond)
+		require.Eventually(t, func() bool { return len(r2.Leases()) == 8 }, deliverWithin, 10*time.Millisecond)
 		b.insert(t, keyed(keysN(20), 2)...)
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 		held, _, _ = tb.check(t)
 		require.Equal(t, 8, held)
 	})
@@ -571,7 +571,7 @@ func TestStrictFencedRelayRecovers(t *testing.T) {
 			return 0, nil
 		}
 		r := startRelay(t, store, tr, fastConfig(t, "a"))
-		b.requireDrained(t, 10*time.Second)
+		b.requireDrained(t)
 		require.GreaterOrEqual(t, fenced.Load(), int32(2))
 		require.EqualValues(t, 1, store.deletes.Load(), "one delete, after the publish that succeeded")
 		held, acquired, released := tr.check(t)

@@ -37,11 +37,11 @@ func TestNewWiresPluginHintsAndBuckets(t *testing.T) {
 			defer cancel()
 			require.NoError(t, r.Stop(ctx))
 		})
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, r.Leases(), 4) }, 20*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, r.Leases(), 4) }, deliverWithin, 10*time.Millisecond)
 		require.NoError(t, db.DB.Transaction(func(tx *gorm.DB) error {
 			return outbox.Enqueue(tx, &outbox.Message{Topic: "t", Key: []byte("k"), Value: []byte("v")})
 		}))
-		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, rec.acked(), 1) }, 20*time.Second, 10*time.Millisecond)
+		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, rec.acked(), 1) }, deliverWithin, 10*time.Millisecond)
 	})
 }
 

@@ -116,11 +116,12 @@ type FailurePolicyConfig struct {
 //
 // The quarantined keys of a bucket are read from the dead-letter table
 // once per lease term (one query for all the buckets a relay gained, at
-// the first batch of one of them) and kept in memory; a batch is checked against that set without a
-// query, so an outbox without dead letters pays nothing per batch. Admin
-// operations that remove dead letters (requeue, purge, discard) advance
-// the bucket's lease term in the same transaction, so a relay holding a
-// stale set loses the lease at its next guarded write and reloads.
+// the first batch of one of them) and kept in memory; a batch is checked
+// against that set without a query, so an outbox without dead letters
+// pays nothing per batch. Admin operations that remove dead letters
+// (requeue, purge, discard) advance the bucket's lease term in the same
+// transaction, so a relay holding a stale set loses the lease at its next
+// guarded write and reloads.
 //
 // A FailurePolicy is safe for concurrent use by several relays.
 type FailurePolicy struct {

@@ -20,7 +20,9 @@
 // The suite checks what the engine relies on: oldest-first reads from the
 // head of a bucket, deletes by id guarded by owner, term and expiry in the
 // same statement, terms that grow on every acquisition, fair share across
-// live relays, release and takeover of expired leases, the bucket count
+// live relays, release and takeover of expired leases, an expired lease
+// that stays lost to its owner (no renewal, no delete, a new term on a
+// fresh claim), the bucket count
 // check, each capability the store implements (a capability it does not
 // implement is skipped and reported), and concurrent use for different
 // buckets, which the engine's drainers do (run it with -race). Lease

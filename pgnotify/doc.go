@@ -52,7 +52,10 @@
 // concurrent NOTIFYs are serialised. The transport sends NOTIFY in its own
 // short transaction after the business commit, never inside it, so
 // business commits never wait on that lock, and the HintBridge keeps at
-// most one NOTIFY in flight per process.
+// most one NOTIFY in flight per process. That transaction commits with
+// synchronous_commit off (for itself only), so it does not wait for a WAL
+// flush: a notification lost in a crash is a hint lost, which the poll
+// and the listeners' rediscovery cover.
 //
 // # Semantics
 //

@@ -349,7 +349,8 @@ func (t *Transport) Stats() Stats {
 }
 
 // Publish sends buckets as one NOTIFY on the channel, with
-// pg_notify(channel, payload). Ids outside 0..outbox.BucketCountMax-1 are
+// pg_notify(channel, payload), in a transaction of its own that commits
+// asynchronously (synchronous_commit off for that transaction only). Ids outside 0..outbox.BucketCountMax-1 are
 // sent as outbox.UnknownBucket. An empty list sends nothing. Publish does
 // not keep buckets.
 func (t *Transport) Publish(ctx context.Context, buckets []int) error {
@@ -361,7 +362,12 @@ func (t *Transport) Publish(ctx context.Context, buckets []int) error {
 		payload = encodePayload(t.sender, []int{outbox.UnknownBucket})
 	}
 	err := withTimeout(ctx, t.cfg.Timeout, "notify", func(ctx context.Context) error {
-		const q = "SELECT pg_notify($1, $2)"
+		// The NOTIFY's own transaction commits without waiting for its
+		// WAL flush: a hint lost in a crash costs a poll (listeners
+		// rediscover after reconnecting), and the setting is local to
+		// this one-statement transaction, so the pool's sessions and
+		// the business commits keep theirs.
+		const q = "SELECT set_config('synchronous_commit', 'off', true), pg_notify($1, $2)"
 		if t.cfg.PublishDB != nil {
 			_, err := t.cfg.PublishDB.ExecContext(ctx, q, t.channel, payload)
 			return err

@@ -152,11 +152,21 @@ func TestPublishDB(t *testing.T) {
 	db, err := sql.Open("pgx", dbtest.PostgresDSN())
 	require.NoError(t, err)
 	t.Cleanup(func() { db.Close() })
+	// One session, so the check below reads the one the NOTIFY used.
+	db.SetMaxOpenConns(1)
+	ctx := context.Background()
+	var before string
+	require.NoError(t, db.QueryRowContext(ctx, "SHOW synchronous_commit").Scan(&before))
 	a := b.transport(t, "a", func(c *pgnotify.Config) { c.PublishDB = db })
 	lc := listen(t, b.transport(t, "c"))
-	require.NoError(t, a.Publish(context.Background(), []int{4}))
+	require.NoError(t, a.Publish(ctx, []int{4}))
 	lc.expect(t, 4)
 	require.Empty(t, b.listenerPIDs(t, b.app+"_a"+pgnotify.PublishSuffix))
+	// The asynchronous commit was the NOTIFY transaction's alone: the
+	// application's session keeps its setting.
+	var after string
+	require.NoError(t, db.QueryRowContext(ctx, "SHOW synchronous_commit").Scan(&after))
+	require.Equal(t, before, after)
 }
 
 // A notification from someone else on the channel that is not a hint is

@@ -20,7 +20,9 @@
 // The suite checks what the engine relies on: oldest-first reads from the
 // head of a bucket, deletes by id guarded by owner, term and expiry in the
 // same statement, terms that grow on every acquisition, fair share across
-// live relays, release and takeover of expired leases, the bucket count
+// live relays, release and takeover of expired leases, an expired lease
+// that stays lost to its owner (no renewal, no delete, a new term on a
+// fresh claim), the bucket count
 // check, each capability the store implements (a capability it does not
 // implement is skipped and reported), and concurrent use for different
 // buckets, which the engine's drainers do (run it with -race). Lease
@@ -76,6 +78,7 @@ func Run(t *testing.T, h Harness) {
 		{"MarkPublished", testMarkPublished},
 		{"MarkPublishedGuard", testMarkPublishedGuard},
 		{"ExpiredLeaseTakenOver", testTakeover},
+		{"ExpiredLeaseNotRenewed", testExpiredNotRenewed},
 		{"LeaseRenewer", testRenewer},
 		{"FailureRecorder", testRecorder},
 		{"BatchAdvancer", testAdvancer},
@@ -345,6 +348,31 @@ func testTakeover(t *testing.T, h Harness) {
 	res := acquire(t, s, "a", 1, short)
 	require.Empty(t, res.Leases, "nor take the bucket back while b holds it")
 	require.NoError(t, s.MarkPublished(t.Context(), "b", b, batch))
+	require.Empty(t, next(t, s, 0, 10))
+}
+
+// An expired lease is lost even when no other relay took the bucket:
+// its owner can neither renew it nor delete under it, and claiming the
+// bucket again gives a new term, under which alone it deletes.
+func testExpiredNotRenewed(t *testing.T, h Harness) {
+	const short = 300 * time.Millisecond
+	s := h.New(t, 1)
+	h.Insert(t, s, msgs(0, 0, 2))
+	l := leaseOf(t, acquire(t, s, "a", 1, short), 0)
+	acquired := time.Now()
+	batch := next(t, s, 0, 2)
+	require.Eventually(t, func() bool { return time.Since(acquired) > 2*short }, 30*time.Second, 20*time.Millisecond)
+	if rn, ok := s.(relay.LeaseRenewer); ok {
+		kept, err := rn.RenewLeases(t.Context(), "a", []relay.Lease{l}, long)
+		require.NoError(t, err)
+		require.Empty(t, kept, "an expired lease is not renewed")
+	}
+	require.ErrorIs(t, s.MarkPublished(t.Context(), "a", l, batch), relay.ErrLeaseLost, "nor deleted under")
+	require.Len(t, next(t, s, 0, 10), 2)
+	again := leaseOf(t, acquire(t, s, "a", 1, long), 0)
+	require.Greater(t, again.Term, l.Term, "claimed again under a new term")
+	require.ErrorIs(t, s.MarkPublished(t.Context(), "a", l, batch), relay.ErrLeaseLost, "the old term stays lost")
+	require.NoError(t, s.MarkPublished(t.Context(), "a", again, batch))
 	require.Empty(t, next(t, s, 0, 10))
 }
 

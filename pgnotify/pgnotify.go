@@ -350,9 +350,9 @@ func (t *Transport) Stats() Stats {
 
 // Publish sends buckets as one NOTIFY on the channel, with
 // pg_notify(channel, payload), in a transaction of its own that commits
-// asynchronously (synchronous_commit off for that transaction only). Ids outside 0..outbox.BucketCountMax-1 are
-// sent as outbox.UnknownBucket. An empty list sends nothing. Publish does
-// not keep buckets.
+// asynchronously (synchronous_commit off for that transaction only). Ids
+// outside 0..outbox.BucketCountMax-1 are sent as outbox.UnknownBucket. An
+// empty list sends nothing. Publish does not keep buckets.
 func (t *Transport) Publish(ctx context.Context, buckets []int) error {
 	if len(buckets) == 0 {
 		return nil

@@ -22,10 +22,10 @@
 // same statement, terms that grow on every acquisition, fair share across
 // live relays, release and takeover of expired leases, an expired lease
 // that stays lost to its owner (no renewal, no delete, a new term on a
-// fresh claim), the bucket count
-// check, each capability the store implements (a capability it does not
-// implement is skipped and reported), and concurrent use for different
-// buckets, which the engine's drainers do (run it with -race). Lease
+// fresh claim), the bucket count check, each capability the store
+// implements (a capability it does not implement is skipped and
+// reported), and concurrent use for different buckets, which the engine's
+// drainers do (run it with -race). Lease
 // expiry is tested with leases of a few hundred milliseconds on the
 // host's clock.
 package storetest

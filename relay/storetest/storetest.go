@@ -25,9 +25,8 @@
 // fresh claim), the bucket count check, each capability the store
 // implements (a capability it does not implement is skipped and
 // reported), and concurrent use for different buckets, which the engine's
-// drainers do (run it with -race). Lease
-// expiry is tested with leases of a few hundred milliseconds on the
-// host's clock.
+// drainers do (run it with -race). Lease expiry is tested with leases of
+// a few hundred milliseconds on the host's clock.
 package storetest
 
 import (
@@ -57,7 +56,17 @@ type Harness struct {
 	Insert func(t *testing.T, s relay.Store, msgs []relay.Message)
 }
 
-const long = time.Minute // a lease that does not expire during a test
+const (
+	long  = time.Minute            // a lease that does not expire during a test
+	short = 300 * time.Millisecond // a lease that does
+)
+
+// waitPast waits until more than d has passed since t0: long enough for
+// a lease of d taken after t0 to have expired.
+func waitPast(t *testing.T, t0 time.Time, d time.Duration) {
+	t.Helper()
+	require.Eventually(t, func() bool { return time.Since(t0) > d }, 30*time.Second, 20*time.Millisecond)
+}
 
 // Run runs the suite. Every test is a subtest of t, run in parallel.
 func Run(t *testing.T, h Harness) {
@@ -329,7 +338,6 @@ func testMarkPublishedGuard(t *testing.T, h Harness) {
 }
 
 func testTakeover(t *testing.T, h Harness) {
-	const short = 300 * time.Millisecond
 	s := h.New(t, 1)
 	h.Insert(t, s, msgs(0, 0, 2))
 	a := leaseOf(t, acquire(t, s, "a", 1, short), 0)
@@ -355,13 +363,12 @@ func testTakeover(t *testing.T, h Harness) {
 // its owner can neither renew it nor delete under it, and claiming the
 // bucket again gives a new term, under which alone it deletes.
 func testExpiredNotRenewed(t *testing.T, h Harness) {
-	const short = 300 * time.Millisecond
 	s := h.New(t, 1)
 	h.Insert(t, s, msgs(0, 0, 2))
 	l := leaseOf(t, acquire(t, s, "a", 1, short), 0)
 	acquired := time.Now()
 	batch := next(t, s, 0, 2)
-	require.Eventually(t, func() bool { return time.Since(acquired) > 2*short }, 30*time.Second, 20*time.Millisecond)
+	waitPast(t, acquired, 2*short)
 	if rn, ok := s.(relay.LeaseRenewer); ok {
 		kept, err := rn.RenewLeases(t.Context(), "a", []relay.Lease{l}, long)
 		require.NoError(t, err)
@@ -382,7 +389,6 @@ func testRenewer(t *testing.T, h Harness) {
 	if !ok {
 		t.Skip("the store does not implement relay.LeaseRenewer")
 	}
-	const short = 300 * time.Millisecond
 	h.Insert(t, s, msgs(0, 0, 1))
 	res := acquire(t, s, "a", 2, long)
 	require.Len(t, res.Leases, 2)
@@ -400,7 +406,7 @@ func testRenewer(t *testing.T, h Harness) {
 	kept, err = rn.RenewLeases(t.Context(), "a", res.Leases[:1], short)
 	require.NoError(t, err)
 	require.Equal(t, res.Leases[:1], kept, "a lease already held for longer is held")
-	require.Eventually(t, func() bool { return time.Since(shortened) > 2*short }, 30*time.Second, 20*time.Millisecond)
+	waitPast(t, shortened, 2*short)
 	other, err := s.AcquireLeases(t.Context(), relay.AcquireRequest{RelayID: "b", BucketCount: 2, LeaseDuration: long})
 	require.NoError(t, err)
 	require.Empty(t, other.Leases, "b takes nothing: a renewal for a moment did not shorten the minute")

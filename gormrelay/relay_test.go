@@ -215,6 +215,44 @@ func TestRelayOrder(t *testing.T) {
 	})
 }
 
+// Batches that span buckets (MaxBatchBuckets), through the store's
+// SetBatcher on each database: every row delivered, in order per key and
+// per bucket, with batches spanning several buckets; and a publish that
+// fails once in the middle of such a batch loses and reorders nothing.
+func TestRelaySetBatches(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		b := newStoreBundle(t, db, outbox.Config{})
+		rows := b.insert(t, keyed(keysN(40), 12)...)
+		var failed atomic.Bool
+		rec := newRecorder()
+		pub := rec.publisher("a", func(_ context.Context, msgs []relay.Message) (int, error) {
+			for i, m := range msgs {
+				if string(m.Value) == "key-7/3" && failed.CompareAndSwap(false, true) {
+					return i, errors.New("broker hiccup")
+				}
+			}
+			return len(msgs), nil
+		})
+		cfg := fastConfig(t, "a")
+		cfg.BatchSize = 50
+		cfg.Parallelism = 2
+		cfg.MaxBatchBuckets = 8
+		startRelay(t, b.store, pub, cfg)
+
+		requireAllDelivered(t, b, rec, rows)
+		require.True(t, failed.Load(), "the failure was injected")
+		requireOrdered(t, rec.acked())
+		rec.requireNoOverlap(t)
+		widest := 0
+		for _, c := range rec.snapshot() {
+			widest = max(widest, len(c.buckets))
+			require.LessOrEqual(t, len(c.msgs), 50)
+		}
+		require.Greater(t, widest, 1, "batches spanned buckets")
+	})
+}
+
 // A publisher that acknowledges 2 of 5 and fails: exactly those 2 are
 // deleted, the attempt is recorded on the third, and the rest is published
 // again in order.

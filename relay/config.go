@@ -46,8 +46,11 @@ const (
 	// ParallelismMax is the largest accepted Parallelism.
 	ParallelismMax = 256
 	// MaxBatchBucketsDefault is how many ready buckets one batch may span
-	// with a store that reads and deletes across buckets (SetBatcher).
-	MaxBatchBucketsDefault = 64
+	// with a store that reads and deletes across buckets (SetBatcher): 1,
+	// every batch is one bucket's. Batches spanning buckets are built and
+	// tested but not yet faster: on PostgreSQL they drained a backlog at
+	// 0.72 to 0.80 times the rate of one-bucket batches (BENCHMARKS.md).
+	MaxBatchBucketsDefault = 1
 	// RelayIDMaxLen is the longest accepted RelayID, the width of the
 	// lease owner and heartbeat columns.
 	RelayIDMaxLen = 128
@@ -94,12 +97,15 @@ type Config struct {
 	// one publish, one delete guarded by each bucket's lease. Each bucket
 	// is still in one batch at a time, and its messages in the batch are
 	// its oldest, in order, so order per key is kept. Under load batches
-	// grow instead of round trips piling up. Default 64. It applies only
-	// with a Store that implements SetBatcher (the GORM store does) and a
-	// Publisher that is not LeaseAware (the strict-mode publisher works per
-	// bucket); 1 drains every bucket on its own. A set batch whose publish
+	// grow instead of round trips piling up. A drainer takes no more than
+	// an even share of the ready buckets among the drainers without a
+	// batch. It applies only with a Store that implements SetBatcher (the
+	// GORM store does) and a Publisher that is not LeaseAware (the
+	// strict-mode publisher works per bucket). A set batch whose publish
 	// fails hands its buckets back to be drained on their own, where the
-	// failure policy meets them one bucket at a time.
+	// failure policy meets them one bucket at a time. Default 1
+	// (MaxBatchBucketsDefault): every bucket on its own, since set batches
+	// have not measured faster yet.
 	MaxBatchBuckets int
 
 	// PollInterval is the fallback discovery interval: how often a relay

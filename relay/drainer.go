@@ -29,12 +29,13 @@ func (w *worker) drain(ctx context.Context) {
 		if len(set) == 1 {
 			d := set[0]
 			w.finish(d, w.drainBatch(ctx, d.hl, d.st))
-			continue
+		} else {
+			results = w.drainSet(ctx, set, results[:0])
+			for i, d := range set {
+				w.finish(d, results[i])
+			}
 		}
-		results = w.drainSet(ctx, set, results[:0])
-		for i, d := range set {
-			w.finish(d, results[i])
-		}
+		w.sched.finished()
 	}
 }
 

@@ -424,6 +424,7 @@ func TestRelaysRace(t *testing.T) {
 	}
 	cfgFor := func(id string) relay.Config {
 		cfg := config(id)
+		cfg.MaxBatchBuckets = 8 // used by the store that can (advancingStore)
 		cfg.BucketCount = buckets
 		cfg.PollInterval = time.Millisecond
 		cfg.LeaseDuration = 2 * time.Second
@@ -446,11 +447,15 @@ func TestRelaysRace(t *testing.T) {
 			s.add(i%buckets, 1+i%7)
 		}
 	})
+	// The set-batching store (1) runs 2 drainers with batches of up to 8
+	// buckets, so that ready buckets often outnumber the idle drainers and
+	// batches span several.
+	parallelism := []int{1, 2, 7}
 	var relays []*relay.Relay
 	for i := range 3 {
 		id := fmt.Sprintf("r%d", i)
 		cfg := cfgFor(id)
-		cfg.Parallelism = 1 + 3*i
+		cfg.Parallelism = parallelism[i]
 		relays = append(relays, start(t, stores[i], pub(id), cfg))
 	}
 	// Relays join and leave while the writers write.
@@ -459,7 +464,9 @@ func TestRelaysRace(t *testing.T) {
 		i := round % 3
 		stop(t, relays[i])
 		id := fmt.Sprintf("r%d-%d", i, round)
-		relays[i] = start(t, stores[i], pub(id), cfgFor(id))
+		cfg := cfgFor(id)
+		cfg.Parallelism = parallelism[i]
+		relays[i] = start(t, stores[i], pub(id), cfg)
 	}
 	close(stopWriting)
 	writers.Wait()

@@ -62,6 +62,8 @@ type scheduler struct {
 	buckets  []bucketState
 	fifo     []int
 	inFlight int
+	drainers int  // the pool's size
+	drawing  int  // drainers holding a batch
 	paused   bool // acquiring: hand out nothing
 	closed   bool // stopping: hand out nothing, drainers exit
 	oneShot  bool // DrainOnce: drainers exit when nothing is ready or in flight
@@ -122,20 +124,13 @@ func (s *scheduler) promote(now time.Time) (time.Time, bool) {
 	return next, !next.IsZero()
 }
 
-// next blocks until a queued bucket can be drained and hands it out, with
-// its state for the batch. It reports false when the scheduler is closed,
-// or in one-shot mode when nothing is left to do.
-func (s *scheduler) next(k *keeper) (b int, hl *heldLease, st bucketState, ok bool) {
-	set, ok := s.nextSet(k, 1, nil)
-	if !ok {
-		return 0, nil, bucketState{}, false
-	}
-	return set[0].bucket, set[0].hl, set[0].st, true
-}
-
-// nextSet is next for a batch of up to max buckets: it hands out the
+// nextSet blocks until a queued bucket can be drained and hands it out,
+// with its state for the batch; it reports false when the scheduler is
+// closed, or in one-shot mode when nothing is left to do. It hands out the
 // bucket at the head of the FIFO and, if that one may join a set batch,
-// up to max-1 more of the queued buckets that may, in FIFO order. It
+// more of the queued buckets that may, in FIFO order: up to max in all,
+// and no more than an even share of the queue among the drainers that
+// hold no batch. The drainer calls finished once it handed them back. It
 // appends them to dst. Every bucket handed out is busy until done takes it
 // back, so a set never shares a bucket with another batch in flight.
 func (s *scheduler) nextSet(k *keeper, max int, dst []drawn) ([]drawn, bool) {
@@ -154,8 +149,17 @@ func (s *scheduler) nextSet(k *keeper, max int, dst []drawn) ([]drawn, bool) {
 			}
 			dst = append(dst, d)
 			if max > 1 && d.st.joinable() {
-				dst = s.takeJoinableLocked(k, max, dst)
+				// Share the queue with the drainers without a batch, this
+				// one included: one drainer taking every ready bucket
+				// would leave the others idle and drain them serially.
+				idle := s.drainers - s.drawing
+				if idle < 1 {
+					idle = 1
+				}
+				share := (len(s.fifo) + 1 + idle - 1) / idle
+				dst = s.takeJoinableLocked(k, min(max, share), dst)
 			}
+			s.drawing++
 			return dst, true
 		}
 		if s.oneShot && len(s.fifo) == 0 && s.inFlight == 0 {
@@ -333,10 +337,18 @@ func (s *scheduler) close() {
 }
 
 // start readies the scheduler for a pool of drainers.
-func (s *scheduler) start(oneShot bool) {
+func (s *scheduler) start(oneShot bool, drainers int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closed, s.paused, s.oneShot = false, false, oneShot
+	s.drainers, s.drawing = drainers, 0
+}
+
+// finished says a drainer handed back every bucket of its batch.
+func (s *scheduler) finished() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.drawing--
 }
 
 // anyQueued reports whether a bucket waits in the FIFO or is in flight.

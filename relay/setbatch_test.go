@@ -56,13 +56,13 @@ func filled(buckets, k, n int) *fakeStore {
 	return s
 }
 
-// Ready buckets are drained together: one read, one publish and one
-// delete for all of them, every bucket's messages in order. With
-// MaxBatchBuckets 1 every batch is one bucket's, as with a store that
-// cannot span buckets.
+// With MaxBatchBuckets above 1, ready buckets are drained together: one
+// read, one publish and one delete for all of them, every bucket's
+// messages in order. By default (1) every batch is one bucket's, as with
+// a store that cannot span buckets.
 func TestSetBatchSpansReadyBuckets(t *testing.T) {
 	t.Parallel()
-	for _, maxSet := range []int{0, 1, 3} {
+	for _, maxSet := range []int{0, 1, 3, 64} {
 		t.Run(fmt.Sprintf("MaxBatchBuckets=%d", maxSet), func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				s := filled(8, 8, 5)
@@ -86,12 +86,12 @@ func TestSetBatchSpansReadyBuckets(t *testing.T) {
 					widest = max(widest, len(batchBuckets(log.call(i))))
 				}
 				switch maxSet {
-				case 0: // the default: every ready bucket at once
+				case 64: // every ready bucket at once
 					require.Equal(t, 1, log.n(), "one publish for the 8 ready buckets")
 					require.Equal(t, 8, widest)
 					require.Zero(t, s.count("batch"), "no bucket read on its own")
 					require.Zero(t, s.count("mark"))
-				case 1:
+				case 0, 1: // the default is 1
 					require.Equal(t, 1, widest)
 					require.Zero(t, s.count("setbatch"))
 					require.Zero(t, s.count("setmark"))
@@ -121,6 +121,7 @@ func TestSetBatchCutInIDOrder(t *testing.T) {
 		cfg.BucketCount = 4
 		cfg.Parallelism = 1
 		cfg.BatchSize = 7
+		cfg.MaxBatchBuckets = 64
 		r, err := relay.New(advancingStore{s}, log.publisher(nil), cfg)
 		require.NoError(t, err)
 		n, err := r.DrainOnce(t.Context())
@@ -165,6 +166,7 @@ func TestSetBatchFailureMeetsPolicySolo(t *testing.T) {
 		cfg.BucketCount = 4
 		cfg.Parallelism = 1
 		cfg.BatchSize = 100
+		cfg.MaxBatchBuckets = 64
 		cfg.FailureHandler = relay.FailureHandlerFunc(func(ctx context.Context, f relay.Failure) (relay.FailureAction, error) {
 			mu.Lock()
 			defer mu.Unlock()
@@ -219,6 +221,7 @@ func TestSetBatchLostBucketDeletesNothing(t *testing.T) {
 		cfg.BucketCount = 4
 		cfg.Parallelism = 1
 		cfg.BatchSize = 100
+		cfg.MaxBatchBuckets = 64
 		r, err := relay.New(advancingStore{s}, pub, cfg)
 		require.NoError(t, err)
 		n, err := r.DrainOnce(t.Context())
@@ -250,6 +253,7 @@ func TestSetBatchNotForLeaseAware(t *testing.T) {
 		var log pubLog
 		cfg := config("a")
 		cfg.Parallelism = 1
+		cfg.MaxBatchBuckets = 64
 		r, err := relay.New(advancingStore{s}, leaseAwareFunc{log.publisher(nil).(relay.PublisherFunc)}, cfg)
 		require.NoError(t, err)
 		n, err := r.DrainOnce(t.Context())

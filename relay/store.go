@@ -208,12 +208,11 @@ type BatchAdvancer interface {
 }
 
 // SetBatcher is an optional Store capability: one batch that spans several
-// buckets the relay holds. When the scheduler has several ready buckets
-// queued, a drainer takes up to Config.MaxBatchBuckets of them and drains
-// them together: one read, one publish, one delete, instead of one of
-// each per bucket. Under load this is what lets batches grow instead of
-// round trips piling up, and a relay with many buckets reads them in one
-// pass over the table instead of one index walk per bucket.
+// buckets the relay holds. With Config.MaxBatchBuckets above 1, when the
+// scheduler has several ready buckets queued, a drainer takes up to that
+// many of them and drains them together: one read, one publish, one
+// delete, instead of one of each per bucket, so that under load batches
+// grow instead of round trips piling up.
 type SetBatcher interface {
 	// NextSetBatch returns up to limit pending messages of the listed
 	// buckets (ascending, distinct), oldest first by id across all of

@@ -7,33 +7,56 @@ import (
 	"time"
 )
 
-// drain is one drainer of the pool: it takes a ready bucket from the
-// scheduler, drains one batch of it under the bucket's lease, hands the
-// bucket back, and repeats until the scheduler closes. The scheduler never
-// hands one bucket to two drainers, so at most one batch per bucket is in
-// flight.
+// drain is one drainer of the pool: it takes ready buckets from the
+// scheduler, drains one batch of them under their leases (one bucket's,
+// or a set's: see drainSet), hands them back, and repeats until the
+// scheduler closes. The scheduler never hands one bucket to two drainers,
+// so at most one batch per bucket is in flight.
 func (w *worker) drain(ctx context.Context) {
+	maxSet := 1
+	if w.r.setter != nil {
+		maxSet = w.cfg.MaxBatchBuckets
+	}
+	var (
+		set     []drawn
+		results []batchResult
+		ok      bool
+	)
 	for {
-		b, hl, st, ok := w.sched.next(w.k)
-		if !ok {
+		if set, ok = w.sched.nextSet(w.k, maxSet, set[:0]); !ok {
 			return
 		}
-		r := w.drainBatch(ctx, hl, st)
-		switch {
-		case IsMisconfiguration(r.err):
-			w.setFatal(r.err)
-		case r.out == outLost:
-			w.k.drop(hl.Lease, r.err)
-			if w.oneShot {
-				w.log.Info("relay: drain lost a bucket; acquiring again", "bucket", b, "err", r.err)
+		if len(set) == 1 {
+			d := set[0]
+			w.finish(d, w.drainBatch(ctx, d.hl, d.st))
+		} else {
+			results = w.drainSet(ctx, set, results[:0])
+			for i, d := range set {
+				w.finish(d, results[i])
 			}
-		case r.out == outFailed && w.oneShot:
-			w.mu.Lock()
-			w.drainErrs = append(w.drainErrs, fmt.Errorf("bucket %d: %w", b, r.err))
-			w.mu.Unlock()
 		}
-		w.sched.done(b, st.marks, r, w.cfg, time.Now())
+		w.sched.finished()
 	}
+}
+
+// finish applies the result of a bucket's batch and hands the bucket back
+// to the scheduler.
+func (w *worker) finish(d drawn, r batchResult) {
+	b := d.bucket
+	switch {
+	case IsMisconfiguration(r.err):
+		w.setFatal(r.err)
+	case r.out == outLost:
+		w.k.drop(d.hl.Lease, r.err)
+		if w.oneShot {
+			w.log.Info("relay: drain lost a bucket; acquiring again", "bucket", b, "err", r.err)
+		}
+	case r.out == outFailed && w.oneShot:
+		w.mu.Lock()
+		w.drainErrs = append(w.drainErrs, fmt.Errorf("bucket %d: %w", b, r.err))
+		w.mu.Unlock()
+	}
+	w.sched.done(b, d.st.marks, r, w.cfg, time.Now())
 }
 
 // batchLimit is the largest batch the relay reads.
@@ -274,13 +297,19 @@ func (w *worker) fail(ctx context.Context, lease Lease, msg Message, acked int, 
 // meanwhile, on the keeper's own goroutine. No transaction or row lock is
 // held.
 func (w *worker) publish(ctx context.Context, hl *heldLease, msgs []Message) (acked int, err error, lost bool) {
-	pctx := hl.ctx
+	return w.publishUnder(ctx, hl.ctx, msgs, fmt.Sprintf("bucket %d", hl.Bucket))
+}
+
+// publishUnder runs the publisher under pctx, which ends with the lease
+// (or, for a set batch, with any lease of the set); what names the
+// bucket or buckets in errors and logs.
+func (w *worker) publishUnder(ctx, pctx context.Context, msgs []Message, what string) (acked int, err error, lost bool) {
 	if w.r.renewer == nil {
 		// No renewal during the publish: it ends with the trust window,
 		// and says so to a publisher that looks at its deadline.
 		var cancel context.CancelFunc
 		pctx, cancel = context.WithDeadlineCause(pctx, w.k.trustDeadline(),
-			fmt.Errorf("%w: bucket %d: local lease deadline passed during publish", ErrLeaseLost, hl.Bucket))
+			fmt.Errorf("%w: %s: local lease deadline passed during publish", ErrLeaseLost, what))
 		defer cancel()
 	}
 	tctx, cancelTimeout := context.WithTimeoutCause(pctx, w.cfg.PublishTimeout, errPublishTimedOut)
@@ -290,13 +319,13 @@ func (w *worker) publish(ctx context.Context, hl *heldLease, msgs []Message) (ac
 	cancelTimeout()
 	lost = pctx.Err() != nil && ctx.Err() == nil
 	if lost {
-		w.log.Warn("relay: lease ended during publish; cancelled the publish", "bucket", hl.Bucket, "cause", context.Cause(pctx))
+		w.log.Warn("relay: lease ended during publish; cancelled the publish", "batch", what, "cause", context.Cause(pctx))
 	}
 	if timedOut && !lost && (err != nil || acked < len(msgs)) {
 		// Not about the messages: the sink (or the publisher) stopped
 		// answering. The bucket backs off like after any outage.
-		err = Unavailable(fmt.Errorf("%w: bucket %d: %s with %d of %d messages acknowledged",
-			ErrPublishTimeout, hl.Bucket, time.Since(start).Round(time.Millisecond), acked, len(msgs)))
+		err = Unavailable(fmt.Errorf("%w: %s: %s with %d of %d messages acknowledged",
+			ErrPublishTimeout, what, time.Since(start).Round(time.Millisecond), acked, len(msgs)))
 	}
 	return acked, err, lost
 }

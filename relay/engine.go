@@ -105,8 +105,8 @@ func (w *worker) init(ctx context.Context) {
 // startPool starts the drainers and returns the function that closes the
 // scheduler and waits for them to finish their batches.
 func (w *worker) startPool(ctx context.Context) (wait func(), stop func()) {
-	w.sched.start(w.oneShot)
 	n := min(w.cfg.Parallelism, w.cfg.BucketCount)
+	w.sched.start(w.oneShot, n)
 	var wg sync.WaitGroup
 	for range n {
 		wg.Go(func() { w.drain(ctx) })

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -385,20 +386,32 @@ func TestRelaysRace(t *testing.T) {
 	)
 	pub := func(id string) relay.Publisher {
 		return relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
-			b := msgs[0].Bucket
-			mu.Lock()
-			if other, ok := busy[b]; ok {
-				problems = append(problems, fmt.Sprintf("bucket %d: %s publishes while %s does", b, id, other))
+			// A batch may span buckets (the set-batching store): each of
+			// them must be in this batch only.
+			var bs []int
+			for _, m := range msgs {
+				if !slices.Contains(bs, m.Bucket) {
+					bs = append(bs, m.Bucket)
+				}
 			}
-			busy[b] = id
+			mu.Lock()
+			for _, b := range bs {
+				if other, ok := busy[b]; ok {
+					problems = append(problems, fmt.Sprintf("bucket %d: %s publishes while %s does", b, id, other))
+				}
+				busy[b] = id
+			}
 			mu.Unlock()
 			time.Sleep(time.Millisecond + time.Duration(len(msgs))*20*time.Microsecond)
 			mu.Lock()
-			delete(busy, b)
+			for _, b := range bs {
+				delete(busy, b)
+			}
 			for _, m := range msgs {
 				// Ids grow with submission: within a bucket each message
 				// is published after the earlier ones (a repeat of an
 				// earlier one is a duplicate, not a reorder).
+				b := m.Bucket
 				if m.ID <= last[b] && !seen[m.ID] {
 					problems = append(problems, fmt.Sprintf("bucket %d: message %d published after %d", b, m.ID, last[b]))
 				}
@@ -411,6 +424,7 @@ func TestRelaysRace(t *testing.T) {
 	}
 	cfgFor := func(id string) relay.Config {
 		cfg := config(id)
+		cfg.MaxBatchBuckets = 8 // used by the store that can (advancingStore)
 		cfg.BucketCount = buckets
 		cfg.PollInterval = time.Millisecond
 		cfg.LeaseDuration = 2 * time.Second
@@ -433,11 +447,15 @@ func TestRelaysRace(t *testing.T) {
 			s.add(i%buckets, 1+i%7)
 		}
 	})
+	// The set-batching store (1) runs 2 drainers with batches of up to 8
+	// buckets, so that ready buckets often outnumber the idle drainers and
+	// batches span several.
+	parallelism := []int{1, 2, 7}
 	var relays []*relay.Relay
 	for i := range 3 {
 		id := fmt.Sprintf("r%d", i)
 		cfg := cfgFor(id)
-		cfg.Parallelism = 1 + 3*i
+		cfg.Parallelism = parallelism[i]
 		relays = append(relays, start(t, stores[i], pub(id), cfg))
 	}
 	// Relays join and leave while the writers write.
@@ -446,7 +464,9 @@ func TestRelaysRace(t *testing.T) {
 		i := round % 3
 		stop(t, relays[i])
 		id := fmt.Sprintf("r%d-%d", i, round)
-		relays[i] = start(t, stores[i], pub(id), cfgFor(id))
+		cfg := cfgFor(id)
+		cfg.Parallelism = parallelism[i]
+		relays[i] = start(t, stores[i], pub(id), cfg)
 	}
 	close(stopWriting)
 	writers.Wait()
@@ -460,4 +480,5 @@ func TestRelaysRace(t *testing.T) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	require.Len(t, seen, int(s.nextID), "every message delivered")
+	require.Positive(t, s.calls["setmark"], "batches spanned buckets (advancingStore)")
 }

@@ -42,6 +42,7 @@ type Relay struct {
 	renewer   LeaseRenewer    // nil if the store cannot renew
 	recorder  FailureRecorder // nil if the store does not record attempts
 	advancer  BatchAdvancer   // nil if the store cannot delete and read ahead at once
+	setter    SetBatcher      // nil unless batches may span several buckets
 	filter    BatchFilter     // nil if the failure handler filters nothing
 	limiter   *rate.Limiter   // nil without Config.RateLimit
 
@@ -88,6 +89,9 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 	r.recorder, _ = store.(FailureRecorder)
 	r.advancer, _ = store.(BatchAdvancer)
 	r.leaseAware, _ = publisher.(LeaseAware)
+	if sb, ok := store.(SetBatcher); ok && r.leaseAware == nil && cfg.MaxBatchBuckets > 1 {
+		r.setter = sb
+	}
 	if r.cfg.FailureHandler == nil {
 		r.cfg.FailureHandler, _ = store.(FailureHandler)
 	}

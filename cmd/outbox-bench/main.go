@@ -44,6 +44,9 @@ type config struct {
 	// Parallelism is the relay's Config.Parallelism; 0 takes the relay's
 	// default.
 	Parallelism int
+	// MaxBatchBuckets is the relay's Config.MaxBatchBuckets; 0 takes the
+	// relay's default, 1 drains every bucket on its own.
+	MaxBatchBuckets int
 	// WideBuckets is the bucket count of the drain scenario's wide run.
 	WideBuckets int
 	Rate        int
@@ -119,6 +122,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.Partitions, "partitions", 8, "topic partitions")
 	fs.IntVar(&c.BatchSize, "batch", 500, "relay batch size")
 	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
+	fs.IntVar(&c.MaxBatchBuckets, "max-batch-buckets", 0, "relay MaxBatchBuckets (0: the relay's default; 1: every bucket on its own)")
 	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
 	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
@@ -173,8 +177,8 @@ func parseFlags(args []string) (config, error) {
 	if c.Driver != "sqlite" && c.DSN == "" {
 		return c, fmt.Errorf("-dsn is required for %s", c.Driver)
 	}
-	if c.Parallelism < 0 || c.WideBuckets < 1 {
-		return c, fmt.Errorf("-parallelism must be 0 or positive and -wide-buckets positive")
+	if c.Parallelism < 0 || c.MaxBatchBuckets < 0 || c.WideBuckets < 1 {
+		return c, fmt.Errorf("-parallelism and -max-batch-buckets must be 0 or positive and -wide-buckets positive")
 	}
 	if c.Consumer != "process" && c.Consumer != "inline" {
 		return c, fmt.Errorf("-consumer must be process or inline, not %q", c.Consumer)

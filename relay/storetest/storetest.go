@@ -1,7 +1,7 @@
 // Package storetest is the conformance suite of relay.Store and of each
 // optional store capability the relay engine uses (relay.LeaseRenewer,
-// relay.FailureRecorder, relay.BatchAdvancer, relay.BucketCounter,
-// relay.StartChecker). A store that passes it can be handed to relay.New.
+// relay.FailureRecorder, relay.BatchAdvancer, relay.SetBatcher,
+// relay.BucketCounter, relay.StartChecker). A store that passes it can be handed to relay.New.
 //
 // Run it from a test of your store with a Harness that creates an empty
 // outbox and inserts messages into it the way your writers do:
@@ -30,6 +30,7 @@
 package storetest
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -91,7 +92,11 @@ func Run(t *testing.T, h Harness) {
 		{"LeaseRenewer", testRenewer},
 		{"FailureRecorder", testRecorder},
 		{"BatchAdvancer", testAdvancer},
+		{"SetBatcher", testSetBatcher},
+		{"SetBatcherGuard", testSetBatcherGuard},
+		{"SetBatcherUneven", testSetBatcherUneven},
 		{"LargeBatches", testLargeBatches},
+		{"LargeSets", testLargeSets},
 		{"BucketCounter", testBucketCounter},
 		{"StartChecker", testStartChecker},
 		{"Concurrent", testConcurrent},
@@ -468,6 +473,297 @@ func testAdvancer(t *testing.T, h Harness) {
 	require.Empty(t, last)
 	require.Empty(t, next(t, s, 1, 10))
 	require.Len(t, next(t, s, 0, 10), 1, "other buckets untouched")
+}
+
+// interleaved returns, in one slice to insert at once, n messages of each
+// of buckets taken in turn (b0/0, b1/0, ..., b0/1, b1/1, ...), so that
+// the buckets' ids interleave.
+func interleaved(buckets []int, n int) []relay.Message {
+	var out []relay.Message
+	for seq := range n {
+		for _, b := range buckets {
+			out = append(out, msgs(b, seq, 1)...)
+		}
+	}
+	return out
+}
+
+// setHeads returns what a set batch of buckets should be: the oldest
+// limit messages across the buckets by id, as NextBatch reads them.
+func setHeads(t *testing.T, s relay.Store, buckets []int, limit int) []relay.Message {
+	t.Helper()
+	var all []relay.Message
+	for _, b := range buckets {
+		all = append(all, next(t, s, b, limit)...)
+	}
+	slices.SortFunc(all, func(a, b relay.Message) int { return cmp.Compare(a.ID, b.ID) })
+	return all[:min(limit, len(all))]
+}
+
+// nextSet reads a set batch and checks it against the contract: a
+// prefix of the set's pending messages in id order (setHeads), with every
+// field as NextBatch reads it; not empty while any is pending; and, when
+// shorter than what is pending up to limit, reported with more.
+func nextSet(t *testing.T, sb relay.SetBatcher, buckets []int, limit int) []relay.Message {
+	t.Helper()
+	ms, more, err := sb.NextSetBatch(t.Context(), buckets, limit)
+	require.NoError(t, err)
+	want := setHeads(t, sb.(relay.Store), buckets, limit)
+	require.LessOrEqual(t, len(ms), len(want), "at most limit, only the set's pending messages")
+	require.Equal(t, want[:len(ms)], ms, "the oldest of the set in id order, each bucket's head, with every field and its Bucket")
+	if len(want) > 0 {
+		require.NotEmpty(t, ms, "messages are pending")
+	}
+	if len(ms) < len(want) {
+		require.True(t, more, "a batch cut short says more may remain")
+	}
+	return ms
+}
+
+// drainSet reads and deletes set batches until the set is empty, and
+// returns the values in the order read: a store that cuts batches short
+// must still make progress to the end.
+func drainSet(t *testing.T, sb relay.SetBatcher, id string, leases []relay.Lease, buckets []int, limit int) []string {
+	t.Helper()
+	var out []string
+	for range 1000 {
+		ms := nextSet(t, sb, buckets, limit)
+		if len(ms) == 0 {
+			return out
+		}
+		out = append(out, values(ms)...)
+		require.Empty(t, markSet(t, sb, id, leases, ms))
+	}
+	t.Fatal("the set was not drained after 1000 batches")
+	return nil
+}
+
+func markSet(t *testing.T, sb relay.SetBatcher, id string, leases []relay.Lease, ms []relay.Message) []int {
+	t.Helper()
+	lost, err := sb.MarkSetPublished(t.Context(), id, leases, ms)
+	require.NoError(t, err)
+	return lost
+}
+
+// testSetBatcher reads the oldest messages across a set of buckets in id
+// order, and deletes them by id under each bucket's lease.
+func testSetBatcher(t *testing.T, h Harness) {
+	s := h.New(t, 4)
+	sb, ok := s.(relay.SetBatcher)
+	if !ok {
+		t.Skip("the store does not implement relay.SetBatcher")
+	}
+	in := interleaved([]int{0, 1, 2}, 6)
+	part := int32(3)
+	in[3].Key = nil // 0/1, keyless
+	in[4].Value = nil
+	in[5].Partition = &part
+	in[5].Headers = []relay.Header{{Key: "a", Value: []byte("1")}, {Key: "a", Value: []byte("2")}}
+	h.Insert(t, s, in)
+
+	got := nextSet(t, sb, []int{0, 2}, 7)
+	require.Equal(t, []string{"0/0", "2/0", "0/1", "2/1", "0/2", "2/2", "0/3"}, values(got),
+		"oldest first by id across the buckets, at most limit, none of bucket 1")
+	for i, m := range got {
+		if i > 0 {
+			require.Greater(t, m.ID, got[i-1].ID, "ascending ids")
+		}
+	}
+	require.Equal(t, setHeads(t, s, []int{0, 2}, 7), got, "each bucket's head, with every field and its Bucket, as NextBatch reads it")
+	require.Equal(t, 2, got[1].Bucket)
+	require.Nil(t, got[2].Key)
+	all := nextSet(t, sb, []int{0, 2}, 100)
+	require.Len(t, all, 12)
+	require.Equal(t, setHeads(t, s, []int{0, 2}, 100), all)
+	require.Equal(t, got, all[:7], "a read repeats from the head: no cursor")
+	one := nextSet(t, sb, []int{1, 3}, 10)
+	require.Equal(t, next(t, s, 1, 10)[:len(one)], one, "a set of one pending bucket is that bucket's head")
+	require.Empty(t, nextSet(t, sb, []int{3}, 10), "an empty bucket")
+
+	res := acquire(t, s, "a", 4, long)
+	require.Len(t, res.Leases, 4)
+	// Ids, never a range: deleting 0/0, 2/0, 0/2 and 2/2 leaves 0/1 and
+	// 2/1 between them.
+	del := []relay.Message{got[0], got[1], got[4], got[5]}
+	require.Empty(t, markSet(t, sb, "a", res.Leases, del), "every lease held: no bucket lost")
+	require.Equal(t, []string{"0/1", "0/3", "0/4", "0/5"}, values(next(t, s, 0, 10)))
+	require.Equal(t, []string{"2/1", "2/3", "2/4", "2/5"}, values(next(t, s, 2, 10)))
+	require.Len(t, next(t, s, 1, 10), 6, "other buckets untouched")
+	require.Equal(t, []string{"0/1", "2/1", "0/3", "2/3"}[:len(nextSet(t, sb, []int{0, 2}, 4))], values(nextSet(t, sb, []int{0, 2}, 4)))
+	require.Empty(t, markSet(t, sb, "a", res.Leases, del), "rows already gone under a held lease: nothing lost")
+	require.Empty(t, markSet(t, sb, "a", res.Leases, nil))
+
+	rest := nextSet(t, sb, []int{0, 1, 2, 3}, 100)
+	require.Len(t, rest, 14)
+	require.Empty(t, markSet(t, sb, "a", res.Leases[1:3], next(t, s, 1, 10)), "leases beyond the messages' buckets do not matter")
+	require.Empty(t, markSet(t, sb, "a", res.Leases, rest))
+	require.Empty(t, nextSet(t, sb, []int{0, 1, 2, 3}, 100))
+}
+
+// testSetBatcherUneven reads sets whose buckets hold very different
+// numbers of messages, the case where a store reading bucket by bucket
+// cuts a batch short: every batch is the set's oldest messages, and
+// reading and deleting drains the set in id order.
+func testSetBatcherUneven(t *testing.T, h Harness) {
+	s := h.New(t, 4)
+	sb, ok := s.(relay.SetBatcher)
+	if !ok {
+		t.Skip("the store does not implement relay.SetBatcher")
+	}
+	fill := func(s relay.Store) {
+		h.Insert(t, s, msgs(0, 0, 9))
+		h.Insert(t, s, interleaved([]int{1, 2}, 2))
+		h.Insert(t, s, msgs(0, 9, 3))
+		h.Insert(t, s, msgs(3, 0, 5))
+	}
+	fill(s)
+	first := nextSet(t, sb, []int{0, 1, 2, 3}, 6)
+	require.Equal(t, []string{"0/0", "0/1", "0/2", "0/3", "0/4", "0/5"}[:len(first)], values(first))
+	want := []string{
+		"0/0", "0/1", "0/2", "0/3", "0/4", "0/5", "0/6", "0/7", "0/8",
+		"1/0", "2/0", "1/1", "2/1",
+		"0/9", "0/10", "0/11",
+		"3/0", "3/1", "3/2", "3/3", "3/4",
+	}
+	for _, limit := range []int{1, 4, 5, 100} {
+		t.Run(fmt.Sprintf("limit %d", limit), func(t *testing.T) {
+			s := h.New(t, 4)
+			fill(s)
+			res := acquire(t, s, "a", 4, long)
+			require.Len(t, res.Leases, 4)
+			sb := s.(relay.SetBatcher)
+			require.Equal(t, want, drainSet(t, sb, "a", res.Leases, []int{0, 1, 2, 3}, limit))
+		})
+	}
+}
+
+// testSetBatcherGuard: each bucket's messages are deleted under its own
+// lease; a bucket whose lease is not held (another owner, another term,
+// expired, or no lease given) deletes nothing and is returned as lost,
+// while the others delete theirs.
+func testSetBatcherGuard(t *testing.T, h Harness) {
+	s := h.New(t, 4)
+	sb, ok := s.(relay.SetBatcher)
+	if !ok {
+		t.Skip("the store does not implement relay.SetBatcher")
+	}
+	h.Insert(t, s, interleaved([]int{0, 1, 2, 3}, 3))
+	res := acquire(t, s, "a", 4, long)
+	require.Len(t, res.Leases, 4)
+	l0, l1, l2, l3 := res.Leases[0], res.Leases[1], res.Leases[2], res.Leases[3]
+	batch := nextSet(t, sb, []int{0, 1, 2, 3}, 100)
+	require.Len(t, batch, 12)
+	count := func() []int {
+		out := make([]int, 4)
+		for b := range out {
+			out[b] = len(next(t, s, b, 10))
+		}
+		return out
+	}
+
+	require.Equal(t, []int{0, 1, 2, 3}, markSet(t, sb, "b", res.Leases, batch), "another owner: every bucket lost")
+	require.Equal(t, []int{3, 3, 3, 3}, count(), "and nothing deleted")
+	older := relay.Lease{Bucket: 1, Term: l1.Term - 1}
+	newer := relay.Lease{Bucket: 2, Term: l2.Term + 1}
+	lost := markSet(t, sb, "a", []relay.Lease{l0, older, newer}, batch)
+	require.Equal(t, []int{1, 2, 3}, lost, "an older term, a newer term, and bucket 3 without a lease are lost")
+	require.Equal(t, []int{0, 3, 3, 3}, count(), "bucket 0 deleted its messages, the lost buckets none")
+
+	// Bucket 1 is taken over: its old lease is lost, bucket 3's is still
+	// held.
+	require.NoError(t, s.ReleaseLeases(t.Context(), "a", []relay.Lease{l1}))
+	b1 := leaseOf(t, acquire(t, s, "b", 4, long), 1)
+	of13 := slices.DeleteFunc(slices.Clone(batch), func(m relay.Message) bool { return m.Bucket != 1 && m.Bucket != 3 })
+	require.Equal(t, []int{1}, markSet(t, sb, "a", []relay.Lease{l1, l3}, of13), "a bucket taken over is lost")
+	require.Equal(t, []int{0, 3, 3, 0}, count())
+	require.Empty(t, markSet(t, sb, "b", []relay.Lease{b1}, nextSet(t, sb, []int{1}, 10)), "its new owner deletes")
+	require.Equal(t, []int{0, 0, 3, 0}, count())
+
+	// An expired lease, held by no one else under the same term, is lost
+	// while a renewed one is not.
+	s = h.New(t, 2)
+	sb = s.(relay.SetBatcher)
+	rn, ok := s.(relay.LeaseRenewer)
+	if !ok {
+		return
+	}
+	h.Insert(t, s, interleaved([]int{0, 1}, 2))
+	acquired := time.Now()
+	res = acquire(t, s, "a", 2, short)
+	require.Len(t, res.Leases, 2)
+	kept, err := rn.RenewLeases(t.Context(), "a", res.Leases[:1], long)
+	require.NoError(t, err)
+	require.Equal(t, res.Leases[:1], kept)
+	waitPast(t, acquired, 2*short)
+	require.Equal(t, []int{1}, markSet(t, sb, "a", res.Leases, nextSet(t, sb, []int{0, 1}, 10)), "the expired lease is lost")
+	require.Empty(t, next(t, s, 0, 10))
+	require.Len(t, next(t, s, 1, 10), 2)
+}
+
+// testLargeSets reads and deletes set batches of hundreds of messages
+// across many buckets, sizes at which a store may split or build its
+// statements another way, with holes among the ids.
+func testLargeSets(t *testing.T, h Harness) {
+	const buckets = 16
+	s := h.New(t, buckets)
+	sb, ok := s.(relay.SetBatcher)
+	if !ok {
+		t.Skip("the store does not implement relay.SetBatcher")
+	}
+	// 300 messages, bucket (7i mod 16) for the i-th: interleaved, and
+	// uneven once counted over a prefix.
+	var in []relay.Message
+	seq := make([]int, buckets)
+	for i := range 300 {
+		b := 7 * i % buckets
+		in = append(in, msgs(b, seq[b], 1)...)
+		seq[b]++
+	}
+	h.Insert(t, s, in)
+	res := acquire(t, s, "a", buckets, long)
+	require.Len(t, res.Leases, buckets)
+	var set []int
+	for b := range buckets {
+		if b != 3 && b != 9 {
+			set = append(set, b)
+		}
+	}
+	inSet := len(in) - seq[3] - seq[9]
+	require.Greater(t, inSet, 250)
+	batch := nextSet(t, sb, set, 250)
+	require.Len(t, batch, 250, "cut by the limit")
+	require.Equal(t, setHeads(t, s, set, 250), batch)
+
+	// Delete two of every three, under every lease but bucket 5's, which
+	// is refused.
+	var del []relay.Message
+	for i, m := range batch {
+		if i%3 != 1 {
+			del = append(del, m)
+		}
+	}
+	leases := slices.Clone(res.Leases)
+	leases[5].Term++
+	before := map[int][]string{}
+	for b := range buckets {
+		before[b] = values(next(t, s, b, 100))
+	}
+	require.Equal(t, []int{5}, markSet(t, sb, "a", leases, del), "only bucket 5 lost")
+	require.Empty(t, markSet(t, sb, "a", res.Leases, del), "bucket 5 deletes under its lease; the others' are gone already")
+	gone := map[string]bool{}
+	for _, m := range del {
+		gone[string(m.Value)] = true
+	}
+	for b := range buckets {
+		want := slices.DeleteFunc(slices.Clone(before[b]), func(v string) bool { return gone[v] })
+		require.Equal(t, want, values(next(t, s, b, 100)), "bucket %d: exactly the listed ids deleted", b)
+	}
+	rest := nextSet(t, sb, set, 1000)
+	require.Len(t, rest, inSet-len(del))
+	require.Equal(t, setHeads(t, s, set, 1000), rest)
+	require.Empty(t, markSet(t, sb, "a", res.Leases, rest))
+	require.Empty(t, nextSet(t, sb, set, 1000))
+	require.Len(t, nextSet(t, sb, []int{3, 9}, 1000), seq[3]+seq[9], "buckets outside the set untouched")
 }
 
 // testLargeBatches deletes and reads ahead batches of hundreds of

@@ -1,7 +1,8 @@
 // Package storetest is the conformance suite of relay.Store and of each
 // optional store capability the relay engine uses (relay.LeaseRenewer,
 // relay.FailureRecorder, relay.BatchAdvancer, relay.SetBatcher,
-// relay.BucketCounter, relay.StartChecker). A store that passes it can be handed to relay.New.
+// relay.BucketCounter, relay.StartChecker). A store that passes it can be
+// handed to relay.New.
 //
 // Run it from a test of your store with a Harness that creates an empty
 // outbox and inserts messages into it the way your writers do:

@@ -278,7 +278,7 @@ func (s *scheduler) forgetLocked(b int) {
 	st.shrink = 0
 	st.next = nil
 	st.solo = false
-	// A queued entry stays in the FIFO; next skips it since the bucket is
+	// A queued entry stays in the FIFO; nextSet skips it since the bucket is
 	// no longer held, and a bucket marked again meanwhile is not queued
 	// twice.
 }

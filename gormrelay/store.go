@@ -733,10 +733,7 @@ func (s *Store) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {
 // pendingBucketsPostgres is PendingBuckets on PostgreSQL: one statement,
 // the buckets as one int[] parameter.
 func (s *Store) pendingBucketsPostgres(ctx context.Context, db *gorm.DB, bs []int) ([]int, error) {
-	list := make(int8Array, len(bs))
-	for i, b := range bs {
-		list[i] = int64(b)
-	}
+	list := bucketArray(bs)
 	q := "SELECT p.b FROM unnest(CAST(CAST(? AS text) AS int[])) AS p(b) CROSS JOIN LATERAL" +
 		" (SELECT 1 FROM " + s.messages + " WHERE bucket >= p.b AND bucket <= p.b ORDER BY bucket, id LIMIT 1) probe" +
 		" UNION ALL SELECT b FROM (SELECT bucket AS b FROM " + s.messages + " WHERE bucket >= ? ORDER BY bucket, id LIMIT 1) beyond"

@@ -70,18 +70,22 @@ func (w *worker) drainSet(ctx context.Context, set []drawn, dst []batchResult) [
 		msgs = msgs[:limit]
 	}
 	full := more || len(msgs) == limit
-	// Where each bucket's messages are, by the set's order; a message of
-	// another bucket is a store fault that must not reach the publisher
-	// under leases that do not cover it.
-	count := make([]int, n)
+	// A message of another bucket is a store fault that must not reach the
+	// publisher under leases that do not cover it.
 	for _, m := range msgs {
-		i := slot(m.Bucket)
-		if i < 0 {
+		if slot(m.Bucket) < 0 {
 			err := fmt.Errorf("relay: store returned message %d of bucket %d for a batch of buckets %v", m.ID, m.Bucket, buckets)
 			w.log.Error("relay: set batch read returned a message outside the set; publishing nothing", "err", err)
 			return all(batchResult{out: outFailed, err: err})
 		}
-		count[i]++
+	}
+	// perSlot counts messages by their bucket's place in set.
+	perSlot := func(msgs []Message) []int {
+		c := make([]int, n)
+		for _, m := range msgs {
+			c[slot(m.Bucket)]++
+		}
+		return c
 	}
 	if len(msgs) == 0 {
 		return all(batchResult{out: outEmpty})
@@ -91,11 +95,8 @@ func (w *worker) drainSet(ctx context.Context, set []drawn, dst []batchResult) [
 		if msgs, done = w.filterSet(ctx, set, msgs, dst); done {
 			return dst
 		}
-		clear(count)
-		for _, m := range msgs {
-			count[slot(m.Bucket)]++
-		}
 	}
+	count := perSlot(msgs)
 	// Publish the batch bucket by bucket, each bucket's messages in id
 	// order: the acknowledged prefix then covers whole buckets before the
 	// first failure, which are done, instead of a part of each.
@@ -131,10 +132,7 @@ func (w *worker) drainSet(ctx context.Context, set []drawn, dst []batchResult) [
 		acked = 0
 	}
 	took := time.Since(publishStart)
-	ackedOf := make([]int, n)
-	for _, m := range msgs[:acked] {
-		ackedOf[slot(m.Bucket)]++
-	}
+	ackedOf := perSlot(msgs[:acked])
 	for i, d := range set {
 		if count[i] > 0 {
 			w.observePublish(ctx, d.bucket, count[i], ackedOf[i], perr, lost, took)
@@ -176,7 +174,7 @@ func (w *worker) drainSet(ctx context.Context, set []drawn, dst []batchResult) [
 		case slices.Contains(lostBuckets, d.bucket):
 			w.log.Info("relay: lease lost before delete; the new owner publishes the rows again", "bucket", d.bucket, "term", d.hl.Term, "acked", ackedOf[i])
 			dst[i] = batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d term %d refused the delete", ErrLeaseLost, d.bucket, d.hl.Term)}
-		case lost && (d.hl.ctx.Err() != nil || !w.k.trusts(d.hl.Lease)):
+		case lost && w.leaseEnded(d):
 			// Its lease ended, or (without a LeaseRenewer) the relay's
 			// trust in every lease did.
 			w.log.Warn("relay: lease lost during publish; leaving the rest of the batch to the new owner", "bucket", d.bucket, "term", d.hl.Term, "acked", ackedOf[i])
@@ -216,11 +214,17 @@ func (w *worker) drainSet(ctx context.Context, set []drawn, dst []batchResult) [
 	return dst
 }
 
+// leaseEnded reports whether the lease of a bucket drawn for a batch ended
+// or is no longer trusted.
+func (w *worker) leaseEnded(d drawn) bool {
+	return d.hl.ctx.Err() != nil || !w.k.trusts(d.hl.Lease)
+}
+
 // lostOrRetry ends a set batch before its publish because a lease ended:
 // the buckets whose lease ended are lost, the others are read again.
 func (w *worker) lostOrRetry(set []drawn, dst []batchResult, when string) []batchResult {
 	for i, d := range set {
-		if d.hl.ctx.Err() != nil || !w.k.trusts(d.hl.Lease) {
+		if w.leaseEnded(d) {
 			dst[i] = batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d: lease ended %s", ErrLeaseLost, d.bucket, when)}
 		} else {
 			dst[i] = batchResult{out: outRetry}

@@ -40,6 +40,10 @@ func (e *BacklogAgeError) Unwrap() error { return ErrBacklogTooOld }
 // bucket; ok is false when nothing is pending. It reads the head of every
 // bucket through the (bucket, id) index, one probe per bucket, so its cost
 // does not grow with the backlog and it is cheap enough for a health probe.
+// (Each probe selects its bucket as a range, like the relay's reads; see
+// bucketRange. With "bucket = ? ORDER BY id", the plan PostgreSQL makes
+// for any bucket walks the primary key instead, past every row of the
+// other buckets and every deleted row.)
 // The head of a bucket is the message the relay publishes next: the age of
 // a stuck bucket is the age of its head. Ages are measured with this
 // host's clock against the writers' clocks; a negative age counts as 0.
@@ -53,8 +57,8 @@ func (a *Admin) OldestPending(ctx context.Context) (age time.Duration, bucket in
 			if b > start {
 				sb.WriteString(" UNION ALL ")
 			}
-			fmt.Fprintf(&sb, "SELECT b, c FROM (SELECT bucket AS b, created_at_ms AS c FROM %s WHERE bucket = ? ORDER BY id LIMIT 1) h%d", table, b-start)
-			args = append(args, b)
+			fmt.Fprintf(&sb, "SELECT b, c FROM (SELECT bucket AS b, created_at_ms AS c FROM %s WHERE %s ORDER BY bucket, id LIMIT 1) h%d", table, bucketRange, b-start)
+			args = append(args, b, b)
 		}
 		var heads []struct {
 			B int

@@ -52,7 +52,10 @@
 // # Retention
 //
 // Purge (or RunPurge on a goroutine) deletes ids older than
-// Config.Retention (default 7 days). A record redelivered after its id
+// Config.Retention (default 7 days), oldest first, Config.PurgeBatch per
+// statement, each statement an index range read and primary-key deletes,
+// so its cost follows what it deletes, not the size of the table. A
+// record redelivered after its id
 // was purged is processed again: keep the retention above the longest
 // redelivery to survive, e.g. the topic's retention when consumers may
 // re-read a topic from its start.

@@ -443,6 +443,50 @@ func TestPurge(t *testing.T) {
 	})
 }
 
+// On PostgreSQL a purge reads the expired ids through the processed_at_ms
+// index and deletes them through the primary key, also under the plan
+// the server makes for any parameter value: it never scans the table.
+func TestPostgresPurgeUsesIndexes(t *testing.T) {
+	t.Parallel()
+	db := dbtest.Open(t, dbtest.Postgres)
+	// Setup on its own pool, closed before the counters are read.
+	setupDB := *db
+	setupDB.DB = dbtest.OpenPostgresApp(t, db.DSN, "inbox-purge-setup")
+	b := setup(t, &setupDB, inbox.Config{Retention: time.Hour})
+	old, now := time.Now().Add(-2*time.Hour).UnixMilli(), time.Now().UnixMilli()
+	var rows []inbox.Row
+	for i := range 2500 {
+		at := old + int64(i)
+		if i%5 == 0 {
+			at = now
+		}
+		rows = append(rows, inbox.Row{MessageID: fmt.Sprintf("id-%05d", i), Topic: "t", Offset: int64(i), ProcessedAtMs: at})
+	}
+	require.NoError(t, setupDB.DB.Table(b.inbox.TableName()).CreateInBatches(&rows, 500).Error)
+	require.NoError(t, setupDB.DB.Exec("ANALYZE "+b.inbox.TableName()).Error)
+	db.CloseApp(t, setupDB.DB, "inbox-purge-setup")
+
+	table := b.cfg.Table
+	before := db.Scans(t, table)
+	generic := dbtest.OpenPostgresApp(t, db.DSN+dbtest.GenericPlans, "inbox-purge-generic")
+	ib, err := inbox.New(generic, inbox.Config{Table: table, Retention: time.Hour, PurgeBatch: 500})
+	require.NoError(t, err)
+	n, err := ib.Purge(context.Background())
+	require.NoError(t, err)
+	require.EqualValues(t, 2000, n)
+	db.CloseApp(t, generic, "inbox-purge-generic")
+	after := db.Scans(t, table)
+	require.Equal(t, before.Seq, after.Seq, "sequential scans of %s by Purge", table)
+	require.Greater(t, after.Indexes, before.Indexes, "the processed_at_ms index was used")
+
+	var left []int64
+	require.NoError(t, db.DB.Table(table).Pluck("processed_at_ms", &left).Error)
+	require.Len(t, left, 500)
+	for _, at := range left {
+		require.Equal(t, now, at)
+	}
+}
+
 func TestConfigValidation(t *testing.T) {
 	t.Parallel()
 	db := dbtest.Open(t, dbtest.SQLite)

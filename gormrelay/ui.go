@@ -50,7 +50,11 @@ type UIOptions struct {
 	Logger *slog.Logger
 	// RefreshInterval is how often the overview page reloads its numbers
 	// in the browser. Default UIRefreshIntervalDefault (2s); the minimum
-	// is 250ms.
+	// is 250ms. The open pages share their readings: one runs at a time,
+	// and one is reused for half a RefreshInterval, or for 10 times as long
+	// as it took when that is longer (counting a large backlog takes
+	// seconds), so the overview never keeps the database busy more than a
+	// tenth of the time.
 	RefreshInterval time.Duration
 	// Published, if set, returns a running total of the messages this
 	// service's relays published, such as metrics.Collector.Acknowledged;
@@ -116,8 +120,14 @@ type UI struct {
 	secret  []byte
 	refresh time.Duration
 
+	reading chan struct{} // holds a token while a Status reading runs
+
 	mu      sync.Mutex
 	samples []uiSample // overview readings within UIThroughputWindow, oldest first
+	last    Status     // the last reading; valid while lastOK
+	lastOK  bool       // false before the first reading and after an action
+	lastAt  time.Time  // when the last reading ended
+	lastFor time.Duration
 }
 
 var _ http.Handler = (*UI)(nil)
@@ -128,7 +138,7 @@ func NewUI(admin *Admin, opts UIOptions) *UI {
 		opts.Logger = slog.Default()
 	}
 	u := &UI{admin: admin, opts: opts, mux: http.NewServeMux(), cross: http.NewCrossOriginProtection(),
-		refresh: UIRefreshIntervalDefault}
+		refresh: UIRefreshIntervalDefault, reading: make(chan struct{}, 1)}
 	if opts.RefreshInterval > 0 {
 		u.refresh = max(opts.RefreshInterval, 250*time.Millisecond)
 	}
@@ -355,7 +365,9 @@ func (u *UI) sample(st Status) uiRates {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	u.samples = slices.DeleteFunc(u.samples, func(o uiSample) bool { return s.at.Sub(o.at) > UIThroughputWindow })
-	u.samples = append(u.samples, s)
+	if !slices.ContainsFunc(u.samples, func(o uiSample) bool { return o.at.Equal(s.at) }) {
+		u.samples = append(u.samples, s) // a reading served again is one sample
+	}
 	slices.SortFunc(u.samples, func(a, b uiSample) int { return a.at.Compare(b.at) })
 	first, last := u.samples[0], u.samples[len(u.samples)-1]
 	rates := uiRates{HasPublished: u.opts.Published != nil}
@@ -373,8 +385,51 @@ type uiOverview struct {
 	Paused []int
 }
 
-func (u *UI) readOverview(ctx context.Context) (uiOverview, error) {
+// uiReadingCost bounds the share of the time the overview's readings may
+// keep the database busy: a reading that took d is served for 10 × d.
+const uiReadingCost = 10
+
+// status returns a reading of the outbox's status for the overview. The
+// reading counts the whole messages table, which takes seconds on a large
+// backlog, and every open page asks for one each RefreshInterval. So one
+// reading runs at a time, and a reading is served again to the requests
+// that come within half a RefreshInterval of it, or within 10 times the
+// time it took if that is longer: however many pages are open, the
+// readings keep the database busy a tenth of the time at most. An action
+// of the UI ends the reuse, so its result shows at once.
+func (u *UI) status(ctx context.Context) (Status, error) {
+	select {
+	case u.reading <- struct{}{}:
+	case <-ctx.Done():
+		return Status{}, context.Cause(ctx)
+	}
+	defer func() { <-u.reading }()
+	u.mu.Lock()
+	last, ok, at, took := u.last, u.lastOK, u.lastAt, u.lastFor
+	u.mu.Unlock()
+	if ok && time.Since(at) < max(u.refresh/2, uiReadingCost*took) {
+		return last, nil
+	}
+	start := time.Now()
 	st, err := u.admin.Status(ctx)
+	if err != nil {
+		return Status{}, err
+	}
+	u.mu.Lock()
+	u.last, u.lastOK, u.lastAt, u.lastFor = st, true, time.Now(), time.Since(start)
+	u.mu.Unlock()
+	return st, nil
+}
+
+// forgetStatus makes the next overview read the database again.
+func (u *UI) forgetStatus() {
+	u.mu.Lock()
+	u.lastOK = false
+	u.mu.Unlock()
+}
+
+func (u *UI) readOverview(ctx context.Context) (uiOverview, error) {
+	st, err := u.status(ctx)
 	if err != nil {
 		return uiOverview{}, err
 	}
@@ -660,6 +715,7 @@ func (u *UI) action(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	res, err := a.run(r.Context())
+	u.forgetStatus()
 	if err != nil {
 		u.fail(w, r, err)
 		return

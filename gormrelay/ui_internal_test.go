@@ -1,12 +1,20 @@
 package gormrelay
 
 import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
 )
 
 func TestShowBytes(t *testing.T) {
@@ -121,4 +129,61 @@ func TestUIFormatting(t *testing.T) {
 	} {
 		require.Equal(t, ok, safeBack(s), s)
 	}
+}
+
+// The overview's readings are shared: within half a RefreshInterval one
+// reading serves every request, concurrent ones included; an action of
+// the UI ends the reuse, so its result shows at once; and a reading is
+// made again once the interval has passed.
+func TestUIStatusShared(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := dbtest.Open(t, dbtest.SQLite)
+	cfg := outbox.Config{}.WithDefaults()
+	require.NoError(t, cfg.Tables.AutoMigrate(ctx, db.DB))
+	admin, err := NewAdmin(db.DB, cfg)
+	require.NoError(t, err)
+	u := NewUI(admin, UIOptions{RefreshInterval: time.Hour, AllowMutations: true})
+	first, err := u.status(ctx)
+	require.NoError(t, err)
+	require.Zero(t, first.Pending)
+
+	row := outbox.MessageRow{MessageID: "m-1", Bucket: 2, Topic: "orders", CreatedAtMs: time.Now().UnixMilli()}
+	require.NoError(t, db.DB.Table(cfg.Tables.MessagesTable()).Create(&row).Error)
+	var wg sync.WaitGroup
+	got := make([]Status, 8)
+	for i := range got {
+		wg.Go(func() {
+			var err error
+			got[i], err = u.status(ctx)
+			assert.NoError(t, err)
+		})
+	}
+	wg.Wait()
+	for _, st := range got {
+		require.True(t, st.SampledAt.Equal(first.SampledAt), "the first reading, served again")
+		require.Zero(t, st.Pending)
+	}
+
+	form := url.Values{"bucket": {"2"}, "confirm": {"yes"}, "token": {u.token(time.Now())}}
+	req := httptest.NewRequest(http.MethodPost, "/actions/pause", strings.NewReader(form.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	rec := httptest.NewRecorder()
+	u.ServeHTTP(rec, req)
+	require.Equal(t, http.StatusOK, rec.Code, rec.Body.String())
+	after, err := u.status(ctx)
+	require.NoError(t, err)
+	require.True(t, after.SampledAt.After(first.SampledAt), "read again after the action")
+	require.EqualValues(t, 1, after.Pending)
+	require.True(t, after.Buckets[2].Lease.Paused)
+
+	// Half of the shortest RefreshInterval later, a new reading.
+	fast := NewUI(admin, UIOptions{RefreshInterval: 250 * time.Millisecond})
+	one, err := fast.status(ctx)
+	require.NoError(t, err)
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		st, err := fast.status(ctx)
+		assert.NoError(c, err)
+		assert.True(c, st.SampledAt.After(one.SampledAt))
+	}, time.Minute, 10*time.Millisecond)
 }

@@ -29,16 +29,18 @@ func TestPostgresGenericPlansUseTheBucketIndex(t *testing.T) {
 
 	// Setup on its own connections, closed before the counters are read:
 	// a backend reports its table statistics when it exits.
-	setup := dbtest.OpenPostgresApp(t, db.DSN, "outbox-plans-setup")
-	require.NoError(t, cfg.Tables.AutoMigrate(context.Background(), setup))
-	b := &storeBundle{db: &dbtest.DB{DB: setup, Dialect: db.Dialect, DSN: db.DSN, Namespace: db.Namespace}, cfg: cfg}
+	setup := db.OpenApp(t, "setup", "")
+	require.NoError(t, cfg.Tables.AutoMigrate(context.Background(), setup.DB))
+	setupDB := *db
+	setupDB.DB = setup.DB
+	b := &storeBundle{db: &setupDB, cfg: cfg}
 	rows := b.insert(t, keyed(keysN(64), 40)...)
 	require.NoError(t, setup.Exec("ANALYZE "+setup.Statement.Quote(table)).Error)
-	db.CloseApp(t, setup, "outbox-plans-setup")
+	db.CloseApp(t, setup)
 
 	before := db.Scans(t, table)
-	generic := dbtest.OpenPostgresApp(t, db.DSN+dbtest.GenericPlans, "outbox-plans-generic")
-	store, err := gormrelay.NewStore(generic, cfg)
+	generic := db.OpenApp(t, "generic", dbtest.GenericPlans)
+	store, err := gormrelay.NewStore(generic.DB, cfg)
 	require.NoError(t, err)
 	rec := newRecorder()
 	rc := fastConfig(t, "a")
@@ -52,26 +54,26 @@ func TestPostgresGenericPlansUseTheBucketIndex(t *testing.T) {
 	stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	require.NoError(t, r.Stop(stopCtx))
-	db.CloseApp(t, generic, "outbox-plans-generic")
+	db.CloseApp(t, generic)
 	drained := db.Scans(t, table)
 	require.Equal(t, before.Seq, drained.Seq, "sequential scans of %s while draining", table)
 	require.Greater(t, drained.Indexes, before.Indexes)
 
 	// The health probe, on a table with rows pending again.
-	setup = dbtest.OpenPostgresApp(t, db.DSN, "outbox-plans-setup")
-	b.db.DB = setup
+	setup = db.OpenApp(t, "setup", "")
+	b.db.DB = setup.DB
 	b.insert(t, keyed(keysN(64), 4)...)
-	db.CloseApp(t, setup, "outbox-plans-setup")
+	db.CloseApp(t, setup)
 	before = db.Scans(t, table)
-	generic = dbtest.OpenPostgresApp(t, db.DSN+dbtest.GenericPlans, "outbox-plans-generic")
-	admin, err := gormrelay.NewAdmin(generic, cfg)
+	generic = db.OpenApp(t, "generic", dbtest.GenericPlans)
+	admin, err := gormrelay.NewAdmin(generic.DB, cfg)
 	require.NoError(t, err)
 	for range 3 {
 		_, _, ok, err := admin.OldestPending(context.Background())
 		require.NoError(t, err)
 		require.True(t, ok)
 	}
-	db.CloseApp(t, generic, "outbox-plans-generic")
+	db.CloseApp(t, generic)
 	probed := db.Scans(t, table)
 	require.Equal(t, before.Seq, probed.Seq, "sequential scans of %s by OldestPending", table)
 	require.Equal(t, before.PrimaryKey, probed.PrimaryKey, "primary-key scans of %s by OldestPending", table)

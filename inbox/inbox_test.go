@@ -450,8 +450,9 @@ func TestPostgresPurgeUsesIndexes(t *testing.T) {
 	t.Parallel()
 	db := dbtest.Open(t, dbtest.Postgres)
 	// Setup on its own pool, closed before the counters are read.
+	setupApp := db.OpenApp(t, "setup", "")
 	setupDB := *db
-	setupDB.DB = dbtest.OpenPostgresApp(t, db.DSN, "inbox-purge-setup")
+	setupDB.DB = setupApp.DB
 	b := setup(t, &setupDB, inbox.Config{Retention: time.Hour})
 	old, now := time.Now().Add(-2*time.Hour).UnixMilli(), time.Now().UnixMilli()
 	var rows []inbox.Row
@@ -464,17 +465,17 @@ func TestPostgresPurgeUsesIndexes(t *testing.T) {
 	}
 	require.NoError(t, setupDB.DB.Table(b.inbox.TableName()).CreateInBatches(&rows, 500).Error)
 	require.NoError(t, setupDB.DB.Exec("ANALYZE "+b.inbox.TableName()).Error)
-	db.CloseApp(t, setupDB.DB, "inbox-purge-setup")
+	db.CloseApp(t, setupApp)
 
 	table := b.cfg.Table
 	before := db.Scans(t, table)
-	generic := dbtest.OpenPostgresApp(t, db.DSN+dbtest.GenericPlans, "inbox-purge-generic")
-	ib, err := inbox.New(generic, inbox.Config{Table: table, Retention: time.Hour, PurgeBatch: 500})
+	generic := db.OpenApp(t, "generic", dbtest.GenericPlans)
+	ib, err := inbox.New(generic.DB, inbox.Config{Table: table, Retention: time.Hour, PurgeBatch: 500})
 	require.NoError(t, err)
 	n, err := ib.Purge(context.Background())
 	require.NoError(t, err)
 	require.EqualValues(t, 2000, n)
-	db.CloseApp(t, generic, "inbox-purge-generic")
+	db.CloseApp(t, generic)
 	after := db.Scans(t, table)
 	require.Equal(t, before.Seq, after.Seq, "sequential scans of %s by Purge", table)
 	require.Greater(t, after.Indexes, before.Indexes, "the processed_at_ms index was used")

@@ -18,45 +18,55 @@ import (
 // connection's prepared statements generic.
 const GenericPlans = " plan_cache_mode=force_generic_plan"
 
-// OpenPostgresApp opens a GORM pool on the PostgreSQL dsn whose backends
-// carry app as their application_name, closed when the test ends.
-func OpenPostgresApp(t testing.TB, dsn, app string) *gorm.DB {
+// App is a GORM pool on the test's PostgreSQL schema whose backends carry
+// a name of their own as application_name, so that CloseApp can wait for
+// them to exit.
+type App struct {
+	*gorm.DB
+	name string
+}
+
+// OpenApp opens a pool on d's PostgreSQL schema named app (made unique to
+// the test's schema), with params (such as GenericPlans) appended to the
+// DSN; it is closed when the test ends.
+func (d *DB) OpenApp(t testing.TB, app, params string) *App {
 	t.Helper()
-	g, err := OpenGorm(Postgres, dsn+" application_name="+app, &gorm.Config{Logger: logger.Discard})
+	name := app + "-" + d.Namespace
+	g, err := OpenGorm(Postgres, d.DSN+params+" application_name="+name, &gorm.Config{Logger: logger.Discard})
 	if err != nil {
-		t.Fatalf("dbtest: open %s: %v", app, err)
+		t.Fatalf("dbtest: open %s: %v", name, err)
 	}
 	sqlDB, err := g.DB()
 	if err != nil {
 		t.Fatalf("dbtest: %v", err)
 	}
 	t.Cleanup(func() { _ = sqlDB.Close() })
-	return g
+	return &App{DB: g, name: name}
 }
 
-// CloseApp closes g, opened by OpenPostgresApp as app, and waits until its
-// backends have exited: a backend reports its table statistics when it
-// exits, so Scans then counts everything g did.
-func (d *DB) CloseApp(t testing.TB, g *gorm.DB, app string) {
+// CloseApp closes a and waits until its backends have exited: a backend
+// reports its table statistics when it exits, so Scans then counts
+// everything a did.
+func (d *DB) CloseApp(t testing.TB, a *App) {
 	t.Helper()
-	sqlDB, err := g.DB()
+	sqlDB, err := a.DB.DB()
 	if err == nil {
 		err = sqlDB.Close()
 	}
 	if err != nil {
-		t.Fatalf("dbtest: close %s: %v", app, err)
+		t.Fatalf("dbtest: close %s: %v", a.name, err)
 	}
 	deadline := time.Now().Add(time.Minute)
 	for {
 		var n int64
-		if err := d.Raw("SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = ?", app).Scan(&n).Error; err != nil {
+		if err := d.Raw("SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = ?", a.name).Scan(&n).Error; err != nil {
 			t.Fatalf("dbtest: %v", err)
 		}
 		if n == 0 {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("dbtest: %d backends of %s still there after a minute", n, app)
+			t.Fatalf("dbtest: %d backends of %s still there after a minute", n, a.name)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

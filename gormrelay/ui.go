@@ -124,9 +124,8 @@ type UI struct {
 
 	mu      sync.Mutex
 	samples []uiSample // overview readings within UIThroughputWindow, oldest first
-	last    Status     // the last reading; valid while lastOK
-	lastOK  bool       // false before the first reading and after an action
-	lastAt  time.Time  // when the last reading ended
+	last    Status     // the last reading, valid while lastAt is set
+	lastAt  time.Time  // when it ended; zero before the first and after an action
 	lastFor time.Duration
 }
 
@@ -405,9 +404,9 @@ func (u *UI) status(ctx context.Context) (Status, error) {
 	}
 	defer func() { <-u.reading }()
 	u.mu.Lock()
-	last, ok, at, took := u.last, u.lastOK, u.lastAt, u.lastFor
+	last, at, took := u.last, u.lastAt, u.lastFor
 	u.mu.Unlock()
-	if ok && time.Since(at) < max(u.refresh/2, uiReadingCost*took) {
+	if !at.IsZero() && time.Since(at) < max(u.refresh/2, uiReadingCost*took) {
 		return last, nil
 	}
 	start := time.Now()
@@ -416,7 +415,7 @@ func (u *UI) status(ctx context.Context) (Status, error) {
 		return Status{}, err
 	}
 	u.mu.Lock()
-	u.last, u.lastOK, u.lastAt, u.lastFor = st, true, time.Now(), time.Since(start)
+	u.last, u.lastAt, u.lastFor = st, time.Now(), time.Since(start)
 	u.mu.Unlock()
 	return st, nil
 }
@@ -424,7 +423,7 @@ func (u *UI) status(ctx context.Context) (Status, error) {
 // forgetStatus makes the next overview read the database again.
 func (u *UI) forgetStatus() {
 	u.mu.Lock()
-	u.lastOK = false
+	u.lastAt = time.Time{}
 	u.mu.Unlock()
 }
 

@@ -38,11 +38,16 @@ const (
 	// retries take, so it only ends a publish that no longer makes
 	// progress.
 	PublishTimeoutDefault = time.Minute
-	// ParallelismDefault is how many buckets one relay drains at once.
-	// Four drainers overlap one bucket's database round trips with
-	// another's publish, which on a two-core machine already reaches the
-	// database's pace; more only add contention.
-	ParallelismDefault = 4
+	// ParallelismDefault is how many buckets one relay drains at once:
+	// one drainer per bucket at the default BucketCount (8), so that a
+	// bucket that becomes ready never waits for a drainer busy with
+	// another bucket's batch. On a two-core machine four drainers already
+	// reach the database's pace in a drain; the other four shorten the
+	// latency tail when several buckets' batches are slow at once
+	// (BENCHMARKS.md). Across relays sharing a table the drainers at
+	// work are never more than the buckets, since each relay drains only
+	// the buckets it holds.
+	ParallelismDefault = 8
 	// ParallelismMax is the largest accepted Parallelism.
 	ParallelismMax = 256
 	// MaxBatchBucketsDefault is how many ready buckets one batch may span
@@ -83,11 +88,13 @@ type Config struct {
 	// Parallelism is how many buckets the relay drains at once, 1 to 256,
 	// each by its own drainer, one batch at a time under that bucket's
 	// lease: a bucket never has two batches in flight, so order per key is
-	// kept whatever the value. Default 4 (ParallelismDefault); never more
+	// kept whatever the value. Default 8 (ParallelismDefault); never more
 	// than the buckets the relay owns. With more than 1 the Publisher, the
 	// Store and the FailureHandler are called concurrently for different
 	// buckets (the Kafka publishers and the GORM store are safe for it);
-	// 1 drains one bucket after another.
+	// 1 drains one bucket after another. The GORM store takes a database
+	// connection for one statement at a time, so a pool smaller than
+	// Parallelism makes drainers wait for connections, not fail.
 	Parallelism int
 
 	// MaxBatchBuckets is how many buckets one batch may span, 1 to 4096.

@@ -24,7 +24,7 @@
 //   - the scheduler: the ready buckets in a fair FIFO queue, one state
 //     per bucket (ready, in flight, backoff, the batch cap after a
 //     failure), fed by hints and discovery.
-//   - a pool of Config.Parallelism drainers (default 4). A drainer takes
+//   - a pool of Config.Parallelism drainers (default 8). A drainer takes
 //     the bucket at the head of the queue, drains one batch of it under
 //     its lease, and hands it back: to the back of the queue if the batch
 //     was full. The scheduler never hands one bucket to two drainers, so

@@ -44,9 +44,8 @@ const (
 	// another bucket's batch. On two cores eight drainers drained a
 	// backlog 1.2 times as fast as four, and shortened the latency tail
 	// when several buckets' batches were slow at once (BENCHMARKS.md).
-	// Across relays sharing a table the drainers at
-	// work are never more than the buckets, since each relay drains only
-	// the buckets it holds.
+	// Across relays sharing a table the drainers at work are never more
+	// than the buckets, since each relay drains only the buckets it holds.
 	ParallelismDefault = 8
 	// ParallelismMax is the largest accepted Parallelism.
 	ParallelismMax = 256

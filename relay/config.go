@@ -93,7 +93,8 @@ type Config struct {
 	// buckets (the Kafka publishers and the GORM store are safe for it);
 	// 1 drains one bucket after another. The GORM store takes a database
 	// connection for one statement at a time, so a pool smaller than
-	// Parallelism makes drainers wait for connections, not fail.
+	// Parallelism makes drainers wait for connections, not fail (a wait
+	// longer than the store's timeout fails that batch, which is retried).
 	Parallelism int
 
 	// MaxBatchBuckets is how many buckets one batch may span, 1 to 4096.

@@ -127,6 +127,7 @@ type UI struct {
 	last    Status     // the last reading, valid while lastAt is set
 	lastAt  time.Time  // when it ended; zero before the first and after an action
 	lastFor time.Duration
+	actions uint64 // the UI's actions so far: a reading begun before one is not kept
 }
 
 var _ http.Handler = (*UI)(nil)
@@ -404,7 +405,7 @@ func (u *UI) status(ctx context.Context) (Status, error) {
 	}
 	defer func() { <-u.reading }()
 	u.mu.Lock()
-	last, at, took := u.last, u.lastAt, u.lastFor
+	last, at, took, actions := u.last, u.lastAt, u.lastFor, u.actions
 	u.mu.Unlock()
 	if !at.IsZero() && time.Since(at) < max(u.refresh/2, uiReadingCost*took) {
 		return last, nil
@@ -414,15 +415,27 @@ func (u *UI) status(ctx context.Context) (Status, error) {
 	if err != nil {
 		return Status{}, err
 	}
-	u.mu.Lock()
-	u.last, u.lastAt, u.lastFor = st, time.Now(), time.Since(start)
-	u.mu.Unlock()
+	u.keepStatus(st, actions, start, time.Now())
 	return st, nil
 }
 
-// forgetStatus makes the next overview read the database again.
+// keepStatus keeps st, a reading that ran from start to end, to be served
+// again, unless an action of the UI happened since the reading began
+// (actions was u.actions then): it may not show that action's result.
+func (u *UI) keepStatus(st Status, actions uint64, start, end time.Time) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.actions != actions {
+		return
+	}
+	u.last, u.lastAt, u.lastFor = st, end, end.Sub(start)
+}
+
+// forgetStatus makes the next overview read the database again, also
+// when a reading that began before it ends after it.
 func (u *UI) forgetStatus() {
 	u.mu.Lock()
+	u.actions++
 	u.lastAt = time.Time{}
 	u.mu.Unlock()
 }

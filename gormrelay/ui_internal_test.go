@@ -177,6 +177,17 @@ func TestUIStatusShared(t *testing.T) {
 	require.EqualValues(t, 1, after.Pending)
 	require.True(t, after.Buckets[2].Lease.Paused)
 
+	// A reading that began before an action and ended after it is not
+	// served again: it may not show the action's result.
+	u.mu.Lock()
+	before := u.actions
+	u.mu.Unlock()
+	u.forgetStatus()
+	u.keepStatus(first, before, time.Now(), time.Now())
+	again, err := u.status(ctx)
+	require.NoError(t, err)
+	require.True(t, again.SampledAt.After(after.SampledAt), "read again, not the reading begun before the action")
+
 	// Half of the shortest RefreshInterval later, a new reading.
 	fast := NewUI(admin, UIOptions{RefreshInterval: 250 * time.Millisecond})
 	one, err := fast.status(ctx)

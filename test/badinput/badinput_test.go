@@ -607,15 +607,22 @@ func cancelledMidPublish(t *testing.T, e *env) {
 	require.NoError(t, e.write(msgs...))
 	total := int64(len(msgs))
 
-	started := make(chan struct{}, 100)
-	blocking := &sink{hook: func(ctx context.Context, _ int, _ []relay.Message) (int, error) {
-		started <- struct{}{}
-		<-ctx.Done()
-		return 0, ctx.Err()
-	}}
+	// Each relay gets a sink of its own: a relay's drainers publish
+	// several buckets at once, and a signal left over from one relay's
+	// publishes must not cancel the next relay before it publishes.
+	var started chan struct{}
+	blockingSink := func() *sink {
+		started = make(chan struct{}, 100)
+		ch := started
+		return &sink{hook: func(ctx context.Context, _ int, _ []relay.Message) (int, error) {
+			ch <- struct{}{}
+			<-ctx.Done()
+			return 0, ctx.Err()
+		}}
+	}
 
 	// Stop whose deadline ends during the publish.
-	r, err := relay.New(e.store(nil, 0), blocking, e.relayConfig("stop"))
+	r, err := relay.New(e.store(nil, 0), blockingSink(), e.relayConfig("stop"))
 	require.NoError(t, err)
 	require.NoError(t, r.Start(context.Background()))
 	<-started
@@ -628,7 +635,7 @@ func cancelledMidPublish(t *testing.T, e *env) {
 
 	// The Start context cancelled during the publish.
 	startCtx, cancelStart := context.WithCancel(context.Background())
-	r2, err := relay.New(e.store(nil, 0), blocking, e.relayConfig("ctx"))
+	r2, err := relay.New(e.store(nil, 0), blockingSink(), e.relayConfig("ctx"))
 	require.NoError(t, err)
 	require.NoError(t, r2.Start(startCtx))
 	<-started
@@ -641,10 +648,10 @@ func cancelledMidPublish(t *testing.T, e *env) {
 	require.Equal(t, total, e.pending())
 
 	// DrainOnce's context cancelled during the publish.
-	r3, err := relay.New(e.store(nil, 0), blocking, e.relayConfig("once"))
+	r3, err := relay.New(e.store(nil, 0), blockingSink(), e.relayConfig("once"))
 	require.NoError(t, err)
 	drainCtx, cancelDrain := context.WithCancel(context.Background())
-	go func() { <-started; cancelDrain() }()
+	go func(started <-chan struct{}) { <-started; cancelDrain() }(started)
 	n, err := r3.DrainOnce(drainCtx)
 	cancelDrain()
 	require.Zero(t, n)

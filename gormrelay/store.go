@@ -654,12 +654,14 @@ func (s *Store) RenewLeases(ctx context.Context, relayID string, leases []relay.
 	return held, nil
 }
 
-// ReleaseLeases implements relay.Store: it releases the leases relayID
-// holds under the given terms and deletes its heartbeat.
-func (s *Store) ReleaseLeases(ctx context.Context, relayID string, leases []relay.Lease) error {
+// ReleaseLeases implements relay.Store: it releases every lease relayID
+// holds, whatever its term and whether or not it is listed, and deletes
+// the relay's heartbeat. Guarding by owner alone also frees the leases of
+// a claim that committed after the relay gave up on its reply.
+func (s *Store) ReleaseLeases(ctx context.Context, relayID string, _ []relay.Lease) error {
 	db, ctx, cancel := s.op(ctx, "release leases")
 	defer cancel()
-	err := s.release(db, relayID, leases)
+	err := db.Exec("UPDATE "+s.leases+" SET owner = NULL, expires_at_ms = 0 WHERE owner = ?", relayID).Error
 	if err == nil {
 		err = db.Exec("DELETE FROM "+s.relays+" WHERE relay_id = ?", relayID).Error
 	}

@@ -35,6 +35,10 @@ type fakeStore struct {
 	fail func(op string) error
 	// renew, if set, replaces RenewLeases' result.
 	renew func(held []relay.Lease) []relay.Lease
+	// lostReply, if set, makes AcquireLeases apply its changes and then
+	// fail with the returned error, as when a claim statement commits but
+	// its caller gave up waiting for the reply.
+	lostReply func() error
 }
 
 type fakeLease struct {
@@ -177,6 +181,11 @@ func (s *fakeStore) AcquireLeases(ctx context.Context, req relay.AcquireRequest)
 		}
 	}
 	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
+	if s.lostReply != nil {
+		if err := s.lostReply(); err != nil {
+			return relay.Acquired{}, err
+		}
+	}
 	return relay.Acquired{Leases: held, LiveRelays: live, FairShare: share}, nil
 }
 
@@ -186,9 +195,9 @@ func (s *fakeStore) ReleaseLeases(ctx context.Context, id string, leases []relay
 	if err != nil {
 		return err
 	}
-	for _, l := range leases {
-		if s.leases[l.Bucket].owner == id && s.leases[l.Bucket].term == l.Term {
-			s.leases[l.Bucket].owner, s.leases[l.Bucket].expires = "", time.Time{}
+	for b := range s.leases {
+		if s.leases[b].owner == id {
+			s.leases[b].owner, s.leases[b].expires = "", time.Time{}
 		}
 	}
 	delete(s.relays, id)

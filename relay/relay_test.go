@@ -631,3 +631,29 @@ func TestStopReleasesUntrustedLeases(t *testing.T) {
 		require.Equal(t, 1, s.pending())
 	})
 }
+
+// A claim that committed while its caller gave up on the reply (the
+// relay's context ended with the statement in flight, or the connection
+// broke after the commit) leaves leases the relay never learned it holds.
+// Stopping releases them all the same, so peers take the buckets at once
+// rather than after the leases expire.
+func TestStopReleasesUnlearnedLeases(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.lostReply = func() error { return errors.New("connection reset after commit") }
+		var log pubLog
+		r := start(t, s, log.publisher(nil), config("a"))
+		for s.count("acquire") < 2 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		require.Empty(t, r.Leases(), "the relay learned of no lease")
+		for b := range 8 {
+			require.Equal(t, "a", s.owner(b), "bucket %d: the claims committed", b)
+		}
+		stop(t, r)
+		for b := range 8 {
+			require.Empty(t, s.owner(b), "bucket %d released at stop", b)
+		}
+	})
+}

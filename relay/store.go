@@ -53,10 +53,15 @@ type Store interface {
 	// at least the call's start plus req.LeaseDuration.
 	AcquireLeases(ctx context.Context, req AcquireRequest) (Acquired, error)
 
-	// ReleaseLeases gives up the listed leases (each guarded by owner and
-	// term, so a lease already taken over is left alone) and removes the
+	// ReleaseLeases gives up every lease relayID holds and removes the
 	// relay's heartbeat, so peers recount the live relays and take the
-	// buckets over at their next acquisition instead of after expiry.
+	// buckets over at their next acquisition instead of after expiry. The
+	// relay calls it once, when it stops, after its batches have ended.
+	// leases lists the leases the relay knows it holds; the store must
+	// release the others owned by relayID too (guarded by owner alone),
+	// since a claim can commit after the relay gave up on its reply, as
+	// when the relay's context ended with the statement in flight. A
+	// lease another relay took over is left alone.
 	ReleaseLeases(ctx context.Context, relayID string, leases []Lease) error
 
 	// PendingBuckets returns which of buckets hold at least one pending

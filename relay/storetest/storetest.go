@@ -289,17 +289,19 @@ func testBucketCountMismatch(t *testing.T, h Harness) {
 }
 
 func testRelease(t *testing.T, h Harness) {
-	s := h.New(t, 2)
-	a := acquire(t, s, "a", 2, long)
-	require.Len(t, a.Leases, 2)
-	stale := relay.Lease{Bucket: 0, Term: a.Leases[0].Term - 1}
-	require.NoError(t, s.ReleaseLeases(t.Context(), "a", []relay.Lease{stale}), "a stale term is no error")
-	require.Empty(t, acquire(t, s, "b", 2, long).Leases, "and releases nothing")
-	require.NoError(t, s.ReleaseLeases(t.Context(), "b", nil))
-	require.NoError(t, s.ReleaseLeases(t.Context(), "a", a.Leases))
-	b := acquire(t, s, "b", 2, long)
-	require.Len(t, b.Leases, 2, "released leases are claimed at once, and a's heartbeat is gone")
+	s := h.New(t, 4)
+	a := acquire(t, s, "a", 4, long)
+	require.Len(t, a.Leases, 4)
+	// The relay lists only the leases it knows of; a claim whose reply it
+	// never saw leaves others it owns, and those are released too.
+	require.NoError(t, s.ReleaseLeases(t.Context(), "a", a.Leases[:1]))
+	b := acquire(t, s, "b", 4, long)
+	require.Len(t, b.Leases, 4, "every lease of a is released and claimed at once, and a's heartbeat is gone")
 	require.Equal(t, 1, b.LiveRelays)
+	// A lease another relay took over is left alone.
+	require.NoError(t, s.ReleaseLeases(t.Context(), "a", a.Leases), "releasing leases taken over is no error")
+	require.Empty(t, acquire(t, s, "c", 4, long).Leases, "and releases nothing of b's")
+	require.NoError(t, s.ReleaseLeases(t.Context(), "d", nil), "a relay holding nothing")
 }
 
 func testMarkPublished(t *testing.T, h Harness) {
@@ -669,16 +671,9 @@ func testSetBatcherGuard(t *testing.T, h Harness) {
 	lost := markSet(t, sb, "a", []relay.Lease{l0, older, newer}, batch)
 	require.Equal(t, []int{1, 2, 3}, lost, "an older term, a newer term, and bucket 3 without a lease are lost")
 	require.Equal(t, []int{0, 3, 3, 3}, count(), "bucket 0 deleted its messages, the lost buckets none")
-
-	// Bucket 1 is taken over: its old lease is lost, bucket 3's is still
-	// held.
-	require.NoError(t, s.ReleaseLeases(t.Context(), "a", []relay.Lease{l1}))
-	b1 := leaseOf(t, acquire(t, s, "b", 4, long), 1)
-	of13 := slices.DeleteFunc(slices.Clone(batch), func(m relay.Message) bool { return m.Bucket != 1 && m.Bucket != 3 })
-	require.Equal(t, []int{1}, markSet(t, sb, "a", []relay.Lease{l1, l3}, of13), "a bucket taken over is lost")
+	of3 := slices.DeleteFunc(slices.Clone(batch), func(m relay.Message) bool { return m.Bucket != 3 })
+	require.Empty(t, markSet(t, sb, "a", []relay.Lease{l3}, of3), "bucket 3 with its lease")
 	require.Equal(t, []int{0, 3, 3, 0}, count())
-	require.Empty(t, markSet(t, sb, "b", []relay.Lease{b1}, nextSet(t, sb, []int{1}, 10)), "its new owner deletes")
-	require.Equal(t, []int{0, 0, 3, 0}, count())
 
 	// An expired lease, held by no one else under the same term, is lost
 	// while a renewed one is not.
@@ -699,6 +694,16 @@ func testSetBatcherGuard(t *testing.T, h Harness) {
 	require.Equal(t, []int{1}, markSet(t, sb, "a", res.Leases, nextSet(t, sb, []int{0, 1}, 10)), "the expired lease is lost")
 	require.Empty(t, next(t, s, 0, 10))
 	require.Len(t, next(t, s, 1, 10), 2)
+
+	// Bucket 1 is taken over (a's heartbeat is fresh, so b's fair share
+	// is the one expired bucket): its old lease is lost, bucket 0's is
+	// still held.
+	h.Insert(t, s, msgs(0, 100, 2))
+	b1 := leaseOf(t, acquire(t, s, "b", 2, long), 1)
+	require.Equal(t, []int{1}, markSet(t, sb, "a", res.Leases, nextSet(t, sb, []int{0, 1}, 10)), "a bucket taken over is lost")
+	require.Empty(t, next(t, s, 0, 10), "the held bucket deleted its messages")
+	require.Empty(t, markSet(t, sb, "b", []relay.Lease{b1}, nextSet(t, sb, []int{1}, 10)), "its new owner deletes")
+	require.Empty(t, next(t, s, 1, 10))
 }
 
 // testLargeSets reads and deletes set batches of hundreds of messages

@@ -82,18 +82,21 @@ func newDatabase(driver, baseDSN, tmp string) (*database, error) {
 	return nil, fmt.Errorf("unknown driver %q (postgres, mysql, sqlite)", driver)
 }
 
-func openGorm(driver, dsn string) (*gorm.DB, error) {
+// openGorm opens a pool of up to maxIdle open and idle connections
+// (SQLite: one), or with database/sql's defaults (any number open, 2
+// idle) when maxIdle is negative.
+func openGorm(driver, dsn string, maxIdle int) (*gorm.DB, error) {
 	db, err := dbopen.Open(driver, dsn, &gorm.Config{Logger: logger.Discard})
 	if err != nil {
 		return nil, err
 	}
-	if driver != dbopen.SQLite {
+	if driver != dbopen.SQLite && maxIdle >= 0 {
 		sqlDB, err := db.DB()
 		if err != nil {
 			return nil, err
 		}
-		sqlDB.SetMaxOpenConns(16)
-		sqlDB.SetMaxIdleConns(16)
+		sqlDB.SetMaxOpenConns(maxIdle)
+		sqlDB.SetMaxIdleConns(maxIdle)
 	}
 	return db, nil
 }

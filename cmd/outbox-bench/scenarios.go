@@ -49,7 +49,7 @@ func newEnv(ctx context.Context, cfg config, rules ...outbox.Rule) (*env, error)
 	if err != nil {
 		return nil, err
 	}
-	db, err := openGorm(cfg.Driver, dbx.dsn)
+	db, err := openGorm(cfg.Driver, dbx.dsn, cfg.MaxIdleConns)
 	if err != nil {
 		dbx.drop()
 		return nil, err
@@ -468,6 +468,7 @@ func drainScenario(ctx context.Context, cfg config, r *result) error {
 	r.Params["messages"], r.Params["keys"], r.Params["value_bytes"] = cfg.N, cfg.Keys, cfg.ValueSize
 	r.Params["buckets"], r.Params["partitions"], r.Params["batch"] = cfg.Buckets, cfg.Partitions, cfg.BatchSize
 	r.Params["parallelism"] = cfg.Parallelism
+	r.Params["max_idle_conns"] = cfg.MaxIdleConns
 	r.Params["max_batch_buckets"] = cfg.MaxBatchBuckets
 	r.Params["wide_buckets"] = cfg.WideBuckets
 	dbRate, err := dbCeiling(ctx, cfg, cfg.N)
@@ -590,7 +591,7 @@ func writeScenario(ctx context.Context, cfg config, r *result) error {
 		return err
 	}
 	defer e.close()
-	plain, err := openGorm(cfg.Driver, e.dbx.dsn)
+	plain, err := openGorm(cfg.Driver, e.dbx.dsn, cfg.MaxIdleConns)
 	if err != nil {
 		return err
 	}
@@ -725,6 +726,7 @@ func relayEnv(cfg config, e *env, brokers []string) []string {
 		"OUTBOX_BENCH_BUCKETS=" + strconv.Itoa(cfg.Buckets), "OUTBOX_BENCH_BATCH=" + strconv.Itoa(cfg.BatchSize),
 		"OUTBOX_BENCH_PARALLELISM=" + strconv.Itoa(cfg.Parallelism),
 		"OUTBOX_BENCH_MAX_BATCH_BUCKETS=" + strconv.Itoa(cfg.MaxBatchBuckets),
+		"OUTBOX_BENCH_MAX_IDLE_CONNS=" + strconv.Itoa(cfg.MaxIdleConns),
 	}
 }
 
@@ -742,7 +744,8 @@ func runRelayRole() int {
 	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))
 	parallelism, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_PARALLELISM"))
 	maxSet, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_MAX_BATCH_BUCKETS"))
-	db, err := openGorm(os.Getenv("OUTBOX_BENCH_DRIVER"), os.Getenv("OUTBOX_BENCH_DSN"))
+	maxIdle, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_MAX_IDLE_CONNS"))
+	db, err := openGorm(os.Getenv("OUTBOX_BENCH_DRIVER"), os.Getenv("OUTBOX_BENCH_DSN"), maxIdle)
 	if err != nil {
 		return fail(err)
 	}

@@ -38,9 +38,12 @@ func ExampleNew() {
 	if err != nil {
 		panic(err)
 	}
-	if sqlDB, err := db.DB(); err == nil {
-		defer sqlDB.Close() // after the relay stopped
+	sqlDB, err := db.DB()
+	if err != nil {
+		panic(err)
 	}
+	defer sqlDB.Close()       // after the relay stopped
+	sqlDB.SetMaxIdleConns(16) // database/sql keeps 2; the relay's 8 drainers need more
 	plugin, err := outbox.NewPlugin(outbox.Config{})
 	if err != nil {
 		panic(err)

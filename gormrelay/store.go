@@ -88,6 +88,9 @@ type Store struct {
 	// buckets in one statement (see FailurePolicy.quarantined).
 	claimedMu sync.Mutex
 	claimed   map[int]int64
+
+	// pool watches the connection pool for churn (pool.go).
+	pool poolWatch
 }
 
 var (
@@ -218,6 +221,7 @@ func (s *Store) AcquireLeases(ctx context.Context, req relay.AcquireRequest) (re
 	if err != nil {
 		return relay.Acquired{}, s.fail(ctx, "acquire leases", err)
 	}
+	s.watchPool()
 	return res, nil
 }
 

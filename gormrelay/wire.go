@@ -33,7 +33,9 @@ func WithFailurePolicy(cfg FailurePolicyConfig) Option {
 }
 
 // WithLogger sets the logger of the relay and the failure policy when
-// their configurations leave it nil. Default slog.Default().
+// their configurations leave it nil, and of the store (its warnings, and
+// its own failure policy when WithFailurePolicy is not given). Default:
+// the plugin's Config.Logger for the store, slog.Default() for the rest.
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.logger = l } }
 
 // New wires a relay for the outbox of plugin on db, publishing to pub: the
@@ -65,6 +67,9 @@ func New(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, opts ...Option
 	store, err := NewStore(db, cfg)
 	if err != nil {
 		return nil, err
+	}
+	if o.logger != nil {
+		store.logger = o.logger
 	}
 	rc := o.relay
 	switch {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -249,29 +250,43 @@ func openDatabase(raw string) (*gorm.DB, error) {
 	cfg := &gorm.Config{Logger: logger.Discard}
 	switch {
 	case strings.HasPrefix(raw, "postgres://"), strings.HasPrefix(raw, "postgresql://"):
-		return gorm.Open(postgres.Open(raw), cfg)
+		db, err := gorm.Open(postgres.Open(raw), cfg)
+		return withPool(db, err, keepIdle)
 	case strings.HasPrefix(raw, "mysql://"):
 		dsn, err := outbox.MySQLDSN(raw)
 		if err != nil {
 			return nil, err
 		}
-		return gorm.Open(mysql.Open(dsn), cfg)
+		db, err := gorm.Open(mysql.Open(dsn), cfg)
+		return withPool(db, err, keepIdle)
 	default:
 		// github.com/glebarez/sqlite is GORM's dialector over the pure-Go
 		// modernc.org/sqlite: the example builds without cgo or a C
 		// compiler. (The library's own tests use gorm.io/driver/sqlite.)
 		path := strings.TrimPrefix(raw, "sqlite://")
 		db, err := gorm.Open(sqlite.Open("file:"+path+"?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_txlock=immediate"), cfg)
-		if err != nil {
-			return nil, err
-		}
 		// SQLite has one writer at a time; one connection avoids
 		// SQLITE_BUSY between pooled connections.
-		sqlDB, err := db.DB()
-		if err != nil {
-			return nil, err
-		}
-		sqlDB.SetMaxOpenConns(1)
-		return db, nil
+		return withPool(db, err, func(p *sql.DB) { p.SetMaxOpenConns(1) })
 	}
+}
+
+// keepIdle lets a server database's pool keep 16 idle connections.
+// database/sql keeps 2 unless told otherwise and closes every connection
+// returned beyond them, so the relay's 8 drainers and the request
+// handlers would open a new database session for most statements.
+func keepIdle(p *sql.DB) { p.SetMaxIdleConns(16) }
+
+// withPool applies set to the connection pool of a database gorm.Open
+// returned, passing its error on.
+func withPool(db *gorm.DB, err error, set func(*sql.DB)) (*gorm.DB, error) {
+	if err != nil {
+		return nil, err
+	}
+	p, err := db.DB()
+	if err != nil {
+		return nil, err
+	}
+	set(p)
+	return db, nil
 }

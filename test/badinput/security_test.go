@@ -159,7 +159,7 @@ func requireConfigError(t *testing.T, field string, err error, format string, ar
 // failure policy logs to, for its own duration only (parallel tests wait
 // until it finished).
 func TestSecretsNeverLogged(t *testing.T) {
-	buf := &lockedBuffer{}
+	buf := &dbtest.LogBuffer{}
 	log := slog.New(slog.NewTextHandler(buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	prev := slog.Default()
 	slog.SetDefault(log)

@@ -6,3 +6,6 @@ func PoolReadings(s *Store) int {
 	defer s.pool.mu.Unlock()
 	return s.pool.readings
 }
+
+// ChurnWindow is the least time one reading of the pool covers.
+const ChurnWindow = churnWindow

@@ -52,6 +52,14 @@ func (b *storeBundle) messages() *gorm.DB {
 // transaction, filling in the message id, bucket and creation time.
 func (b *storeBundle) insert(t testing.TB, rows ...outbox.MessageRow) []outbox.MessageRow {
 	t.Helper()
+	b.fill(rows)
+	require.NoError(t, b.messages().CreateInBatches(rows, 500).Error)
+	return rows
+}
+
+// fill sets the message id, topic, bucket and creation time of rows that
+// leave them zero.
+func (b *storeBundle) fill(rows []outbox.MessageRow) {
 	for i := range rows {
 		r := &rows[i]
 		if r.MessageID == "" {
@@ -67,8 +75,6 @@ func (b *storeBundle) insert(t testing.TB, rows ...outbox.MessageRow) []outbox.M
 			r.CreatedAtMs = time.Now().UnixMilli()
 		}
 	}
-	require.NoError(t, b.messages().CreateInBatches(rows, 500).Error)
-	return rows
 }
 
 // helper marks the caller as a test helper when t is a *testing.T (not an

@@ -2,6 +2,8 @@ package gormrelay_test
 
 import (
 	"context"
+	"errors"
+	"log/slog"
 	"testing"
 	"time"
 
@@ -43,6 +45,41 @@ func TestNewWiresPluginHintsAndBuckets(t *testing.T) {
 		}))
 		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Len(c, rec.acked(), 1) }, deliverWithin, 10*time.Millisecond)
 	})
+}
+
+// WithLogger reaches the store: without WithFailurePolicy the store's own
+// policy dead-letters, and its line goes to WithLogger's logger, not to
+// the plugin's.
+func TestNewWithLoggerReachesTheStore(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := dbtest.Open(t, dbtest.SQLite)
+	var pluginLogs, relayLogs dbtest.LogBuffer
+	p, err := outbox.NewPlugin(outbox.Config{BucketCount: 4, Logger: slog.New(slog.NewTextHandler(&pluginLogs, nil))})
+	require.NoError(t, err)
+	require.NoError(t, db.DB.Use(p))
+	require.NoError(t, p.AutoMigrate(ctx, db.DB))
+	pub := relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) {
+		return 0, relay.Permanent(errors.New("record rejected"))
+	})
+	cfg := fastConfig(t, "logged")
+	cfg.BucketCount = 0
+	r, err := gormrelay.New(db.DB, p, pub, gormrelay.WithRelayConfig(cfg),
+		gormrelay.WithLogger(slog.New(slog.NewTextHandler(&relayLogs, nil))))
+	require.NoError(t, err)
+	require.NoError(t, db.DB.Transaction(func(tx *gorm.DB) error {
+		return outbox.Enqueue(tx, &outbox.Message{Topic: "t", Key: []byte("k"), Value: []byte("v")})
+	}))
+	require.NoError(t, r.Start(ctx))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		require.NoError(t, r.Stop(ctx))
+	})
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		assert.Contains(c, relayLogs.String(), "outbox: message dead-lettered")
+	}, deliverWithin, 10*time.Millisecond)
+	require.NotContains(t, pluginLogs.String(), "dead-lettered")
 }
 
 func TestNewRefusesBadWiring(t *testing.T) {

@@ -12,8 +12,8 @@ import (
 // closes a connection after most statements and opens a new one for the
 // next: a new database session per statement (a new backend process on
 // PostgreSQL, statements prepared again). On two cores that cut the drain
-// rate in half and raised the commit-to-consumer p99 from a few
-// milliseconds to about 100 (BENCHMARKS.md, "The connection pool's idle
+// rate by a third and raised the commit-to-consumer p99 from a few
+// milliseconds to over 100 (BENCHMARKS.md, "The connection pool's idle
 // limit"). Nothing in database/sql reports the setting, only the count of
 // connections it closed for it (DBStats.MaxIdleClosed), so the store
 // watches that count at each lease maintenance and warns.

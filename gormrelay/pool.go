@@ -31,10 +31,10 @@ const (
 	churnWarnEvery = time.Hour
 )
 
-// poolWatch holds the last reading of the pool's MaxIdleClosed.
+// poolWatch holds the last reading of the pool's MaxIdleClosed, taken at
+// at (zero before the first).
 type poolWatch struct {
 	mu     sync.Mutex
-	read   bool
 	at     time.Time
 	closed int64
 	warned time.Time
@@ -57,8 +57,8 @@ func (s *Store) watchPool() {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.readings++
-	if !w.read {
-		w.read, w.at, w.closed = true, now, st.MaxIdleClosed
+	if w.at.IsZero() {
+		w.at, w.closed = now, st.MaxIdleClosed
 		return
 	}
 	d := now.Sub(w.at)

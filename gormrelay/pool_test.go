@@ -45,12 +45,11 @@ func TestPoolChurnWarning(t *testing.T) {
 				b := newStoreBundle(t, db, outbox.Config{
 					Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
 				})
-				rec := newRecorder()
 				var acked atomic.Int64
 				cfg := fastConfig(t, "a")
 				cfg.Parallelism = 8
 				cfg.BatchSize = 5
-				startRelay(t, b.store, rec.publisher("a", func(_ context.Context, msgs []relay.Message) (int, error) {
+				startRelay(t, b.store, relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) {
 					acked.Add(int64(len(msgs)))
 					return len(msgs), nil
 				}), cfg)

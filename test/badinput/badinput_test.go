@@ -610,19 +610,18 @@ func cancelledMidPublish(t *testing.T, e *env) {
 	// Each relay gets a sink of its own: a relay's drainers publish
 	// several buckets at once, and a signal left over from one relay's
 	// publishes must not cancel the next relay before it publishes.
-	var started chan struct{}
-	blockingSink := func() *sink {
-		started = make(chan struct{}, 100)
-		ch := started
+	blockingSink := func() (*sink, <-chan struct{}) {
+		started := make(chan struct{}, 100)
 		return &sink{hook: func(ctx context.Context, _ int, _ []relay.Message) (int, error) {
-			ch <- struct{}{}
+			started <- struct{}{}
 			<-ctx.Done()
 			return 0, ctx.Err()
-		}}
+		}}, started
 	}
 
 	// Stop whose deadline ends during the publish.
-	r, err := relay.New(e.store(nil, 0), blockingSink(), e.relayConfig("stop"))
+	blocking, started := blockingSink()
+	r, err := relay.New(e.store(nil, 0), blocking, e.relayConfig("stop"))
 	require.NoError(t, err)
 	require.NoError(t, r.Start(context.Background()))
 	<-started
@@ -635,7 +634,8 @@ func cancelledMidPublish(t *testing.T, e *env) {
 
 	// The Start context cancelled during the publish.
 	startCtx, cancelStart := context.WithCancel(context.Background())
-	r2, err := relay.New(e.store(nil, 0), blockingSink(), e.relayConfig("ctx"))
+	blocking, started = blockingSink()
+	r2, err := relay.New(e.store(nil, 0), blocking, e.relayConfig("ctx"))
 	require.NoError(t, err)
 	require.NoError(t, r2.Start(startCtx))
 	<-started
@@ -648,10 +648,11 @@ func cancelledMidPublish(t *testing.T, e *env) {
 	require.Equal(t, total, e.pending())
 
 	// DrainOnce's context cancelled during the publish.
-	r3, err := relay.New(e.store(nil, 0), blockingSink(), e.relayConfig("once"))
+	blocking, started = blockingSink()
+	r3, err := relay.New(e.store(nil, 0), blocking, e.relayConfig("once"))
 	require.NoError(t, err)
 	drainCtx, cancelDrain := context.WithCancel(context.Background())
-	go func(started <-chan struct{}) { <-started; cancelDrain() }(started)
+	go func() { <-started; cancelDrain() }()
 	n, err := r3.DrainOnce(drainCtx)
 	cancelDrain()
 	require.Zero(t, n)

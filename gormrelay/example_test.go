@@ -61,7 +61,7 @@ func ExampleNew() {
 	if err := pub.Start(ctx); err != nil { // connects to the brokers
 		panic(err)
 	}
-	defer pub.Close()
+	defer pub.Stop(ctx) // runs after r.Stop: flushes what is in flight, bounded by ctx
 	r, err := gormrelay.New(db, plugin, pub)
 	if err != nil {
 		panic(err)

@@ -832,25 +832,31 @@ func isProducerState(err error) bool {
 func (k *Kafka) Close() error { return k.Stop(context.Background()) }
 
 // shut closes the producer; see Close.
-func (k *Kafka) shut() error {
+func (k *Kafka) shut() error { return k.seal()() }
+
+// seal refuses new batches and returns the rest of the close: flushing
+// and stopping the producer. A later call's close waits for the first's.
+func (k *Kafka) seal() (finish func() error) {
 	k.mu.Lock()
+	defer k.mu.Unlock()
 	if k.closed {
-		k.mu.Unlock()
-		k.retired.Wait()
-		return nil
+		return func() error {
+			k.retired.Wait()
+			return nil
+		}
 	}
 	k.closed = true
 	p := k.cur
 	k.retired.Add(1) // later calls wait for this one too
-	k.mu.Unlock()
-
-	if p != nil {
-		p.close()
+	return func() error {
+		if p != nil {
+			p.close()
+		}
+		k.retired.Done()
+		k.retired.Wait()
+		k.logger.Debug("kafka publisher closed")
+		return nil
 	}
-	k.retired.Done()
-	k.retired.Wait()
-	k.logger.Debug("kafka publisher closed")
-	return nil
 }
 
 // Start connects to the cluster and starts the producer (which
@@ -868,9 +874,11 @@ func (k *Kafka) Start(ctx context.Context) error { return k.lifecycle.start(ctx,
 
 // Stop closes the publisher (see Close) and waits until it has closed, or
 // until ctx ends: Stop then returns ctx's error and the close finishes in
-// the background. Stop before Start and a second Stop are harmless. Stop
-// the relay first.
-func (k *Kafka) Stop(ctx context.Context) error { return k.lifecycle.stop(ctx, k.shut) }
+// the background, so a shutdown can bound it by its grace period while a
+// broker does not answer. Either way Publish fails with ErrClosed from the
+// moment Stop is called. Stop before Start and a second Stop are
+// harmless. Stop the relay first.
+func (k *Kafka) Stop(ctx context.Context) error { return k.lifecycle.stop(ctx, k.seal) }
 
 // Stopped returns a channel closed when a started publisher has stopped,
 // by Stop or by the end of its Start context.

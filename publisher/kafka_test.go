@@ -513,27 +513,34 @@ func TestKafkaContextCancelledMidPublish(t *testing.T) {
 	require.Equal(t, ids(msgs)[:len(got)-1], got[:len(got)-1])
 }
 
-func TestKafkaCloseFlushes(t *testing.T) {
-	t.Parallel()
-	c := kafkatest.Start(t)
+// heldPublish starts a Kafka publisher on a kfake cluster that holds the
+// first produce request, and publishes n messages to a new topic of
+// partitions partitions on a goroutine: once it returns, the batch is on
+// its way (Publish is past its closed check) and the broker holds it
+// until release is closed. The Publish's answer arrives on done.
+func heldPublish(t *testing.T, partitions int32, n int, label string) (c *kafkatest.Cluster, k *publisher.Kafka, msgs []relay.Message, done <-chan publishResult, release chan struct{}) {
+	t.Helper()
+	c = kafkatest.Start(t)
 	fake := c.RequireFake(t) // kfake only: the broker holds the produce request
-	topic := c.Topic(t, 2)
+	topic := c.Topic(t, partitions)
 	k, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: c.Brokers(), Configure: fastConfig})
 	require.NoError(t, err)
 	require.NoError(t, k.Start(t.Context()))
 	held, release := holdProduce(fake)
 
-	msgs := publishertest.Messages(topic, "flush", 50)
-	type res struct {
-		acked int
-		err   error
-	}
-	done := make(chan res, 1)
+	msgs = publishertest.Messages(topic, label, n)
+	answer := make(chan publishResult, 1)
 	go func() {
 		acked, err := k.Publish(context.Background(), msgs)
-		done <- res{acked, err}
+		answer <- publishResult{acked, err}
 	}()
-	<-held // the batch is on its way: Publish is past its closed check
+	<-held
+	return c, k, msgs, answer, release
+}
+
+func TestKafkaCloseFlushes(t *testing.T) {
+	t.Parallel()
+	c, k, msgs, done, release := heldPublish(t, 2, 50, "flush")
 
 	closed := make(chan error, 1)
 	go func() { closed <- k.Close() }()
@@ -541,10 +548,44 @@ func TestKafkaCloseFlushes(t *testing.T) {
 	require.NoError(t, <-closed)
 	// Close returned only after the in-flight records were acknowledged,
 	// and the Publish that sent them got its full answer.
-	require.Equal(t, int64(len(msgs)), c.RecordCount(t, topic))
+	require.Equal(t, int64(len(msgs)), c.RecordCount(t, msgs[0].Topic))
 	r := <-done
 	require.NoError(t, r.err)
 	require.Equal(t, len(msgs), r.acked)
+}
+
+// Stop is bounded by its context even when the broker never answers: with
+// a produce request held, Stop returns the context's error while the flush
+// goes on in the background, so a shutdown fits a termination grace period.
+// The flush still completes once the broker answers: Stopped closes, the
+// Publish that was waiting gets its full answer, and every record is on
+// the broker. Close, which has no deadline, would still be waiting.
+func TestKafkaStopBoundedByContext(t *testing.T) {
+	t.Parallel()
+	c, k, msgs, done, release := heldPublish(t, 1, 20, "bounded")
+
+	ctx, cancel := context.WithCancel(testCtx(t))
+	stopped := make(chan error, 1)
+	go func() { stopped <- k.Stop(ctx) }()
+	cancel()
+	require.ErrorIs(t, <-stopped, context.Canceled)
+	select {
+	case <-k.Stopped():
+		t.Fatal("Stopped closed while the broker still held the flush")
+	case r := <-done:
+		t.Fatalf("Publish returned (%d, %v) while the broker still held its batch", r.acked, r.err)
+	default:
+	}
+	_, err := k.Publish(testCtx(t), msgs[:1])
+	require.ErrorIs(t, err, publisher.ErrClosed, "a stopping publisher takes no new batch")
+
+	close(release)
+	<-k.Stopped()
+	require.NoError(t, k.Err())
+	r := <-done
+	require.NoError(t, r.err)
+	require.Equal(t, len(msgs), r.acked)
+	require.Equal(t, ids(msgs), ids(toMessages(t, readAll(t, c, msgs[0].Topic, len(msgs)), publisher.MessageIDHeaderDefault)))
 }
 
 // TestKafkaCloseDuringPublish closes the publisher while a large batch is

@@ -106,21 +106,28 @@ func (l *lifecycle) start(ctx context.Context, connect func(context.Context) err
 	return nil
 }
 
-// stop closes the publisher (its close is idempotent) and waits for it and
-// for a started lifecycle to end, or for ctx: the close then finishes in
-// the background.
-func (l *lifecycle) stop(ctx context.Context, closeFn func() error) error {
+// stop seals the publisher and waits for its close and for a started
+// lifecycle to end, or for ctx: the close then finishes in the
+// background, and Stopped closes when it has. seal runs at once, before stop can return: it refuses new
+// batches (Publish fails with ErrClosed from then on, even when ctx ended
+// first) and returns the rest of the close, which may wait for the
+// broker. Both are idempotent: a later seal's close waits for the first.
+func (l *lifecycle) stop(ctx context.Context, seal func() (finish func() error)) error {
 	l.mu.Lock()
 	l.stopped = true
 	l.mu.Unlock()
+	finish := seal()
 	done := make(chan error, 1)
-	go func() { done <- closeFn() }()
+	go func() { done <- finish() }()
 	select {
 	case err := <-done:
 		if err != nil {
 			return err
 		}
 	case <-ctx.Done():
+		// Still tell a started lifecycle to end: its goroutine's close
+		// waits for this one, so Stopped closes once the close finished.
+		_ = l.life.Stop(ctx)
 		return fmt.Errorf("publisher: stop: %w", ctx.Err())
 	}
 	if err := l.life.Stop(ctx); err != nil {

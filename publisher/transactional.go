@@ -758,21 +758,28 @@ func isFenced(err error) bool {
 func (t *Transactional) Close() error { return t.Stop(context.Background()) }
 
 // shut closes every producer; see Close.
-func (t *Transactional) shut() error {
+func (t *Transactional) shut() error { return t.seal()() }
+
+// seal refuses new batches and leases, retires every producer (each
+// finishes its transaction in the background) and returns the rest of the
+// close: waiting for them. A later call's close waits as well.
+func (t *Transactional) seal() (finish func() error) {
 	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
+	defer t.mu.Unlock()
+	first := !t.closed
+	if first {
+		for _, p := range t.buckets {
+			t.retireLocked(p)
+		}
+		t.closed = true
+	}
+	return func() error {
 		t.bg.Wait()
+		if first {
+			t.logger.Debug("transactional publisher closed")
+		}
 		return nil
 	}
-	for _, p := range t.buckets {
-		t.retireLocked(p)
-	}
-	t.closed = true
-	t.mu.Unlock()
-	t.bg.Wait()
-	t.logger.Debug("transactional publisher closed")
-	return nil
 }
 
 // Start checks that a broker in TransactionalConfig.Brokers answers,
@@ -791,9 +798,11 @@ func (t *Transactional) Start(ctx context.Context) error {
 
 // Stop closes the publisher (see Close) and waits until it has closed, or
 // until ctx ends: Stop then returns ctx's error and the close finishes in
-// the background. Stop before Start and a second Stop are harmless. Stop
-// the relay first.
-func (t *Transactional) Stop(ctx context.Context) error { return t.lifecycle.stop(ctx, t.shut) }
+// the background, so a shutdown can bound it by its grace period while a
+// broker does not answer. Either way Publish fails with ErrClosed from the
+// moment Stop is called. Stop before Start and a second Stop are
+// harmless. Stop the relay first.
+func (t *Transactional) Stop(ctx context.Context) error { return t.lifecycle.stop(ctx, t.seal) }
 
 // Stopped returns a channel closed when a started publisher has stopped,
 // by Stop or by the end of its Start context.

@@ -1,5 +1,7 @@
 package gormrelay
 
+import "time"
+
 // PoolReadings is how many times s read its connection pool's statistics.
 func PoolReadings(s *Store) int {
 	s.pool.mu.Lock()
@@ -9,3 +11,26 @@ func PoolReadings(s *Store) int {
 
 // ChurnWindow is the least time one reading of the pool covers.
 const ChurnWindow = churnWindow
+
+// Analyzed is how many times s analyzed its messages table because the
+// planner's estimate was stale.
+func Analyzed(s *Store) int {
+	s.estimate.mu.Lock()
+	defer s.estimate.mu.Unlock()
+	return s.estimate.analyses
+}
+
+// EstimateChecks is how many times s checked the planner's estimate.
+func EstimateChecks(s *Store) int {
+	s.estimate.mu.Lock()
+	defer s.estimate.mu.Unlock()
+	return s.estimate.checks
+}
+
+// AllowEstimateCheck lets s check the estimate at the next full batch,
+// without waiting for the check interval.
+func AllowEstimateCheck(s *Store) {
+	s.estimate.mu.Lock()
+	defer s.estimate.mu.Unlock()
+	s.estimate.next = time.Time{}
+}

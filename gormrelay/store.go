@@ -91,6 +91,9 @@ type Store struct {
 
 	// pool watches the connection pool for churn (pool.go).
 	pool poolWatch
+	// estimate watches the planner's row estimate of the messages table
+	// (estimate.go).
+	estimate estimateWatch
 }
 
 var (
@@ -778,6 +781,15 @@ const batchColumns = "id, message_id, topic, msg_key, msg_value, headers, msg_pa
 // NextBatch implements relay.Store: the oldest limit rows of bucket by id,
 // read through the (bucket, id) index (see bucketRange).
 func (s *Store) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Message, error) {
+	msgs, err := s.readBatch(ctx, bucket, limit)
+	if err == nil && len(msgs) == limit {
+		s.checkEstimate(ctx, bucket, limit) // a backlog: is the planner aware of it? (estimate.go)
+	}
+	return msgs, err
+}
+
+// readBatch is NextBatch's read.
+func (s *Store) readBatch(ctx context.Context, bucket, limit int) ([]relay.Message, error) {
 	db, ctx, cancel := s.op(ctx, "read batch")
 	defer cancel()
 	rows, err := db.Raw("SELECT "+batchColumns+" FROM "+

@@ -1,0 +1,109 @@
+package gormrelay_test
+
+import (
+	"context"
+	"log/slog"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
+)
+
+var rowsEstimate = regexp.MustCompile(`rows=(\d+)`)
+
+// An outbox table analyzed while empty, with the pages of a drained
+// backlog left: the planner takes a new backlog for one row per bucket
+// and plans a batch read as a scan of the bucket's whole backlog and a
+// sort. The first full batch makes the store check the estimate and
+// analyze the table, after which reads walk the (bucket, id) index; the
+// estimate is checked once a second at most, and the table found stale
+// again within a minute is not analyzed again. With
+// statistics that know the backlog, the store analyzes nothing.
+func TestStoreAnalyzesATableTakenForEmpty(t *testing.T) {
+	t.Parallel()
+	for _, stale := range []bool{true, false} {
+		name := "fresh"
+		if stale {
+			name = "stale"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			db := dbtest.Open(t, dbtest.Postgres)
+			var logs dbtest.LogBuffer
+			b := newStoreBundle(t, db, outbox.Config{
+				Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})),
+			})
+			table := db.Statement.Quote(b.cfg.Tables.MessagesTable())
+			bucket := 3
+			b.insert(t, keyed([]string{prefixedKeyInBucket(t, "drained", bucket, b.cfg.BucketCount)}, 3000)...)
+			require.NoError(t, db.Exec("DELETE FROM "+table).Error)
+			if stale {
+				require.NoError(t, db.Exec("ANALYZE "+table).Error) // no rows, the pages left
+			}
+			b.insert(t, keyed([]string{prefixedKeyInBucket(t, "backlog", bucket, b.cfg.BucketCount)}, 3000)...)
+			if !stale {
+				require.NoError(t, db.Exec("ANALYZE "+table).Error)
+			}
+			plan := func() string {
+				var lines []string
+				require.NoError(t, db.Raw("EXPLAIN SELECT * FROM "+table+
+					" WHERE bucket >= ? AND bucket <= ? ORDER BY bucket, id LIMIT 500", bucket, bucket).Scan(&lines).Error)
+				return strings.Join(lines, "\n")
+			}
+			estimate := func() int {
+				var lines []string
+				require.NoError(t, db.Raw("EXPLAIN SELECT 1 FROM "+table+" WHERE bucket >= ? AND bucket <= ?", bucket, bucket).Scan(&lines).Error)
+				m := rowsEstimate.FindStringSubmatch(lines[0])
+				require.NotNil(t, m, lines[0])
+				n, err := strconv.Atoi(m[1])
+				require.NoError(t, err)
+				return n
+			}
+			if stale {
+				// On a table this small the planner still walks the index
+				// for one estimated row; from about 500,000 rows it sorts
+				// (BENCHMARKS.md, "An outbox analyzed empty").
+				require.Less(t, estimate(), 500, "the statistics say the table is empty")
+			}
+
+			ctx := context.Background()
+			msgs, err := b.store.NextBatch(ctx, bucket, 500)
+			require.NoError(t, err)
+			require.Len(t, msgs, 500)
+			require.Equal(t, 1, gormrelay.EstimateChecks(b.store))
+			if !stale {
+				require.Zero(t, gormrelay.Analyzed(b.store))
+				require.NotContains(t, logs.String(), "analyzed")
+				return
+			}
+			require.Equal(t, 1, gormrelay.Analyzed(b.store))
+			require.GreaterOrEqual(t, estimate(), 1500, "the statistics know the backlog")
+			require.NotContains(t, plan(), "Sort")
+			require.Contains(t, plan(), "Index Scan using")
+			require.Contains(t, logs.String(), "the relay analyzed it")
+
+			// Stale again at once (the table analyzed empty once more):
+			// the next ANALYZE waits for its interval, a minute.
+			require.NoError(t, db.Exec("DELETE FROM "+table).Error)
+			require.NoError(t, db.Exec("ANALYZE "+table).Error)
+			b.insert(t, keyed([]string{prefixedKeyInBucket(t, "again", bucket, b.cfg.BucketCount)}, 3000)...)
+			require.Less(t, estimate(), 500)
+			msgs, err = b.store.NextBatch(ctx, bucket, 500)
+			require.NoError(t, err)
+			require.Len(t, msgs, 500)
+			require.Equal(t, 1, gormrelay.EstimateChecks(b.store), "one check a second at most")
+			gormrelay.AllowEstimateCheck(b.store)
+			msgs, err = b.store.NextBatch(ctx, bucket, 500)
+			require.NoError(t, err)
+			require.Len(t, msgs, 500)
+			require.Equal(t, 2, gormrelay.EstimateChecks(b.store))
+			require.Equal(t, 1, gormrelay.Analyzed(b.store), "one ANALYZE a minute at most")
+		})
+	}
+}

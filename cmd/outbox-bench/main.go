@@ -67,11 +67,15 @@ type config struct {
 	// relay drain (at the configured Parallelism); empty takes none.
 	CPUProfile string
 	profile    string // the one run CPUProfile applies to
-	WriteOps   int
-	Growth     []int
-	Relays     []int
-	JSON       bool
-	TmpDir     string
+	// RelayProfiles is a directory where each relay process of the relays
+	// scenario writes its CPU profile, relays-K-PID.pprof for a drain by K
+	// processes; empty takes none.
+	RelayProfiles string
+	WriteOps      int
+	Growth        []int
+	Relays        []int
+	JSON          bool
+	TmpDir        string
 	// Brokers is an Apache Kafka cluster to run against instead of the
 	// Kafka-protocol broker the harness starts in its own process.
 	Brokers []string
@@ -134,6 +138,7 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&c.Consumer, "consumer", "process", "latency: run the consumer in its own process, or inline in the bench's, sharing its CPU and Go runtime with the writer and the relay")
 	fs.StringVar(&c.Timeline, "timeline", "", "latency: record each message's path through the relay into this directory and summarise the slow ones (costs some speed)")
 	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "drain: write the CPU profile of this process during the relay drain to this file")
+	fs.StringVar(&c.RelayProfiles, "relay-cpuprofiles", "", "relays: write the CPU profile of each relay process, from its start to its exit, into this directory as relays-K-PID.pprof (K relay processes)")
 	fs.DurationVar(&c.Warmup, "warmup", time.Second, "latency: how long to write before -duration, delivered but not counted (fresh connections run 2-3x slower)")
 	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")
 	fs.StringVar(&growth, "growth", "10000,100000,1000000", "growth: backlog sizes")

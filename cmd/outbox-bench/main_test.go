@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
@@ -43,6 +44,7 @@ func TestSmoke(t *testing.T) {
 				// One driver runs the latency modes with -timeline and the
 				// consumer inline.
 				cfg.Timeline, cfg.Consumer = t.TempDir(), "inline"
+				cfg.RelayProfiles = t.TempDir()
 			}
 			results, err := run(context.Background(), cfg, io.Discard)
 			require.NoError(t, err)
@@ -54,7 +56,26 @@ func TestSmoke(t *testing.T) {
 					requireLatencyModes(t, cfg, r)
 				}
 			}
+			if cfg.RelayProfiles != "" {
+				requireRelayProfiles(t, cfg)
+			}
 		})
+	}
+}
+
+// requireRelayProfiles checks that every relay process of the relays
+// scenario wrote a CPU profile: K files for the drain by K processes.
+func requireRelayProfiles(t *testing.T, cfg config) {
+	t.Helper()
+	for _, k := range cfg.Relays {
+		files, err := filepath.Glob(filepath.Join(cfg.RelayProfiles, fmt.Sprintf("relays-%d-*.pprof", k)))
+		require.NoError(t, err)
+		require.Len(t, files, k, "profiles of the drain by %d relays", k)
+		for _, f := range files {
+			st, err := os.Stat(f)
+			require.NoError(t, err)
+			require.NotZero(t, st.Size(), f)
+		}
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"runtime/debug"
 	"runtime/pprof"
@@ -662,6 +663,9 @@ func multiRelayDrain(ctx context.Context, cfg config, brokers []string, count in
 		return 0, err
 	}
 	env := relayEnv(cfg, e, brokers)
+	if cfg.RelayProfiles != "" {
+		env = append(env, "OUTBOX_BENCH_RELAY_PROFILE="+filepath.Join(cfg.RelayProfiles, fmt.Sprintf("relays-%d", count)))
+	}
 	var children []*child
 	defer func() {
 		for _, c := range children {
@@ -740,6 +744,17 @@ func runRelayRole() int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
+	if prefix := os.Getenv("OUTBOX_BENCH_RELAY_PROFILE"); prefix != "" {
+		f, err := os.Create(fmt.Sprintf("%s-%d.pprof", prefix, os.Getpid()))
+		if err != nil {
+			return fail(err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fail(err)
+		}
+		defer pprof.StopCPUProfile()
+	}
 	buckets, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BUCKETS"))
 	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))
 	parallelism, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_PARALLELISM"))

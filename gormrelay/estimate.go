@@ -58,8 +58,9 @@ type estimateWatch struct {
 // read rows. On PostgreSQL, at most every estimateCheckEvery and by one
 // caller at a time (the others go on), it compares the planner's row
 // estimate for the bucket with read and analyzes the messages table if
-// the estimate is lower (at most every analyzeEvery). It reports nothing: a failed check or ANALYZE is
-// logged, and the reads go on as they were.
+// the estimate is lower (at most every analyzeEvery). It runs on the
+// drainer that read the batch, before its publish. It returns nothing: a
+// failed ANALYZE is logged, and the reads go on as they were.
 func (s *Store) checkEstimate(ctx context.Context, bucket, read int) {
 	if !s.postgres {
 		return
@@ -77,7 +78,7 @@ func (s *Store) checkEstimate(ctx context.Context, bucket, read int) {
 	w.checks++
 	before, err := s.bucketEstimate(ctx, bucket)
 	if err != nil || before >= float64(read) {
-		return // a failed EXPLAIN is the next read's error to report, if it persists
+		return // a failed EXPLAIN: the reads report what fails in the database
 	}
 	if !w.analyzed.IsZero() && now.Sub(w.analyzed) < analyzeEvery {
 		return

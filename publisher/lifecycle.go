@@ -108,10 +108,11 @@ func (l *lifecycle) start(ctx context.Context, connect func(context.Context) err
 
 // stop seals the publisher and waits for its close and for a started
 // lifecycle to end, or for ctx: the close then finishes in the
-// background, and Stopped closes when it has. seal runs at once, before stop can return: it refuses new
-// batches (Publish fails with ErrClosed from then on, even when ctx ended
-// first) and returns the rest of the close, which may wait for the
-// broker. Both are idempotent: a later seal's close waits for the first.
+// background, and Stopped closes when it has. seal runs at once, before
+// stop can return: it refuses new batches (Publish fails with ErrClosed
+// from then on, even when ctx ended first) and returns the rest of the
+// close, which may wait for the broker. Both are idempotent: a later
+// seal's close waits for the first.
 func (l *lifecycle) stop(ctx context.Context, seal func() (finish func() error)) error {
 	l.mu.Lock()
 	l.stopped = true

@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
@@ -106,4 +108,53 @@ func TestStoreAnalyzesATableTakenForEmpty(t *testing.T) {
 			require.Equal(t, 1, gormrelay.Analyzed(b.store), "one ANALYZE a minute at most")
 		})
 	}
+}
+
+// ANALYZE by a user that does not own the table only warns in PostgreSQL
+// and changes nothing. A relay connected as such a user finds the
+// estimate still stale after its ANALYZE, warns once, and its reads go
+// on.
+func TestStoreWarnsWhenItCannotAnalyze(t *testing.T) {
+	t.Parallel()
+	db := dbtest.Open(t, dbtest.Postgres)
+	b := newStoreBundle(t, db, outbox.Config{})
+	table := db.Statement.Quote(b.cfg.Tables.MessagesTable())
+	role := dbtest.Name("outbox_relay_")
+	for _, q := range []string{
+		"CREATE ROLE " + role + " LOGIN",
+		"GRANT USAGE ON SCHEMA " + db.Namespace + " TO " + role,
+		"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA " + db.Namespace + " TO " + role,
+	} {
+		require.NoError(t, db.Exec(q).Error)
+	}
+	t.Cleanup(func() {
+		_ = db.Exec("DROP OWNED BY " + role).Error
+		_ = db.Exec("DROP ROLE " + role).Error
+	})
+	relayDB, err := dbtest.OpenGorm(dbtest.Postgres, db.DSN+" user="+role, &gorm.Config{Logger: logger.Discard})
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		if sqlDB, err := relayDB.DB(); err == nil {
+			_ = sqlDB.Close()
+		}
+	})
+	var logs dbtest.LogBuffer
+	store, err := gormrelay.NewStore(relayDB, outbox.Config{
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})),
+	})
+	require.NoError(t, err)
+
+	bucket := 5
+	b.insert(t, keyed([]string{prefixedKeyInBucket(t, "drained", bucket, b.cfg.BucketCount)}, 1000)...)
+	require.NoError(t, db.Exec("DELETE FROM "+table).Error)
+	require.NoError(t, db.Exec("ANALYZE "+table).Error)
+	b.insert(t, keyed([]string{prefixedKeyInBucket(t, "backlog", bucket, b.cfg.BucketCount)}, 1000)...)
+
+	msgs, err := store.NextBatch(context.Background(), bucket, 200)
+	require.NoError(t, err)
+	require.Len(t, msgs, 200)
+	require.Equal(t, 1, gormrelay.Analyzed(store))
+	require.Contains(t, logs.String(), "level=WARN")
+	require.Contains(t, logs.String(), "did not mend it")
+	require.NotContains(t, logs.String(), "the relay analyzed it")
 }

@@ -52,6 +52,8 @@ type estimateWatch struct {
 	// checks and analyses count the checks and the store's ANALYZEs,
 	// for tests.
 	checks, analyses int
+	// now is the clock of the intervals; nil: time.Now (tests set it).
+	now func() time.Time
 }
 
 // checkEstimate is called after a read of bucket returned a full batch of
@@ -71,6 +73,9 @@ func (s *Store) checkEstimate(ctx context.Context, bucket, read int) {
 	}
 	defer w.mu.Unlock()
 	now := time.Now()
+	if w.now != nil {
+		now = w.now()
+	}
 	if now.Before(w.next) {
 		return
 	}
@@ -84,8 +89,9 @@ func (s *Store) checkEstimate(ctx context.Context, bucket, read int) {
 		return
 	}
 	w.analyzed = now
+	start := time.Now()
 	err = s.analyze(ctx)
-	took := time.Since(now)
+	took := time.Since(start)
 	w.analyses++
 	after, aerr := s.bucketEstimate(ctx, bucket)
 	if err == nil && aerr == nil && after >= float64(read) {

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
@@ -23,9 +24,9 @@ var rowsEstimate = regexp.MustCompile(`rows=(\d+)`)
 // backlog left: the planner takes a new backlog for one row per bucket
 // and plans a batch read as a scan of the bucket's whole backlog and a
 // sort. The first full batch makes the store check the estimate and
-// analyze the table, after which reads walk the (bucket, id) index; the
-// estimate is checked once a second at most, and the table found stale
-// again within a minute is not analyzed again. With
+// analyze the table, after which reads walk the (bucket, id) index. On
+// the store's clock, set by the test, the estimate is checked once a
+// second at most and the table analyzed once a minute at most. With
 // statistics that know the backlog, the store analyzes nothing.
 func TestStoreAnalyzesATableTakenForEmpty(t *testing.T) {
 	t.Parallel()
@@ -75,6 +76,8 @@ func TestStoreAnalyzesATableTakenForEmpty(t *testing.T) {
 			}
 
 			ctx := context.Background()
+			start := time.Now()
+			gormrelay.SetEstimateClock(b.store, func() time.Time { return start })
 			msgs, err := b.store.NextBatch(ctx, bucket, 500)
 			require.NoError(t, err)
 			require.Len(t, msgs, 500)
@@ -90,22 +93,28 @@ func TestStoreAnalyzesATableTakenForEmpty(t *testing.T) {
 			require.Contains(t, plan(), "Index Scan using")
 			require.Contains(t, logs.String(), "the relay analyzed it")
 
-			// Stale again at once (the table analyzed empty once more):
-			// the next ANALYZE waits for its interval, a minute.
+			// Stale again (the table analyzed empty once more): half a
+			// second after the first, no check; after a second, a check
+			// but no ANALYZE; after a minute, an ANALYZE.
 			require.NoError(t, db.Exec("DELETE FROM "+table).Error)
 			require.NoError(t, db.Exec("ANALYZE "+table).Error)
 			b.insert(t, keyed([]string{prefixedKeyInBucket(t, "again", bucket, b.cfg.BucketCount)}, 3000)...)
 			require.Less(t, estimate(), 500)
-			msgs, err = b.store.NextBatch(ctx, bucket, 500)
-			require.NoError(t, err)
-			require.Len(t, msgs, 500)
-			require.Equal(t, 1, gormrelay.EstimateChecks(b.store), "one check a second at most")
-			gormrelay.AllowEstimateCheck(b.store)
-			msgs, err = b.store.NextBatch(ctx, bucket, 500)
-			require.NoError(t, err)
-			require.Len(t, msgs, 500)
-			require.Equal(t, 2, gormrelay.EstimateChecks(b.store))
-			require.Equal(t, 1, gormrelay.Analyzed(b.store), "one ANALYZE a minute at most")
+			for _, step := range []struct {
+				after            time.Duration
+				checks, analyses int
+			}{
+				{500 * time.Millisecond, 1, 1},
+				{2 * time.Second, 2, 1},
+				{61 * time.Second, 3, 2},
+			} {
+				gormrelay.SetEstimateClock(b.store, func() time.Time { return start.Add(step.after) })
+				msgs, err = b.store.NextBatch(ctx, bucket, 500)
+				require.NoError(t, err)
+				require.Len(t, msgs, 500)
+				require.Equal(t, step.checks, gormrelay.EstimateChecks(b.store), "checks %s after the first", step.after)
+				require.Equal(t, step.analyses, gormrelay.Analyzed(b.store), "analyses %s after the first", step.after)
+			}
 		})
 	}
 }

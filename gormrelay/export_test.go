@@ -27,10 +27,9 @@ func EstimateChecks(s *Store) int {
 	return s.estimate.checks
 }
 
-// AllowEstimateCheck lets s check the estimate at the next full batch,
-// without waiting for the check interval.
-func AllowEstimateCheck(s *Store) {
+// SetEstimateClock makes s read the time of its estimate checks from now.
+func SetEstimateClock(s *Store, now func() time.Time) {
 	s.estimate.mu.Lock()
 	defer s.estimate.mu.Unlock()
-	s.estimate.next = time.Time{}
+	s.estimate.now = now
 }

@@ -70,7 +70,7 @@ func TestStoreAnalyzesATableTakenForEmpty(t *testing.T) {
 			}
 			if stale {
 				// On a table this small the planner still walks the index
-				// for one estimated row; from about 500,000 rows it sorts
+				// for one estimated row; with 500,000 rows it may sort
 				// (BENCHMARKS.md, "An outbox analyzed empty").
 				require.Less(t, estimate(), 500, "the statistics say the table is empty")
 			}

@@ -11,7 +11,8 @@
 # the load starts. Bounded and self-stopping: each run is limited to
 # OUTBOX_LOADED_CI_RUN_TIMEOUT (default 45m: a run under this load took
 # 14 to 15 minutes on one 2-core machine and 26 on another), the load
-# stops with the script (also on Ctrl-C or an error), the pgbench database
+# and the run in progress (with its Apache Kafka nodes) stop with the
+# script (also on Ctrl-C or an error), the pgbench database
 # is dropped and the clones are removed. The logs of failed runs are kept
 # and their paths printed; of a green run the chaos summary lines (faults,
 # loss, order, resumed after) and the Apache Kafka count are printed. Exit status 0 only if
@@ -44,10 +45,27 @@ clone_head() {
 work="$(mktemp -d "${TMPDIR:-/tmp}/outbox-loaded-ci.XXXXXX")"
 db="outbox_loaded_ci_$$"
 load_pids=()
+run_pid=
 
 cleanup() {
   local status=$?
   trap - EXIT INT TERM
+  # The run in progress: timeout runs it in a process group of its own,
+  # which a Ctrl-C or a kill of this script's group does not reach, and
+  # passes a TERM on to it; .ci/run then stops its Apache Kafka nodes.
+  # The wait is for the whole group, not timeout itself, which exits as
+  # soon as .ci/run's shell does, while the test script's trap still
+  # stops Kafka. A group not empty 90 s later is killed.
+  if [ -n "$run_pid" ]; then
+    kill -TERM "$run_pid" 2>/dev/null || true
+    for _ in $(seq 90); do
+      kill -0 -- "-$run_pid" 2>/dev/null || break
+      sleep 1
+    done
+    kill -KILL -- "-$run_pid" 2>/dev/null || true
+    wait "$run_pid" 2>/dev/null || true
+    log "run stopped before its end; its log: $logfile"
+  fi
   for pid in "${load_pids[@]}"; do
     kill "$pid" 2>/dev/null || true
   done
@@ -100,7 +118,14 @@ for i in $(seq "$runs"); do
   clone_head "$clone"
   logfile="$work/run-$i.log"
   start=$(date +%s)
-  if (cd "$clone" && CI=true timeout --kill-after=30s "$run_timeout" bash .ci/run) >"$logfile" 2>&1; then
+  # In the background, so that a signal ends the wait at once and the
+  # cleanup stops the run.
+  (cd "$clone" && CI=true exec timeout --kill-after=30s "$run_timeout" bash .ci/run) >"$logfile" 2>&1 &
+  run_pid=$!
+  run_status=0
+  wait "$run_pid" || run_status=$?
+  run_pid=
+  if [ "$run_status" = 0 ]; then
     passed=$((passed + 1))
     log "run $i of $runs: green ($(( $(date +%s) - start ))s, load average $(cut -d' ' -f1-3 /proc/loadavg))"
     # The figures of a green run (the chaos summary lines and the Apache

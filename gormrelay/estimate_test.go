@@ -20,6 +20,17 @@ import (
 
 var rowsEstimate = regexp.MustCompile(`rows=(\d+)`)
 
+// analyzedEmpty empties the messages table, analyzes it empty (no rows,
+// the pages left) and writes a backlog of n rows to bucket, unknown to
+// the statistics.
+func analyzedEmpty(t *testing.T, b *storeBundle, bucket, n int, prefix string) {
+	t.Helper()
+	table := b.db.Statement.Quote(b.cfg.Tables.MessagesTable())
+	require.NoError(t, b.db.Exec("DELETE FROM "+table).Error)
+	require.NoError(t, b.db.Exec("ANALYZE "+table).Error)
+	b.insert(t, keyed([]string{prefixedKeyInBucket(t, prefix, bucket, b.cfg.BucketCount)}, n)...)
+}
+
 // An outbox table analyzed while empty, with the pages of a drained
 // backlog left: the planner takes a new backlog for one row per bucket
 // and plans a batch read as a scan of the bucket's whole backlog and a
@@ -45,11 +56,7 @@ func TestStoreAnalyzesATableTakenForEmpty(t *testing.T) {
 			table := db.Statement.Quote(b.cfg.Tables.MessagesTable())
 			bucket := 3
 			b.insert(t, keyed([]string{prefixedKeyInBucket(t, "drained", bucket, b.cfg.BucketCount)}, 3000)...)
-			require.NoError(t, db.Exec("DELETE FROM "+table).Error)
-			if stale {
-				require.NoError(t, db.Exec("ANALYZE "+table).Error) // no rows, the pages left
-			}
-			b.insert(t, keyed([]string{prefixedKeyInBucket(t, "backlog", bucket, b.cfg.BucketCount)}, 3000)...)
+			analyzedEmpty(t, b, bucket, 3000, "backlog")
 			if !stale {
 				require.NoError(t, db.Exec("ANALYZE "+table).Error)
 			}
@@ -96,9 +103,7 @@ func TestStoreAnalyzesATableTakenForEmpty(t *testing.T) {
 			// Stale again (the table analyzed empty once more): half a
 			// second after the first, no check; after a second, a check
 			// but no ANALYZE; after a minute, an ANALYZE.
-			require.NoError(t, db.Exec("DELETE FROM "+table).Error)
-			require.NoError(t, db.Exec("ANALYZE "+table).Error)
-			b.insert(t, keyed([]string{prefixedKeyInBucket(t, "again", bucket, b.cfg.BucketCount)}, 3000)...)
+			analyzedEmpty(t, b, bucket, 3000, "again")
 			require.Less(t, estimate(), 500)
 			for _, step := range []struct {
 				after            time.Duration
@@ -127,7 +132,6 @@ func TestStoreWarnsWhenItCannotAnalyze(t *testing.T) {
 	t.Parallel()
 	db := dbtest.Open(t, dbtest.Postgres)
 	b := newStoreBundle(t, db, outbox.Config{})
-	table := db.Statement.Quote(b.cfg.Tables.MessagesTable())
 	role := dbtest.Name("outbox_relay_")
 	for _, q := range []string{
 		"CREATE ROLE " + role + " LOGIN",
@@ -155,9 +159,7 @@ func TestStoreWarnsWhenItCannotAnalyze(t *testing.T) {
 
 	bucket := 5
 	b.insert(t, keyed([]string{prefixedKeyInBucket(t, "drained", bucket, b.cfg.BucketCount)}, 1000)...)
-	require.NoError(t, db.Exec("DELETE FROM "+table).Error)
-	require.NoError(t, db.Exec("ANALYZE "+table).Error)
-	b.insert(t, keyed([]string{prefixedKeyInBucket(t, "backlog", bucket, b.cfg.BucketCount)}, 1000)...)
+	analyzedEmpty(t, b, bucket, 1000, "backlog")
 
 	msgs, err := store.NextBatch(context.Background(), bucket, 200)
 	require.NoError(t, err)

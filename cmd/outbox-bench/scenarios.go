@@ -268,15 +268,11 @@ func drainWith(ctx context.Context, cfg config, n int, rss bool, newPub func() (
 	acks := newAckCounter(n)
 	e.observer = acks
 	if cfg.profile != "" {
-		f, err := os.Create(cfg.profile)
+		stop, err := startCPUProfile(cfg.profile)
 		if err != nil {
 			return 0, 0, err
 		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return 0, 0, err
-		}
-		defer pprof.StopCPUProfile()
+		defer stop()
 	}
 	start := time.Now()
 	r, err := e.startRelay(ctx, pub, true, 0)
@@ -630,6 +626,23 @@ func writeScenario(ctx context.Context, cfg config, r *result) error {
 	return nil
 }
 
+// startCPUProfile profiles this process's CPU into a new file at path
+// until stop is called.
+func startCPUProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
+}
+
 func relaysScenario(ctx context.Context, cfg config, r *result) error {
 	broker, brokers, err := startBroker(ctx, cfg.Partitions, true)
 	if err != nil {
@@ -745,15 +758,11 @@ func runRelayRole() int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if prefix := os.Getenv("OUTBOX_BENCH_RELAY_PROFILE"); prefix != "" {
-		f, err := os.Create(fmt.Sprintf("%s-%d.pprof", prefix, os.Getpid()))
+		stop, err := startCPUProfile(fmt.Sprintf("%s-%d.pprof", prefix, os.Getpid()))
 		if err != nil {
 			return fail(err)
 		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			return fail(err)
-		}
-		defer pprof.StopCPUProfile()
+		defer stop()
 	}
 	buckets, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BUCKETS"))
 	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))

@@ -199,7 +199,9 @@
 //     once; an owned hinted bucket is read directly, a hint for a bucket
 //     owned elsewhere is ignored, an unknown-bucket hint forces discovery;
 //   - discovery: every PollInterval a relay owning buckets asks the store
-//     which of them hold rows (one index probe per bucket). This is the
+//     which of them hold rows (one index probe per bucket), of those
+//     neither ready nor in flight. A bucket in flight is not probed but
+//     read again after its batch, as if a probe had found rows. This is the
 //     correctness floor for writers in other processes, lost hints and
 //     restarts. Acquiring new leases triggers a discovery at once. It
 //     runs beside the control loop, which goes on taking hints meanwhile;

@@ -369,7 +369,8 @@ func (w *worker) drainAll(ctx context.Context) (int, error) {
 	return published(), joined()
 }
 
-// discover asks the store which owned buckets hold pending rows.
+// discover asks the store which owned buckets hold pending rows, of those
+// neither ready nor in flight (see scheduler.toProbe).
 func (w *worker) discover(ctx context.Context) error {
 	owned := w.k.trustedLeases()
 	if len(owned) == 0 {
@@ -379,6 +380,9 @@ func (w *worker) discover(ctx context.Context) error {
 	for i, l := range owned {
 		buckets[i] = l.Bucket
 	}
+	// Called even when nothing is left to probe: the store checks for
+	// rows beyond BucketCount at every discovery.
+	buckets = w.sched.toProbe(buckets)
 	pending, err := w.r.store.PendingBuckets(ctx, buckets)
 	if err != nil {
 		return err

@@ -342,6 +342,54 @@ func TestHintNotBehindDiscovery(t *testing.T) {
 	})
 }
 
+// A discovery asks the store only about buckets that are neither in
+// flight nor queued. The bucket in flight is read again after its batch,
+// as a probe that found its rows would have it: a row committed during
+// its batch, with no hint, is published without another discovery.
+func TestDiscoveryProbesIdleBucketsOnly(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s, hints, cfg := hintedSetup()
+		cfg.Parallelism = 1
+		release := make(chan struct{})
+		var log pubLog
+		inner := log.publisher(nil)
+		r := start(t, s, relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+			if msgs[0].Bucket == 0 {
+				<-release
+			}
+			return inner.Publish(ctx, msgs)
+		}), cfg)
+		synctest.Wait()
+		require.Len(t, r.Leases(), 8)
+		s.add(0, 1)
+		hints.notify(0)
+		synctest.Wait() // bucket 0's publish is blocked
+		s.add(0, 1)     // committed during bucket 0's batch, no hint
+		s.add(1, 1)
+		hints.notify(1)
+		synctest.Wait() // bucket 1 waits for the one drainer
+		s.add(2, 1)     // found by discovery only
+		hints.mu.Lock()
+		hints.unknown = true
+		hints.mu.Unlock()
+		hints.notify()
+		synctest.Wait()
+		s.mu.Lock()
+		probed := s.probes[len(s.probes)-1]
+		s.mu.Unlock()
+		require.Equal(t, []int{2, 3, 4, 5, 6, 7}, probed, "the bucket in flight and the queued one are not probed")
+
+		discoveries := s.count("pending")
+		close(release)
+		synctest.Wait()
+		require.Zero(t, s.pending(), "the row committed during bucket 0's batch is published")
+		require.Equal(t, discoveries, s.count("pending"), "without another discovery")
+		require.Equal(t, 4, log.n())
+		stop(t, r)
+	})
+}
+
 // The relay takes BucketCount from a store that knows it, and refuses a
 // Config value that disagrees.
 func TestBucketCountFromStore(t *testing.T) {

@@ -23,6 +23,8 @@ type fakeStore struct {
 	nextID  int64
 	calls   map[string]int
 	batches []int // bucket of every NextBatch call
+	// probes is the buckets of every PendingBuckets call.
+	probes [][]int
 	// setBatches is the buckets of every NextSetBatch call.
 	setBatches [][]int
 	// acquireBusy is, for every AcquireLeases call, how many of the
@@ -210,6 +212,7 @@ func (s *fakeStore) PendingBuckets(ctx context.Context, buckets []int) ([]int, e
 	if err != nil {
 		return nil, err
 	}
+	s.probes = append(s.probes, slices.Clone(buckets))
 	var out []int
 	for _, b := range buckets {
 		if len(s.msgs[b]) > 0 {

@@ -90,6 +90,29 @@ func (s *scheduler) mark(b int, now time.Time) {
 	s.enqueueLocked(b, now)
 }
 
+// toProbe returns, of buckets, the ones a discovery must ask the store
+// about: those neither ready nor in flight. A ready bucket will be read
+// anyway. A bucket in flight is marked instead of probed, so it is read
+// again after its batch, as a probe's mark would have it: a probe would
+// find the batch's own rows, not deleted yet, and cost a walk over the
+// index entries its previous batches deleted.
+func (s *scheduler) toProbe(buckets []int) []int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	probe := buckets[:0]
+	for _, b := range buckets {
+		st := &s.buckets[b]
+		switch {
+		case st.busy:
+			st.marks++
+		case st.ready || st.failed:
+		default:
+			probe = append(probe, b)
+		}
+	}
+	return probe
+}
+
 // enqueueLocked puts a ready, idle bucket that is not backing off at the
 // back of the FIFO.
 func (s *scheduler) enqueueLocked(b int, now time.Time) {

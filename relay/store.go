@@ -66,7 +66,9 @@ type Store interface {
 
 	// PendingBuckets returns which of buckets hold at least one pending
 	// row, in ascending order. It should cost one index probe per bucket,
-	// not a scan of the backlog.
+	// not a scan of the backlog. buckets may be empty: the relay asks only
+	// about buckets neither ready nor in flight, and still calls when none
+	// is left, so a store can check for rows beyond BucketCount.
 	PendingBuckets(ctx context.Context, buckets []int) ([]int, error)
 
 	// NextBatch returns up to limit pending messages of bucket, oldest

@@ -223,6 +223,9 @@ func testPendingBuckets(t *testing.T, h Harness) {
 	got, err = s.PendingBuckets(t.Context(), []int{0, 1})
 	require.NoError(t, err)
 	require.Empty(t, got)
+	got, err = s.PendingBuckets(t.Context(), nil)
+	require.NoError(t, err)
+	require.Empty(t, got, "no bucket asked about")
 }
 
 func testAcquire(t *testing.T, h Harness) {

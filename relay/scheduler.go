@@ -94,8 +94,7 @@ func (s *scheduler) mark(b int, now time.Time) {
 // about: those neither ready nor in flight. A ready bucket will be read
 // anyway. A bucket in flight is marked instead of probed, so it is read
 // again after its batch, as a probe's mark would have it: a probe would
-// find the batch's own rows, not deleted yet, and cost a walk over the
-// index entries its previous batches deleted.
+// only find the batch's own rows, not deleted yet.
 func (s *scheduler) toProbe(buckets []int) []int {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -45,10 +45,10 @@ const (
 
 // estimateWatch is the state of the estimate checks.
 type estimateWatch struct {
-	mu       sync.Mutex // held by the check in progress
-	next     time.Time  // no check before
-	analyzed time.Time  // the last ANALYZE
-	warned   time.Time
+	mu sync.Mutex // held by the check in progress
+	// nextCheck, nextAnalyze and nextWarn: no check, ANALYZE or warning
+	// before.
+	nextCheck, nextAnalyze, nextWarn time.Time
 	// checks and analyses count the checks and the store's ANALYZEs,
 	// for tests.
 	checks, analyses int
@@ -76,19 +76,17 @@ func (s *Store) checkEstimate(ctx context.Context, bucket, read int) {
 	if w.now != nil {
 		now = w.now()
 	}
-	if now.Before(w.next) {
+	if !due(&w.nextCheck, now, estimateCheckEvery) {
 		return
 	}
-	w.next = now.Add(estimateCheckEvery)
 	w.checks++
 	before, err := s.bucketEstimate(ctx, bucket)
 	if err != nil || before >= float64(read) {
 		return // a failed EXPLAIN: the reads report what fails in the database
 	}
-	if !w.analyzed.IsZero() && now.Sub(w.analyzed) < analyzeEvery {
+	if !due(&w.nextAnalyze, now, analyzeEvery) {
 		return
 	}
-	w.analyzed = now
 	start := time.Now()
 	err = s.analyze(ctx)
 	took := time.Since(start)
@@ -100,10 +98,9 @@ func (s *Store) checkEstimate(ctx context.Context, bucket, read int) {
 			"batch_read", read, "took_ms", took.Milliseconds())
 		return
 	}
-	if !w.warned.IsZero() && now.Sub(w.warned) < analyzeWarnEvery {
+	if !due(&w.nextWarn, now, analyzeWarnEvery) {
 		return
 	}
-	w.warned = now
 	if err == nil {
 		err = aerr
 	}

@@ -37,7 +37,8 @@ type poolWatch struct {
 	mu     sync.Mutex
 	at     time.Time
 	closed int64
-	warned time.Time
+	// nextWarn: no warning before.
+	nextWarn time.Time
 	// readings counts the readings, for tests.
 	readings int
 }
@@ -70,10 +71,9 @@ func (s *Store) watchPool() {
 	if n < churnMinClosed || float64(n)/d.Seconds() < churnMinRate {
 		return
 	}
-	if !w.warned.IsZero() && now.Sub(w.warned) < churnWarnEvery {
+	if !due(&w.nextWarn, now, churnWarnEvery) {
 		return
 	}
-	w.warned = now
 	s.logger.Warn("outbox: the connection pool closed connections at its idle limit; each one is reopened as a new database session when next needed, "+
 		"which slows the relay's drainers and the application: set sql.DB.SetMaxIdleConns to at least the relay's Parallelism plus 3, "+
 		"plus what the application uses at once (docs/operations.md, \"Drainers and the connection pool\")",

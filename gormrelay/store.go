@@ -205,6 +205,17 @@ func (s *Store) missingTable(ctx context.Context) string {
 
 func nowMs() int64 { return time.Now().UnixMilli() }
 
+// due reports whether now has reached *next and, if so, moves *next to
+// every after now: something done at most once every interval (zero
+// *next: due at once).
+func due(next *time.Time, now time.Time, every time.Duration) bool {
+	if now.Before(*next) {
+		return false
+	}
+	*next = now.Add(every)
+	return true
+}
+
 // AcquireLeases implements relay.Store: heartbeat, misconfiguration
 // checks, renewal of held leases, release of surplus and claim of free or
 // expired leases up to the fair share.

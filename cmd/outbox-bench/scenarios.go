@@ -758,11 +758,11 @@ func runRelayRole() int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	if prefix := os.Getenv("OUTBOX_BENCH_RELAY_PROFILE"); prefix != "" {
-		stop, err := startCPUProfile(fmt.Sprintf("%s-%d.pprof", prefix, os.Getpid()))
+		stopProfile, err := startCPUProfile(fmt.Sprintf("%s-%d.pprof", prefix, os.Getpid()))
 		if err != nil {
 			return fail(err)
 		}
-		defer stop()
+		defer stopProfile()
 	}
 	buckets, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BUCKETS"))
 	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))

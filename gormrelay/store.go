@@ -1247,20 +1247,45 @@ func bucketArray(bs []int) int8Array {
 
 // RecordFailure implements relay.FailureRecorder: it increments the
 // message's attempts and stores the error text, guarded by the lease.
+//
+// When the error says that records may have been written although they
+// were not acknowledged (publisher.Error.MaybeWritten and
+// LaterMaybeWritten), the store notes it on their rows: the failed
+// message's error text ends with a "may have been delivered: ..." line,
+// kept through its later failures, and the later messages of the batch
+// get that line as their last error (their attempts do not change). The
+// line moves with the row into the dead-letter table, where
+// DeadLetter.MaybeDelivered reports it.
 func (s *Store) RecordFailure(ctx context.Context, relayID string, lease relay.Lease, msg relay.Message, cause error) error {
 	db, ctx, cancel := s.op(ctx, "record publish failure")
 	defer cancel()
-	text := "unknown error"
+	raw := "unknown error"
 	if cause != nil {
-		text = truncateUTF8(cause.Error(), lastErrorMax)
+		raw = cause.Error()
 	}
-	r := db.Exec("UPDATE "+s.messages+" SET attempts = attempts + 1, last_error = ? WHERE id = ? AND bucket = ? AND "+s.leaseHeld(),
-		text, msg.ID, lease.Bucket, lease.Bucket, relayID, lease.Term, nowMs())
+	maybe, later := outcomeOf(cause)
+	text, sticky := errorText(raw, ""), errorText(raw, noteEarlierAttempt)
+	if maybe {
+		text = errorText(raw, noteOutcomeUnknown)
+		sticky = text
+	}
+	r := db.Exec("UPDATE "+s.messages+" SET attempts = attempts + 1, last_error = CASE WHEN last_error LIKE ? THEN ? ELSE ? END"+
+		" WHERE id = ? AND bucket = ? AND "+s.leaseHeld(),
+		"%"+maybeDeliveredPrefix+"%", sticky, text, msg.ID, lease.Bucket, lease.Bucket, relayID, lease.Term, nowMs())
 	if r.Error != nil {
 		return s.fail(ctx, "record publish failure", r.Error)
 	}
 	if r.RowsAffected == 0 {
 		if err := s.checkLease(db, relayID, lease); err != nil {
+			return s.fail(ctx, "record publish failure", err)
+		}
+	}
+	for chunk := range slices.Chunk(later, storeChunk) {
+		err := db.Exec("UPDATE "+s.messages+" SET last_error = ? WHERE bucket = ? AND message_id IN ?"+
+			" AND (last_error IS NULL OR last_error NOT LIKE ?) AND "+s.leaseHeld(),
+			noteLaterAcked(msg.MessageID), lease.Bucket, chunk, "%"+maybeDeliveredPrefix+"%",
+			lease.Bucket, relayID, lease.Term, nowMs()).Error
+		if err != nil {
 			return s.fail(ctx, "record publish failure", err)
 		}
 	}

@@ -102,3 +102,27 @@ func cutText(s string, n int) string {
 	}
 	return cut + marker
 }
+
+// sinkErrorMark separates a recorded failure's cause, in plain words, from
+// the sink's own error text (see publisher.Error).
+const sinkErrorMark = "; sink error: "
+
+// ErrorCause returns the part of a stored error text that a list shows
+// whole: the cause in plain words and where it happened (topic,
+// partition, message id, key), without the sink's raw text and the
+// delivery note; whitespace runs become one space. A text without the
+// "; sink error: " mark (recorded by an older release, or by a publisher
+// that does not write one) is returned whole.
+func ErrorCause(lastError string) string {
+	var lines []string
+	for line := range strings.SplitSeq(lastError, "\n") {
+		if !strings.HasPrefix(line, maybeDeliveredPrefix) {
+			lines = append(lines, line)
+		}
+	}
+	s := strings.Join(lines, "\n")
+	if i := strings.Index(s, sinkErrorMark); i > 0 {
+		s = s[:i]
+	}
+	return strings.Join(strings.Fields(s), " ")
+}

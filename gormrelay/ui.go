@@ -82,6 +82,8 @@ var uiTemplates = func() map[string]*template.Template {
 		"keyless":  func(k []byte) bool { return k == nil },
 		"unixms":   func(t time.Time) int64 { return t.UnixMilli() },
 		"truncate": truncate,
+		"cause":    ErrorCause,
+		"oneline":  func(s string) string { return strings.Join(strings.Fields(s), " ") },
 	}
 	base := template.Must(template.New("layout.html").Funcs(funcs).ParseFS(uiFiles, "ui/templates/layout.html"))
 	pages := map[string]*template.Template{}
@@ -975,9 +977,18 @@ func quoteKey(k []byte) string {
 	return fmtKey(k)
 }
 
+// truncate shortens s to about n characters for a table cell, at a word
+// boundary when there is one in the last third, and marks the cut with
+// "…"; the detail view shows the whole text.
 func truncate(n int, s string) string {
 	if utf8.RuneCountInString(s) <= n {
 		return s
 	}
-	return string([]rune(s)[:n]) + "…"
+	r := []rune(s)[:n]
+	for i := n - 1; i > n*2/3; i-- {
+		if r[i] == ' ' {
+			return string(r[:i]) + " …"
+		}
+	}
+	return string(r) + "…"
 }

@@ -136,27 +136,13 @@ func oneLine(s string) string {
 	return strings.Join(strings.Fields(s), " ")
 }
 
-// sinkErrorMark separates a recorded failure's cause, in plain words,
-// from the sink's own error text (publisher.Error).
-const sinkErrorMark = "; sink error: "
-
 // errorSummary is the part of a recorded failure the dead-letter list
-// shows, whole: the cause and where (topic, partition, message id, key),
-// without the sink's raw text and the delivery note, which
-// "dead-letters show" prints. A text recorded without a cause first (by an
-// older release or another publisher) is shown as its innermost cause.
+// shows, whole: gormrelay.ErrorCause, the cause and where, without the
+// sink's raw text and the delivery note, which "dead-letters show" prints.
+// A text recorded without a cause first (by an older release) is shown as
+// its innermost cause.
 func errorSummary(lastError string) string {
-	var lines []string
-	for line := range strings.SplitSeq(lastError, "\n") {
-		if gormrelay.DeliveryNote(line) == "" {
-			lines = append(lines, line)
-		}
-	}
-	s := strings.Join(lines, "\n")
-	if i := strings.Index(s, sinkErrorMark); i > 0 {
-		return oneLine(s[:i])
-	}
-	return failureCause(s)
+	return failureCause(gormrelay.ErrorCause(lastError))
 }
 
 func maybeDelivered(d gormrelay.DeadLetter) string {

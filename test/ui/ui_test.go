@@ -17,12 +17,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/chromedp/chromedp"
 	"github.com/stretchr/testify/require"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -104,17 +106,36 @@ func (b *bundle) seed(t *testing.T) {
 		RelayID: "relay-gone", LastSeenMs: now - 10*min, StartedAtMs: now - 3*hour}).Error)
 	require.NoError(t, b.admin.PauseBucket(ctx, 3))
 
-	lastErr := "kafka: MESSAGE_TOO_LARGE"
+	lastErr := tooLargeError()
+	parkedErr := parkedNote
 	b.insertDead(t,
 		outbox.DeadLetterRow{ID: 1001, Bucket: 1, Topic: "orders", Key: []byte("order-1"), Value: []byte(`{"order":1,"lines":[{"sku":"A-1","qty":2}]}`),
 			Headers:  outbox.EncodeHeaders([]outbox.Header{{Key: "trace-id", Value: []byte("4bf92f3577b34da6")}, {Key: "bin", Value: []byte{0xff, 0x00, 0x41}}}),
 			Attempts: 10, LastError: &lastErr, DeadAtMs: now - 2*hour},
-		outbox.DeadLetterRow{ID: 1002, Bucket: 1, Topic: "orders", Key: []byte("order-1"), Value: []byte(`{"order":1,"status":"paid"}`), State: "parked", DeadAtMs: now - 2*hour},
+		outbox.DeadLetterRow{ID: 1002, Bucket: 1, Topic: "orders", Key: []byte("order-1"), Value: []byte(`{"order":1,"status":"paid"}`), State: "parked", DeadAtMs: now - 2*hour,
+			LastError: &parkedErr},
 		outbox.DeadLetterRow{ID: 1003, Bucket: 2, Topic: "payments", Value: []byte{0xde, 0xad, 0xbe, 0xef, 0x00}, Attempts: 3, DeadAtMs: now - 30*min},
 		outbox.DeadLetterRow{ID: 1004, Bucket: 0, Topic: "orders", Key: []byte("order-9"), Value: []byte("not json: order 9 shipped"), Attempts: 1, DeadAtMs: now - 10*min},
 		outbox.DeadLetterRow{ID: 1005, Bucket: 2, Topic: "payments", Key: []byte("p-5"), Value: []byte("old"), Attempts: 10, DeadAtMs: now - 100*hour},
 	)
 }
+
+// tooLargeCause is how the publisher's error for an oversized record
+// begins (tooLargeError); the dead-letter list shows it whole.
+const tooLargeCause = `record too large: 1,234,567 bytes, limit 1,000,000 (Producer.MaxMessageBytes); topic orders, partition 3; message id "d-1001", key "order-1"`
+
+// tooLargeError is the error text the Kafka publisher records for an
+// oversized record.
+func tooLargeError() string {
+	part := int32(3)
+	cause := sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 1234567 > 1000000")
+	return (&publisher.Error{MessageID: "d-1001", Topic: "orders", Key: []byte("order-1"), Partition: &part, Size: 1234567, Limit: 1000000,
+		Err: relay.Permanent(fmt.Errorf("%w: %w", publisher.ErrTooLarge, cause))}).Error()
+}
+
+// parkedNote is what the store records on a message the broker
+// acknowledged after an earlier message of its batch failed.
+const parkedNote = `may have been delivered: it was sent in a batch whose earlier message "d-1001" failed; the broker acknowledged it or did not answer, and the relay publishes it again`
 
 func (b *bundle) insertDead(t *testing.T, rows ...outbox.DeadLetterRow) {
 	t.Helper()
@@ -377,6 +398,18 @@ func TestDeadLetters(t *testing.T) {
 		require.Equal(t, []int64{1004, 1003, 1002, 1001, 1005}, shownIDs(t, ctx), "newest first")
 		require.Equal(t, "4 failed · 1 parked", text(t, ctx, "h1 .small"))
 
+		// The error cell gives the cause whole, never cut, with a link to
+		// the whole error; the parked row says a copy may be out already.
+		require.Equal(t, tooLargeCause, text(t, ctx, `tr[data-id="1001"] .last-error .cause`))
+		require.True(t, strings.HasPrefix(tooLargeError(), tooLargeCause+"; sink error: "))
+		require.NotContains(t, text(t, ctx, "#dead-letters"), "…")
+		require.Equal(t, "dead-letters/1001#last-error", eval[string](t, ctx, `document.querySelector('tr[data-id="1001"] a.whole').getAttribute('href')`))
+		require.True(t, eval[bool](t, ctx, `(() => { const c = document.querySelector('tr[data-id="1001"] .last-error'); return c.scrollWidth <= c.clientWidth })()`),
+			"the cell shows its text without overflowing")
+		require.Equal(t, []string{"no", "maybe", "no", "no", "no"}, eval[[]string](t, ctx,
+			`[...document.querySelectorAll('#dead-letters tbody tr')].sort((a, b) => a.dataset.id - b.dataset.id).map(tr => tr.querySelector('.delivered').textContent.trim())`))
+		require.Equal(t, parkedNote, eval[string](t, ctx, `document.querySelector('tr[data-id="1002"] .delivered span').title`))
+
 		// The filter form: topic and state.
 		do(t, ctx, chromedp.SetValue(chromedp.CSS(`#filter input[name=topic]`), "orders"),
 			chromedp.SetValue(chromedp.CSS(`#filter select[name=state]`), "failed"))
@@ -432,12 +465,17 @@ func TestDeadLetters(t *testing.T) {
 		require.Equal(t, d.Topic, text(t, ctx, "#topic"))
 		require.Equal(t, "order-1", text(t, ctx, "#key"))
 		require.Equal(t, d.LastError, text(t, ctx, "#last-error"))
+		require.Equal(t, tooLargeCause, text(t, ctx, "#cause"))
+		require.Equal(t, "no earlier copy known", text(t, ctx, "#delivered"))
 		require.Equal(t, "json", eval[string](t, ctx, `document.querySelector('#value pre').className`))
 		require.Equal(t, "{\n  \"order\": 1,\n  \"lines\": [\n    {\n      \"sku\": \"A-1\",\n      \"qty\": 2\n    }\n  ]\n}",
 			eval[string](t, ctx, `document.querySelector('#value pre').textContent`))
 		headers := eval[[][2]string](t, ctx, `[...document.querySelectorAll('#headers tbody tr')].map(tr => [tr.querySelector('.hkey').textContent, tr.querySelector('.hvalue').textContent.trim()])`)
 		require.Equal(t, [][2]string{{"trace-id", "4bf92f3577b34da6"}, {"bin", "00000000  ff 00 41                                          |..A|"}}, headers)
 		screenshot(t, ctx, "ui-dead-letter.png")
+
+		open(t, ctx, b.root+"dead-letters/1002")
+		require.Equal(t, "maybe: "+parkedNote+". Requeueing it may deliver it twice.", text(t, ctx, "#delivered"))
 
 		// A binary, keyless value as a hex dump; a text value as text.
 		open(t, ctx, b.root+"dead-letters/1003")

@@ -360,6 +360,84 @@ func TestOverviewMatchesAdmin(t *testing.T) {
 	})
 }
 
+// shownChart is what a chart of the overview shows: its last value (the
+// figure's data-last), its caption and its line's points.
+type shownChart struct {
+	Last, Now string
+	Points    [][2]float64
+}
+
+func readChart(t *testing.T, ctx context.Context, id string) shownChart {
+	t.Helper()
+	return eval[shownChart](t, ctx, `(() => {
+  const f = document.getElementById('chart-`+id+`');
+  const l = f.querySelector('polyline');
+  return {Last: f.dataset.last, Now: f.querySelector('.now').textContent.trim(),
+    Points: l ? l.getAttribute('points').trim().split(' ').map(p => p.split(',').map(Number)) : []};
+})()`)
+}
+
+// TestOverviewChartsFollowTheBacklog checks that the overview's charts
+// follow the outbox under the open page: a backlog is inserted, the
+// backlog and oldest-age charts rise to it, and when it drains they fall
+// back, with the rise still drawn.
+func TestOverviewChartsFollowTheBacklog(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		var published atomic.Int64
+		b := setup(t, db, gormrelay.UIOptions{AllowMutations: true, RefreshInterval: 300 * time.Millisecond,
+			Published: func() float64 { return float64(published.Load()) }})
+		b.seed(t)
+		ctx := tab(t)
+		open(t, ctx, b.root)
+		const top = 2.0 // the line's y at the top of the box
+
+		c := readChart(t, ctx, "backlog")
+		require.Equal(t, "6", c.Last, "the seed's backlog")
+		require.NotEmpty(t, c.Points)
+		require.Equal(t, "Pending", text(t, ctx, "#chart-backlog .label"))
+		require.Equal(t, "Published", text(t, ctx, "#chart-rate .label"))
+
+		// A backlog of 200, the oldest 3 hours old.
+		now := time.Now().UnixMilli()
+		var more []outbox.MessageRow
+		for i := range 200 {
+			more = append(more, outbox.MessageRow{MessageID: fmt.Sprintf("burst-%d", i), Bucket: int32(i % 4), Topic: "burst", CreatedAtMs: now - 3*hour})
+		}
+		require.NoError(t, db.DB.Table(b.cfg.Tables.MessagesTable()).CreateInBatches(more, 100).Error)
+		waitJS(t, ctx, `document.getElementById('chart-backlog').dataset.last === "206"`)
+		c = readChart(t, ctx, "backlog")
+		require.Equal(t, "206", c.Now)
+		require.Equal(t, top, c.Points[len(c.Points)-1][1], "the last point is the highest")
+		require.Greater(t, c.Points[0][1], top, "the first point is lower")
+		waitJS(t, ctx, `+document.getElementById('chart-oldest').dataset.last >= 3*3600*1000`)
+		// The last point follows the newest reading until it is
+		// UIChartStep past the one before it; wait until the peak is a
+		// point of its own.
+		waitJS(t, ctx, `document.querySelector('#chart-backlog polyline').getAttribute('points').split(' ').filter(p => p.endsWith(',2.0')).length >= 2`)
+
+		// It drains (as a relay would delete what it published): the
+		// charts fall back, and the rise stays drawn.
+		require.NoError(t, db.DB.Table(b.cfg.Tables.MessagesTable()).Where("topic = ?", "burst").Delete(&outbox.MessageRow{}).Error)
+		published.Add(200)
+		waitJS(t, ctx, `document.getElementById('chart-backlog').dataset.last === "6"`)
+		c = readChart(t, ctx, "backlog")
+		last := c.Points[len(c.Points)-1][1]
+		require.Greater(t, last, top, "the last point fell")
+		require.True(t, slices.ContainsFunc(c.Points, func(p [2]float64) bool { return p[1] == top }), "the peak is still drawn: %v", c.Points)
+		waitJS(t, ctx, `+document.getElementById('chart-oldest').dataset.last < 2*3600*1000`)
+		// The publish rate rose with the 200 published.
+		waitJS(t, ctx, `document.querySelector('#chart-rate polyline').getAttribute('points').split(' ').some(p => p.endsWith(',2.0'))`)
+
+		// The charts are drawn by the server as inline SVG: nothing is
+		// fetched for them.
+		require.Zero(t, eval[int](t, ctx, `document.querySelectorAll('#charts img, #charts canvas, #charts script').length`))
+		if db.Dialect == dbtest.SQLite { // one set of screenshots for the docs
+			screenshot(t, ctx, "ui-overview.png")
+		}
+	})
+}
+
 // ------------------------------------------------------------ dead letters
 
 func shownIDs(t *testing.T, ctx context.Context) []int64 {
@@ -502,9 +580,6 @@ func TestActionsThroughUI(t *testing.T) {
 		shots := db.Dialect == dbtest.SQLite // one set of screenshots for the docs
 		open(t, ctx, b.root)
 		require.Equal(t, "changes enabled", text(t, ctx, "#mode"))
-		if shots {
-			screenshot(t, ctx, "ui-overview.png")
-		}
 
 		// Requeue one dead letter from its page: its parked follower comes
 		// back with it.
@@ -748,7 +823,9 @@ func TestHostilePayloadRendersAsText(t *testing.T) {
 		requireInert := func(page string, literals ...string) {
 			t.Helper()
 			require.Equal(t, 1, eval[int](t, ctx, `document.querySelectorAll('script').length`), "%s: only the UI's own script", page)
-			require.Zero(t, eval[int](t, ctx, `document.querySelectorAll('main img, main svg, main b, main i').length`), "%s: no injected element", page)
+			// The overview's charts are the UI's own SVG, drawn from numbers.
+			require.Zero(t, eval[int](t, ctx, `[...document.querySelectorAll('main img, main svg, main b, main i')].filter(e => !e.closest('#charts')).length`),
+				"%s: no injected element", page)
 			require.True(t, eval[bool](t, ctx, `typeof window.pwned === 'undefined'`), page)
 			shown := eval[string](t, ctx, `document.querySelector('main').textContent`)
 			for _, l := range literals {

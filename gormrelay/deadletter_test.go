@@ -72,6 +72,7 @@ func TestDeadLetterForTheOnCall(t *testing.T) {
 				assert.Len(c, dead, 3)
 			}
 		}, 30*time.Second, 20*time.Millisecond)
+		const laterNote = `may have been delivered: it was sent in a batch whose earlier message "big" failed; the broker acknowledged it or did not answer, and the relay publishes it again`
 		byID := map[string]gormrelay.DeadLetter{}
 		for _, d := range dead {
 			byID[d.MessageID] = d
@@ -90,12 +91,13 @@ func TestDeadLetterForTheOnCall(t *testing.T) {
 		require.Equal(t, gormrelay.DeadLetterFailed, d.State)
 		require.True(t, strings.HasPrefix(d.LastError, `not authorized to write to topic "`+topic+`"; topic `+topic+`, partition 0; message id "first", key "k"`), d.LastError)
 		require.True(t, d.MaybeDelivered, d.LastError)
+		require.Equal(t, laterNote, d.DeliveryNote, "the note survives the message's own failure")
+		require.True(t, strings.HasSuffix(d.LastError, "\n"+laterNote), d.LastError)
 
 		d = byID["second"]
 		require.Equal(t, gormrelay.DeadLetterParked, d.State)
 		require.True(t, d.MaybeDelivered, d.LastError)
-		require.Equal(t, `may have been delivered: it was sent in a batch whose earlier message "big" failed; the broker acknowledged it or did not answer, and the relay publishes it again`,
-			d.DeliveryNote)
+		require.Equal(t, laterNote, d.DeliveryNote)
 
 		// It was: both reached the topic before they became dead letters.
 		got := map[string]bool{}

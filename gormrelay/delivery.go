@@ -17,11 +17,9 @@ import (
 // DeadLetter.MaybeDelivered and DeliveryNote read it back.
 const maybeDeliveredPrefix = "may have been delivered: "
 
-// The notes the store writes.
-const (
-	noteOutcomeUnknown = maybeDeliveredPrefix + "a publish was attempted and its outcome is unknown"
-	noteEarlierAttempt = maybeDeliveredPrefix + "an earlier publish of it may have been written to Kafka without being acknowledged"
-)
+// noteOutcomeUnknown is the note of a message whose publish may have
+// written it although the publisher reported it failed.
+const noteOutcomeUnknown = maybeDeliveredPrefix + "a publish was attempted and its outcome is unknown"
 
 // noteLaterAcked is the note of a message the broker acknowledged (or
 // whose outcome is unknown) after failedID, an earlier message of its

@@ -1254,8 +1254,10 @@ func bucketArray(bs []int) int8Array {
 // message's error text ends with a "may have been delivered: ..." line,
 // kept through its later failures, and the later messages of the batch
 // get that line as their last error (their attempts do not change). The
-// line moves with the row into the dead-letter table, where
-// DeadLetter.MaybeDelivered reports it.
+// line stays through the row's later failures and moves with it into the
+// dead-letter table, where DeadLetter.MaybeDelivered reports it. Recording
+// a failure without such a note reads the row's error text first to keep
+// its line: one more statement per failure.
 func (s *Store) RecordFailure(ctx context.Context, relayID string, lease relay.Lease, msg relay.Message, cause error) error {
 	db, ctx, cancel := s.op(ctx, "record publish failure")
 	defer cancel()
@@ -1264,14 +1266,23 @@ func (s *Store) RecordFailure(ctx context.Context, relayID string, lease relay.L
 		raw = cause.Error()
 	}
 	maybe, later := outcomeOf(cause)
-	text, sticky := errorText(raw, ""), errorText(raw, noteEarlierAttempt)
+	note := ""
 	if maybe {
-		text = errorText(raw, noteOutcomeUnknown)
-		sticky = text
+		note = noteOutcomeUnknown
+	} else {
+		// Keep what an earlier failure of the row noted. Only the relay
+		// holding the lease writes the row, so it cannot change between
+		// this read and the guarded update.
+		var old []sql.NullString
+		if err := db.Raw("SELECT last_error FROM "+s.messages+" WHERE id = ? AND bucket = ?", msg.ID, lease.Bucket).Scan(&old).Error; err != nil {
+			return s.fail(ctx, "record publish failure", err)
+		}
+		if len(old) == 1 && old[0].Valid {
+			note = DeliveryNote(old[0].String)
+		}
 	}
-	r := db.Exec("UPDATE "+s.messages+" SET attempts = attempts + 1, last_error = CASE WHEN last_error LIKE ? THEN ? ELSE ? END"+
-		" WHERE id = ? AND bucket = ? AND "+s.leaseHeld(),
-		"%"+maybeDeliveredPrefix+"%", sticky, text, msg.ID, lease.Bucket, lease.Bucket, relayID, lease.Term, nowMs())
+	r := db.Exec("UPDATE "+s.messages+" SET attempts = attempts + 1, last_error = ? WHERE id = ? AND bucket = ? AND "+s.leaseHeld(),
+		errorText(raw, note), msg.ID, lease.Bucket, lease.Bucket, relayID, lease.Term, nowMs())
 	if r.Error != nil {
 		return s.fail(ctx, "record publish failure", r.Error)
 	}

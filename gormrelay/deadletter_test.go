@@ -116,3 +116,39 @@ func recordOverhead(t *testing.T, m outbox.MessageRow) int {
 		Headers: []sarama.RecordHeader{{Key: []byte(publisher.MessageIDHeaderDefault), Value: []byte(m.MessageID)}}}
 	return pm.ByteSize(2)
 }
+
+// TestDeadLetterBrokerTooLarge: a record under the producer's limit that
+// the topic's max.message.bytes refuses is dead-lettered with the broker's
+// refusal in words and the record's size.
+func TestDeadLetterBrokerTooLarge(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
+		cluster := kafkatest.Start(t)
+		topic := cluster.Topic(t, 1, kafkatest.TopicConfig("max.message.bytes", "10000"))
+		k := publishertest.StartKafka(t, publisher.KafkaConfig{Brokers: cluster.Brokers(), Logger: dbtest.Logger(t)})
+
+		b.insert(t,
+			outbox.MessageRow{MessageID: "small", Topic: topic, Key: []byte("s"), Value: []byte("fits")},
+			outbox.MessageRow{MessageID: "wide", Topic: topic, Key: []byte("w"), Value: make([]byte, 20_000)})
+		startRelay(t, b.store, k, b.relayConfig(t, "broker-size"))
+
+		var dead []gormrelay.DeadLetter
+		require.EventuallyWithT(t, func(c *assert.CollectT) {
+			page, err := b.newAdmin(t).DeadLetters(context.Background(), gormrelay.DeadLetterQuery{})
+			if assert.NoError(c, err) {
+				dead = page.Items
+				assert.Len(c, dead, 1)
+			}
+		}, 30*time.Second, 20*time.Millisecond)
+		d := dead[0]
+		require.Equal(t, "wide", d.MessageID)
+		require.True(t, strings.HasPrefix(d.LastError, "record too large for the broker (MESSAGE_TOO_LARGE): the broker refused the record batch it travelled in; the record is 20,"), d.LastError)
+		require.Contains(t, d.LastError, " bytes, the producer's limit 1,000,000 (Producer.MaxMessageBytes); the topic's max.message.bytes (or the broker's message.max.bytes) is lower; topic "+topic+", partition 0; message id \"wide\", key \"w\"; sink error: ")
+		require.Contains(t, d.LastError, sarama.ErrMessageSizeTooLarge.Error())
+		require.False(t, d.MaybeDelivered, d.LastError)
+		// The small one was published (the relay split the refused batch).
+		recs := cluster.ReadAll(t, topic, 1, 30*time.Second)
+		require.Equal(t, "fits", string(recs[0].Value))
+	})
+}

@@ -64,14 +64,7 @@ func TestDeadLetterForTheOnCall(t *testing.T) {
 			outbox.MessageRow{MessageID: "second", Topic: topic, Key: []byte("k"), Value: []byte("2")})
 		startRelay(t, b.store, pub, b.relayConfig(t, "oncall"))
 
-		var dead []gormrelay.DeadLetter
-		require.EventuallyWithT(t, func(c *assert.CollectT) {
-			page, err := b.newAdmin(t).DeadLetters(context.Background(), gormrelay.DeadLetterQuery{})
-			if assert.NoError(c, err) {
-				dead = page.Items
-				assert.Len(c, dead, 3)
-			}
-		}, 30*time.Second, 20*time.Millisecond)
+		dead := b.waitDeadLetters(t, 3)
 		const laterNote = `may have been delivered: it was sent in a batch whose earlier message "big" failed; the broker acknowledged it or did not answer, and the relay publishes it again`
 		byID := map[string]gormrelay.DeadLetter{}
 		for _, d := range dead {
@@ -133,14 +126,7 @@ func TestDeadLetterBrokerTooLarge(t *testing.T) {
 			outbox.MessageRow{MessageID: "wide", Topic: topic, Key: []byte("w"), Value: make([]byte, 20_000)})
 		startRelay(t, b.store, k, b.relayConfig(t, "broker-size"))
 
-		var dead []gormrelay.DeadLetter
-		require.EventuallyWithT(t, func(c *assert.CollectT) {
-			page, err := b.newAdmin(t).DeadLetters(context.Background(), gormrelay.DeadLetterQuery{})
-			if assert.NoError(c, err) {
-				dead = page.Items
-				assert.Len(c, dead, 1)
-			}
-		}, 30*time.Second, 20*time.Millisecond)
+		dead := b.waitDeadLetters(t, 1)
 		d := dead[0]
 		require.Equal(t, "wide", d.MessageID)
 		require.True(t, strings.HasPrefix(d.LastError, "record too large for the broker (MESSAGE_TOO_LARGE): the broker refused the record batch it travelled in; the record is 20,"), d.LastError)
@@ -151,4 +137,19 @@ func TestDeadLetterBrokerTooLarge(t *testing.T) {
 		recs := cluster.ReadAll(t, topic, 1, 30*time.Second)
 		require.Equal(t, "fits", string(recs[0].Value))
 	})
+}
+
+// waitDeadLetters waits until the outbox holds n dead letters and returns
+// them.
+func (b *storeBundle) waitDeadLetters(t *testing.T, n int) []gormrelay.DeadLetter {
+	t.Helper()
+	var dead []gormrelay.DeadLetter
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		page, err := b.newAdmin(t).DeadLetters(context.Background(), gormrelay.DeadLetterQuery{})
+		if assert.NoError(c, err) {
+			dead = page.Items
+			assert.Len(c, dead, n)
+		}
+	}, 30*time.Second, 20*time.Millisecond)
+	return dead
 }

@@ -388,8 +388,27 @@ type DeadLetter struct {
 	CreatedAt time.Time
 	DeadAt    time.Time
 	Attempts  int
+	// LastError is the last publish error: its cause in plain words first,
+	// then the sink's own text. It ends with DeliveryNote's line when
+	// MaybeDelivered.
 	LastError string
 	State     DeadLetterState
+	// MaybeDelivered reports that an earlier copy of the message may
+	// already have reached Kafka, and so its consumers: the relay sent it
+	// and never learned the outcome, or the broker acknowledged it in a
+	// batch whose earlier message failed. Requeueing it may deliver it
+	// twice; a parked message with MaybeDelivered may have been seen by
+	// consumers before the dead letter of its key. False means the relay
+	// knows of no such copy.
+	MaybeDelivered bool
+	// DeliveryNote says why MaybeDelivered is true; "" otherwise.
+	DeliveryNote string
+}
+
+// setDelivery derives MaybeDelivered and DeliveryNote from LastError.
+func (d *DeadLetter) setDelivery() {
+	d.DeliveryNote = DeliveryNote(d.LastError)
+	d.MaybeDelivered = d.DeliveryNote != ""
 }
 
 // deadLetterJSON is the JSON form of a DeadLetter.
@@ -410,6 +429,9 @@ type deadLetterJSON struct {
 	Attempts    int             `json:"attempts"`
 	LastError   string          `json:"last_error,omitempty"`
 	State       DeadLetterState `json:"state"`
+	// MaybeDelivered and DeliveryNote are derived from LastError.
+	MaybeDelivered bool   `json:"maybe_delivered"`
+	DeliveryNote   string `json:"delivery_note,omitempty"`
 }
 
 type headerJSON struct {
@@ -425,7 +447,8 @@ type headerJSON struct {
 // text or base64 likewise. UnmarshalJSON reads it back.
 func (d DeadLetter) MarshalJSON() ([]byte, error) {
 	v := deadLetterJSON{ID: d.ID, MessageID: d.MessageID, Bucket: d.Bucket, Topic: d.Topic, ValueSize: d.ValueSize, Partition: d.Partition,
-		CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, Attempts: d.Attempts, LastError: d.LastError, State: d.State}
+		CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, Attempts: d.Attempts, LastError: d.LastError, State: d.State,
+		MaybeDelivered: d.MaybeDelivered, DeliveryNote: d.DeliveryNote}
 	v.Key, v.KeyBase64 = textOrBase64(d.Key)
 	v.Keyless = d.Key == nil
 	if d.Value != nil {
@@ -448,6 +471,7 @@ func (d *DeadLetter) UnmarshalJSON(b []byte) error {
 	}
 	out := DeadLetter{ID: v.ID, MessageID: v.MessageID, Bucket: v.Bucket, Topic: v.Topic, ValueSize: v.ValueSize, Partition: v.Partition,
 		CreatedAt: v.CreatedAt, DeadAt: v.DeadAt, Attempts: v.Attempts, LastError: v.LastError, State: v.State}
+	out.setDelivery()
 	var err error
 	if out.Key, err = fromTextOrBase64(v.Key, v.KeyBase64); err != nil {
 		return fmt.Errorf("outbox: dead letter %d: key_base64: %w", v.ID, err)
@@ -674,6 +698,7 @@ func (a *Admin) scanDeadLetters(db *gorm.DB, query string, full bool, args ...an
 		if lastError != nil {
 			d.LastError = *lastError
 		}
+		d.setDelivery()
 		if partition != nil {
 			p := int32(*partition)
 			d.Partition = &p

@@ -167,7 +167,7 @@ func TestAdminDeadLetters(t *testing.T) {
 		require.NoError(t, err)
 		require.JSONEq(t, fmt.Sprintf(`{"id":10,"message_id":"d-10","bucket":1,"topic":"orders","key":"k1","value_base64":"djEw","value_size":3,
 			"headers":[{"key":"trace","value":"abc"},{"key":"bin","value_base64":"/wA="}],"partition":3,
-			"created_at":%q,"dead_at":%q,"attempts":10,"last_error":"boom","state":"failed"}`,
+			"created_at":%q,"dead_at":%q,"attempts":10,"last_error":"boom","state":"failed","maybe_delivered":false}`,
 			d.CreatedAt.Format(time.RFC3339Nano), d.DeadAt.Format(time.RFC3339Nano)), string(js))
 		d12, err := admin.DeadLetter(ctx, 12)
 		require.NoError(t, err)

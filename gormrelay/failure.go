@@ -219,7 +219,12 @@ func (p *FailurePolicy) HandleFailure(ctx context.Context, f relay.Failure) (rel
 	}
 	text := "unknown error"
 	if f.Err != nil {
-		text = truncateUTF8(f.Err.Error(), lastErrorMax)
+		text = f.Err.Error()
+	}
+	if maybe, _ := outcomeOf(f.Err); maybe {
+		text = errorText(text, noteOutcomeUnknown)
+	} else {
+		text = errorText(text, "")
 	}
 	msg := f.Message
 	moved, err := p.move(ctx, "dead-letter message", f.RelayID, f.Lease, []int64{msg.ID}, DeadLetterFailed, &text)
@@ -426,7 +431,9 @@ func (p *FailurePolicy) move(ctx context.Context, name, relayID string, lease re
 				rows[i].deadAtMs = now
 				rows[i].state = state
 				if lastError != nil {
-					rows[i].lastError = lastError
+					// Keep what the row knows about an earlier copy.
+					t := withNote(*lastError, rows[i].lastError)
+					rows[i].lastError = &t
 				}
 			}
 			if err := insertRows(tx, p.dead, rows, true); err != nil {

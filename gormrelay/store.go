@@ -1247,20 +1247,56 @@ func bucketArray(bs []int) int8Array {
 
 // RecordFailure implements relay.FailureRecorder: it increments the
 // message's attempts and stores the error text, guarded by the lease.
+//
+// When the error says that records may have been written although they
+// were not acknowledged (publisher.Error.MaybeWritten and
+// LaterMaybeWritten), the store notes it on their rows: the failed
+// message's error text ends with a "may have been delivered: ..." line,
+// kept through its later failures, and the later messages of the batch
+// get that line as their last error (their attempts do not change). The
+// line stays through the row's later failures and moves with it into the
+// dead-letter table, where DeadLetter.MaybeDelivered reports it. Recording
+// a failure without such a note reads the row's error text first to keep
+// its line: one more statement per failure.
 func (s *Store) RecordFailure(ctx context.Context, relayID string, lease relay.Lease, msg relay.Message, cause error) error {
 	db, ctx, cancel := s.op(ctx, "record publish failure")
 	defer cancel()
-	text := "unknown error"
+	raw := "unknown error"
 	if cause != nil {
-		text = truncateUTF8(cause.Error(), lastErrorMax)
+		raw = cause.Error()
+	}
+	maybe, later := outcomeOf(cause)
+	note := ""
+	if maybe {
+		note = noteOutcomeUnknown
+	} else {
+		// Keep what an earlier failure of the row noted. Only the relay
+		// holding the lease writes the row, so it cannot change between
+		// this read and the guarded update.
+		var old []sql.NullString
+		if err := db.Raw("SELECT last_error FROM "+s.messages+" WHERE id = ? AND bucket = ?", msg.ID, lease.Bucket).Scan(&old).Error; err != nil {
+			return s.fail(ctx, "record publish failure", err)
+		}
+		if len(old) == 1 && old[0].Valid {
+			note = DeliveryNote(old[0].String)
+		}
 	}
 	r := db.Exec("UPDATE "+s.messages+" SET attempts = attempts + 1, last_error = ? WHERE id = ? AND bucket = ? AND "+s.leaseHeld(),
-		text, msg.ID, lease.Bucket, lease.Bucket, relayID, lease.Term, nowMs())
+		errorText(raw, note), msg.ID, lease.Bucket, lease.Bucket, relayID, lease.Term, nowMs())
 	if r.Error != nil {
 		return s.fail(ctx, "record publish failure", r.Error)
 	}
 	if r.RowsAffected == 0 {
 		if err := s.checkLease(db, relayID, lease); err != nil {
+			return s.fail(ctx, "record publish failure", err)
+		}
+	}
+	for chunk := range slices.Chunk(later, storeChunk) {
+		err := db.Exec("UPDATE "+s.messages+" SET last_error = ? WHERE bucket = ? AND message_id IN ?"+
+			" AND (last_error IS NULL OR last_error NOT LIKE ?) AND "+s.leaseHeld(),
+			noteLaterAcked(msg.MessageID), lease.Bucket, chunk, "%"+maybeDeliveredPrefix+"%",
+			lease.Bucket, relayID, lease.Term, nowMs()).Error
+		if err != nil {
 			return s.fail(ctx, "record publish failure", err)
 		}
 	}

@@ -34,6 +34,16 @@ const (
 	// UIThroughputWindow is the span over which the overview computes its
 	// rates.
 	UIThroughputWindow = time.Minute
+	// UIChartWindow is the span the overview's charts cover: its readings
+	// of the last ten minutes, one point per UIChartStep.
+	UIChartWindow = 10 * time.Minute
+	// UIChartStep is the least time between two points of a chart: the
+	// chart's last point follows the newest reading until it is a step
+	// after the point before it, and the next reading adds a point. So a
+	// chart holds at most UIChartWindow/UIChartStep + 1 points (301)
+	// however often the overview is read, and its last point is always
+	// the newest reading.
+	UIChartStep = 2 * time.Second
 	// UITokenLifetime is how long a form token of the UI stays valid: a
 	// form older than that is refused and must be reloaded.
 	UITokenLifetime = 12 * time.Hour
@@ -82,6 +92,8 @@ var uiTemplates = func() map[string]*template.Template {
 		"keyless":  func(k []byte) bool { return k == nil },
 		"unixms":   func(t time.Time) int64 { return t.UnixMilli() },
 		"truncate": truncate,
+		"cause":    ErrorCause,
+		"oneline":  func(s string) string { return strings.Join(strings.Fields(s), " ") },
 	}
 	base := template.Must(template.New("layout.html").Funcs(funcs).ParseFS(uiFiles, "ui/templates/layout.html"))
 	pages := map[string]*template.Template{}
@@ -123,7 +135,7 @@ type UI struct {
 	reading chan struct{} // holds a token while a Status reading runs
 
 	mu      sync.Mutex
-	samples []uiSample // overview readings within UIThroughputWindow, oldest first
+	samples []uiSample // overview readings within UIChartWindow, one per UIChartStep, oldest first
 	last    Status     // the last reading, valid while lastAt is set
 	lastAt  time.Time  // when it ended; zero before the first and after an action
 	lastFor time.Duration
@@ -339,6 +351,7 @@ func (u *UI) checkToken(tok string, now time.Time) error {
 type uiSample struct {
 	at        time.Time
 	pending   int64
+	oldestMs  int64
 	published float64
 }
 
@@ -356,32 +369,53 @@ type uiRates struct {
 }
 
 // sample records a reading and returns the rates against the oldest
-// reading within UIThroughputWindow.
-func (u *UI) sample(st Status) uiRates {
-	s := uiSample{at: st.SampledAt, pending: st.Pending}
+// reading within UIThroughputWindow, and the readings the charts draw.
+//
+// The readings are the overview's own: taken when a page asks for the
+// overview (at most one per reading shared by the open pages), kept for
+// UIChartWindow at one per UIChartStep. Nobody looking means no reading:
+// the charts start with the first page opened and show a gap as a
+// straight line between the readings around it.
+func (u *UI) sample(st Status) (uiRates, []uiSample) {
+	s := uiSample{at: st.SampledAt, pending: st.Pending, oldestMs: st.OldestAgeMs}
 	if u.opts.Published != nil {
 		s.published = u.opts.Published()
 	}
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	u.samples = slices.DeleteFunc(u.samples, func(o uiSample) bool { return s.at.Sub(o.at) > UIThroughputWindow })
-	if !slices.ContainsFunc(u.samples, func(o uiSample) bool { return o.at.Equal(s.at) }) {
-		u.samples = append(u.samples, s) // a reading served again is one sample
+	u.samples = slices.DeleteFunc(u.samples, func(o uiSample) bool { return s.at.Sub(o.at) >= UIChartWindow })
+	switch n := len(u.samples); {
+	case slices.ContainsFunc(u.samples, func(o uiSample) bool { return o.at.Equal(s.at) }):
+		// a reading served again is one sample
+	case n >= 2 && u.samples[n-1].at.Sub(u.samples[n-2].at) < UIChartStep && s.at.After(u.samples[n-1].at):
+		// The last point is less than a step after the one before it: it
+		// follows the newest reading until it is a step away.
+		u.samples[n-1] = s
+	default:
+		u.samples = append(u.samples, s)
+		slices.SortFunc(u.samples, func(a, b uiSample) int { return a.at.Compare(b.at) })
 	}
-	slices.SortFunc(u.samples, func(a, b uiSample) int { return a.at.Compare(b.at) })
-	first, last := u.samples[0], u.samples[len(u.samples)-1]
+	last := u.samples[len(u.samples)-1]
+	first := last
+	for _, o := range u.samples {
+		if last.at.Sub(o.at) <= UIThroughputWindow {
+			first = o
+			break
+		}
+	}
 	rates := uiRates{HasPublished: u.opts.Published != nil}
 	if d := last.at.Sub(first.at); d >= time.Second {
 		rates.Window = d.Round(time.Second)
 		rates.BacklogChange = float64(last.pending-first.pending) / d.Seconds()
 		rates.Published = max(last.published-first.published, 0) / d.Seconds()
 	}
-	return rates
+	return rates, slices.Clone(u.samples)
 }
 
 type uiOverview struct {
 	Status Status
 	Rates  uiRates
+	Charts []uiChart
 	Paused []int
 }
 
@@ -445,7 +479,8 @@ func (u *UI) readOverview(ctx context.Context) (uiOverview, error) {
 	if err != nil {
 		return uiOverview{}, err
 	}
-	o := uiOverview{Status: st, Rates: u.sample(st)}
+	rates, samples := u.sample(st)
+	o := uiOverview{Status: st, Rates: rates, Charts: u.charts(samples)}
 	for _, b := range st.Buckets {
 		if b.Lease.Paused {
 			o.Paused = append(o.Paused, b.Bucket)
@@ -975,9 +1010,18 @@ func quoteKey(k []byte) string {
 	return fmtKey(k)
 }
 
+// truncate shortens s to about n characters for a table cell, at a word
+// boundary when there is one in the last third, and marks the cut with
+// "…"; the detail view shows the whole text.
 func truncate(n int, s string) string {
 	if utf8.RuneCountInString(s) <= n {
 		return s
 	}
-	return string([]rune(s)[:n]) + "…"
+	r := []rune(s)[:n]
+	for i := n - 1; i > n*2/3; i-- {
+		if r[i] == ' ' {
+			return string(r[:i]) + " …"
+		}
+	}
+	return string(r) + "…"
 }

@@ -2,6 +2,7 @@ package gormrelay
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -78,18 +79,18 @@ func TestUIRates(t *testing.T) {
 	var mu sync.Mutex
 	u := NewUI(nil, UIOptions{Published: func() float64 { mu.Lock(); defer mu.Unlock(); return published }})
 	t0 := time.Now()
-	r := u.sample(Status{SampledAt: t0, Pending: 100})
+	r, _ := u.sample(Status{SampledAt: t0, Pending: 100})
 	require.Zero(t, r.Window, "one reading has no rate")
 	require.True(t, r.HasPublished)
 	mu.Lock()
 	published = 50
 	mu.Unlock()
-	r = u.sample(Status{SampledAt: t0.Add(10 * time.Second), Pending: 80})
+	r, _ = u.sample(Status{SampledAt: t0.Add(10 * time.Second), Pending: 80})
 	require.Equal(t, 10*time.Second, r.Window)
 	require.InDelta(t, 5.0, r.Published, 1e-9)
 	require.InDelta(t, -2.0, r.BacklogChange, 1e-9)
 	// Readings older than the window are dropped.
-	r = u.sample(Status{SampledAt: t0.Add(UIThroughputWindow + 5*time.Second), Pending: 80})
+	r, _ = u.sample(Status{SampledAt: t0.Add(UIThroughputWindow + 5*time.Second), Pending: 80})
 	require.Equal(t, UIThroughputWindow-5*time.Second, r.Window, "compared with the reading at 10s; the one at 0s is too old")
 	require.InDelta(t, 0, r.BacklogChange, 1e-9)
 	require.InDelta(t, 0, r.Published, 1e-9)
@@ -106,6 +107,51 @@ func TestUIRates(t *testing.T) {
 	wg.Wait()
 }
 
+// The charts keep one point per UIChartStep over UIChartWindow however
+// often the overview is read, and their last point follows the newest
+// reading.
+func TestUIChartReadings(t *testing.T) {
+	t.Parallel()
+	u := NewUI(nil, UIOptions{})
+	t0 := time.Now()
+	var got []uiSample
+	for i := range 20_000 { // a reading every 100ms for 33 minutes
+		_, got = u.sample(Status{SampledAt: t0.Add(time.Duration(i) * 100 * time.Millisecond), Pending: int64(i)})
+		require.LessOrEqual(t, len(got), int(UIChartWindow/UIChartStep)+1)
+		require.Equal(t, int64(i), got[len(got)-1].pending, "the last point is the newest reading")
+	}
+	require.GreaterOrEqual(t, len(got), int(UIChartWindow/UIChartStep))
+	require.LessOrEqual(t, got[len(got)-1].at.Sub(got[0].at), UIChartWindow)
+	for i := 1; i < len(got)-1; i++ {
+		require.GreaterOrEqual(t, got[i].at.Sub(got[i-1].at), UIChartStep)
+	}
+}
+
+func TestUIChartDrawing(t *testing.T) {
+	t.Parallel()
+	t0 := time.Now()
+	at := []time.Time{t0, t0.Add(time.Minute), t0.Add(2 * time.Minute)}
+	count := func(v float64) string { return fmt.Sprint(v) }
+	c := drawChart(uiChart{ID: "backlog"}, at, []float64{0, 10, 5}, count)
+	require.Equal(t, "0.0,58.0 120.0,2.0 240.0,30.0", c.Line, "0 at the bottom, the highest value at the top")
+	require.Equal(t, "0.0,58.0 0.0,58.0 120.0,2.0 240.0,30.0 240.0,58.0", c.Area)
+	require.Equal(t, 5.0, c.Last)
+	require.Equal(t, "5", c.Now)
+	require.Equal(t, "0", c.Low)
+	require.Equal(t, "10", c.High)
+	require.Equal(t, "2m0s", c.Span)
+
+	c = drawChart(uiChart{ID: "rate"}, at, []float64{-4, 0, 4}, count)
+	require.Equal(t, "0.0,58.0 120.0,30.0 240.0,2.0", c.Line, "a negative value lowers the bottom")
+	require.Equal(t, "-4", c.Low)
+
+	c = drawChart(uiChart{ID: "backlog"}, at[:1], []float64{0}, count)
+	require.Equal(t, "236.0,58.0 240.0,58.0", c.Line, "one reading: a short line ending now")
+	c = drawChart(uiChart{ID: "backlog"}, nil, nil, count)
+	require.Empty(t, c.Line)
+	require.Equal(t, "–", c.Now)
+}
+
 func TestUIFormatting(t *testing.T) {
 	t.Parallel()
 	for d, want := range map[time.Duration]string{
@@ -120,6 +166,7 @@ func TestUIFormatting(t *testing.T) {
 	require.Equal(t, "0xff00", fmtKey([]byte{0xff, 0}))
 	require.Equal(t, `"order-1"`, quoteKey([]byte("order-1")))
 	require.Equal(t, "ab…", truncate(2, "abc"))
+	require.Equal(t, "record too large: …", truncate(20, "record too large: 1,234,567 bytes"), "cut at a word boundary")
 	require.Equal(t, "abc", truncate(3, "abc"))
 
 	for s, ok := range map[string]bool{

@@ -224,6 +224,21 @@
 // that does not exist yet may be created by a deploy in progress; the
 // relay's MaxAttempts still bounds how long a bucket waits for it.
 //
+// The *Error of a failed message reads cause first, in plain words with
+// its numbers, then where, then the client's own text:
+//
+//	record too large: 1,234,567 bytes, limit 1,000,000 (Producer.MaxMessageBytes); topic orders, partition 3; message id "m-1", key "order-42"; sink error: permanent: publisher: message too large: kafka: invalid configuration (...)
+//
+// Error.Cause gives the first part alone. The message is named by its id,
+// topic and key; Error.Index, its position in the batch, is not in the
+// text. The error also says which records may have been written although
+// they were not acknowledged (Error.MaybeWritten, Error.LaterMaybeWritten):
+// the relay's GORM store notes them on the rows, and a dead letter then
+// reports that an earlier copy may already have been delivered. Topic
+// names Kafka never accepts (empty, over 249 characters, characters other
+// than a-z, A-Z, 0-9, '.', '_' and '-') are refused before anything is
+// sent, as a permanent error wrapping sarama.ErrInvalidTopic.
+//
 // # Kafka: a producer that cannot make progress
 //
 // An idempotent producer can end up out of step with the brokers after

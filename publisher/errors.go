@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strconv"
 	"strings"
 	"syscall"
+	"unicode/utf8"
 
 	"github.com/IBM/sarama"
 	"github.com/eapache/go-resiliency/breaker"
@@ -29,15 +31,22 @@ var errClosed = relay.Unavailable(ErrClosed)
 var ErrTooLarge = errors.New("publisher: message too large")
 
 // Error is the error Publish returns for the first message of a batch that
-// the sink did not acknowledge. Index is that message's position in the
-// batch. For Kafka and Func it equals the acked count Publish returned
-// alongside; Transactional acknowledges nothing of a failed batch (acked is
-// 0) and Index names the message whose failure aborted the transaction.
+// the sink did not acknowledge. It names the message by its id, topic and
+// key; Index, its position in the batch, is only there for the relay (see
+// FailedIndex). For Kafka and Func Index equals the acked count Publish
+// returned alongside; Transactional acknowledges nothing of a failed batch
+// (acked is 0) and Index names the message whose failure aborted the
+// transaction.
 //
 // Err is the cause. For a cause that retrying cannot fix, Err is a
 // *relay.PermanentError, so relay.IsPermanent(err) reports true for the
 // *Error too; errors.Is reaches through to the client's error, for example
 // sarama.ErrTopicAuthorizationFailed.
+//
+// Error() puts the cause first in plain words with its numbers, then
+// where (topic, partition, message id, key), then the client's own text:
+//
+//	record too large: 1,234,567 bytes, limit 1,000,000 (Producer.MaxMessageBytes); topic orders, partition 3; message id "m-1", key "order-42"; sink error: publisher: message too large: kafka: invalid configuration (...)
 type Error struct {
 	// Index is the position of the failed message in the batch.
 	Index int
@@ -45,12 +54,183 @@ type Error struct {
 	MessageID string
 	// Topic is the failed message's topic.
 	Topic string
+	// Key is the failed message's key; nil for a keyless message.
+	Key []byte
+	// Partition is the partition the message was sent to, nil when it was
+	// not chosen yet (the producer refused the record before partitioning
+	// it).
+	Partition *int32
+	// Size is the record's size in bytes as the producer counts it against
+	// its MaxMessageBytes, and Limit that MaxMessageBytes; both are set
+	// when the message was too large (IsTooLarge), 0 otherwise.
+	Size, Limit int
+	// MaybeWritten reports that the failed message may have been written
+	// to Kafka although it was reported failed: the produce request went
+	// out and its answer was lost (a timeout, a broken connection), so a
+	// consumer may see this copy and the one the relay publishes next.
+	MaybeWritten bool
+	// LaterMaybeWritten are the MessageIDs of later messages of the batch
+	// that the brokers acknowledged, or whose outcome is unknown, although
+	// they are not in the acknowledged prefix: the relay publishes them
+	// again, and a consumer may already have them. Kafka only; empty for
+	// Transactional (a failed transaction is aborted).
+	LaterMaybeWritten []string
 	// Err is the cause.
 	Err error
 }
 
 func (e *Error) Error() string {
-	return fmt.Sprintf("publisher: message %d (id %q, topic %q): %v", e.Index, e.MessageID, e.Topic, e.Err)
+	var sb strings.Builder
+	sb.WriteString(e.Cause())
+	sb.WriteString("; topic ")
+	if e.Topic == "" {
+		sb.WriteString("(none)")
+	} else {
+		sb.WriteString(e.Topic)
+	}
+	if e.Partition != nil {
+		sb.WriteString(", partition ")
+		sb.WriteString(strconv.Itoa(int(*e.Partition)))
+	}
+	sb.WriteString("; message id ")
+	sb.WriteString(strconv.Quote(e.MessageID))
+	if e.Key != nil {
+		sb.WriteString(", key ")
+		sb.WriteString(quoteKey(e.Key))
+	}
+	sb.WriteString("; sink error: ")
+	if e.Err == nil {
+		sb.WriteString("unknown")
+	} else {
+		sb.WriteString(e.Err.Error())
+	}
+	return sb.String()
+}
+
+// Cause says in plain words, with its numbers, why the message failed:
+// the first part of Error() without the message's coordinates and the
+// client's text. It recognizes a record too large for the producer
+// (Producer.MaxMessageBytes) or for the broker (MESSAGE_TOO_LARGE), a
+// missing, invalid or unknown topic, a partition the topic does not have,
+// a refused authorization, and otherwise says whether the relay retries.
+func (e *Error) Cause() string {
+	err := e.Err
+	switch {
+	case clientTooLarge(err) || (IsTooLarge(err) && !brokerTooLarge(err)):
+		size, limit := e.Size, e.Limit
+		if size == 0 || limit == 0 {
+			size, limit = clientSizes(err)
+		}
+		if size > 0 && limit > 0 {
+			return "record too large: " + groupDigits(size) + " bytes, limit " + groupDigits(limit) + " (Producer.MaxMessageBytes)"
+		}
+		return "record too large for the producer (Producer.MaxMessageBytes)"
+	case brokerTooLarge(err):
+		s := "record too large for the broker (MESSAGE_TOO_LARGE): the broker refused the record batch it travelled in"
+		if e.Size > 0 {
+			s += "; the record is " + groupDigits(e.Size) + " bytes"
+			if e.Limit > 0 {
+				s += ", the producer's limit " + groupDigits(e.Limit) + " (Producer.MaxMessageBytes)"
+			}
+		}
+		return s + "; the topic's max.message.bytes (or the broker's message.max.bytes) is lower"
+	case errors.Is(err, errNoTopic):
+		return "message has no topic"
+	case errors.Is(err, sarama.ErrInvalidTopic):
+		return "invalid topic name " + strconv.Quote(e.Topic) + ": Kafka topic names are 1 to 249 characters of a-z, A-Z, 0-9, '.', '_' and '-'"
+	case errors.Is(err, sarama.ErrUnknownTopicOrPartition):
+		return "unknown topic " + strconv.Quote(e.Topic) + ": the cluster has no such topic (or partition); create it, or enable auto.create.topics.enable"
+	case errors.Is(err, sarama.ErrInvalidPartition):
+		return "partition does not exist in topic " + strconv.Quote(e.Topic) + " (a pinned partition beyond its partition count, or negative)"
+	case errors.Is(err, sarama.ErrTopicAuthorizationFailed):
+		return "not authorized to write to topic " + strconv.Quote(e.Topic)
+	case errors.Is(err, sarama.ErrClusterAuthorizationFailed):
+		return "not authorized by the cluster (idempotent or transactional writes need the cluster IdempotentWrite permission)"
+	case relay.IsPermanent(err):
+		return "publish refused (permanent: the relay does not retry it)"
+	case relay.IsUnavailable(err):
+		return "publish failed: Kafka was unavailable (the relay retries it)"
+	}
+	return "publish failed (the relay retries it)"
+}
+
+// clientSizes reads the record size and the limit out of sarama's
+// "Attempt to produce message larger than configured
+// Producer.MaxMessageBytes: %d > %d", or returns zeros.
+func clientSizes(err error) (size, limit int) {
+	var ce sarama.ConfigurationError
+	if !errors.As(err, &ce) {
+		return 0, 0
+	}
+	s := string(ce)
+	i := strings.LastIndex(s, ": ")
+	if i < 0 {
+		return 0, 0
+	}
+	if _, err := fmt.Sscanf(s[i+2:], "%d > %d", &size, &limit); err != nil {
+		return 0, 0
+	}
+	return size, limit
+}
+
+// groupDigits writes n with a comma every three digits: 1,234,567.
+func groupDigits(n int) string {
+	s := strconv.Itoa(n)
+	neg := strings.HasPrefix(s, "-")
+	s = strings.TrimPrefix(s, "-")
+	var sb strings.Builder
+	if neg {
+		sb.WriteByte('-')
+	}
+	for i, c := range s {
+		if i > 0 && (len(s)-i)%3 == 0 {
+			sb.WriteByte(',')
+		}
+		sb.WriteRune(c)
+	}
+	return sb.String()
+}
+
+// keyShown is how many bytes of a key an error quotes.
+const keyShown = 64
+
+// quoteKey quotes a key for an error: Go-quoted text, cut at keyShown
+// bytes (on a rune boundary) with its full length after it.
+func quoteKey(k []byte) string {
+	if len(k) <= keyShown {
+		return strconv.Quote(string(k))
+	}
+	n := keyShown
+	for n > 0 && !utf8.RuneStart(k[n]) {
+		n--
+	}
+	return strconv.Quote(string(k[:n])) + "... (" + groupDigits(len(k)) + " bytes)"
+}
+
+// outcomeUnknown reports whether a producer error leaves open whether the
+// record was written: the request went out and its answer did not come
+// back (a timeout, a connection broken mid-request), or the leader wrote
+// it but too few replicas followed.
+func outcomeUnknown(err error) bool {
+	for _, e := range []error{
+		sarama.ErrRequestTimedOut, sarama.ErrNotEnoughReplicasAfterAppend, sarama.ErrIncompleteResponse,
+		sarama.ErrNetworkException, io.EOF, io.ErrUnexpectedEOF, syscall.ECONNRESET, syscall.EPIPE,
+	} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// MaybeWrittenIDs returns MaybeWritten and LaterMaybeWritten: whether the
+// failed message, and which later messages of the batch, may have been
+// written although they were not acknowledged. The relay's GORM store
+// reads it to note on those messages that a copy may already have been
+// delivered.
+func (e *Error) MaybeWrittenIDs() (failed bool, later []string) {
+	return e.MaybeWritten, e.LaterMaybeWritten
 }
 
 // Unwrap returns the cause.

@@ -25,7 +25,7 @@ func ExampleFunc() {
 	fmt.Println(acked, err, relay.IsPermanent(err))
 	// Output:
 	// delivered a to orders
-	// 1 publisher: message 1 (id "b", topic "orders"): permanent: empty payload true
+	// 1 publish refused (permanent: the relay does not retry it); topic orders; message id "b"; sink error: permanent: empty payload true
 }
 
 func ExampleKeyPartition() {

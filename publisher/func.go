@@ -31,7 +31,7 @@ func (f Func) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
 			return i, err
 		}
 		if err := f(ctx, msgs[i]); err != nil {
-			return i, &Error{Index: i, MessageID: msgs[i].MessageID, Topic: msgs[i].Topic, Err: err}
+			return i, newError(i, &msgs[i], err)
 		}
 	}
 	return len(msgs), nil

@@ -184,7 +184,10 @@ func TestErrorWrapping(t *testing.T) {
 	var err error = fmt.Errorf("relay: %w", e)
 	require.ErrorIs(t, err, sarama.ErrTopicAuthorizationFailed)
 	require.True(t, relay.IsPermanent(err))
-	require.Contains(t, err.Error(), `message 2 (id "m", topic "t")`)
+	require.Equal(t, `not authorized to write to topic "t"; topic t; message id "m"; sink error: permanent: `+sarama.ErrTopicAuthorizationFailed.Error(),
+		e.Error())
+	require.Contains(t, err.Error(), e.Error())
+	require.NotContains(t, err.Error(), "message 2")
 }
 
 func TestPartitioner(t *testing.T) {

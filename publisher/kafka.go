@@ -316,6 +316,9 @@ func (c *call) underRetry() bool {
 type result struct {
 	index int
 	err   error
+	// partition is where the producer sent the message, -1 if it did not
+	// choose one (it refused the record first).
+	partition int32
 }
 
 // envelope travels through sarama in ProducerMessage.Metadata.
@@ -443,13 +446,29 @@ func deliver(logger *slog.Logger, msg *sarama.ProducerMessage, err error) {
 		env.acked.Store(true)
 	}
 	select {
-	case env.call.results <- result{index: env.index, err: err}:
+	case env.call.results <- result{index: env.index, err: err, partition: partitionOf(msg, env, err)}:
 	default:
 		// sarama reports each message exactly once; a second report would
 		// overflow the buffer. Never block the dispatcher on it.
 		logger.Warn("kafka producer reported a message twice",
 			slog.String("topic", msg.Topic), slog.Int("index", env.index))
 	}
+}
+
+// partitionOf is the partition the producer sent msg to, or -1 when it
+// refused the record before choosing one: a configuration error (too
+// large for Producer.MaxMessageBytes), or a topic whose metadata it could
+// not find.
+func partitionOf(msg *sarama.ProducerMessage, env *envelope, err error) int32 {
+	if env.pinned {
+		return env.partition
+	}
+	var ce sarama.ConfigurationError
+	if err != nil && (errors.As(err, &ce) || errors.Is(err, sarama.ErrUnknownTopicOrPartition) ||
+		errors.Is(err, sarama.ErrInvalidTopic) || errors.Is(err, errHeldBack)) {
+		return -1
+	}
+	return msg.Partition
 }
 
 // Publish sends msgs to Kafka, all at once, and waits until the producer
@@ -548,7 +567,7 @@ func (k *Kafka) send(ctx context.Context, p *producer, msgs []relay.Message) (c 
 	for i := range msgs {
 		m := &msgs[i]
 		if err := checkMessage(m); err != nil {
-			return c, i, &Error{Index: i, MessageID: m.MessageID, Topic: m.Topic, Err: err}
+			return c, i, newError(i, m, err)
 		}
 		env := &envs[i]
 		*env = envelope{call: c, index: i}
@@ -631,10 +650,30 @@ func checkMessage(m *relay.Message) error {
 	if m.Topic == "" {
 		return errNoTopic
 	}
+	if !validTopic(m.Topic) {
+		return relay.Permanent(fmt.Errorf("%w: %q", sarama.ErrInvalidTopic, m.Topic))
+	}
 	if m.Partition != nil && *m.Partition < 0 {
 		return relay.Permanent(fmt.Errorf("%w: %d", sarama.ErrInvalidPartition, *m.Partition))
 	}
 	return nil
+}
+
+// validTopic reports whether Kafka accepts name as a topic name: 1 to 249
+// characters of a-z, A-Z, 0-9, '.', '_' and '-', and neither "." nor "..".
+// A broker answers any other name with INVALID_TOPIC_EXCEPTION, or, for a
+// producer looking up its metadata, as if the topic did not exist.
+func validTopic(name string) bool {
+	if len(name) == 0 || len(name) > 249 || name == "." || name == ".." {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return false
+		}
+	}
+	return true
 }
 
 // collect waits for the results of the sent messages and computes the
@@ -644,12 +683,13 @@ func (k *Kafka) collect(ctx context.Context, msgs []relay.Message, c *call, sent
 	var (
 		done   = make([]bool, sent)
 		errs   = make([]error, sent)
+		parts  = make([]int32, sent)
 		got    int
 		prefix int // leading acknowledged messages
 	)
 	record := func(r result) {
 		got++
-		done[r.index], errs[r.index] = true, r.err
+		done[r.index], errs[r.index], parts[r.index] = true, r.err, r.partition
 		for prefix < sent && done[prefix] && errs[prefix] == nil {
 			prefix++
 		}
@@ -683,14 +723,14 @@ func (k *Kafka) collect(ctx context.Context, msgs []relay.Message, c *call, sent
 			break
 		}
 		if prefix < sent && done[prefix] {
-			return prefix, k.failure(msgs, prefix, errs[prefix], prefix)
+			return prefix, k.failure(msgs, prefix, errs, parts, done, prefix)
 		}
 		k.logger.DebugContext(ctx, "publish interrupted",
 			slog.Int("acked", prefix), slog.Int("pending", sent-got), slog.Any("error", ctx.Err()))
 		return prefix, ctx.Err()
 	}
 	if prefix < sent {
-		return prefix, k.failure(msgs, prefix, errs[prefix], prefix)
+		return prefix, k.failure(msgs, prefix, errs, parts, done, prefix)
 	}
 	if stop != nil {
 		return sent, stop
@@ -698,14 +738,59 @@ func (k *Kafka) collect(ctx context.Context, msgs []relay.Message, c *call, sent
 	return sent, nil
 }
 
-// failure builds the *Error for msgs[i] and logs it.
-func (k *Kafka) failure(msgs []relay.Message, i int, err error, acked int) error {
+// failure builds the *Error for msgs[i] and logs it. errs, parts and
+// done are the results of the sent messages (done[j]: a result came for
+// msgs[j]).
+func (k *Kafka) failure(msgs []relay.Message, i int, errs []error, parts []int32, done []bool, acked int) error {
 	m := &msgs[i]
-	e := &Error{Index: i, MessageID: m.MessageID, Topic: m.Topic, Err: classify(err)}
+	err := errs[i]
+	e := newError(i, m, classify(err))
+	if p := parts[i]; p >= 0 {
+		e.Partition = &p
+	}
+	if IsTooLarge(e.Err) {
+		e.Size, e.Limit = clientSizes(err)
+		if e.Size == 0 {
+			e.Size, e.Limit = recordBytes(m, k.idHeader), k.sc.Producer.MaxMessageBytes
+		}
+	}
+	e.MaybeWritten = outcomeUnknown(err)
+	for j := i + 1; j < len(done); j++ {
+		// Acknowledged after a failed message, or sent with no answer
+		// (ctx ended) or an answer that leaves the outcome open.
+		if !done[j] || errs[j] == nil || outcomeUnknown(errs[j]) {
+			e.LaterMaybeWritten = append(e.LaterMaybeWritten, msgs[j].MessageID)
+		}
+	}
 	k.logger.Debug("publish failed",
 		slog.Int("index", i), slog.String("message_id", m.MessageID), slog.String("topic", m.Topic),
 		slog.Int("acked", acked), slog.Bool("permanent", relay.IsPermanent(e.Err)), slog.Any("error", err))
 	return e
+}
+
+// newError is the *Error of msgs[i] failing with err.
+func newError(i int, m *relay.Message, err error) *Error {
+	return &Error{Index: i, MessageID: m.MessageID, Topic: m.Topic, Key: m.Key, Partition: m.Partition, Err: err}
+}
+
+// recordBytes is m's size as the producer counts it against
+// Producer.MaxMessageBytes (record format v2), with the message-id header
+// named idHeader.
+func recordBytes(m *relay.Message, idHeader []byte) int {
+	pm := sarama.ProducerMessage{}
+	if m.Key != nil {
+		pm.Key = sarama.ByteEncoder(m.Key)
+	}
+	if m.Value != nil {
+		pm.Value = sarama.ByteEncoder(m.Value)
+	}
+	for _, h := range m.Headers {
+		pm.Headers = append(pm.Headers, sarama.RecordHeader{Key: []byte(h.Key), Value: h.Value})
+	}
+	if m.MessageID != "" {
+		pm.Headers = append(pm.Headers, sarama.RecordHeader{Key: idHeader, Value: []byte(m.MessageID)})
+	}
+	return pm.ByteSize(2)
 }
 
 // observe updates the producer's health after a publish through p and

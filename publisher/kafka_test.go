@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -274,6 +276,19 @@ func TestKafkaSizeBand(t *testing.T) {
 	require.Equal(t, msgs[3].MessageID, perr.MessageID)
 	var cerr sarama.ConfigurationError
 	require.ErrorAs(t, err, &cerr, "sarama rejected it client-side")
+	// The cause comes first, in words and with its numbers; then where;
+	// then sarama's own text, whole.
+	size := publisher.MaxMessageBytesDefault + 1
+	require.Equal(t, size, perr.Size)
+	require.Equal(t, publisher.MaxMessageBytesDefault, perr.Limit)
+	require.Nil(t, perr.Partition, "refused before it was partitioned")
+	require.False(t, perr.MaybeWritten, "refused before it was sent")
+	require.True(t, strings.HasPrefix(err.Error(),
+		`record too large: 1,000,001 bytes, limit 1,000,000 (Producer.MaxMessageBytes); topic `+topic+`; message id "`+msgs[3].MessageID+`", key "`),
+		"%v", err)
+	require.Contains(t, err.Error(), "; sink error: permanent: publisher: message too large: "+cerr.Error())
+	require.Contains(t, cerr.Error(), "1000001 > 1000000")
+	require.NotContains(t, err.Error(), "message 3", "a batch position is no identity")
 
 	// The record after the oversized one, of the same key, is held back
 	// (see TestKafkaPartialFailure); the oversized one is never written.
@@ -299,6 +314,24 @@ func TestKafkaBrokerRejectsTooLarge(t *testing.T) {
 	require.ErrorIs(t, err, sarama.ErrMessageSizeTooLarge)
 	require.True(t, publisher.IsTooLarge(err))
 	require.True(t, relay.IsPermanent(err))
+	var perr *publisher.Error
+	require.ErrorAs(t, err, &perr)
+	require.NotNil(t, perr.Partition)
+	require.Equal(t, int32(0), *perr.Partition)
+	require.Greater(t, perr.Size, 20_000)
+	require.True(t, strings.HasPrefix(err.Error(), "record too large for the broker (MESSAGE_TOO_LARGE): the broker refused the record batch it travelled in; "+
+		"the record is "+groupDigits(perr.Size)+" bytes, the producer's limit 1,000,000 (Producer.MaxMessageBytes); the topic's max.message.bytes"), "%v", err)
+	require.Contains(t, err.Error(), "; topic "+topic+", partition 0; message id ")
+	require.Contains(t, err.Error(), sarama.ErrMessageSizeTooLarge.Error())
+}
+
+// groupDigits writes n with thousands separators, as the errors do.
+func groupDigits(n int) string {
+	s := strconv.Itoa(n)
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
 }
 
 // TestKafkaPartialFailure is the case that decides what at-least-once means
@@ -324,6 +357,12 @@ func TestKafkaPartialFailure(t *testing.T) {
 	require.Zero(t, acked)
 	require.True(t, relay.IsPermanent(err))
 	require.True(t, publisher.IsTooLarge(err))
+	// The other key's message is written but outside the acknowledged
+	// prefix: the error says a copy of it may be out already. Rows 2 and 3
+	// were held back, never written.
+	var perr *publisher.Error
+	require.ErrorAs(t, err, &perr)
+	require.Equal(t, []string{other.MessageID}, perr.LaterMaybeWritten)
 
 	// Publish waited for every result of the batch, so what the broker
 	// holds is final: only the message of the other key.
@@ -358,6 +397,23 @@ func TestKafkaUnknownTopicIsRetryable(t *testing.T) {
 	require.Zero(t, acked)
 	require.ErrorIs(t, err, sarama.ErrUnknownTopicOrPartition)
 	require.False(t, relay.IsPermanent(err), "%v", err)
+	require.True(t, strings.HasPrefix(err.Error(), `unknown topic "no-such-topic": the cluster has no such topic`), "%v", err)
+}
+
+func TestKafkaInvalidTopicIsNamed(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	k := newKafka(t, c)
+
+	acked, err := k.Publish(testCtx(t), publishertest.Messages("no spaces allowed", "x", 1))
+	require.Zero(t, acked)
+	require.True(t, relay.IsPermanent(err), "%v", err)
+	require.True(t, strings.HasPrefix(err.Error(), `invalid topic name "no spaces allowed": Kafka topic names are`), "%v", err)
+	require.ErrorIs(t, err, sarama.ErrInvalidTopic)
+
+	acked, err = k.Publish(testCtx(t), publishertest.Messages("", "x", 1))
+	require.Zero(t, acked)
+	require.True(t, strings.HasPrefix(err.Error(), `message has no topic; topic (none); message id "x-`), "%v", err)
 }
 
 func TestKafkaAuthorizationFailureIsPermanent(t *testing.T) {

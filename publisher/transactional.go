@@ -571,7 +571,7 @@ func (t *Transactional) build(msgs []relay.Message) (*txBatch, error) {
 	for i := range msgs {
 		m := &msgs[i]
 		if err := checkMessage(m); err != nil {
-			return nil, &Error{Index: i, MessageID: m.MessageID, Topic: m.Topic, Err: err}
+			return nil, newError(i, m, err)
 		}
 		env := &b.envs[i]
 		*env = envelope{call: b.call, index: i}
@@ -598,8 +598,10 @@ func (t *Transactional) build(msgs []relay.Message) (*txBatch, error) {
 		// The size sarama's dispatcher checks, record format v2 (the
 		// enforced Version is at least 0.11).
 		if size := pm.ByteSize(2); size > t.cfg.MaxMessageBytes {
-			return nil, &Error{Index: i, MessageID: m.MessageID, Topic: m.Topic, Err: relay.Permanent(
-				fmt.Errorf("%w: record of %d bytes exceeds MaxMessageBytes %d", ErrTooLarge, size, t.cfg.MaxMessageBytes))}
+			e := newError(i, m, relay.Permanent(
+				fmt.Errorf("%w: record of %d bytes exceeds MaxMessageBytes %d", ErrTooLarge, size, t.cfg.MaxMessageBytes)))
+			e.Size, e.Limit = size, t.cfg.MaxMessageBytes
+			return nil, e
 		}
 	}
 	return b, nil
@@ -645,14 +647,17 @@ send:
 	// ones are usually its consequence (the transaction is in error and
 	// fails what follows).
 	failed, got := -1, 0
-	var cause error
+	var (
+		cause      error
+		failedPart int32
+	)
 wait:
 	for got < sent {
 		select {
 		case r := <-b.call.results:
 			got++
 			if r.err != nil && failed < 0 {
-				failed, cause = r.index, r.err
+				failed, cause, failedPart = r.index, r.err, r.partition
 			}
 		case <-ctx.Done():
 			break wait
@@ -666,7 +671,13 @@ wait:
 			p.broken = true
 			return txOutcome{err: t.fenced(p, errors.Join(cause, abortErr))}
 		}
-		e := &Error{Index: failed, MessageID: msgs[failed].MessageID, Topic: msgs[failed].Topic, Err: classify(cause)}
+		e := newError(failed, &msgs[failed], classify(cause))
+		if p := failedPart; p >= 0 {
+			e.Partition = &p
+		}
+		if IsTooLarge(e.Err) {
+			e.Size, e.Limit = recordBytes(&msgs[failed], t.idHeader), t.cfg.MaxMessageBytes
+		}
 		t.logFailure(msgs, e)
 		return txOutcome{err: e}
 	case got < len(b.pms) || ctx.Err() != nil:

@@ -370,23 +370,29 @@ func TestDriverMismatch(t *testing.T) {
 	}
 }
 
-func TestFailureCause(t *testing.T) {
+func TestErrorSummary(t *testing.T) {
 	t.Parallel()
 	tooLarge := sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 2000066 > 1000000")
+	part := int32(3)
 	for _, c := range []struct {
-		err  error
+		text string
 		want string
 	}{
-		{&publisher.Error{Index: 4, MessageID: "01a2b3c4-0000-7000-8000-000000000000", Topic: "orders",
-			Err: relay.Permanent(fmt.Errorf("%w: %w", publisher.ErrTooLarge, tooLarge))}, tooLarge.Error()},
-		{&publisher.Error{Index: 0, MessageID: `odd "id"`, Topic: "t", Err: relay.Permanent(sarama.ErrTopicAuthorizationFailed)},
-			sarama.ErrTopicAuthorizationFailed.Error()},
-		{&publisher.Error{Index: 1, MessageID: "m", Topic: "t", Err: errors.New("dial tcp 10.0.0.1:9092: connect: connection refused")},
+		// What the publisher records now: the cause and where, whole.
+		{(&publisher.Error{Index: 4, MessageID: "01a2b3c4-0000-7000-8000-000000000000", Topic: "orders", Key: []byte("order-7"), Partition: &part,
+			Err: relay.Permanent(fmt.Errorf("%w: %w", publisher.ErrTooLarge, tooLarge))}).Error() + "\nmay have been delivered: a publish was attempted and its outcome is unknown",
+			`record too large: 2,000,066 bytes, limit 1,000,000 (Producer.MaxMessageBytes); topic orders, partition 3; message id "01a2b3c4-0000-7000-8000-000000000000", key "order-7"`},
+		{(&publisher.Error{Index: 0, MessageID: `odd "id"`, Topic: "t", Err: relay.Permanent(sarama.ErrTopicAuthorizationFailed)}).Error(),
+			`not authorized to write to topic "t"; topic t; message id "odd \"id\""`},
+		// What older releases recorded: the innermost cause.
+		{`publisher: message 4 (id "01a2b3c4-0000-7000-8000-000000000000", topic "orders"): permanent: publisher: message too large: ` + tooLarge.Error(),
+			tooLarge.Error()},
+		{`publisher: message 1 (id "m", topic "t"): dial tcp 10.0.0.1:9092: connect: connection refused`,
 			"dial tcp 10.0.0.1:9092: connect: connection refused"},
-		{errors.New("broker said no"), "broker said no"},
-		{relay.Permanent(errors.New("permanent:")), "permanent:"}, // never stripped to nothing
+		{"broker said no", "broker said no"},
+		{"permanent:", "permanent:"}, // never stripped to nothing
 	} {
-		require.Equal(t, c.want, failureCause(c.err.Error()), c.err.Error())
+		require.Equal(t, c.want, errorSummary(c.text), c.text)
 	}
 }
 
@@ -403,6 +409,15 @@ func TestCLIOperator(t *testing.T) {
 		part := int32(3)
 		cause := sarama.ErrTopicAuthorizationFailed
 		lastError := (&publisher.Error{Index: 4, MessageID: "01a2b3c4-0000-7000-8000-000000000000", Topic: "orders", Err: relay.Permanent(cause)}).Error()
+		// A long cause, as the publisher records an oversized record, and
+		// the note of a copy that may be out already.
+		tooLarge := sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 1234567 > 1000000")
+		big := int32(3)
+		bigError := (&publisher.Error{Index: 1, MessageID: "m5", Topic: "orders", Key: []byte("order-8"), Partition: &big,
+			Err: relay.Permanent(fmt.Errorf("%w: %w", publisher.ErrTooLarge, tooLarge))}).Error()
+		bigCause := `record too large: 1,234,567 bytes, limit 1,000,000 (Producer.MaxMessageBytes); topic orders, partition 3; message id "m5", key "order-8"`
+		require.True(t, strings.HasPrefix(bigError, bigCause), bigError)
+		parkedError := "may have been delivered: it was sent in a batch whose earlier message \"m5\" failed; the broker acknowledged it or did not answer, and the relay publishes it again"
 		now := time.Now().UnixMilli()
 		require.NoError(t, db.DB.Table(cfg.Tables.DeadLettersTable()).Create([]outbox.DeadLetterRow{
 			{ID: 1, MessageID: "m1", Bucket: 1, Topic: "orders", Key: []byte("order-7"), Value: []byte(`{"id":7}`), Partition: &part,
@@ -411,6 +426,10 @@ func TestCLIOperator(t *testing.T) {
 			{ID: 2, MessageID: "m2", Bucket: 1, Topic: "orders", Key: []byte{0xff, 0xfe}, Value: []byte{0, 1}, CreatedAtMs: now, DeadAtMs: now, State: "parked"},
 			{ID: 3, MessageID: "m3", Bucket: 2, Topic: "orders", Key: []byte{}, Value: []byte{}, CreatedAtMs: now, DeadAtMs: now, State: "failed"},
 			{ID: 4, MessageID: "m4", Bucket: 2, Topic: "orders", CreatedAtMs: now, DeadAtMs: now, State: "failed"},
+			{ID: 5, MessageID: "m5", Bucket: 3, Topic: "orders", Key: []byte("order-8"), CreatedAtMs: now, DeadAtMs: now, State: "failed",
+				Attempts: 1, LastError: &bigError},
+			{ID: 6, MessageID: "m6", Bucket: 3, Topic: "orders", Key: []byte("order-8"), CreatedAtMs: now, DeadAtMs: now, State: "parked",
+				LastError: &parkedError},
 		}).Error)
 		admin, err := gormrelay.NewAdmin(db.DB, cfg)
 		require.NoError(t, err)
@@ -440,11 +459,32 @@ func TestCLIOperator(t *testing.T) {
 			require.Equal(t, utcTimes(wantOne), utcTimes(got), "dead letter %d", d.ID)
 		}
 
-		// The ERROR column and `show` give the cause, not the wrappers.
+		// The ERROR column gives the cause first and whole, never a batch
+		// position; `show` gives everything, the sink's text included.
 		list := runOK("dead-letters", "list")
-		require.Contains(t, list, clip(cause.Error(), 60))
-		require.NotContains(t, list, "publisher: message 4")
+		require.Contains(t, list, `not authorized to write to topic "orders"; topic orders; message id "01a2b3c4-0000-7000-8000-000000000000"`+"\n")
+		require.Contains(t, list, bigCause+"\n")
+		require.NotContains(t, list, "message 4")
+		require.NotContains(t, list, "…")
+		require.Contains(t, list, "outboxctl dead-letters show ID")
 		require.Contains(t, runOK("dead-letters", "show", "1"), cause.Error())
+		show := runOK("dead-letters", "show", "5")
+		require.Contains(t, show, bigCause)
+		require.Contains(t, show, tooLarge.Error())
+		require.Contains(t, show, "delivered   no earlier copy known")
+
+		// A parked row says that an earlier copy may be out already.
+		var rows []string
+		for line := range strings.SplitSeq(list, "\n") {
+			if f := strings.Fields(line); len(f) > 3 && (f[0] == "5" || f[0] == "6") {
+				rows = append(rows, f[0]+" "+f[2]+" "+f[3])
+			}
+		}
+		require.ElementsMatch(t, []string{"5 failed no", "6 parked maybe"}, rows)
+		require.Contains(t, runOK("dead-letters", "show", "6"), "maybe: it was sent in a batch whose earlier message \"m5\" failed")
+		var parked gormrelay.DeadLetter
+		require.NoError(t, json.Unmarshal([]byte(runOK("dead-letters", "show", "6", "--json")), &parked))
+		require.True(t, parked.MaybeDelivered)
 
 		// An unknown key is an operation that failed.
 		code, out, errOut := runCLI(append([]string{"requeue", "--key", "no-such-key"}, flags...)...)

@@ -136,18 +136,35 @@ func oneLine(s string) string {
 	return strings.Join(strings.Fields(s), " ")
 }
 
+// errorSummary is the part of a recorded failure the dead-letter list
+// shows, whole: gormrelay.ErrorCause, the cause and where, without the
+// sink's raw text and the delivery note, which "dead-letters show" prints.
+// A text recorded without a cause first (by an older release) is shown as
+// its innermost cause.
+func errorSummary(lastError string) string {
+	return failureCause(gormrelay.ErrorCause(lastError))
+}
+
+func maybeDelivered(d gormrelay.DeadLetter) string {
+	if d.MaybeDelivered {
+		return "maybe"
+	}
+	return "no"
+}
+
 func printDeadLetters(w io.Writer, page gormrelay.DeadLetterPage) {
 	if len(page.Items) == 0 {
 		fmt.Fprintln(w, "no dead letters")
 		return
 	}
 	tw := newTable(w)
-	fmt.Fprintln(tw, "ID\tDIED\tSTATE\tBUCKET\tTOPIC\tKEY\tATTEMPTS\tSIZE\tERROR")
+	fmt.Fprintln(tw, "ID\tDIED\tSTATE\tDELIVERED\tBUCKET\tTOPIC\tKEY\tATTEMPTS\tSIZE\tERROR")
 	for _, d := range page.Items {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s\t%d\t%d\t%s\n", d.ID, d.DeadAt.UTC().Format(time.RFC3339), d.State, d.Bucket,
-			d.Topic, printable(d.Key, 32), d.Attempts, d.ValueSize, clip(failureCause(d.LastError), 60))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%d\t%d\t%s\n", d.ID, d.DeadAt.UTC().Format(time.RFC3339), d.State, maybeDelivered(d),
+			d.Bucket, d.Topic, printable(d.Key, 32), d.Attempts, d.ValueSize, errorSummary(d.LastError))
 	}
 	tw.Flush()
+	fmt.Fprintln(w, "\nDELIVERED maybe: an earlier copy may already have reached consumers. Whole error: outboxctl dead-letters show ID")
 	if page.Next != "" {
 		fmt.Fprintf(w, "\nmore: --cursor %s\n", page.Next)
 	}
@@ -159,6 +176,11 @@ func printDeadLetter(w io.Writer, d gormrelay.DeadLetter) {
 	row("id", strconv.FormatInt(d.ID, 10))
 	row("message id", d.MessageID)
 	row("state", string(d.State))
+	if d.MaybeDelivered {
+		row("delivered", "maybe: "+strings.TrimPrefix(d.DeliveryNote, "may have been delivered: "))
+	} else {
+		row("delivered", "no earlier copy known")
+	}
 	row("bucket", strconv.Itoa(d.Bucket))
 	row("topic", d.Topic)
 	row("key", printable(d.Key, 0))
@@ -169,7 +191,7 @@ func printDeadLetter(w io.Writer, d gormrelay.DeadLetter) {
 	row("died", d.DeadAt.UTC().Format(time.RFC3339Nano))
 	row("attempts", strconv.Itoa(d.Attempts))
 	if d.LastError != "" {
-		row("cause", failureCause(d.LastError))
+		row("cause", errorSummary(d.LastError))
 		row("last error", oneLine(d.LastError))
 	}
 	for _, h := range d.Headers {

@@ -17,12 +17,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/chromedp/chromedp"
 	"github.com/stretchr/testify/require"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -104,17 +106,36 @@ func (b *bundle) seed(t *testing.T) {
 		RelayID: "relay-gone", LastSeenMs: now - 10*min, StartedAtMs: now - 3*hour}).Error)
 	require.NoError(t, b.admin.PauseBucket(ctx, 3))
 
-	lastErr := "kafka: MESSAGE_TOO_LARGE"
+	lastErr := tooLargeError()
+	parkedErr := parkedNote
 	b.insertDead(t,
 		outbox.DeadLetterRow{ID: 1001, Bucket: 1, Topic: "orders", Key: []byte("order-1"), Value: []byte(`{"order":1,"lines":[{"sku":"A-1","qty":2}]}`),
 			Headers:  outbox.EncodeHeaders([]outbox.Header{{Key: "trace-id", Value: []byte("4bf92f3577b34da6")}, {Key: "bin", Value: []byte{0xff, 0x00, 0x41}}}),
 			Attempts: 10, LastError: &lastErr, DeadAtMs: now - 2*hour},
-		outbox.DeadLetterRow{ID: 1002, Bucket: 1, Topic: "orders", Key: []byte("order-1"), Value: []byte(`{"order":1,"status":"paid"}`), State: "parked", DeadAtMs: now - 2*hour},
+		outbox.DeadLetterRow{ID: 1002, Bucket: 1, Topic: "orders", Key: []byte("order-1"), Value: []byte(`{"order":1,"status":"paid"}`), State: "parked", DeadAtMs: now - 2*hour,
+			LastError: &parkedErr},
 		outbox.DeadLetterRow{ID: 1003, Bucket: 2, Topic: "payments", Value: []byte{0xde, 0xad, 0xbe, 0xef, 0x00}, Attempts: 3, DeadAtMs: now - 30*min},
 		outbox.DeadLetterRow{ID: 1004, Bucket: 0, Topic: "orders", Key: []byte("order-9"), Value: []byte("not json: order 9 shipped"), Attempts: 1, DeadAtMs: now - 10*min},
 		outbox.DeadLetterRow{ID: 1005, Bucket: 2, Topic: "payments", Key: []byte("p-5"), Value: []byte("old"), Attempts: 10, DeadAtMs: now - 100*hour},
 	)
 }
+
+// tooLargeCause is how the publisher's error for an oversized record
+// begins (tooLargeError); the dead-letter list shows it whole.
+const tooLargeCause = `record too large: 1,234,567 bytes, limit 1,000,000 (Producer.MaxMessageBytes); topic orders, partition 3; message id "d-1001", key "order-1"`
+
+// tooLargeError is the error text the Kafka publisher records for an
+// oversized record.
+func tooLargeError() string {
+	part := int32(3)
+	cause := sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 1234567 > 1000000")
+	return (&publisher.Error{MessageID: "d-1001", Topic: "orders", Key: []byte("order-1"), Partition: &part, Size: 1234567, Limit: 1000000,
+		Err: relay.Permanent(fmt.Errorf("%w: %w", publisher.ErrTooLarge, cause))}).Error()
+}
+
+// parkedNote is what the store records on a message the broker
+// acknowledged after an earlier message of its batch failed.
+const parkedNote = `may have been delivered: it was sent in a batch whose earlier message "d-1001" failed; the broker acknowledged it or did not answer, and the relay publishes it again`
 
 func (b *bundle) insertDead(t *testing.T, rows ...outbox.DeadLetterRow) {
 	t.Helper()
@@ -339,6 +360,84 @@ func TestOverviewMatchesAdmin(t *testing.T) {
 	})
 }
 
+// shownChart is what a chart of the overview shows: its last value (the
+// figure's data-last), its caption and its line's points.
+type shownChart struct {
+	Last, Now string
+	Points    [][2]float64
+}
+
+func readChart(t *testing.T, ctx context.Context, id string) shownChart {
+	t.Helper()
+	return eval[shownChart](t, ctx, `(() => {
+  const f = document.getElementById('chart-`+id+`');
+  const l = f.querySelector('polyline');
+  return {Last: f.dataset.last, Now: f.querySelector('.now').textContent.trim(),
+    Points: l ? l.getAttribute('points').trim().split(' ').map(p => p.split(',').map(Number)) : []};
+})()`)
+}
+
+// TestOverviewChartsFollowTheBacklog checks that the overview's charts
+// follow the outbox under the open page: a backlog is inserted, the
+// backlog and oldest-age charts rise to it, and when it drains they fall
+// back, with the rise still drawn.
+func TestOverviewChartsFollowTheBacklog(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		var published atomic.Int64
+		b := setup(t, db, gormrelay.UIOptions{AllowMutations: true, RefreshInterval: 300 * time.Millisecond,
+			Published: func() float64 { return float64(published.Load()) }})
+		b.seed(t)
+		ctx := tab(t)
+		open(t, ctx, b.root)
+		const top = 2.0 // the line's y at the top of the box
+
+		c := readChart(t, ctx, "backlog")
+		require.Equal(t, "6", c.Last, "the seed's backlog")
+		require.NotEmpty(t, c.Points)
+		require.Equal(t, "Pending", text(t, ctx, "#chart-backlog .label"))
+		require.Equal(t, "Published", text(t, ctx, "#chart-rate .label"))
+
+		// A backlog of 200, the oldest 3 hours old.
+		now := time.Now().UnixMilli()
+		var more []outbox.MessageRow
+		for i := range 200 {
+			more = append(more, outbox.MessageRow{MessageID: fmt.Sprintf("burst-%d", i), Bucket: int32(i % 4), Topic: "burst", CreatedAtMs: now - 3*hour})
+		}
+		require.NoError(t, db.DB.Table(b.cfg.Tables.MessagesTable()).CreateInBatches(more, 100).Error)
+		waitJS(t, ctx, `document.getElementById('chart-backlog').dataset.last === "206"`)
+		c = readChart(t, ctx, "backlog")
+		require.Equal(t, "206", c.Now)
+		require.Equal(t, top, c.Points[len(c.Points)-1][1], "the last point is the highest")
+		require.Greater(t, c.Points[0][1], top, "the first point is lower")
+		waitJS(t, ctx, `+document.getElementById('chart-oldest').dataset.last >= 3*3600*1000`)
+		// The last point follows the newest reading until it is
+		// UIChartStep past the one before it; wait until the peak is a
+		// point of its own.
+		waitJS(t, ctx, `document.querySelector('#chart-backlog polyline').getAttribute('points').split(' ').filter(p => p.endsWith(',2.0')).length >= 2`)
+
+		// It drains (as a relay would delete what it published): the
+		// charts fall back, and the rise stays drawn.
+		require.NoError(t, db.DB.Table(b.cfg.Tables.MessagesTable()).Where("topic = ?", "burst").Delete(&outbox.MessageRow{}).Error)
+		published.Add(200)
+		waitJS(t, ctx, `document.getElementById('chart-backlog').dataset.last === "6"`)
+		c = readChart(t, ctx, "backlog")
+		last := c.Points[len(c.Points)-1][1]
+		require.Greater(t, last, top, "the last point fell")
+		require.True(t, slices.ContainsFunc(c.Points, func(p [2]float64) bool { return p[1] == top }), "the peak is still drawn: %v", c.Points)
+		waitJS(t, ctx, `+document.getElementById('chart-oldest').dataset.last < 2*3600*1000`)
+		// The publish rate rose with the 200 published.
+		waitJS(t, ctx, `document.querySelector('#chart-rate polyline').getAttribute('points').split(' ').some(p => p.endsWith(',2.0'))`)
+
+		// The charts are drawn by the server as inline SVG: nothing is
+		// fetched for them.
+		require.Zero(t, eval[int](t, ctx, `document.querySelectorAll('#charts img, #charts canvas, #charts script').length`))
+		if db.Dialect == dbtest.SQLite { // one set of screenshots for the docs
+			screenshot(t, ctx, "ui-overview.png")
+		}
+	})
+}
+
 // ------------------------------------------------------------ dead letters
 
 func shownIDs(t *testing.T, ctx context.Context) []int64 {
@@ -376,6 +475,18 @@ func TestDeadLetters(t *testing.T) {
 		require.Equal(t, list(gormrelay.DeadLetterQuery{}), shownIDs(t, ctx))
 		require.Equal(t, []int64{1004, 1003, 1002, 1001, 1005}, shownIDs(t, ctx), "newest first")
 		require.Equal(t, "4 failed · 1 parked", text(t, ctx, "h1 .small"))
+
+		// The error cell gives the cause whole, never cut, with a link to
+		// the whole error; the parked row says a copy may be out already.
+		require.Equal(t, tooLargeCause, text(t, ctx, `tr[data-id="1001"] .last-error .cause`))
+		require.True(t, strings.HasPrefix(tooLargeError(), tooLargeCause+"; sink error: "))
+		require.NotContains(t, text(t, ctx, "#dead-letters"), "…")
+		require.Equal(t, "dead-letters/1001#last-error", eval[string](t, ctx, `document.querySelector('tr[data-id="1001"] a.whole').getAttribute('href')`))
+		require.True(t, eval[bool](t, ctx, `(() => { const c = document.querySelector('tr[data-id="1001"] .last-error'); return c.scrollWidth <= c.clientWidth })()`),
+			"the cell shows its text without overflowing")
+		require.Equal(t, []string{"no", "maybe", "no", "no", "no"}, eval[[]string](t, ctx,
+			`[...document.querySelectorAll('#dead-letters tbody tr')].sort((a, b) => a.dataset.id - b.dataset.id).map(tr => tr.querySelector('.delivered').textContent.trim())`))
+		require.Equal(t, parkedNote, eval[string](t, ctx, `document.querySelector('tr[data-id="1002"] .delivered span').title`))
 
 		// The filter form: topic and state.
 		do(t, ctx, chromedp.SetValue(chromedp.CSS(`#filter input[name=topic]`), "orders"),
@@ -432,12 +543,17 @@ func TestDeadLetters(t *testing.T) {
 		require.Equal(t, d.Topic, text(t, ctx, "#topic"))
 		require.Equal(t, "order-1", text(t, ctx, "#key"))
 		require.Equal(t, d.LastError, text(t, ctx, "#last-error"))
+		require.Equal(t, tooLargeCause, text(t, ctx, "#cause"))
+		require.Equal(t, "no earlier copy known", text(t, ctx, "#delivered"))
 		require.Equal(t, "json", eval[string](t, ctx, `document.querySelector('#value pre').className`))
 		require.Equal(t, "{\n  \"order\": 1,\n  \"lines\": [\n    {\n      \"sku\": \"A-1\",\n      \"qty\": 2\n    }\n  ]\n}",
 			eval[string](t, ctx, `document.querySelector('#value pre').textContent`))
 		headers := eval[[][2]string](t, ctx, `[...document.querySelectorAll('#headers tbody tr')].map(tr => [tr.querySelector('.hkey').textContent, tr.querySelector('.hvalue').textContent.trim()])`)
 		require.Equal(t, [][2]string{{"trace-id", "4bf92f3577b34da6"}, {"bin", "00000000  ff 00 41                                          |..A|"}}, headers)
 		screenshot(t, ctx, "ui-dead-letter.png")
+
+		open(t, ctx, b.root+"dead-letters/1002")
+		require.Equal(t, "maybe: "+parkedNote+". Requeueing it may deliver it twice.", text(t, ctx, "#delivered"))
 
 		// A binary, keyless value as a hex dump; a text value as text.
 		open(t, ctx, b.root+"dead-letters/1003")
@@ -464,9 +580,6 @@ func TestActionsThroughUI(t *testing.T) {
 		shots := db.Dialect == dbtest.SQLite // one set of screenshots for the docs
 		open(t, ctx, b.root)
 		require.Equal(t, "changes enabled", text(t, ctx, "#mode"))
-		if shots {
-			screenshot(t, ctx, "ui-overview.png")
-		}
 
 		// Requeue one dead letter from its page: its parked follower comes
 		// back with it.
@@ -710,7 +823,9 @@ func TestHostilePayloadRendersAsText(t *testing.T) {
 		requireInert := func(page string, literals ...string) {
 			t.Helper()
 			require.Equal(t, 1, eval[int](t, ctx, `document.querySelectorAll('script').length`), "%s: only the UI's own script", page)
-			require.Zero(t, eval[int](t, ctx, `document.querySelectorAll('main img, main svg, main b, main i').length`), "%s: no injected element", page)
+			// The overview's charts are the UI's own SVG, drawn from numbers.
+			require.Zero(t, eval[int](t, ctx, `[...document.querySelectorAll('main img, main svg, main b, main i')].filter(e => !e.closest('#charts')).length`),
+				"%s: no injected element", page)
 			require.True(t, eval[bool](t, ctx, `typeof window.pwned === 'undefined'`), page)
 			shown := eval[string](t, ctx, `document.querySelector('main').textContent`)
 			for _, l := range literals {

@@ -360,47 +360,42 @@ func TestBackoffKeepsOrder(t *testing.T) {
 // batch after a full one is read by NextBatch.
 func TestWithoutCapabilities(t *testing.T) {
 	t.Parallel()
-	failTwice := func(fails *int) func(context.Context, []relay.Message) (int, error) {
-		return func(_ context.Context, msgs []relay.Message) (int, error) {
-			if *fails < 2 {
-				*fails++
+	// drain publishes n messages of bucket 2 from a store without any
+	// capability, failing the first two publishes if failing.
+	drain := func(t *testing.T, cfg relay.Config, n int, failing bool) (*fakeStore, *pubLog) {
+		s := newFakeStore(8)
+		s.add(2, n)
+		var log pubLog
+		fails := 0
+		r := start(t, basicStore{s}, log.publisher(func(_ context.Context, msgs []relay.Message) (int, error) {
+			if failing && fails < 2 {
+				fails++
 				return 0, errors.New("broker hiccup")
 			}
 			return len(msgs), nil
+		}), cfg)
+		for s.pending() > 0 {
+			time.Sleep(10 * time.Millisecond)
 		}
+		stop(t, r)
+		return s, &log
 	}
 	t.Run("recorder", func(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
-			s := newFakeStore(8)
-			s.add(2, 3)
 			var attempts []int
 			cfg := config("a")
 			cfg.FailureHandler = relay.FailureHandlerFunc(func(_ context.Context, f relay.Failure) (relay.FailureAction, error) {
 				attempts = append(attempts, f.Message.Attempts)
 				return relay.FailureBackoff, nil
 			})
-			var log pubLog
-			fails := 0
-			r := start(t, basicStore{s}, log.publisher(failTwice(&fails)), cfg)
-			for s.pending() > 0 {
-				time.Sleep(10 * time.Millisecond)
-			}
-			stop(t, r)
+			drain(t, cfg, 3, true)
 			require.Equal(t, []int{0, 0}, attempts, "no FailureRecorder: nothing counted")
 		})
 	})
 	t.Run("handler", func(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
-			s := newFakeStore(8)
-			s.add(2, 3)
 			cfg := config("a")
-			var log pubLog
-			fails := 0
-			r := start(t, basicStore{s}, log.publisher(failTwice(&fails)), cfg)
-			for s.pending() > 0 {
-				time.Sleep(10 * time.Millisecond)
-			}
-			stop(t, r)
+			_, log := drain(t, cfg, 3, true)
 			require.Len(t, log.calls, 3)
 			for i, c := range log.calls {
 				require.Len(t, c, 3, "call %d", i)
@@ -415,14 +410,7 @@ func TestWithoutCapabilities(t *testing.T) {
 	})
 	t.Run("advancer", func(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
-			s := newFakeStore(8)
-			s.add(2, 25)
-			var log pubLog
-			r := start(t, basicStore{s}, log.publisher(nil), config("a"))
-			for s.pending() > 0 {
-				time.Sleep(10 * time.Millisecond)
-			}
-			stop(t, r)
+			s, log := drain(t, config("a"), 25, false)
 			require.Len(t, log.calls, 3, "batches of 10, 10 and 5")
 			require.Equal(t, log.at[0], log.at[2], "a full batch is followed at once by the next read, not at the next poll")
 			require.Equal(t, 3, s.count("batch"), "each batch read by NextBatch")

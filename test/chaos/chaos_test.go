@@ -128,7 +128,7 @@ func loadParams(t *testing.T, strict bool) params {
 // (idempotent producer, at-least-once): no message may be lost; duplicates
 // and per-key order violations are counted and reported, not failed on,
 // because a takeover while a publish is in flight can deliver a late copy
-// after the new owner's (see README, "What the guarantees mean").
+// after the new owner's (docs/design.md, "What the guarantees mean").
 func TestChaos(t *testing.T) {
 	t.Parallel()
 	runChaos(t, loadParams(t, false))

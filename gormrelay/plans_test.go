@@ -18,8 +18,8 @@ import (
 // plan). A statement whose generic plan scans the messages table in heap
 // or primary-key order reads every row, deleted ones included, at each
 // call. With every plan forced generic, a relay drains a backlog through
-// solo and set batches, acquisition and discovery, and the health probe
-// reads the heads: none of it may scan the messages table, and the
+// its batches, acquisition and discovery, and the health probe reads the
+// heads: none of it may scan the messages table, and the
 // health probe reads through the (bucket, id) index, not the primary key.
 func TestPostgresGenericPlansUseTheBucketIndex(t *testing.T) {
 	t.Parallel()
@@ -46,7 +46,6 @@ func TestPostgresGenericPlansUseTheBucketIndex(t *testing.T) {
 	rc := fastConfig(t, "a")
 	rc.BatchSize = 50
 	rc.Parallelism = 2
-	rc.MaxBatchBuckets = 8
 	r := startRelay(t, store, rec.publisher("a", nil), rc)
 	require.EventuallyWithT(t, func(c *assert.CollectT) {
 		assert.Len(c, rec.ackedIDs(), len(rows))

@@ -55,17 +55,16 @@ func startRelay(t *testing.T, store relay.Store, pub relay.Publisher, cfg relay.
 
 // call is one Publish call as the recording publisher saw it.
 type call struct {
-	relay   string
-	buckets []int           // the buckets of the batch: one, or several for a set batch
-	msgs    []relay.Message // what was handed over
-	acked   int
-	err     error
-	start   time.Time
+	relay  string
+	bucket int
+	msgs   []relay.Message // what was handed over
+	acked  int
+	err    error
+	start  time.Time
 }
 
 // recorder is a function publisher shared by several relays. It records
-// every call and flags two batches publishing one bucket at the same time
-// (a batch may span buckets: the GORM store batches sets of them).
+// every call and flags two relays publishing one bucket at the same time.
 type recorder struct {
 	mu       sync.Mutex
 	calls    []call
@@ -79,20 +78,18 @@ func newRecorder() *recorder { return &recorder{inflight: map[int]string{}} }
 // by default everything is acknowledged.
 func (r *recorder) publisher(relayID string, hook func(ctx context.Context, msgs []relay.Message) (int, error)) relay.Publisher {
 	return relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
-		var bs []int
-		for _, m := range msgs {
-			if !slices.Contains(bs, m.Bucket) {
-				bs = append(bs, m.Bucket)
-			}
-		}
+		b := msgs[0].Bucket
 		start := time.Now()
 		r.mu.Lock()
-		for _, b := range bs {
-			if other, busy := r.inflight[b]; busy {
-				r.overlaps = append(r.overlaps, fmt.Sprintf("bucket %d published by %s while %s was publishing it", b, relayID, other))
+		for _, m := range msgs {
+			if m.Bucket != b {
+				r.overlaps = append(r.overlaps, fmt.Sprintf("batch mixes buckets %d and %d", b, m.Bucket))
 			}
-			r.inflight[b] = relayID
 		}
+		if other, busy := r.inflight[b]; busy {
+			r.overlaps = append(r.overlaps, fmt.Sprintf("bucket %d published by %s while %s was publishing it", b, relayID, other))
+		}
+		r.inflight[b] = relayID
 		r.mu.Unlock()
 
 		acked, err := len(msgs), error(nil)
@@ -101,12 +98,10 @@ func (r *recorder) publisher(relayID string, hook func(ctx context.Context, msgs
 		}
 
 		r.mu.Lock()
-		for _, b := range bs {
-			if r.inflight[b] == relayID {
-				delete(r.inflight, b)
-			}
+		if r.inflight[b] == relayID {
+			delete(r.inflight, b)
 		}
-		r.calls = append(r.calls, call{relay: relayID, buckets: bs, msgs: slices.Clone(msgs), acked: acked, err: err, start: start})
+		r.calls = append(r.calls, call{relay: relayID, bucket: b, msgs: slices.Clone(msgs), acked: acked, err: err, start: start})
 		r.mu.Unlock()
 		return acked, err
 	})
@@ -212,44 +207,6 @@ func TestRelayOrder(t *testing.T) {
 		for _, c := range rec.snapshot() {
 			require.LessOrEqual(t, len(c.msgs), 7)
 		}
-	})
-}
-
-// Batches that span buckets (MaxBatchBuckets), through the store's
-// SetBatcher on each database: every row delivered, in order per key and
-// per bucket, with batches spanning several buckets; and a publish that
-// fails once in the middle of such a batch loses and reorders nothing.
-func TestRelaySetBatches(t *testing.T) {
-	t.Parallel()
-	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		b := newStoreBundle(t, db, outbox.Config{})
-		rows := b.insert(t, keyed(keysN(40), 12)...)
-		var failed atomic.Bool
-		rec := newRecorder()
-		pub := rec.publisher("a", func(_ context.Context, msgs []relay.Message) (int, error) {
-			for i, m := range msgs {
-				if string(m.Value) == "key-7/3" && failed.CompareAndSwap(false, true) {
-					return i, errors.New("broker hiccup")
-				}
-			}
-			return len(msgs), nil
-		})
-		cfg := fastConfig(t, "a")
-		cfg.BatchSize = 50
-		cfg.Parallelism = 2
-		cfg.MaxBatchBuckets = 8
-		startRelay(t, b.store, pub, cfg)
-
-		requireAllDelivered(t, b, rec, rows)
-		require.True(t, failed.Load(), "the failure was injected")
-		requireOrdered(t, rec.acked())
-		rec.requireNoOverlap(t)
-		widest := 0
-		for _, c := range rec.snapshot() {
-			widest = max(widest, len(c.buckets))
-			require.LessOrEqual(t, len(c.msgs), 50)
-		}
-		require.Greater(t, widest, 1, "batches spanned buckets")
 	})
 }
 
@@ -457,9 +414,7 @@ func TestRelayTakeoverAfterCrash(t *testing.T) {
 		requireAllDelivered(t, b, rec, rows)
 		for _, c := range rec.snapshot()[before:] {
 			require.Equal(t, "b", c.relay)
-			for _, b := range c.buckets {
-				require.GreaterOrEqual(t, c.start.UnixMilli(), expiry[b], "bucket %d taken over before its lease expired", b)
-			}
+			require.GreaterOrEqual(t, c.start.UnixMilli(), expiry[c.bucket], "bucket %d taken over before its lease expired", c.bucket)
 		}
 		for _, l := range b.leaseRows(t) {
 			require.Equal(t, "b", *l.Owner)

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"math/rand/v2"
 	"slices"
 	"strconv"
@@ -41,9 +40,9 @@ const (
 
 // Store is the GORM implementation of the relay's storage contract
 // (relay.Store) with the relay.LeaseRenewer, relay.FailureRecorder,
-// relay.BatchAdvancer, relay.SetBatcher and relay.BucketCounter
-// capabilities, on PostgreSQL, MySQL/MariaDB and SQLite. It passes the
-// relay/storetest conformance suite on all three.
+// relay.BatchAdvancer and relay.BucketCounter capabilities, on
+// PostgreSQL, MySQL/MariaDB and SQLite. It passes the relay/storetest
+// conformance suite on all three.
 //
 // The relay.Store operations are each one or a few short, indexed
 // statements outside any transaction; the concurrency model is the guarded
@@ -818,18 +817,6 @@ func (s *Store) readBatch(ctx context.Context, bucket, limit int) ([]relay.Messa
 
 // scanBatch scans the rows of a batch read, batchColumns, all of bucket.
 func scanBatch(rows *sql.Rows, bucket, limit int) ([]relay.Message, error) {
-	return scanMessages(rows, bucket, false, limit)
-}
-
-// scanSetBatch scans the rows of a set batch read: batchColumns and then
-// each row's bucket.
-func scanSetBatch(rows *sql.Rows, limit int) ([]relay.Message, error) {
-	return scanMessages(rows, 0, true, limit)
-}
-
-// scanMessages scans batchColumns, and with perRow a bucket column after
-// them; without it every message is of bucket.
-func scanMessages(rows *sql.Rows, bucket int, perRow bool, limit int) ([]relay.Message, error) {
 	// Every row is scanned through the same destinations, so that nothing
 	// but the column values themselves is allocated per row.
 	var (
@@ -843,9 +830,6 @@ func scanMessages(rows *sql.Rows, bucket int, perRow bool, limit int) ([]relay.M
 		attempts  sql.NullInt64
 	)
 	dest := []any{&id, &mid, &topic, &m.Key, &m.Value, &headers, &partition, &created, &attempts}
-	if perRow {
-		dest = append(dest, &bucket)
-	}
 	var msgs []relay.Message
 	for rows.Next() {
 		m = relay.Message{}
@@ -1029,211 +1013,6 @@ func pgIDs(bucket int, ids []int64) (string, []any) {
 	lit, _ := int8Array(ids).Value()
 	return "(bucket, id) >= (?, ?) AND (bucket, id) <= (?, ?) AND id + 0 = ANY('" + lit.(string) + "'::bigint[])",
 		[]any{bucket, slices.Min(ids), bucket, slices.Max(ids)}
-}
-
-var _ relay.SetBatcher = (*Store)(nil)
-
-// NextSetBatch implements relay.SetBatcher: the oldest limit rows of the
-// buckets by id, in one statement, each with its bucket.
-//
-// A set of more than setHeadsMax buckets (and any set on MySQL and
-// SQLite) is read in id order with the buckets as a filter. PostgreSQL
-// walks the primary key for it, which reads about limit rows divided by
-// the set's share of the backlog: a set of all the buckets reads limit
-// rows, a set of 2 buckets of 256 reads half the backlog (100k rows: 63k
-// rows, 10-17 ms, against 0.5 ms for all 256). MySQL and SQLite read
-// small sets through the (bucket, id) index and sort. The relay's sets
-// are its ready buckets, most of those it holds under load.
-//
-// On PostgreSQL the buckets are one int[] parameter, so the statement
-// text is the same whatever the set, as in PendingBuckets. The array is
-// cast in a scalar subquery, an InitPlan evaluated once: as a plain cast
-// of the text parameter it was parsed again for every row the walk
-// filtered (5.4 ms against 0.5 ms for 500 rows of 256 buckets). The outer
-// CAST only makes it an array for ANY, not a subquery.
-func (s *Store) NextSetBatch(ctx context.Context, bs []int, limit int) ([]relay.Message, bool, error) {
-	if len(bs) == 0 {
-		return nil, false, nil
-	}
-	db, ctx, cancel := s.op(ctx, "read set batch")
-	defer cancel()
-	if s.postgres && len(bs) <= setHeadsMax {
-		return s.nextSetHeads(ctx, db, bs, limit)
-	}
-	in, arg := "bucket IN ?", any(bs)
-	if s.postgres {
-		in, arg = "bucket = ANY(CAST((SELECT CAST(CAST(? AS text) AS int[])) AS int[]))", bucketArray(bs)
-	}
-	rows, err := db.Raw("SELECT "+batchColumns+", bucket FROM "+s.messages+" WHERE "+in+" ORDER BY id LIMIT ?", arg, limit).Rows()
-	if err != nil {
-		return nil, false, s.fail(ctx, "read set batch", err)
-	}
-	defer rows.Close()
-	msgs, err := scanSetBatch(rows, limit)
-	if err != nil {
-		return nil, false, s.fail(ctx, "read set batch", err)
-	}
-	return msgs, len(msgs) == limit, nil
-}
-
-// setHeadsMax is the largest set PostgreSQL reads bucket by bucket
-// (nextSetHeads). A larger set walks the primary key in id order, which
-// steps over every row deleted since the last vacuum in all buckets, but
-// visits a page once for all the set's rows on it: for a relay draining
-// many buckets that is the cheaper read (1.2 heap accesses per row
-// against 2 to 4 bucket by bucket, BENCHMARKS.md). A few buckets of a
-// busy outbox are cheaper to read through the (bucket, id) index, each
-// stepping over its own deleted rows only (see bucketRange).
-const setHeadsMax = 8
-
-// nextSetHeads is NextSetBatch on PostgreSQL for a few buckets: the head
-// of each bucket through the (bucket, id) index (bucketRange), at most
-// ceil(limit / buckets) rows each, merged in id order and cut where the
-// first capped bucket's head ends. Below that cut the result holds every
-// pending row of the set, so each bucket's part is its oldest rows, as
-// in one walk in id order; it is at least the cap long.
-func (s *Store) nextSetHeads(ctx context.Context, db *gorm.DB, bs []int, limit int) ([]relay.Message, bool, error) {
-	per := (limit + len(bs) - 1) / len(bs)
-	rows, err := db.Raw("SELECT m.id, m.message_id, m.topic, m.msg_key, m.msg_value, m.headers, m.msg_partition, m.created_at_ms, m.attempts, b.bucket"+
-		" FROM unnest(CAST(CAST(? AS text) AS int[])) AS b(bucket) CROSS JOIN LATERAL (SELECT "+batchColumns+" FROM "+s.messages+
-		" WHERE "+bucketRange+" ORDER BY bucket, id LIMIT ?) AS m ORDER BY m.id", bucketArray(bs), gorm.Expr("b.bucket"), gorm.Expr("b.bucket"), per).Rows()
-	if err != nil {
-		return nil, false, s.fail(ctx, "read set batch", err)
-	}
-	defer rows.Close()
-	msgs, err := scanSetBatch(rows, per*len(bs))
-	if err != nil {
-		return nil, false, s.fail(ctx, "read set batch", err)
-	}
-	// Cut where the first capped bucket's share ends: below it every
-	// pending row of the set was read.
-	count := make(map[int]int, len(bs))
-	cut := int64(math.MaxInt64)
-	for _, m := range msgs {
-		if count[m.Bucket]++; count[m.Bucket] == per {
-			cut = min(cut, m.ID)
-		}
-	}
-	end := len(msgs)
-	for end > 0 && msgs[end-1].ID > cut {
-		end--
-	}
-	more := cut != math.MaxInt64
-	return msgs[:min(end, limit)], more, nil
-}
-
-// MarkSetPublished implements relay.SetBatcher: it deletes msgs by id, a
-// chunk per statement, each row guarded in the same statement by its
-// bucket's lease (the row's bucket among those relayID holds unexpired
-// under their terms in leases). A message whose bucket has no lease in
-// leases is not deleted, and its bucket is lost.
-//
-// When fewer rows went than were listed, one more statement reads which
-// of the buckets are still held: the others refused. Rows already gone
-// (an operator purged them) under a held lease are not lost.
-//
-// On PostgreSQL the ids are one bigint[] parameter whatever their number
-// (with several buckets there is no one (bucket, id) span to bound, see
-// pgIDs), found through the primary key, and the held buckets are an
-// InitPlan array the rows are filtered with ("bucket + 0" keeps it a
-// filter). As a join (bucket IN (SELECT ...), or a correlated EXISTS)
-// PostgreSQL drove the delete from the leases, looking up every id in
-// every bucket through (bucket, id): 500 ids over 214 buckets of 256
-// deleted in 70-115 ms and 322k buffers, against 0.8-1.4 ms and 1.5k
-// buffers as a filter.
-func (s *Store) MarkSetPublished(ctx context.Context, relayID string, leases []relay.Lease, msgs []relay.Message) ([]int, error) {
-	if len(msgs) == 0 {
-		return nil, nil
-	}
-	db, ctx, cancel := s.op(ctx, "delete published set")
-	defer cancel()
-	terms := make(map[int]int64, len(leases))
-	for _, l := range leases {
-		terms[l.Bucket] = l.Term
-	}
-	var lost []int
-	guarded := make([]relay.Message, 0, len(msgs))
-	for _, m := range msgs {
-		if _, ok := terms[m.Bucket]; ok {
-			guarded = append(guarded, m)
-		} else {
-			lost = append(lost, m.Bucket)
-		}
-	}
-	// Chunks are deleted in order, as in MarkPublished: a refused bucket
-	// still leaves a contiguous suffix of its messages pending.
-	var deleted int64
-	for chunk := range slices.Chunk(guarded, storeChunk) {
-		ids := make([]int64, len(chunk))
-		for i, m := range chunk {
-			ids[i] = m.ID
-		}
-		in, inArgs := "id IN ?", []any{ids}
-		if s.postgres {
-			in, inArgs = "id = ANY(CAST(CAST(? AS text) AS bigint[]))", []any{int8Array(ids)}
-		}
-		held, heldArgs := s.heldBuckets(relayID, leasesOf(chunk, terms), nowMs())
-		guard := "bucket IN (" + held + ")"
-		if s.postgres {
-			guard = "bucket + 0 = ANY(ARRAY(" + held + "))"
-		}
-		r := db.Exec("DELETE FROM "+s.messages+" WHERE "+in+" AND "+guard, append(inArgs, heldArgs...)...)
-		if r.Error != nil {
-			return nil, s.fail(ctx, "delete published set", r.Error)
-		}
-		deleted += r.RowsAffected
-	}
-	if deleted < int64(len(guarded)) {
-		all := leasesOf(guarded, terms)
-		held, heldArgs := s.heldBuckets(relayID, all, nowMs())
-		var still []int
-		if err := db.Raw(held, heldArgs...).Scan(&still).Error; err != nil {
-			return nil, s.fail(ctx, "delete published set", err)
-		}
-		for _, l := range all {
-			if !slices.Contains(still, l.Bucket) {
-				lost = append(lost, l.Bucket)
-			}
-		}
-	}
-	slices.Sort(lost)
-	return slices.Compact(lost), nil
-}
-
-// leasesOf returns the leases, by terms, of the buckets of msgs, each
-// once, by bucket.
-func leasesOf(msgs []relay.Message, terms map[int]int64) []relay.Lease {
-	bs := make([]int, len(msgs))
-	for i, m := range msgs {
-		bs[i] = m.Bucket
-	}
-	slices.Sort(bs)
-	bs = slices.Compact(bs)
-	out := make([]relay.Lease, len(bs))
-	for i, b := range bs {
-		out[i] = relay.Lease{Bucket: b, Term: terms[b]}
-	}
-	return out
-}
-
-// heldBuckets returns a query of which of leases relayID holds unexpired
-// at now under their terms, one bucket column, and its arguments. On
-// PostgreSQL the leases are two array parameters (buckets and terms), so
-// the text does not change with their number.
-func (s *Store) heldBuckets(relayID string, leases []relay.Lease, now int64) (string, []any) {
-	if s.postgres {
-		bs, terms := make(int8Array, len(leases)), make(int8Array, len(leases))
-		for i, l := range leases {
-			bs[i], terms[i] = int64(l.Bucket), l.Term
-		}
-		return "SELECT l.bucket FROM " + s.leases + " l JOIN unnest(CAST(CAST(? AS text) AS int[]), CAST(CAST(? AS text) AS bigint[])) AS g(bucket, term)" +
-				" ON l.bucket = g.bucket AND l.term = g.term WHERE l.owner = ? AND l.expires_at_ms > ?",
-			[]any{bs, terms, relayID, now}
-	}
-	var sb strings.Builder
-	sb.WriteString("SELECT bucket FROM " + s.leases + " WHERE owner = ? AND expires_at_ms > ? AND bucket IN ? AND ")
-	args := leaseGuard(&sb, []any{relayID, now, buckets(leases)}, leases)
-	return sb.String(), args
 }
 
 // bucketArray is bs as a PostgreSQL int[] parameter (see int8Array).

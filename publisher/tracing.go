@@ -2,7 +2,6 @@ package publisher
 
 import (
 	"context"
-	"slices"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -78,11 +77,8 @@ func (p *tracingPublisher) Publish(ctx context.Context, msgs []relay.Message) (i
 	if topic != "" {
 		attrs = append(attrs, attribute.String("messaging.destination.name", topic))
 	}
-	if bs := batchBuckets(msgs); len(bs) == 1 {
-		attrs = append(attrs, attribute.Int("outbox.bucket", bs[0]))
-	} else if len(bs) > 1 {
-		// A batch that spans buckets (relay.SetBatcher).
-		attrs = append(attrs, attribute.IntSlice("outbox.buckets", bs))
+	if len(msgs) > 0 {
+		attrs = append(attrs, attribute.Int("outbox.bucket", msgs[0].Bucket))
 	}
 	var links []trace.Link
 	for i := range msgs {
@@ -105,16 +101,4 @@ func (p *tracingPublisher) Publish(ctx context.Context, msgs []relay.Message) (i
 		span.SetStatus(codes.Error, "publish failed")
 	}
 	return acked, err
-}
-
-// batchBuckets returns the distinct buckets of a batch, ascending.
-func batchBuckets(msgs []relay.Message) []int {
-	var bs []int
-	for _, m := range msgs {
-		if !slices.Contains(bs, m.Bucket) {
-			bs = append(bs, m.Bucket)
-		}
-	}
-	slices.Sort(bs)
-	return bs
 }

@@ -49,12 +49,6 @@ const (
 	ParallelismDefault = 8
 	// ParallelismMax is the largest accepted Parallelism.
 	ParallelismMax = 256
-	// MaxBatchBucketsDefault is how many ready buckets one batch may span
-	// with a store that reads and deletes across buckets (SetBatcher): 1,
-	// every batch is one bucket's. Batches spanning buckets are built and
-	// tested but not yet faster: on PostgreSQL they drained a backlog at
-	// 0.72 to 0.80 times the rate of one-bucket batches (BENCHMARKS.md).
-	MaxBatchBucketsDefault = 1
 	// RelayIDMaxLen is the longest accepted RelayID, the width of the
 	// lease owner and heartbeat columns.
 	RelayIDMaxLen = 128
@@ -79,9 +73,8 @@ type Config struct {
 	// a *MisconfigurationError and the relay stops.
 	BucketCount int
 
-	// BatchSize is how many rows one batch reads, publishes and deletes,
-	// 1 to 10000, whether the batch is one bucket's or spans several
-	// (MaxBatchBuckets). Default 500.
+	// BatchSize is how many rows one batch of a bucket reads, publishes
+	// and deletes, 1 to 10000. Default 500.
 	BatchSize int
 
 	// Parallelism is how many buckets the relay drains at once, 1 to 256,
@@ -96,24 +89,6 @@ type Config struct {
 	// Parallelism makes drainers wait for connections, not fail (a wait
 	// longer than the store's timeout fails that batch, which is retried).
 	Parallelism int
-
-	// MaxBatchBuckets is how many buckets one batch may span, 1 to 4096.
-	// When several of the relay's buckets are ready at once, a drainer
-	// takes up to this many of them and drains them as one batch: one
-	// read of the oldest BatchSize rows across those buckets in id order,
-	// one publish, one delete guarded by each bucket's lease. Each bucket
-	// is still in one batch at a time, and its messages in the batch are
-	// its oldest, in order, so order per key is kept. Under load batches
-	// grow instead of round trips piling up. A drainer takes no more than
-	// an even share of the ready buckets among the drainers without a
-	// batch. It applies only with a Store that implements SetBatcher (the
-	// GORM store does) and a Publisher that is not LeaseAware (the
-	// strict-mode publisher works per bucket). A set batch whose publish
-	// fails hands its buckets back to be drained on their own, where the
-	// failure policy meets them one bucket at a time. Default 1
-	// (MaxBatchBucketsDefault): every bucket on its own, since set batches
-	// have not measured faster yet.
-	MaxBatchBuckets int
 
 	// PollInterval is the fallback discovery interval: how often a relay
 	// owning buckets looks for pending rows it was not told about (writers
@@ -207,9 +182,6 @@ func (c Config) WithDefaults() Config {
 	if c.Parallelism == 0 {
 		c.Parallelism = ParallelismDefault
 	}
-	if c.MaxBatchBuckets == 0 {
-		c.MaxBatchBuckets = MaxBatchBucketsDefault
-	}
 	if c.PollInterval == 0 {
 		c.PollInterval = PollIntervalDefault
 	}
@@ -251,8 +223,6 @@ func (c Config) validate() error {
 		return bad("BatchSize", c.BatchSize, fmt.Sprintf("must be between 1 and %d", BatchSizeMax))
 	case c.Parallelism < 1 || c.Parallelism > ParallelismMax:
 		return bad("Parallelism", c.Parallelism, fmt.Sprintf("must be between 1 and %d", ParallelismMax))
-	case c.MaxBatchBuckets < 1 || c.MaxBatchBuckets > BucketCountMax:
-		return bad("MaxBatchBuckets", c.MaxBatchBuckets, fmt.Sprintf("must be between 1 and %d", BucketCountMax))
 	case c.PollInterval < 0:
 		return bad("PollInterval", c.PollInterval, "must be positive")
 	case c.LeaseDuration < 2*time.Millisecond:

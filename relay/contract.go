@@ -43,15 +43,10 @@ type Message struct {
 // Publish returns how many leading messages of msgs the sink acknowledged
 // and the first error. Only a contiguous prefix counts: if message 3 of 5
 // failed, acked is at most 2 even when 4 and 5 were acknowledged, and the
-// relay republishes 3, 4 and 5 later. A batch holds the messages of one
-// bucket in id order or, with a SetBatcher store, of several
-// (Config.MaxBatchBuckets), one bucket after another, each in id order;
-// Message.Bucket says whose. A publisher that needs one
-// bucket per batch implements LeaseAware or runs with MaxBatchBuckets 1.
-// A relay with Config.Parallelism above 1 (the default) calls Publish
-// concurrently for different buckets, never concurrently for the same
-// bucket; a publisher that is not safe for concurrent use needs
-// Parallelism 1. An error that is a
+// relay republishes 3, 4 and 5 later. A relay with Config.Parallelism
+// above 1 (the default) calls Publish concurrently for different buckets,
+// never concurrently for the same bucket; a publisher that is not safe
+// for concurrent use needs Parallelism 1. An error that is a
 // *MisconfigurationError (the publisher cannot work as configured, for
 // example it was never started) stops the relay once the acknowledged
 // prefix is deleted; it is not counted against the message.

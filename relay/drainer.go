@@ -7,40 +7,23 @@ import (
 	"time"
 )
 
-// drain is one drainer of the pool: it takes ready buckets from the
-// scheduler, drains one batch of them under their leases (one bucket's,
-// or a set's: see drainSet), hands them back, and repeats until the
-// scheduler closes. The scheduler never hands one bucket to two drainers,
-// so at most one batch per bucket is in flight.
+// drain is one drainer of the pool: it takes a ready bucket from the
+// scheduler, drains one batch of it under its lease, hands it back, and
+// repeats until the scheduler closes. The scheduler never hands one
+// bucket to two drainers, so at most one batch per bucket is in flight.
 func (w *worker) drain(ctx context.Context) {
-	maxSet := 1
-	if w.r.setter != nil {
-		maxSet = w.cfg.MaxBatchBuckets
-	}
-	var (
-		set     []drawn
-		results []batchResult
-		ok      bool
-	)
 	for {
-		if set, ok = w.sched.nextSet(w.k, maxSet, set[:0]); !ok {
+		d, ok := w.sched.next(w.k)
+		if !ok {
 			return
 		}
-		if len(set) == 1 {
-			d := set[0]
-			w.finish(d, w.drainBatch(ctx, d.hl, d.st))
-		} else {
-			results = w.drainSet(ctx, set, results[:0])
-			for i, d := range set {
-				w.finish(d, results[i])
-			}
-		}
-		w.sched.finished()
+		w.finish(d, w.drainBatch(ctx, d))
 	}
 }
 
 // finish applies the result of a bucket's batch and hands the bucket back
-// to the scheduler.
+// to the scheduler, which backs a failed bucket off and wakes the control
+// loop for a lease announcement that waited for the batch.
 func (w *worker) finish(d drawn, r batchResult) {
 	b := d.bucket
 	switch {
@@ -61,159 +44,247 @@ func (w *worker) finish(d drawn, r batchResult) {
 
 // batchLimit is the largest batch the relay reads.
 func (w *worker) batchLimit() int {
-	limit := w.cfg.BatchSize
-	if w.r.limiter != nil {
-		limit = min(limit, w.r.limiter.Burst())
-	}
-	return limit
+	return min(w.cfg.BatchSize, w.r.caps.pacer.Burst())
 }
 
-// drainBatch reads, publishes and deletes one batch of a bucket.
-//
-// st is the bucket's scheduler state: a shrink cap after a failure, or the
-// batch read ahead with the previous delete (BatchAdvancer), which is the
-// bucket's head under the same lease.
-func (w *worker) drainBatch(ctx context.Context, hl *heldLease, st bucketState) batchResult {
-	lease := hl.Lease
-	b := lease.Bucket
-	limit := w.batchLimit()
-	if st.shrink > 0 {
-		limit = min(limit, st.shrink) // see the failure path below
-	}
-	var msgs []Message
-	if st.next != nil && st.nextTerm == lease.Term && st.shrink == 0 {
-		msgs = st.next
-	} else {
-		var err error
-		msgs, err = w.r.store.NextBatch(ctx, b, limit)
-		if err != nil {
-			if isStop(ctx, err) {
-				return batchResult{out: outStopped}
-			}
-			if !IsMisconfiguration(err) {
-				w.log.Warn("relay: read batch failed", "bucket", b, "err", err)
-			}
-			return batchResult{out: outFailed, err: err}
-		}
-	}
-	if len(msgs) == 0 {
-		return batchResult{out: outEmpty}
-	}
-	if len(msgs) > limit {
-		msgs = msgs[:limit]
-	}
-	full := len(msgs) == limit
-	if w.r.filter != nil {
-		var (
-			out outcome
-			err error
-		)
-		if msgs, out, err = w.filterBatch(ctx, lease, msgs); msgs == nil {
-			return batchResult{out: out, err: err}
-		}
-	}
-	if w.r.limiter != nil {
-		if err := w.r.limiter.WaitN(hl.ctx, len(msgs)); err != nil {
-			if ctx.Err() != nil {
-				return batchResult{out: outStopped}
-			}
-			return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d: lease ended while waiting for the rate limit: %w", ErrLeaseLost, b, context.Cause(hl.ctx))}
-		}
-	}
-	// The read may have been slow: check the lease is still trusted before
-	// handing anything to the publisher.
-	if !w.k.trusts(lease) {
-		return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d: lease no longer trusted", ErrLeaseLost, b)}
-	}
+// batch is one bucket's batch on its way through drainBatch's steps.
+type batch struct {
+	hl   *heldLease
+	msgs []Message
+	full bool // the read filled the batch: more rows probably wait
+	// acked is the acknowledged prefix of msgs, perr the publish's error
+	// (set too when the publisher acknowledged less than the batch without
+	// one), lost that the lease ended during the publish.
+	acked int
+	perr  error
+	lost  bool
+	// next is the bucket's next batch, read ahead with the delete
+	// (BatchAdvancer): empty, not nil, when the bucket is empty.
+	next []Message
+}
 
-	publishStart := time.Now()
-	acked, perr, lost := w.publish(ctx, hl, msgs)
-	if acked < 0 || acked > len(msgs) {
-		w.log.Error("relay: publisher reported an acknowledged count outside the batch; deleting nothing",
-			"bucket", b, "acked", acked, "batch", len(msgs))
-		perr = fmt.Errorf("relay: publisher acknowledged %d of a batch of %d", acked, len(msgs))
-		acked = 0
+// drainBatch reads, publishes and deletes one batch of bucket d. Each of
+// its steps states one invariant of the relay:
+//
+//   - read: the batch is the bucket's oldest rows, read afresh or read
+//     ahead with the previous delete under the same term;
+//   - filter: the failure handler may take messages out before the publish;
+//   - admit: the pace is kept, and the lease is still trusted before
+//     anything reaches the publisher;
+//   - publish: under the lease's context, which ends with the lease; only
+//     an acknowledged prefix counts;
+//   - fenced: a sink that fenced the bucket makes the rows the new
+//     owner's, and nothing is deleted;
+//   - deleteAcked: the acknowledged prefix is deleted by id, guarded by
+//     the lease in the same statement, even when the relay is stopping;
+//   - leaseEnded: after a lease lost during the publish, the rest of the
+//     batch is the new owner's;
+//   - failurePolicy: a failed publish is narrowed to its culprit, or
+//     recorded and handed to the failure handler.
+//
+// The backoff of a failed bucket and the announcement of lease changes
+// that waited for the batch follow in finish.
+func (w *worker) drainBatch(ctx context.Context, d drawn) batchResult {
+	b := &batch{hl: d.hl}
+	// Each step says whether the batch ends there, and with what.
+	if r, done := w.read(ctx, b, d.st); done {
+		return r
 	}
-	w.observePublish(ctx, b, len(msgs), acked, perr, lost, time.Since(publishStart))
-	if IsFenced(perr) {
-		// The sink refused the bucket's writes: another relay owns its
-		// identity there now. The rows are the new owner's; delete none.
-		w.log.Warn("relay: publisher fenced; leaving the bucket to its new owner without deleting anything",
-			"bucket", b, "term", lease.Term, "err", perr)
-		return batchResult{out: outLost, err: perr}
+	if r, done := w.filter(ctx, b); done {
+		return r
 	}
-	var next []Message
-	if acked > 0 {
-		// Acknowledged rows are deleted even when the relay is stopping:
-		// leaving them would only publish them again. After a complete
-		// full batch the next one is read in the same round trip when the
-		// store can (BatchAdvancer).
-		var err error
-		dctx := context.WithoutCancel(ctx)
-		if adv := w.r.advancer; adv != nil && full && acked == len(msgs) && perr == nil && !lost && ctx.Err() == nil {
-			next, err = adv.MarkPublishedNext(dctx, w.cfg.RelayID, lease, msgs, w.batchLimit())
-		} else {
-			err = w.r.store.MarkPublished(dctx, w.cfg.RelayID, lease, msgs[:acked])
-		}
-		if err != nil {
-			if errors.Is(err, ErrLeaseLost) {
-				w.log.Info("relay: lease lost before delete; the new owner publishes the rows again", "bucket", b, "term", lease.Term, "acked", acked)
-				return batchResult{out: outLost, err: err}
-			}
-			if !IsMisconfiguration(err) {
-				w.log.Warn("relay: delete published messages failed; they will be published again", "bucket", b, "acked", acked, "err", err)
-			}
-			return batchResult{out: outFailed, err: err}
-		}
-		w.published.Add(int64(acked))
+	if r, done := w.admit(ctx, b); done {
+		return r
 	}
-	if lost {
-		w.log.Warn("relay: lease lost during publish; leaving the rest of the batch to the new owner", "bucket", b, "term", lease.Term, "acked", acked)
-		return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d during publish: %w", ErrLeaseLost, b, context.Cause(hl.ctx))}
+	w.publish(ctx, b)
+	if r, done := w.fenced(b); done {
+		return r
 	}
-	if perr == nil && acked < len(msgs) {
-		perr = fmt.Errorf("relay: publisher acknowledged %d of %d messages without an error", acked, len(msgs))
+	if r, done := w.deleteAcked(ctx, b); done {
+		return r
 	}
-	if perr != nil {
-		if ctx.Err() != nil {
-			return batchResult{out: outStopped}
-		}
-		if IsMisconfiguration(perr) {
-			// The publisher cannot work as configured (not started, not
-			// authorized): no message is at fault, so nothing is recorded
-			// against one, and the relay stops with the error.
-			return batchResult{out: outFailed, err: perr}
-		}
-		if i, ok := FailedIndex(perr); ok && i > acked && i < len(msgs) {
-			// The publisher names a later message as the cause (a
-			// transactional one aborts the whole batch): publish the
-			// messages before it on their own, at once, so that the failure
-			// policy meets the culprit at the head of the bucket.
-			w.log.Debug("relay: batch failed at a later message; publishing the messages before it first",
-				"bucket", b, "acked", acked, "failed_index", i, "err", perr)
-			return batchResult{out: outRetry, shrink: i - acked}
-		}
-		if rest := len(msgs) - acked; rest > 1 && IsBatchRejected(perr) {
-			// The sink refused several messages at once for what one of
-			// them may have caused: publish the first half on its own, at
-			// once, until the refused batch is a single message. Only that
-			// message meets the failure policy.
-			w.log.Info("relay: the sink rejected the batch as a whole; splitting it to find the message that caused it",
-				"bucket", b, "acked", acked, "rejected", rest, "next_batch", rest/2, "err", perr)
-			return batchResult{out: outRetry, shrink: rest / 2}
-		}
-		out, err := w.fail(ctx, lease, msgs[acked], acked, perr)
-		return batchResult{out: out, err: err}
+	if r, done := w.leaseEnded(b); done {
+		return r
+	}
+	if b.perr != nil {
+		return w.failurePolicy(ctx, b)
 	}
 	switch {
-	case next != nil && len(next) == 0:
+	case b.next != nil && len(b.next) == 0:
 		return batchResult{out: outDrained} // read ahead: the bucket is empty
-	case next != nil:
-		return batchResult{out: outFull, next: next, term: lease.Term}
-	case full:
+	case b.next != nil:
+		return batchResult{out: outFull, next: b.next, term: b.hl.Term}
+	case b.full:
 		return batchResult{out: outFull}
 	}
 	return batchResult{out: outDrained}
+}
+
+// read takes the bucket's batch: the one read ahead with the previous
+// delete, if it was read under the same term and no failure capped the
+// batch since (st.shrink), else the bucket's oldest rows, afresh.
+func (w *worker) read(ctx context.Context, b *batch, st bucketState) (batchResult, bool) {
+	bucket := b.hl.Bucket
+	limit := w.batchLimit()
+	if st.shrink > 0 {
+		limit = min(limit, st.shrink) // see failurePolicy
+	}
+	b.msgs = st.next
+	if st.next == nil || st.nextTerm != b.hl.Term || st.shrink > 0 {
+		var err error
+		if b.msgs, err = w.r.store.NextBatch(ctx, bucket, limit); err != nil {
+			if isStop(ctx, err) {
+				return batchResult{out: outStopped}, true
+			}
+			if !IsMisconfiguration(err) {
+				w.log.Warn("relay: read batch failed", "bucket", bucket, "err", err)
+			}
+			return batchResult{out: outFailed, err: err}, true
+		}
+	}
+	if len(b.msgs) == 0 {
+		return batchResult{out: outEmpty}, true
+	}
+	if len(b.msgs) > limit {
+		b.msgs = b.msgs[:limit]
+	}
+	b.full = len(b.msgs) == limit
+	return batchResult{}, false
+}
+
+// filter hands the batch to the failure handler's BatchFilter.
+func (w *worker) filter(ctx context.Context, b *batch) (batchResult, bool) {
+	kept, out, err := w.filterBatch(ctx, b.hl.Lease, b.msgs)
+	if kept == nil {
+		return batchResult{out: out, err: err}, true
+	}
+	b.msgs = kept
+	return batchResult{}, false
+}
+
+// admit waits for the pace (Config.RateLimit), then checks that the lease
+// is still trusted, since the read and the wait may have been slow,
+// before anything is handed to the publisher.
+func (w *worker) admit(ctx context.Context, b *batch) (batchResult, bool) {
+	bucket := b.hl.Bucket
+	if err := w.r.caps.pacer.WaitN(b.hl.ctx, len(b.msgs)); err != nil {
+		if ctx.Err() != nil {
+			return batchResult{out: outStopped}, true
+		}
+		return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d: lease ended while waiting for the rate limit: %w", ErrLeaseLost, bucket, context.Cause(b.hl.ctx))}, true
+	}
+	if !w.k.trusts(b.hl.Lease) {
+		return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d: lease no longer trusted", ErrLeaseLost, bucket)}, true
+	}
+	return batchResult{}, false
+}
+
+// publish hands the batch to the publisher under the lease and keeps its
+// acknowledged prefix: a count outside the batch deletes nothing, and a
+// prefix short of the batch without an error is an error.
+func (w *worker) publish(ctx context.Context, b *batch) {
+	start := time.Now()
+	b.acked, b.perr, b.lost = w.publishUnder(ctx, b.hl, b.msgs)
+	if b.acked < 0 || b.acked > len(b.msgs) {
+		w.log.Error("relay: publisher reported an acknowledged count outside the batch; deleting nothing",
+			"bucket", b.hl.Bucket, "acked", b.acked, "batch", len(b.msgs))
+		b.perr = fmt.Errorf("relay: publisher acknowledged %d of a batch of %d", b.acked, len(b.msgs))
+		b.acked = 0
+	}
+	w.observePublish(ctx, b.hl.Bucket, len(b.msgs), b.acked, b.perr, b.lost, time.Since(start))
+	if b.perr == nil && b.acked < len(b.msgs) {
+		b.perr = fmt.Errorf("relay: publisher acknowledged %d of %d messages without an error", b.acked, len(b.msgs))
+	}
+}
+
+// fenced ends a batch the sink refused because another relay owns the
+// bucket's identity there now: the rows are the new owner's; none is
+// deleted.
+func (w *worker) fenced(b *batch) (batchResult, bool) {
+	if !IsFenced(b.perr) {
+		return batchResult{}, false
+	}
+	w.log.Warn("relay: publisher fenced; leaving the bucket to its new owner without deleting anything",
+		"bucket", b.hl.Bucket, "term", b.hl.Term, "err", b.perr)
+	return batchResult{out: outLost, err: b.perr}, true
+}
+
+// deleteAcked deletes the acknowledged prefix, guarded by the lease. The
+// rows are deleted even when the relay is stopping: leaving them would
+// only publish them again. After a complete full batch the next one is
+// read in the same call (BatchAdvancer; without one, nothing is read
+// ahead).
+func (w *worker) deleteAcked(ctx context.Context, b *batch) (batchResult, bool) {
+	if b.acked == 0 {
+		return batchResult{}, false
+	}
+	lease := b.hl.Lease
+	dctx := context.WithoutCancel(ctx)
+	var err error
+	if b.full && b.acked == len(b.msgs) && b.perr == nil && !b.lost && ctx.Err() == nil {
+		b.next, err = w.r.caps.advancer.MarkPublishedNext(dctx, w.cfg.RelayID, lease, b.msgs, w.batchLimit())
+	} else {
+		err = w.r.store.MarkPublished(dctx, w.cfg.RelayID, lease, b.msgs[:b.acked])
+	}
+	switch {
+	case err == nil:
+		w.published.Add(int64(b.acked))
+		return batchResult{}, false
+	case errors.Is(err, ErrLeaseLost):
+		w.log.Info("relay: lease lost before delete; the new owner publishes the rows again", "bucket", lease.Bucket, "term", lease.Term, "acked", b.acked)
+		return batchResult{out: outLost, err: err}, true
+	case !IsMisconfiguration(err):
+		w.log.Warn("relay: delete published messages failed; they will be published again", "bucket", lease.Bucket, "acked", b.acked, "err", err)
+	}
+	return batchResult{out: outFailed, err: err}, true
+}
+
+// leaseEnded ends a batch whose lease ended during the publish: the rest
+// of the batch is the new owner's.
+func (w *worker) leaseEnded(b *batch) (batchResult, bool) {
+	if !b.lost {
+		return batchResult{}, false
+	}
+	w.log.Warn("relay: lease lost during publish; leaving the rest of the batch to the new owner", "bucket", b.hl.Bucket, "term", b.hl.Term, "acked", b.acked)
+	return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d during publish: %w", ErrLeaseLost, b.hl.Bucket, context.Cause(b.hl.ctx))}, true
+}
+
+// failurePolicy meets a failed publish. A stop or a misconfiguration
+// counts against no message. A failure the publisher pins on a later
+// message, or a whole batch the sink refused, is narrowed first: the
+// bucket's next batch is cut short so that the failure policy meets the
+// culprit at the head of the bucket. Otherwise the first unacknowledged
+// message meets the policy (fail).
+func (w *worker) failurePolicy(ctx context.Context, b *batch) batchResult {
+	perr, acked, bucket := b.perr, b.acked, b.hl.Bucket
+	switch {
+	case ctx.Err() != nil:
+		return batchResult{out: outStopped}
+	case IsMisconfiguration(perr):
+		// The publisher cannot work as configured (not started, not
+		// authorized): no message is at fault, so nothing is recorded
+		// against one, and the relay stops with the error.
+		return batchResult{out: outFailed, err: perr}
+	}
+	if i, ok := FailedIndex(perr); ok && i > acked && i < len(b.msgs) {
+		// The publisher names a later message as the cause (a
+		// transactional one aborts the whole batch): publish the messages
+		// before it on their own, at once.
+		w.log.Debug("relay: batch failed at a later message; publishing the messages before it first",
+			"bucket", bucket, "acked", acked, "failed_index", i, "err", perr)
+		return batchResult{out: outRetry, shrink: i - acked}
+	}
+	if rest := len(b.msgs) - acked; rest > 1 && IsBatchRejected(perr) {
+		// The sink refused several messages at once for what one of them
+		// may have caused: publish the first half on its own, at once,
+		// until the refused batch is a single message. Only that message
+		// meets the failure policy.
+		w.log.Info("relay: the sink rejected the batch as a whole; splitting it to find the message that caused it",
+			"bucket", bucket, "acked", acked, "rejected", rest, "next_batch", rest/2, "err", perr)
+		return batchResult{out: outRetry, shrink: rest / 2}
+	}
+	out, err := w.fail(ctx, b.hl.Lease, b.msgs[acked], acked, perr)
+	return batchResult{out: out, err: err}
 }
 
 // filterBatch hands a batch to the failure handler's BatchFilter and
@@ -221,7 +292,7 @@ func (w *worker) drainBatch(ctx context.Context, hl *heldLease, st bucketState) 
 // the returned outcome: the filter failed, or took every message out and
 // the bucket is read again.
 func (w *worker) filterBatch(ctx context.Context, lease Lease, msgs []Message) ([]Message, outcome, error) {
-	kept, err := w.r.filter.FilterBatch(ctx, w.cfg.RelayID, lease, msgs)
+	kept, err := w.r.caps.filter.FilterBatch(ctx, w.cfg.RelayID, lease, msgs)
 	switch {
 	case err == nil:
 	case isStop(ctx, err):
@@ -253,32 +324,13 @@ func (w *worker) fail(ctx context.Context, lease Lease, msg Message, acked int, 
 			"bucket", lease.Bucket, "acked", acked, "message_id", msg.MessageID, "err", perr)
 		return outFailed, perr
 	}
-	if w.r.recorder != nil {
-		err := w.r.recorder.RecordFailure(ctx, w.cfg.RelayID, lease, msg, perr)
-		switch {
-		case err == nil:
-			msg.Attempts++
-		case errors.Is(err, ErrLeaseLost):
-			return outLost, err
-		case !isStop(ctx, err):
-			w.log.Warn("relay: record publish failure failed", "bucket", lease.Bucket, "err", err)
-		}
+	msg, err := w.record(ctx, lease, msg, perr)
+	if err != nil {
+		return outLost, err
 	}
-	action := FailureBackoff
-	if h := w.cfg.FailureHandler; h != nil {
-		a, err := h.HandleFailure(ctx, Failure{RelayID: w.cfg.RelayID, Lease: lease, Message: msg, Acked: acked, Err: perr})
-		switch {
-		case IsMisconfiguration(err):
-			return outFailed, err
-		case errors.Is(err, ErrLeaseLost):
-			return outLost, err
-		case err != nil:
-			if !isStop(ctx, err) { // a stop cancelling the handler is no failure
-				w.log.Warn("relay: failure handler failed", "bucket", lease.Bucket, "message_id", msg.MessageID, "err", err)
-			}
-		default:
-			action = a
-		}
+	action, err := w.handle(ctx, Failure{RelayID: w.cfg.RelayID, Lease: lease, Message: msg, Acked: acked, Err: perr})
+	if err != nil {
+		return outcomeOf(err), err
 	}
 	w.log.Warn("relay: publish failed", "bucket", lease.Bucket, "acked", acked,
 		"message_id", msg.MessageID, "attempts", msg.Attempts, "permanent", IsPermanent(perr), "err", perr)
@@ -290,28 +342,59 @@ func (w *worker) fail(ctx context.Context, lease Lease, msg Message, acked int, 
 	return outFailed, perr
 }
 
-// publish runs the publisher under the bucket's lease context: the lease
-// keeper ends it when the lease is lost (a renewal found it taken over)
-// or can no longer be trusted (the trust window passed without a renewal;
-// without a LeaseRenewer that bounds every publish). Renewal goes on
-// meanwhile, on the keeper's own goroutine. No transaction or row lock is
-// held.
-func (w *worker) publish(ctx context.Context, hl *heldLease, msgs []Message) (acked int, err error, lost bool) {
-	return w.publishUnder(ctx, hl.ctx, msgs, fmt.Sprintf("bucket %d", hl.Bucket))
+// record counts the failure on the message (FailureRecorder) and returns
+// the message with its attempts. Only a lost lease is an error: a record
+// that failed otherwise is logged and the policy goes on.
+func (w *worker) record(ctx context.Context, lease Lease, msg Message, perr error) (Message, error) {
+	err := w.r.caps.recorder.RecordFailure(ctx, w.cfg.RelayID, lease, msg, perr)
+	switch {
+	case err == nil:
+		msg.Attempts++
+	case errors.Is(err, ErrLeaseLost):
+		return msg, err
+	case errors.Is(err, errNotRecorded), isStop(ctx, err):
+	default:
+		w.log.Warn("relay: record publish failure failed", "bucket", lease.Bucket, "err", err)
+	}
+	return msg, nil
 }
 
-// publishUnder runs the publisher under pctx, which ends with the lease
-// (or, for a set batch, with any lease of the set); what names the
-// bucket or buckets in errors and logs.
-func (w *worker) publishUnder(ctx, pctx context.Context, msgs []Message, what string) (acked int, err error, lost bool) {
-	if w.r.renewer == nil {
-		// No renewal during the publish: it ends with the trust window,
-		// and says so to a publisher that looks at its deadline.
-		var cancel context.CancelFunc
-		pctx, cancel = context.WithDeadlineCause(pctx, w.k.trustDeadline(),
-			fmt.Errorf("%w: %s: local lease deadline passed during publish", ErrLeaseLost, what))
-		defer cancel()
+// handle asks the failure handler what to do with the failed message. It
+// returns an error only for a misconfiguration or a lost lease; any other
+// error of the handler is logged and taken as FailureBackoff.
+func (w *worker) handle(ctx context.Context, f Failure) (FailureAction, error) {
+	a, err := w.r.caps.handler.HandleFailure(ctx, f)
+	switch {
+	case err == nil:
+		return a, nil
+	case IsMisconfiguration(err), errors.Is(err, ErrLeaseLost):
+		return FailureBackoff, err
+	case !isStop(ctx, err): // a stop cancelling the handler is no failure
+		w.log.Warn("relay: failure handler failed", "bucket", f.Lease.Bucket, "message_id", f.Message.MessageID, "err", err)
 	}
+	return FailureBackoff, nil
+}
+
+// outcomeOf is the outcome of a batch that ends with err from the failure
+// policy: a misconfiguration fails it (and stops the relay), a lost
+// lease loses the bucket.
+func outcomeOf(err error) outcome {
+	if IsMisconfiguration(err) {
+		return outFailed
+	}
+	return outLost
+}
+
+// publishUnder runs the publisher under the bucket's lease context: the
+// lease keeper ends it when the lease is lost (a renewal found it taken
+// over) or can no longer be trusted (the trust window passed without a
+// renewal; without a LeaseRenewer that bounds every publish). Renewal goes
+// on meanwhile, on the keeper's own goroutine. No transaction or row lock
+// is held.
+func (w *worker) publishUnder(ctx context.Context, hl *heldLease, msgs []Message) (acked int, err error, lost bool) {
+	what := fmt.Sprintf("bucket %d", hl.Bucket)
+	pctx, cancel := w.r.caps.renewal.bound(hl.ctx, w.k, what)
+	defer cancel()
 	tctx, cancelTimeout := context.WithTimeoutCause(pctx, w.cfg.PublishTimeout, errPublishTimedOut)
 	start := time.Now()
 	acked, err = w.r.publisher.Publish(tctx, msgs)

@@ -106,7 +106,7 @@ func (w *worker) init(ctx context.Context) {
 // scheduler and waits for them to finish their batches.
 func (w *worker) startPool(ctx context.Context) (wait func(), stop func()) {
 	n := min(w.cfg.Parallelism, w.cfg.BucketCount)
-	w.sched.start(w.oneShot, n)
+	w.sched.start(w.oneShot)
 	var wg sync.WaitGroup
 	for range n {
 		wg.Go(func() { w.drain(ctx) })
@@ -125,21 +125,17 @@ func (w *worker) startPool(ctx context.Context) (wait func(), stop func()) {
 	return wait, stop
 }
 
-// startRenewal starts the keeper's renewal goroutine if the store can
-// renew, and returns the function that stops it.
+// startRenewal starts renewing the leases in the background when the
+// store can (LeaseRenewer), and returns the function that stops it.
 func (w *worker) startRenewal(ctx context.Context) (stop func()) {
-	if w.r.renewer == nil {
-		return func() {}
-	}
-	rctx, cancel := context.WithCancel(ctx)
-	var wg sync.WaitGroup
-	wg.Go(func() { w.k.renewLoop(rctx) })
-	return func() { cancel(); wg.Wait() }
+	return w.r.caps.renewal.start(ctx, w.k)
 }
 
 // run is the control loop of a started relay. It returns nil when stopped
 // and an error only for a misconfiguration. Before it returns, the
-// drainers have finished their batches.
+// drainers have finished their batches. Each turn maintains the leases,
+// takes hints, starts a discovery when one is due, and sleeps until the
+// next thing to do (see sleep).
 func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 	w.init(ctx)
 	defer w.k.close()
@@ -150,25 +146,9 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 	defer stopPool()
 	// Discovery runs beside the loop, so that hints are taken while the
 	// store looks for pending rows; deferred last, it ends first.
-	var discovery sync.WaitGroup
-	defer discovery.Wait()
-	discovered := make(chan error, 1)
-
-	var (
-		nextAcquire   time.Time // zero: acquire at once
-		nextPoll      time.Time
-		discover      bool
-		discovering   bool // a discovery runs; its result comes on discovered
-		wantAcquire   bool
-		storeFailures int
-		hintsC        <-chan struct{}
-	)
-	if w.cfg.Hints != nil {
-		hintsC = w.cfg.Hints.Ready()
-	}
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-
+	l := &loop{discovered: make(chan error, 1), timer: time.NewTimer(time.Hour), hintsC: w.r.caps.hints.Ready()}
+	defer l.timer.Stop()
+	defer l.discovery.Wait()
 	for {
 		if isStopping(ctx, stopping) {
 			return nil
@@ -177,121 +157,161 @@ func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
 			return err
 		}
 		now := time.Now()
-		worked := false
-		w.k.expireTrust()
-		if !now.Before(nextAcquire) || w.k.takeNeedAcquire() {
-			wantAcquire = true
-		}
-		if wantAcquire {
-			wantAcquire, worked = false, true
-			// First announce the leases lost since the last acquisition,
-			// so a bucket acquired again under its old term is announced
-			// anew.
-			if err := w.syncLeases(ctx); err != nil {
-				return err
-			}
-			// No new batch starts during the store call; the batches in
-			// flight go on, and the store keeps their buckets (Busy), so a
-			// surplus lease is released only between batches of its
-			// bucket.
-			err := w.k.acquire(ctx, w.sched.hold())
-			w.sched.resume()
-			switch {
-			case err == nil:
-				storeFailures = 0
-				nextAcquire = now.Add(jitter(w.cfg.LeaseRenewInterval))
-			case IsMisconfiguration(err):
-				return err
-			case isStop(ctx, err):
-				return nil
-			default:
-				storeFailures++
-				d := backoff(w.cfg, storeFailures)
-				w.log.Warn("relay: acquire leases failed", "err", err, "retry_in", d)
-				nextAcquire = now.Add(d)
-			}
-			w.k.expireTrust()
-			if err := w.syncLeases(ctx); err != nil {
-				return err
-			}
-		} else if w.deferred {
-			// A change met during a bucket's batch, announced once that
-			// batch ended (its drainer woke the loop).
-			if err := w.syncLeases(ctx); err != nil {
-				return err
-			}
+		worked, done, err := w.maintainLeases(ctx, l, now)
+		if done {
+			return err
 		}
 		owned := w.k.ownedCount()
-
-		if w.cfg.Hints != nil {
-			var unknown bool
-			w.hintBuf, unknown = w.cfg.Hints.Take(w.hintBuf[:0])
-			if owned > 0 {
-				for _, b := range w.hintBuf {
-					if b >= 0 && b < w.cfg.BucketCount {
-						if _, ok := w.k.lease(b); ok {
-							w.sched.mark(b, now)
-						}
-					}
-				}
-				discover = discover || unknown
-			}
-		}
-		if w.k.takeNeedDiscover() {
-			discover = true
-		}
-		if owned > 0 && !discovering && (discover || !now.Before(nextPoll)) {
-			// A hint or a gained lease asking for discovery meanwhile asks
-			// for the next one: this one may have read before their rows.
-			discover, discovering = false, true
-			discovery.Go(func() {
-				start := time.Now()
-				err := w.discover(ctx)
-				w.observeCycle(start)
-				discovered <- err
-			})
-		}
+		w.takeHints(l, owned, now)
+		w.startDiscovery(ctx, l, owned, now)
 		retry, retrying := w.sched.promote(time.Now())
 		if worked {
 			w.observeCycle(now)
 		}
-
-		// Sleep until the next lease refresh, poll or backoff end, a hint,
-		// a discovery's end or a drainer's news. A relay owning nothing
-		// waits for its next lease refresh only.
-		wake := nextAcquire
-		if w.k.ownedCount() > 0 {
-			if !discovering {
-				wake = earliest(wake, nextPoll)
-			}
-			if retrying {
-				wake = earliest(wake, retry)
-			}
-		}
-		timer.Reset(time.Until(wake))
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-stopping:
-			return nil
-		case <-timer.C:
-		case <-hintsC:
-		case <-w.kickC:
-		case err := <-discovered:
-			discovering = false
-			switch {
-			case err == nil:
-				nextPoll = time.Now().Add(jitter(w.cfg.PollInterval))
-			case IsMisconfiguration(err):
-				return err
-			case isStop(ctx, err):
-				return nil
-			default:
-				w.log.Warn("relay: find pending buckets failed", "err", err)
-				nextPoll = time.Now().Add(backoff(w.cfg, 1))
-			}
+		if done, err := w.sleep(ctx, stopping, l, retry, retrying); done {
+			return err
 		}
 	}
+}
+
+// loop is the control loop's state between its turns.
+type loop struct {
+	nextAcquire   time.Time // zero: acquire at once
+	nextPoll      time.Time
+	storeFailures int  // consecutive failed acquisitions
+	discover      bool // a hint or a gained lease asks for a discovery
+	discovering   bool // a discovery runs; its result comes on discovered
+	discovered    chan error
+	discovery     sync.WaitGroup
+	timer         *time.Timer
+	hintsC        <-chan struct{}
+}
+
+// maintainLeases acquires when acquisition is due or a lost lease asks
+// for it, and announces lease changes to a LeaseAware publisher. worked
+// says it acquired; done says the loop ends, with err.
+func (w *worker) maintainLeases(ctx context.Context, l *loop, now time.Time) (worked, done bool, err error) {
+	w.k.expireTrust()
+	if now.Before(l.nextAcquire) && !w.k.takeNeedAcquire() {
+		if w.deferred {
+			// A change met during a bucket's batch, announced once that
+			// batch ended (its drainer woke the loop).
+			err = w.syncLeases(ctx)
+		}
+		return false, err != nil, err
+	}
+	// First announce the leases lost since the last acquisition, so a
+	// bucket acquired again under its old term is announced anew.
+	if err := w.syncLeases(ctx); err != nil {
+		return true, true, err
+	}
+	// No new batch starts during the store call; the batches in flight go
+	// on, and the store keeps their buckets (Busy), so a surplus lease is
+	// released only between batches of its bucket.
+	err = w.k.acquire(ctx, w.sched.hold())
+	w.sched.resume()
+	switch {
+	case err == nil:
+		l.storeFailures = 0
+		l.nextAcquire = now.Add(jitter(w.cfg.LeaseRenewInterval))
+	case IsMisconfiguration(err):
+		return true, true, err
+	case isStop(ctx, err):
+		return true, true, nil
+	default:
+		l.storeFailures++
+		d := backoff(w.cfg, l.storeFailures)
+		w.log.Warn("relay: acquire leases failed", "err", err, "retry_in", d)
+		l.nextAcquire = now.Add(d)
+	}
+	w.k.expireTrust()
+	err = w.syncLeases(ctx)
+	return true, err != nil, err
+}
+
+// takeHints marks the hinted buckets the relay holds ready. An
+// unknown-bucket hint asks for a discovery. A relay owning nothing drops
+// its hints.
+func (w *worker) takeHints(l *loop, owned int, now time.Time) {
+	var unknown bool
+	w.hintBuf, unknown = w.r.caps.hints.Take(w.hintBuf[:0])
+	if owned == 0 {
+		return
+	}
+	for _, b := range w.hintBuf {
+		if b < 0 || b >= w.cfg.BucketCount {
+			continue
+		}
+		if _, ok := w.k.lease(b); ok {
+			w.sched.mark(b, now)
+		}
+	}
+	l.discover = l.discover || unknown
+}
+
+// startDiscovery starts a discovery beside the loop when one was asked
+// for or the poll is due, unless one runs. A hint or a gained lease
+// asking for discovery meanwhile asks for the next one: this one may
+// have read before their rows.
+func (w *worker) startDiscovery(ctx context.Context, l *loop, owned int, now time.Time) {
+	if w.k.takeNeedDiscover() {
+		l.discover = true
+	}
+	if owned == 0 || l.discovering || (!l.discover && now.Before(l.nextPoll)) {
+		return
+	}
+	l.discover, l.discovering = false, true
+	l.discovery.Go(func() {
+		start := time.Now()
+		err := w.discover(ctx)
+		w.observeCycle(start)
+		l.discovered <- err
+	})
+}
+
+// sleep waits until the next lease refresh, poll or backoff end, a hint,
+// a discovery's end or a drainer's news. A relay owning nothing waits for
+// its next lease refresh only. done says the loop ends, with err.
+func (w *worker) sleep(ctx context.Context, stopping <-chan struct{}, l *loop, retry time.Time, retrying bool) (done bool, err error) {
+	wake := l.nextAcquire
+	if w.k.ownedCount() > 0 {
+		if !l.discovering {
+			wake = earliest(wake, l.nextPoll)
+		}
+		if retrying {
+			wake = earliest(wake, retry)
+		}
+	}
+	l.timer.Reset(time.Until(wake))
+	select {
+	case <-ctx.Done():
+		return true, nil
+	case <-stopping:
+		return true, nil
+	case <-l.timer.C:
+	case <-l.hintsC:
+	case <-w.kickC:
+	case err := <-l.discovered:
+		return w.discovered(ctx, l, err)
+	}
+	return false, nil
+}
+
+// discovered takes a discovery's result and sets the next poll.
+func (w *worker) discovered(ctx context.Context, l *loop, err error) (done bool, _ error) {
+	l.discovering = false
+	switch {
+	case err == nil:
+		l.nextPoll = time.Now().Add(jitter(w.cfg.PollInterval))
+	case IsMisconfiguration(err):
+		return true, err
+	case isStop(ctx, err):
+		return true, nil
+	default:
+		w.log.Warn("relay: find pending buckets failed", "err", err)
+		l.nextPoll = time.Now().Add(backoff(w.cfg, 1))
+	}
+	return false, nil
 }
 
 // drainRoundsMax bounds DrainOnce's rounds: a round acquires, drains

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -434,32 +433,26 @@ func TestRelaysRace(t *testing.T) {
 	)
 	pub := func(id string) relay.Publisher {
 		return relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
-			// A batch may span buckets (the set-batching store): each of
-			// them must be in this batch only.
-			var bs []int
-			for _, m := range msgs {
-				if !slices.Contains(bs, m.Bucket) {
-					bs = append(bs, m.Bucket)
-				}
-			}
+			// A batch is one bucket's, the only one in flight for it.
+			b := msgs[0].Bucket
 			mu.Lock()
-			for _, b := range bs {
-				if other, ok := busy[b]; ok {
-					problems = append(problems, fmt.Sprintf("bucket %d: %s publishes while %s does", b, id, other))
+			for _, m := range msgs[1:] {
+				if m.Bucket != b {
+					problems = append(problems, fmt.Sprintf("bucket %d: a batch holds a message of bucket %d", b, m.Bucket))
 				}
-				busy[b] = id
 			}
+			if other, ok := busy[b]; ok {
+				problems = append(problems, fmt.Sprintf("bucket %d: %s publishes while %s does", b, id, other))
+			}
+			busy[b] = id
 			mu.Unlock()
 			time.Sleep(time.Millisecond + time.Duration(len(msgs))*20*time.Microsecond)
 			mu.Lock()
-			for _, b := range bs {
-				delete(busy, b)
-			}
+			delete(busy, b)
 			for _, m := range msgs {
 				// Ids grow with submission: within a bucket each message
 				// is published after the earlier ones (a repeat of an
 				// earlier one is a duplicate, not a reorder).
-				b := m.Bucket
 				if m.ID <= last[b] && !seen[m.ID] {
 					problems = append(problems, fmt.Sprintf("bucket %d: message %d published after %d", b, m.ID, last[b]))
 				}
@@ -472,7 +465,6 @@ func TestRelaysRace(t *testing.T) {
 	}
 	cfgFor := func(id string) relay.Config {
 		cfg := config(id)
-		cfg.MaxBatchBuckets = 8 // used by the store that can (advancingStore)
 		cfg.BucketCount = buckets
 		cfg.PollInterval = time.Millisecond
 		cfg.LeaseDuration = 2 * time.Second
@@ -495,9 +487,6 @@ func TestRelaysRace(t *testing.T) {
 			s.add(i%buckets, 1+i%7)
 		}
 	})
-	// The set-batching store (1) runs 2 drainers with batches of up to 8
-	// buckets, so that ready buckets often outnumber the idle drainers and
-	// batches span several.
 	parallelism := []int{1, 2, 7}
 	var relays []*relay.Relay
 	for i := range 3 {
@@ -518,20 +507,6 @@ func TestRelaysRace(t *testing.T) {
 	}
 	close(stopWriting)
 	writers.Wait()
-	// The set-batching relay, its peers gone, given its buckets' backlog
-	// all at once: its 2 drainers find more ready buckets than themselves
-	// and batch several. On a busy machine the shared phase above may have
-	// had no such moment; the backlog is given again until it did.
-	stop(t, relays[0])
-	stop(t, relays[2])
-	require.EventuallyWithT(t, func(c *assert.CollectT) {
-		if s.count("setmark") == 0 && s.pending() == 0 {
-			for b := range buckets {
-				s.add(b, 3)
-			}
-		}
-		assert.Positive(c, s.count("setmark"), "batches spanned buckets (advancingStore)")
-	}, time.Minute, 10*time.Millisecond)
 	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, s.pending()) }, time.Minute, 10*time.Millisecond)
 	for _, r := range relays {
 		stop(t, r)

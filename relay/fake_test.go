@@ -1,7 +1,6 @@
 package relay_test
 
 import (
-	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -25,8 +24,6 @@ type fakeStore struct {
 	batches []int // bucket of every NextBatch call
 	// probes is the buckets of every PendingBuckets call.
 	probes [][]int
-	// setBatches is the buckets of every NextSetBatch call.
-	setBatches [][]int
 	// acquireBusy is, for every AcquireLeases call, how many of the
 	// relay's held buckets it named busy.
 	acquireBusy []int
@@ -357,74 +354,12 @@ func (s *fakeStore) markPublishedNext(ctx context.Context, id string, l relay.Le
 	return append([]relay.Message{}, ms[:min(limit, len(ms))]...), nil
 }
 
-// nextSetBatch is relay.SetBatcher's read for advancingStore: the oldest
-// limit messages of the buckets by id, across them.
-func (s *fakeStore) nextSetBatch(ctx context.Context, buckets []int, limit int) ([]relay.Message, bool, error) {
-	err := s.begin("setbatch")
-	defer s.mu.Unlock()
-	if err != nil {
-		return nil, false, err
-	}
-	s.setBatches = append(s.setBatches, slices.Clone(buckets))
-	var out []relay.Message
-	set := slices.Clone(buckets)
-	slices.Sort(set)
-	for _, b := range slices.Compact(set) {
-		ms := s.msgs[b]
-		out = append(out, ms[:min(limit, len(ms))]...)
-	}
-	slices.SortFunc(out, func(a, b relay.Message) int { return cmp.Compare(a.ID, b.ID) })
-	return slices.Clone(out[:min(limit, len(out))]), len(out) > limit, nil
-}
-
-// markSetPublished is relay.SetBatcher's delete for advancingStore: each
-// bucket of msgs deletes its messages if its lease in leases is held, and
-// is lost otherwise.
-func (s *fakeStore) markSetPublished(ctx context.Context, id string, leases []relay.Lease, msgs []relay.Message) ([]int, error) {
-	err := s.begin("setmark")
-	defer s.mu.Unlock()
-	if err != nil {
-		return nil, err
-	}
-	now := time.Now()
-	var lost []int
-	for _, b := range setBuckets(msgs) {
-		i := slices.IndexFunc(leases, func(l relay.Lease) bool { return l.Bucket == b })
-		if i < 0 || !s.held(id, leases[i], now) {
-			lost = append(lost, b)
-			continue
-		}
-		s.msgs[b] = slices.DeleteFunc(s.msgs[b], func(m relay.Message) bool {
-			return slices.ContainsFunc(msgs, func(p relay.Message) bool { return p.ID == m.ID })
-		})
-	}
-	return lost, nil
-}
-
-// setBuckets returns the buckets of msgs, ascending, each once.
-func setBuckets(msgs []relay.Message) []int {
-	bs := make([]int, len(msgs))
-	for i, m := range msgs {
-		bs[i] = m.Bucket
-	}
-	slices.Sort(bs)
-	return slices.Compact(bs)
-}
-
 // bucketCount is relay.BucketCounter for advancingStore.
 func (s *fakeStore) bucketCount() int { return s.buckets }
 
-// advancingStore is a fakeStore with every capability, BatchAdvancer,
-// BucketCounter and SetBatcher included.
+// advancingStore is a fakeStore with every capability, BatchAdvancer and
+// BucketCounter included.
 type advancingStore struct{ *fakeStore }
-
-func (a advancingStore) NextSetBatch(ctx context.Context, buckets []int, limit int) ([]relay.Message, bool, error) {
-	return a.nextSetBatch(ctx, buckets, limit)
-}
-
-func (a advancingStore) MarkSetPublished(ctx context.Context, id string, leases []relay.Lease, msgs []relay.Message) ([]int, error) {
-	return a.markSetPublished(ctx, id, leases, msgs)
-}
 
 func (a advancingStore) MarkPublishedNext(ctx context.Context, id string, l relay.Lease, msgs []relay.Message, limit int) ([]relay.Message, error) {
 	return a.markPublishedNext(ctx, id, l, msgs, limit)

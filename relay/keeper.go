@@ -156,10 +156,10 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 	return nil
 }
 
-// renew extends the held leases through the LeaseRenewer. It runs
+// renew extends the held leases through lr. It runs
 // concurrently with drainers; a lease it finds lost has its context ended,
 // which cancels a publish in flight for it.
-func (k *keeper) renew(ctx context.Context) error {
+func (k *keeper) renew(ctx context.Context, lr LeaseRenewer) error {
 	k.mu.Lock()
 	held, until := k.leasesLocked(), k.trustedUntil
 	start := time.Now()
@@ -171,7 +171,7 @@ func (k *keeper) renew(ctx context.Context) error {
 	// A renewal that completes after the trust window is of no use.
 	rctx, cancel := context.WithDeadline(ctx, until)
 	defer cancel()
-	still, err := k.w.r.renewer.RenewLeases(rctx, k.cfg.RelayID, held, k.cfg.LeaseDuration)
+	still, err := lr.RenewLeases(rctx, k.cfg.RelayID, held, k.cfg.LeaseDuration)
 	if err != nil {
 		return fmt.Errorf("relay: renew leases: %w", err)
 	}
@@ -210,7 +210,7 @@ func (k *keeper) renew(ctx context.Context) error {
 // renewLoop renews the leases whenever the renewal is due and no
 // acquisition did it: while the acquisition waits for a slow publish to
 // finish, or the control loop is busy. It runs only with a LeaseRenewer.
-func (k *keeper) renewLoop(ctx context.Context) {
+func (k *keeper) renewLoop(ctx context.Context, lr LeaseRenewer) {
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	var retryAt time.Time
@@ -233,7 +233,7 @@ func (k *keeper) renewLoop(ctx context.Context) {
 		if !has || time.Now().Before(due) {
 			continue
 		}
-		err := k.renew(ctx)
+		err := k.renew(ctx, lr)
 		if ctx.Err() != nil {
 			return
 		}

@@ -7,8 +7,6 @@ import (
 	"slices"
 	"sync"
 	"time"
-
-	"golang.org/x/time/rate"
 )
 
 // releaseTimeout bounds the release of leases when a relay stops. It runs
@@ -39,12 +37,7 @@ type Relay struct {
 	cfg       Config
 	store     Store
 	publisher Publisher
-	renewer   LeaseRenewer    // nil if the store cannot renew
-	recorder  FailureRecorder // nil if the store does not record attempts
-	advancer  BatchAdvancer   // nil if the store cannot delete and read ahead at once
-	setter    SetBatcher      // nil unless batches may span several buckets
-	filter    BatchFilter     // nil if the failure handler filters nothing
-	limiter   *rate.Limiter   // nil without Config.RateLimit
+	caps      capabilities // optional capabilities or their fallbacks, resolved by New
 
 	// leaseAware is told of lease changes; nil if the publisher does not
 	// implement LeaseAware.
@@ -85,23 +78,8 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 		publisher: publisher,
 		stopped:   make(chan struct{}),
 	}
-	r.renewer, _ = store.(LeaseRenewer)
-	r.recorder, _ = store.(FailureRecorder)
-	r.advancer, _ = store.(BatchAdvancer)
+	r.caps = resolveCapabilities(store, cfg)
 	r.leaseAware, _ = publisher.(LeaseAware)
-	if sb, ok := store.(SetBatcher); ok && r.leaseAware == nil && cfg.MaxBatchBuckets > 1 {
-		r.setter = sb
-	}
-	if r.cfg.FailureHandler == nil {
-		r.cfg.FailureHandler, _ = store.(FailureHandler)
-	}
-	r.filter, _ = r.cfg.FailureHandler.(BatchFilter)
-	if cfg.RateLimit > 0 {
-		// One publish takes a whole batch of tokens at once: the burst is
-		// the largest batch the pace allows.
-		burst := min(cfg.BatchSize, max(1, int(cfg.RateLimit)))
-		r.limiter = rate.NewLimiter(rate.Limit(cfg.RateLimit), burst)
-	}
 	return r, nil
 }
 

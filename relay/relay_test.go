@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"strings"
@@ -349,6 +350,71 @@ func TestBackoffKeepsOrder(t *testing.T) {
 		}
 		require.Len(t, healthy, 1)
 		require.True(t, healthy[0].Before(attempts[1]), "the healthy bucket did not wait for the failing one")
+	})
+}
+
+// A store with no optional capability drains through the fallbacks New
+// puts in their place: a failure is recorded nowhere, so the handler sees
+// Attempts 0 every time; without a FailureHandler the bucket backs off and
+// retries the same messages in order; with nothing read ahead, every
+// batch after a full one is read by NextBatch.
+func TestWithoutCapabilities(t *testing.T) {
+	t.Parallel()
+	// drain publishes n messages of bucket 2 from a store without any
+	// capability, failing the first two publishes if failing.
+	drain := func(t *testing.T, cfg relay.Config, n int, failing bool) (*fakeStore, *pubLog) {
+		s := newFakeStore(8)
+		s.add(2, n)
+		var log pubLog
+		fails := 0
+		r := start(t, basicStore{s}, log.publisher(func(_ context.Context, msgs []relay.Message) (int, error) {
+			if failing && fails < 2 {
+				fails++
+				return 0, errors.New("broker hiccup")
+			}
+			return len(msgs), nil
+		}), cfg)
+		for s.pending() > 0 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		stop(t, r)
+		return s, &log
+	}
+	t.Run("recorder", func(t *testing.T) {
+		synctest.Test(t, func(t *testing.T) {
+			var attempts []int
+			cfg := config("a")
+			cfg.FailureHandler = relay.FailureHandlerFunc(func(_ context.Context, f relay.Failure) (relay.FailureAction, error) {
+				attempts = append(attempts, f.Message.Attempts)
+				return relay.FailureBackoff, nil
+			})
+			drain(t, cfg, 3, true)
+			require.Equal(t, []int{0, 0}, attempts, "no FailureRecorder: nothing counted")
+		})
+	})
+	t.Run("handler", func(t *testing.T) {
+		synctest.Test(t, func(t *testing.T) {
+			cfg := config("a")
+			_, log := drain(t, cfg, 3, true)
+			require.Len(t, log.calls, 3)
+			for i, c := range log.calls {
+				require.Len(t, c, 3, "call %d", i)
+				for j, m := range c {
+					require.Equal(t, fmt.Sprintf("2/%d", j), string(m.Value), "call %d", i)
+				}
+			}
+			for i := 1; i < 3; i++ {
+				require.GreaterOrEqual(t, log.at[i].Sub(log.at[i-1]), cfg.BackoffMin/2, "retry %d waited for its backoff", i)
+			}
+		})
+	})
+	t.Run("advancer", func(t *testing.T) {
+		synctest.Test(t, func(t *testing.T) {
+			s, log := drain(t, config("a"), 25, false)
+			require.Len(t, log.calls, 3, "batches of 10, 10 and 5")
+			require.Equal(t, log.at[0], log.at[2], "a full batch is followed at once by the next read, not at the next poll")
+			require.Equal(t, 3, s.count("batch"), "each batch read by NextBatch")
+		})
 	})
 }
 

@@ -22,11 +22,6 @@ type bucketState struct {
 	next     []Message
 	nextTerm int64
 	failed   bool // DrainOnce: its publish failed; not retried
-	// solo: the bucket's next batch is its own, not part of a set batch.
-	// A set batch that failed hands its buckets back solo, so that the
-	// failure policy (backoff, FailedIndex, dead letters) meets each
-	// bucket's batch on its own.
-	solo bool
 	// wake asks done to wake the control loop: a lease announcement waits
 	// for this bucket's batch to end.
 	wake bool
@@ -39,7 +34,6 @@ type batchResult struct {
 	shrink int       // > 0: cap the bucket's next batch (FailedIndex, BatchRejected)
 	next   []Message // read ahead under the same lease (BatchAdvancer)
 	term   int64
-	solo   bool // drain the bucket's next batch on its own (see bucketState.solo)
 }
 
 // drawn is a bucket a drainer took from the scheduler: its lease, and its
@@ -62,8 +56,6 @@ type scheduler struct {
 	buckets  []bucketState
 	fifo     []int
 	inFlight int
-	drainers int  // the pool's size
-	drawing  int  // drainers holding a batch
 	paused   bool // acquiring: hand out nothing
 	closed   bool // stopping: hand out nothing, drainers exit
 	oneShot  bool // DrainOnce: drainers exit when nothing is ready or in flight
@@ -146,56 +138,31 @@ func (s *scheduler) promote(now time.Time) (time.Time, bool) {
 	return next, !next.IsZero()
 }
 
-// nextSet blocks until a queued bucket can be drained and hands it out,
-// with its state for the batch; it reports false when the scheduler is
-// closed, or in one-shot mode when nothing is left to do. It hands out the
-// bucket at the head of the FIFO and, if that one may join a set batch,
-// more of the queued buckets that may, in FIFO order: up to max in all,
-// and no more than an even share of the queue among the drainers that
-// hold no batch. The drainer calls finished once it handed them back. It
-// appends them to dst. Every bucket handed out is busy until done takes it
-// back, so a set never shares a bucket with another batch in flight.
-func (s *scheduler) nextSet(k *keeper, max int, dst []drawn) ([]drawn, bool) {
+// next blocks until a queued bucket can be drained and hands out the
+// one at the head of the FIFO, with its state for the batch; it reports
+// false when the scheduler is closed, or in one-shot mode when nothing is
+// left to do. The bucket is busy until done takes it back, so it never
+// has two batches in flight.
+func (s *scheduler) next(k *keeper) (drawn, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for {
 		if s.closed {
-			return dst, false
+			return drawn{}, false
 		}
 		if !s.paused && len(s.fifo) > 0 {
 			b := s.fifo[0]
 			s.fifo = s.fifo[1:]
-			d, held := s.takeLocked(k, b)
-			if !held {
-				continue
+			if d, held := s.takeLocked(k, b); held {
+				return d, true
 			}
-			dst = append(dst, d)
-			if max > 1 && d.st.joinable() {
-				// Share the queue with the drainers without a batch, this
-				// one included: one drainer taking every ready bucket
-				// would leave the others idle and drain them serially.
-				idle := s.drainers - s.drawing
-				if idle < 1 {
-					idle = 1
-				}
-				share := (len(s.fifo) + 1 + idle - 1) / idle
-				dst = s.takeJoinableLocked(k, min(max, share), dst)
-			}
-			s.drawing++
-			return dst, true
+			continue
 		}
 		if s.oneShot && len(s.fifo) == 0 && s.inFlight == 0 {
-			return dst, false
+			return drawn{}, false
 		}
 		s.cond.Wait()
 	}
-}
-
-// joinable reports whether a bucket's next batch may be part of a set
-// batch: it carries nothing that belongs to the bucket's own batch (a
-// shrink cap, a batch read ahead) and was not handed back solo.
-func (st bucketState) joinable() bool {
-	return st.shrink == 0 && st.next == nil && !st.solo
 }
 
 // takeLocked marks bucket b, just taken off the FIFO, busy, and returns
@@ -214,29 +181,7 @@ func (s *scheduler) takeLocked(k *keeper, b int) (drawn, bool) {
 	d := drawn{bucket: b, hl: hl, st: *cur}
 	cur.shrink = 0
 	cur.next = nil
-	cur.solo = false
 	return d, true
-}
-
-// takeJoinableLocked appends to set the queued buckets that may join it,
-// up to max in all, and leaves the others in the FIFO in their order.
-func (s *scheduler) takeJoinableLocked(k *keeper, max int, set []drawn) []drawn {
-	keep := s.fifo[:0]
-	for i, b := range s.fifo {
-		if len(set) == max {
-			keep = append(keep, s.fifo[i:]...)
-			break
-		}
-		if !s.buckets[b].joinable() {
-			keep = append(keep, b)
-			continue
-		}
-		if d, held := s.takeLocked(k, b); held {
-			set = append(set, d)
-		}
-	}
-	s.fifo = keep
-	return set
 }
 
 // done takes back bucket b after a batch drawn with marks and applies its
@@ -260,7 +205,6 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, cfg Config, now tim
 		if r.next != nil {
 			st.next, st.nextTerm = r.next, r.term
 		}
-		st.solo = r.solo
 	case outFailed:
 		if s.oneShot {
 			st.ready, st.failed = false, true
@@ -268,7 +212,6 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, cfg Config, now tim
 		}
 		st.failures++
 		st.retryAt = now.Add(backoff(cfg, st.failures))
-		st.solo = r.solo
 	case outLost:
 		s.forgetLocked(b)
 	case outStopped:
@@ -299,8 +242,7 @@ func (s *scheduler) forgetLocked(b int) {
 	st.failures, st.retryAt = 0, time.Time{}
 	st.shrink = 0
 	st.next = nil
-	st.solo = false
-	// A queued entry stays in the FIFO; nextSet skips it since the bucket is
+	// A queued entry stays in the FIFO; next skips it since the bucket is
 	// no longer held, and a bucket marked again meanwhile is not queued
 	// twice.
 }
@@ -359,18 +301,10 @@ func (s *scheduler) close() {
 }
 
 // start readies the scheduler for a pool of drainers.
-func (s *scheduler) start(oneShot bool, drainers int) {
+func (s *scheduler) start(oneShot bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closed, s.paused, s.oneShot = false, false, oneShot
-	s.drainers, s.drawing = drainers, 0
-}
-
-// finished says a drainer handed back every bucket of its batch.
-func (s *scheduler) finished() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.drawing--
 }
 
 // anyQueued reports whether a bucket waits in the FIFO or is in flight.

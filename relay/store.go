@@ -213,38 +213,3 @@ type BatchAdvancer interface {
 	// empty.
 	MarkPublishedNext(ctx context.Context, relayID string, lease Lease, msgs []Message, limit int) ([]Message, error)
 }
-
-// SetBatcher is an optional Store capability: one batch that spans several
-// buckets the relay holds. With Config.MaxBatchBuckets above 1, when the
-// scheduler has several ready buckets queued, a drainer takes up to that
-// many of them and drains them together: one read, one publish, one
-// delete, instead of one of each per bucket, so that under load batches
-// grow instead of round trips piling up.
-type SetBatcher interface {
-	// NextSetBatch returns up to limit pending messages of the listed
-	// buckets (ascending, distinct), oldest first by id across all of
-	// them, with Message.Bucket set: all the set's pending messages below
-	// some id, so that each bucket's messages are that bucket's oldest,
-	// in id order, what NextBatch would return first for it. It returns
-	// at least one message when any is pending. more reports that pending
-	// messages of the set may remain beyond the batch: a batch of limit
-	// messages, or one the store cut shorter: reading bucket by bucket, a
-	// store may cap each bucket's share, at no less than
-	// ceil(limit/len(buckets)), and cut the batch where the first capped
-	// bucket's share ends. Without more the relay takes the set's buckets
-	// as drained. Like NextBatch it reads afresh on every
-	// call.
-	NextSetBatch(ctx context.Context, buckets []int, limit int) (msgs []Message, more bool, err error)
-
-	// MarkSetPublished deletes msgs by id, each message guarded, in the
-	// same statement, by its bucket's lease in leases: held by relayID
-	// under that term and unexpired. msgs holds, for each of its buckets,
-	// that bucket's oldest messages as NextSetBatch returned them, in any
-	// order across buckets. It returns, in ascending order, the
-	// buckets whose guard refused: none of their messages is deleted,
-	// and the relay drops them as lost. The messages of the other buckets
-	// are deleted. Rows already gone are not an error. An error means
-	// the outcome is unknown: some messages may have been deleted, and
-	// the rest are published again.
-	MarkSetPublished(ctx context.Context, relayID string, leases []Lease, msgs []Message) (lost []int, err error)
-}

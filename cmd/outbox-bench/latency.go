@@ -75,7 +75,6 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 	r.Params["consumer"] = cfg.Consumer
 	r.Params["parallelism"] = cfg.Parallelism
 	r.Params["max_idle_conns"] = cfg.MaxIdleConns
-	r.Params["max_batch_buckets"] = cfg.MaxBatchBuckets
 	p99 := map[string]float64{}
 	for _, mode := range latencyModes {
 		if mode.listen && cfg.Driver != "postgres" {

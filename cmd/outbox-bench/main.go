@@ -44,9 +44,6 @@ type config struct {
 	// Parallelism is the relay's Config.Parallelism; 0 takes the relay's
 	// default.
 	Parallelism int
-	// MaxBatchBuckets is the relay's Config.MaxBatchBuckets; 0 takes the
-	// relay's default, 1 drains every bucket on its own.
-	MaxBatchBuckets int
 	// MaxIdleConns is the idle (and open) connection limit of every pool
 	// the bench and its relay processes open; negative leaves
 	// database/sql's defaults (2 idle, no open limit).
@@ -130,7 +127,6 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.Partitions, "partitions", 8, "topic partitions")
 	fs.IntVar(&c.BatchSize, "batch", 500, "relay batch size")
 	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
-	fs.IntVar(&c.MaxBatchBuckets, "max-batch-buckets", 0, "relay MaxBatchBuckets (0: the relay's default; 1: every bucket on its own)")
 	fs.IntVar(&c.MaxIdleConns, "max-idle-conns", 16, "connections each database pool keeps idle, and its open limit (-1: database/sql's defaults, 2 idle and no open limit, as in an application that sets neither)")
 	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
@@ -190,8 +186,8 @@ func parseFlags(args []string) (config, error) {
 	if c.MaxIdleConns == 0 || c.MaxIdleConns < -1 {
 		return c, fmt.Errorf("-max-idle-conns must be positive, or -1 for database/sql's defaults")
 	}
-	if c.Parallelism < 0 || c.MaxBatchBuckets < 0 || c.WideBuckets < 1 {
-		return c, fmt.Errorf("-parallelism and -max-batch-buckets must be 0 or positive and -wide-buckets positive")
+	if c.Parallelism < 0 || c.WideBuckets < 1 {
+		return c, fmt.Errorf("-parallelism must be 0 or positive and -wide-buckets positive")
 	}
 	if c.Consumer != "process" && c.Consumer != "inline" {
 		return c, fmt.Errorf("-consumer must be process or inline, not %q", c.Consumer)

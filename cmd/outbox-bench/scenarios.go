@@ -206,7 +206,7 @@ func (e *env) startRelay(ctx context.Context, pub relay.Publisher, hints bool, p
 	if err != nil {
 		return nil, err
 	}
-	rc := relay.Config{BatchSize: e.cfg.BatchSize, Parallelism: e.cfg.Parallelism, MaxBatchBuckets: e.cfg.MaxBatchBuckets, PollInterval: poll, Logger: quiet, Observer: e.observer}
+	rc := relay.Config{BatchSize: e.cfg.BatchSize, Parallelism: e.cfg.Parallelism, PollInterval: poll, Logger: quiet, Observer: e.observer}
 	if hints {
 		rc.Hints = e.plugin.Notifier()
 	}
@@ -466,7 +466,6 @@ func drainScenario(ctx context.Context, cfg config, r *result) error {
 	r.Params["buckets"], r.Params["partitions"], r.Params["batch"] = cfg.Buckets, cfg.Partitions, cfg.BatchSize
 	r.Params["parallelism"] = cfg.Parallelism
 	r.Params["max_idle_conns"] = cfg.MaxIdleConns
-	r.Params["max_batch_buckets"] = cfg.MaxBatchBuckets
 	r.Params["wide_buckets"] = cfg.WideBuckets
 	dbRate, err := dbCeiling(ctx, cfg, cfg.N)
 	if err != nil {
@@ -742,7 +741,6 @@ func relayEnv(cfg config, e *env, brokers []string) []string {
 		"OUTBOX_BENCH_BROKERS=" + strings.Join(brokers, ","),
 		"OUTBOX_BENCH_BUCKETS=" + strconv.Itoa(cfg.Buckets), "OUTBOX_BENCH_BATCH=" + strconv.Itoa(cfg.BatchSize),
 		"OUTBOX_BENCH_PARALLELISM=" + strconv.Itoa(cfg.Parallelism),
-		"OUTBOX_BENCH_MAX_BATCH_BUCKETS=" + strconv.Itoa(cfg.MaxBatchBuckets),
 		"OUTBOX_BENCH_MAX_IDLE_CONNS=" + strconv.Itoa(cfg.MaxIdleConns),
 	}
 }
@@ -767,7 +765,6 @@ func runRelayRole() int {
 	buckets, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BUCKETS"))
 	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))
 	parallelism, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_PARALLELISM"))
-	maxSet, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_MAX_BATCH_BUCKETS"))
 	maxIdle, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_MAX_IDLE_CONNS"))
 	db, err := openGorm(os.Getenv("OUTBOX_BENCH_DRIVER"), os.Getenv("OUTBOX_BENCH_DSN"), maxIdle)
 	if err != nil {
@@ -784,14 +781,14 @@ func runRelayRole() int {
 	}
 	defer pub.Close()
 	// Short renewals so the relays rebalance quickly as peers start.
-	rc := relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, MaxBatchBuckets: maxSet, Logger: quiet,
+	rc := relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, Logger: quiet,
 		LeaseDuration: 3 * time.Second, LeaseRenewInterval: 500 * time.Millisecond, PollInterval: 50 * time.Millisecond}
 	channel := os.Getenv("OUTBOX_BENCH_LISTEN_CHANNEL")
 	var transport *pgnotify.Transport
 	if channel != "" {
 		// The listen mode: the relay's default intervals, like the
 		// in-process modes, and hints from the other process's NOTIFYs.
-		rc = relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, MaxBatchBuckets: maxSet, Logger: quiet}
+		rc = relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, Logger: quiet}
 		notifier := outbox.NewNotifier(buckets)
 		if transport, err = pgnotify.New(pgnotify.Config{DSN: os.Getenv("OUTBOX_BENCH_DSN"), Channel: channel, Logger: quiet}); err != nil {
 			return fail(err)

@@ -48,21 +48,6 @@ func (t *timeline) op(kind string, bucket int, start time.Time, n int) {
 	t.ops = append(t.ops, tlOp{kind, bucket, start, end, n})
 }
 
-// opsPerBucket records one step of a set batch as a step of each of its
-// buckets, with that bucket's share of the messages.
-func (t *timeline) opsPerBucket(kind string, buckets []int, start time.Time, msgs []relay.Message) {
-	end := time.Now()
-	n := map[int]int{}
-	for _, m := range msgs {
-		n[m.Bucket]++
-	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for _, b := range buckets {
-		t.ops = append(t.ops, tlOp{kind, b, start, end, n[b]})
-	}
-}
-
 // probe records every moment this process's goroutines could not run for
 // more than stallMin: a millisecond ticker's lateness. It costs a wake-up
 // per millisecond, which is why it only runs with -timeline.
@@ -111,27 +96,6 @@ func (s timedStore) MarkPublishedNext(ctx context.Context, id string, l relay.Le
 	m, err := s.Store.MarkPublishedNext(ctx, id, l, msgs, limit)
 	s.tl.op("delete+read", l.Bucket, st, len(msgs))
 	return m, err
-}
-
-// NextSetBatch records a read of each bucket of the set, so that a
-// message's read is found by its bucket as for a bucket's own batch.
-func (s timedStore) NextSetBatch(ctx context.Context, bs []int, limit int) ([]relay.Message, bool, error) {
-	st := time.Now()
-	m, more, err := s.Store.NextSetBatch(ctx, bs, limit)
-	s.tl.opsPerBucket("read", bs, st, m)
-	return m, more, err
-}
-
-// MarkSetPublished records a delete of each bucket of the set.
-func (s timedStore) MarkSetPublished(ctx context.Context, id string, ls []relay.Lease, msgs []relay.Message) ([]int, error) {
-	st := time.Now()
-	lost, err := s.Store.MarkSetPublished(ctx, id, ls, msgs)
-	bs := make([]int, len(ls))
-	for i, l := range ls {
-		bs[i] = l.Bucket
-	}
-	s.tl.opsPerBucket("delete", bs, st, msgs)
-	return lost, err
 }
 
 func (s timedStore) PendingBuckets(ctx context.Context, bs []int) ([]int, error) {

@@ -137,30 +137,12 @@ func TestPublisherLifecycle(t *testing.T) {
 	}
 }
 
-// refusingAddr returns an address that refuses connections for as long
-// as the test runs: the client end of a connection the test holds open.
-// Nothing listens on that port, and no listener of a parallel test can be
-// given it while the connection holds it, as it could be given the port
-// of a listener closed to free it.
-func refusingAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	c, err := net.Dial("tcp", ln.Addr().String())
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = c.Close()
-		_ = ln.Close()
-	})
-	return c.LocalAddr().String()
-}
-
 // The constructors open no connection: they succeed on an address nothing
 // listens on. Start is what connects, and fails there with a clear error;
 // the publisher stays unstarted (Publish says so), and Stop ends it.
 func TestPublisherStartFailsWithoutBroker(t *testing.T) {
 	t.Parallel()
-	nobody := refusingAddr(t)
+	nobody := kafkatest.RefusingAddr(t)
 	want := map[string]string{"kafka": "publisher: start Kafka producer", "transactional": "publisher: connect to Kafka"}
 	for name, open := range publishers(func(c *sarama.Config) { c.Metadata.Retry.Max = 1 }) {
 		t.Run(name, func(t *testing.T) {

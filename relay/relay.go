@@ -132,6 +132,11 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 // ID returns the relay's id, as written to lease owners and heartbeats.
 func (r *Relay) ID() string { return r.cfg.RelayID }
 
+// Publisher returns the publisher the relay publishes through: the one
+// given to New, or the one a constructor built for it
+// (gormrelay.NewKafka), for its own metrics and state.
+func (r *Relay) Publisher() Publisher { return r.publisher }
+
 // Start checks the store and the publisher and starts the relay in the
 // background. Run is the blocking form, and the one to prefer: it cannot
 // stop on an error that nobody reads.

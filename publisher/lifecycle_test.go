@@ -137,6 +137,32 @@ func TestPublisherLifecycle(t *testing.T) {
 	}
 }
 
+// CheckReady tells a relay, before it starts, what Publish would: before
+// Start an error wrapping ErrNotStarted, nil once started, and after Stop a
+// misconfiguration wrapping ErrClosed (a publisher runs once); a
+// TracingPublisher forwards it.
+func TestPublisherCheckReady(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	for name, open := range publishers(nil) {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := testCtx(t)
+			p := open(t, c.Brokers())
+			for _, rc := range []relay.ReadyChecker{p.(relay.ReadyChecker), publisher.TracingPublisher(p, nil).(relay.ReadyChecker)} {
+				requireNotStarted(t, rc.CheckReady(ctx))
+			}
+			require.NoError(t, p.Start(ctx))
+			require.NoError(t, p.(relay.ReadyChecker).CheckReady(ctx))
+			require.NoError(t, publisher.TracingPublisher(p, nil).(relay.ReadyChecker).CheckReady(ctx))
+			require.NoError(t, p.Stop(ctx))
+			err := p.(relay.ReadyChecker).CheckReady(ctx)
+			require.ErrorIs(t, err, publisher.ErrClosed)
+			require.True(t, relay.IsMisconfiguration(err), "%v", err)
+		})
+	}
+}
+
 // The constructors open no connection: they succeed on an address nothing
 // listens on. Start is what connects, and fails there with a clear error;
 // the publisher stays unstarted (Publish says so), and Stop ends it.

@@ -339,6 +339,26 @@ func TestRelayFailureEndsTheService(t *testing.T) {
 	c := client{t: t, base: "http://" + app.Addr()}
 	c.do("POST", "/orders", map[string]any{"customer": "c1", "total": 100}, http.StatusCreated)
 
+	writeWithBucketCount64(t, dbPath, "orders_fail")
+
+	var err error
+	select {
+	case err = <-served:
+	case <-time.After(processDeadline):
+		t.Fatalf("Serve did not return within %v of the relay's misconfiguration", processDeadline)
+	}
+	require.Error(t, err)
+	require.True(t, relay.IsMisconfiguration(err), "%v", err)
+	require.ErrorContains(t, err, "a writer uses a BucketCount of at least")
+	_, err = http.Get("http://" + app.Addr() + "/healthz")
+	require.Error(t, err, "the HTTP server was shut down too")
+}
+
+// writeWithBucketCount64 commits 100 events to topic in the outbox of the
+// SQLite file dbPath as a writer with BucketCount 64 would, next to the
+// service's relay with 8: a misconfiguration its relay stops on.
+func writeWithBucketCount64(t *testing.T, dbPath, topic string) {
+	t.Helper()
 	writer, err := openDatabase(dbPath)
 	require.NoError(t, err)
 	defer func() {
@@ -351,21 +371,10 @@ func TestRelayFailureEndsTheService(t *testing.T) {
 	require.NoError(t, writer.Use(wide))
 	require.NoError(t, writer.Transaction(func(tx *gorm.DB) error {
 		for i := range 100 {
-			if err := outbox.Enqueue(tx, &outbox.Message{Topic: "orders_fail", Key: fmt.Appendf(nil, "k-%d", i), Value: []byte("v")}); err != nil {
+			if err := outbox.Enqueue(tx, &outbox.Message{Topic: topic, Key: fmt.Appendf(nil, "k-%d", i), Value: []byte("v")}); err != nil {
 				return err
 			}
 		}
 		return nil
 	}))
-
-	select {
-	case err = <-served:
-	case <-time.After(processDeadline):
-		t.Fatalf("Serve did not return within %v of the relay's misconfiguration", processDeadline)
-	}
-	require.Error(t, err)
-	require.True(t, relay.IsMisconfiguration(err), "%v", err)
-	require.ErrorContains(t, err, "a writer uses a BucketCount of at least")
-	_, err = http.Get("http://" + app.Addr() + "/healthz")
-	require.Error(t, err, "the HTTP server was shut down too")
 }

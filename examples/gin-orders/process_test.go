@@ -19,9 +19,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
-	"gorm.io/gorm"
-
-	"github.com/gorm-outbox/outbox"
 )
 
 // runMainEnv makes the test binary run the service's main instead of the
@@ -288,24 +285,7 @@ func TestProcessExitsWhenTheRelayFails(t *testing.T) {
 	s := startService(t, "-addr", "127.0.0.1:0", "-kafka-brokers=", "-consume=false", "-database-url", dbPath)
 	s.waitLog(`msg="relay: leases changed"`, "owned=8")
 
-	writer, err := openDatabase(dbPath)
-	require.NoError(t, err)
-	defer func() {
-		if sqlDB, err := writer.DB(); err == nil {
-			sqlDB.Close()
-		}
-	}()
-	wide, err := outbox.NewPlugin(outbox.Config{BucketCount: 64})
-	require.NoError(t, err)
-	require.NoError(t, writer.Use(wide))
-	require.NoError(t, writer.Transaction(func(tx *gorm.DB) error {
-		for i := range 100 {
-			if err := outbox.Enqueue(tx, &outbox.Message{Topic: "orders", Key: fmt.Appendf(nil, "k-%d", i), Value: []byte("v")}); err != nil {
-				return err
-			}
-		}
-		return nil
-	}))
+	writeWithBucketCount64(t, dbPath, "orders")
 
 	require.Equal(t, 1, s.waitExit(), "a failed relay is a failed process")
 	s.waitLog(`msg="stopped on error"`, "a writer uses a BucketCount of at least")

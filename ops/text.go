@@ -52,20 +52,20 @@ func ErrorCause(lastError string) string {
 
 // ParseTime parses a time given to the operator tools: RFC 3339, or a Go
 // duration ("72h", "30m") meaning that long before now. Empty is the zero
-// time. Its errors wrap ErrInvalidRequest.
+// time. Its errors wrap ErrInvalidRequest and say what is wrong with s.
 func ParseTime(s string, now time.Time) (time.Time, error) {
 	if s == "" {
 		return time.Time{}, nil
 	}
 	if d, err := time.ParseDuration(s); err == nil {
 		if d < 0 {
-			return time.Time{}, fmt.Errorf("%w: negative duration %q", ErrInvalidRequest, s)
+			return time.Time{}, invalidf("negative duration %q", s)
 		}
 		return now.Add(-d), nil
 	}
 	t, err := time.Parse(time.RFC3339Nano, s)
 	if err != nil {
-		return time.Time{}, fmt.Errorf("%w: %q is neither an RFC 3339 time nor a duration such as 72h", ErrInvalidRequest, s)
+		return time.Time{}, invalidf("%q is neither an RFC 3339 time nor a duration such as 72h", s)
 	}
 	return t, nil
 }
@@ -110,17 +110,12 @@ func ParseDeadLetterQuery(v url.Values, now time.Time) (DeadLetterQuery, error) 
 		}
 	}
 	if q.Since, err = ParseTime(v.Get("since"), now); err != nil {
-		return q, invalidf("since: %v", unwrapped(err))
+		return q, invalidf("since: %v", err)
 	}
 	if q.Until, err = ParseTime(v.Get("until"), now); err != nil {
-		return q, invalidf("until: %v", unwrapped(err))
+		return q, invalidf("until: %v", err)
 	}
 	return q, nil
-}
-
-// unwrapped is err's text without the ErrInvalidRequest prefix.
-func unwrapped(err error) string {
-	return strings.TrimPrefix(err.Error(), ErrInvalidRequest.Error()+": ")
 }
 
 // ParseKey reads a key given as text (hasText: the parameter is present,

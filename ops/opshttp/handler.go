@@ -15,7 +15,7 @@ import (
 	"github.com/gorm-outbox/outbox/ops"
 )
 
-// Options configures NewAdminHandler.
+// Options configures NewHandler.
 type Options struct {
 	// AllowMutations enables the requests that change the outbox (requeue,
 	// purge, discard, pause, resume: every POST and DELETE). Default false:
@@ -87,7 +87,7 @@ func (h *adminHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	default:
 		if !h.opts.AllowMutations {
 			writeJSON(w, http.StatusForbidden, map[string]string{
-				"error": "outbox admin: mutating requests are disabled; the service must enable them explicitly with Options.AllowMutations",
+				"error": "outbox admin: mutating requests are disabled; the service must enable them explicitly with opshttp.Options.AllowMutations (gormrelay.AdminHandlerOptions)",
 			})
 			return
 		}

@@ -106,7 +106,7 @@ func (h Health) Liveness() http.Handler {
 }
 
 // Readiness returns the readiness handler; see Health. It panics if
-// Admin is nil or MaxAge is not positive.
+// Operator is nil or MaxAge is not positive.
 func (h Health) Readiness() http.Handler {
 	if h.Operator == nil {
 		panic("outbox: Health.Readiness: Operator is required")

@@ -63,14 +63,25 @@ type RuleFunc[T any] func(Change[T]) (*Message, error)
 type RuleOption func(*ruleOptions)
 
 type ruleOptions struct {
-	bulk bool
+	bulk    bool
+	maxRows int
 }
 
-// AllowBulk lets the rule receive bulk updates and deletes: statements by
-// condition that name no entity (db.Where("status = ?", "x").Delete(&Order{})).
-// Without it such writes of a model that has rules are refused with
-// ErrUnsupportedWrite, because the outbox cannot say which rows changed.
+// AllowBulk makes the rule see an update or delete by condition (one that
+// names no entity with a primary key, db.Where("status = ?", "x").Delete(&Order{}))
+// as one bulk change for the whole statement: Change.Bulk is set, Entity
+// is the zero T and RowsAffected says how many rows the statement hit.
+// When every rule of the model for the operation allows bulk, the plugin
+// reads no rows and applies no row limit. Without it the rule runs once
+// per changed row (see docs/rules.md).
 func AllowBulk() RuleOption { return func(o *ruleOptions) { o.bulk = true } }
+
+// MaxRows bounds how many rows one update or delete by condition may
+// change for the rule, which runs once per row: a write that matches more
+// is refused with a *TooManyRowsError before it changes anything. It
+// overrides Config.MaxRowsPerWrite for the rule, from 1 to
+// MaxRowsPerWriteMax; the smallest bound of the rules a write runs holds.
+func MaxRows(n int) RuleOption { return func(o *ruleOptions) { o.maxRows = n } }
 
 // Rule is a declarative publish rule; build one with On, OnCreate,
 // OnUpdate or OnDelete.
@@ -82,6 +93,11 @@ type Rule interface {
 	matches(model reflect.Type) bool
 	operations() Operation
 	allowsBulk() bool
+	// maxRows is the rule's MaxRows, 0 for the Config default.
+	maxRows() int
+	// modelType is the model struct type of a pointer-to-struct rule,
+	// nil for an interface rule.
+	modelType() reflect.Type
 	// build runs the rule for one entity (a pointer to the model struct,
 	// or an invalid Value for bulk changes).
 	build(c *change) (*Message, error)
@@ -151,6 +167,9 @@ func (r *typedRule[T]) check() error {
 	default:
 		return fmt.Errorf("%s: T must be a pointer to a model struct or an interface, not %s", r, r.t)
 	}
+	if r.opts.maxRows < 0 || r.opts.maxRows > MaxRowsPerWriteMax {
+		return fmt.Errorf("%s: MaxRows(%d) must be between 1 and %d", r, r.opts.maxRows, MaxRowsPerWriteMax)
+	}
 	return nil
 }
 
@@ -163,6 +182,14 @@ func (r *typedRule[T]) matches(model reflect.Type) bool {
 
 func (r *typedRule[T]) operations() Operation { return r.ops }
 func (r *typedRule[T]) allowsBulk() bool      { return r.opts.bulk }
+func (r *typedRule[T]) maxRows() int          { return r.opts.maxRows }
+
+func (r *typedRule[T]) modelType() reflect.Type {
+	if r.t.Kind() == reflect.Pointer && r.t.Elem().Kind() == reflect.Struct {
+		return r.t.Elem()
+	}
+	return nil
+}
 
 func (r *typedRule[T]) build(c *change) (*Message, error) {
 	ch := Change[T]{

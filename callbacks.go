@@ -17,6 +17,7 @@ const (
 	keyUpsert    = "outbox:upsert"
 	keySetAdded  = "outbox:set_added"
 	keyRows      = "outbox:rows"
+	keyReturned  = "outbox:returned"
 )
 
 // registerCallbacks places the plugin's callbacks. Every callback that
@@ -204,6 +205,9 @@ func (p *Plugin) beforeCreate(db *gorm.DB) {
 	}
 	oc, ok := statementClause[clause.OnConflict](db, "ON CONFLICT")
 	if !ok {
+		if db.Statement.Schema == nil && isMapCreate(db) && t.m.for_(Insert) {
+			returnKeys(db, t)
+		}
 		return
 	}
 	if t.foreign || isMapCreate(db) {
@@ -224,6 +228,10 @@ func (p *Plugin) beforeCreate(db *gorm.DB) {
 // checkCreated checks, right after the INSERT of an upsert, that the rows
 // it affected agree with the plan beforeCreate made.
 func (p *Plugin) checkCreated(db *gorm.DB) {
+	if db.Statement.Schema == nil {
+		restoreMaps(db)
+		return
+	}
 	c, ok := db.Statement.Clauses["ON CONFLICT"]
 	if !ok || db.Error != nil || db.DryRun {
 		return // checked first: InstanceGet formats a key

@@ -5,6 +5,7 @@ import (
 	"reflect"
 
 	"gorm.io/gorm"
+	"gorm.io/gorm/callbacks"
 	"gorm.io/gorm/clause"
 	"gorm.io/gorm/schema"
 )
@@ -442,6 +443,77 @@ func createdKeys(db *gorm.DB, t target) ([][]any, error) {
 		return nil
 	})
 	return keys, err
+}
+
+// returnedMaps is the caller's slice of maps of a create through
+// Table(name) while GORM scans the returned keys into fresh maps.
+type returnedMaps struct {
+	dest  any
+	maps  []map[string]any
+	fresh *[]map[string]any
+}
+
+// returnKeys makes a create from maps through Table(name), without a
+// model, return the generated primary key on PostgreSQL, the one database
+// where GORM then learns none (MySQL and SQLite report LastInsertId, which
+// GORM writes into the map as "@id"). GORM scans RETURNING into the
+// statement's destination: a map takes the key; a slice of maps would get
+// the returned rows appended, so the statement is built here from the
+// caller's maps and GORM scans into fresh maps, whose keys restoreMaps
+// copies over.
+func returnKeys(db *gorm.DB, t target) {
+	stmt := db.Statement
+	if db.Dialector.Name() != "postgres" || stmt.SQL.Len() != 0 || len(t.schema.PrimaryFields) == 0 {
+		return
+	}
+	if _, ok := stmt.Clauses["RETURNING"]; ok {
+		return
+	}
+	cols := make([]clause.Column, len(t.schema.PrimaryFields))
+	for i, f := range t.schema.PrimaryFields {
+		cols[i] = clause.Column{Name: f.DBName}
+	}
+	var maps []map[string]any
+	switch d := stmt.Dest.(type) {
+	case map[string]any, *map[string]any:
+		stmt.AddClause(clause.Returning{Columns: cols})
+		return
+	case []map[string]any:
+		maps = d
+	case *[]map[string]any:
+		maps = *d
+	}
+	if len(maps) == 0 {
+		return
+	}
+	stmt.AddClause(clause.Returning{Columns: cols})
+	stmt.AddClauseIfNotExists(clause.Insert{})
+	stmt.AddClause(callbacks.ConvertToCreateValues(stmt))
+	stmt.Build(stmt.BuildClauses...)
+	rm := &returnedMaps{dest: stmt.Dest, maps: maps, fresh: &[]map[string]any{}}
+	stmt.Dest = rm.fresh
+	db.InstanceSet(keyReturned, rm)
+}
+
+// restoreMaps puts back the caller's maps returnKeys set aside, with the
+// returned keys.
+func restoreMaps(db *gorm.DB) {
+	if !isMapCreate(db) {
+		return
+	}
+	v, ok := db.InstanceGet(keyReturned)
+	if !ok {
+		return
+	}
+	rm := v.(*returnedMaps)
+	db.Statement.Dest = rm.dest
+	for i, row := range *rm.fresh {
+		if i < len(rm.maps) && rm.maps[i] != nil {
+			for k, v := range row {
+				rm.maps[i][k] = v
+			}
+		}
+	}
 }
 
 // isMapCreate reports whether the statement creates from maps.

@@ -259,6 +259,24 @@ func TestCreatesFromMapsAndOtherStructsPublish(t *testing.T) {
 		require.Equal(t, []string{fmt.Sprintf("insert:%d:lite:0", lite.ID)}, values(b.rows(t)), "read back into Order")
 		b.clear(t)
 
+		// An upsert through the other struct: Update for the existing
+		// row, Insert for the new one.
+		batch := []OrderLite{{ID: lite.ID, Status: "lite2"}, {Status: "lite3"}}
+		require.NoError(t, b.db.Save(&batch).Error)
+		require.Equal(t, []string{fmt.Sprintf("update:%d:lite2:0", lite.ID), fmt.Sprintf("insert:%d:lite3:0", batch[1].ID)}, values(b.rows(t)))
+		b.clear(t)
+
+		// A struct that does not read its generated key back.
+		type blind struct {
+			ID     uint64 `gorm:"primaryKey;->:false"`
+			Status string
+		}
+		require.NoError(t, b.db.Table("orders").Create(&blind{Status: "blind"}).Error)
+		rows = values(b.rows(t))
+		require.Len(t, rows, 1)
+		require.True(t, strings.HasPrefix(rows[0], "insert:") && strings.HasSuffix(rows[0], ":blind:0"), rows[0])
+		b.clear(t)
+
 		require.NoError(t, b.db.Table("orders").Create(map[string]any{"id": 9001, "status": "tbl"}).Error)
 		require.Equal(t, []string{"insert:9001:tbl:0"}, values(b.rows(t)))
 		b.clear(t)
@@ -566,5 +584,24 @@ func TestByConditionConcurrentWriters(t *testing.T) {
 			require.True(t, ok, "message for row %d that never existed", id)
 		}
 		require.Positive(t, changed)
+	})
+}
+
+// UPDATE … FROM (PostgreSQL, SQLite): the rows of orders the join finds,
+// each once, with the value the SET reads from the joined table.
+func TestUpdateFromPublishesPerRow(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		if dbt.Dialect == dbtest.MySQL {
+			t.Skip("MySQL has no UPDATE … FROM; GORM drops the clause")
+		}
+		b := setupRows(t, dbt, outbox.Config{Rules: rowRules()})
+		os := b.seed(t, "a", "a", "a")
+		require.NoError(t, b.db.Create(&[]Invoice{{ID: os[0].ID, Amount: 50}, {ID: os[1].ID, Amount: 60}, {ID: os[1].ID + 1000, Amount: 70}}).Error)
+		res := b.db.Model(&Order{}).Clauses(clause.From{Tables: []clause.Table{{Name: "invoices"}}}).
+			Where("invoices.id = orders.id AND invoices.amount >= ?", 50).Update("total", gorm.Expr("invoices.amount"))
+		require.NoError(t, res.Error)
+		require.Equal(t, int64(2), res.RowsAffected)
+		require.Equal(t, []string{msg("update", os[0], "a", 50, "a"), msg("update", os[1], "a", 60, "a")}, values(b.rows(t)))
 	})
 }

@@ -205,13 +205,13 @@ func (p *Plugin) beforeCreate(db *gorm.DB) {
 	}
 	oc, ok := statementClause[clause.OnConflict](db, "ON CONFLICT")
 	if !ok {
-		if db.Statement.Schema == nil && isMapCreate(db) && t.m.for_(Insert) {
+		if isMapCreate(db) && t.m.for_(Insert) {
 			returnKeys(db, t)
 		}
 		return
 	}
-	if t.foreign || isMapCreate(db) {
-		_ = db.AddError(fmt.Errorf("%w: %s: upsert (ON CONFLICT) from maps, through Table(%q) or another struct: which rows were inserted and which updated cannot be known; upsert through %s", ErrUnsupportedWrite, t.schema.Name, db.Statement.Table, t.schema.ModelType))
+	if isMapCreate(db) || db.Statement.Schema == nil {
+		_ = db.AddError(fmt.Errorf("%w: %s: upsert (ON CONFLICT) from maps: which rows were inserted and which updated cannot be known; upsert structs", ErrUnsupportedWrite, t.schema.Name))
 		return
 	}
 	if entityCount(db) == 0 {
@@ -228,7 +228,7 @@ func (p *Plugin) beforeCreate(db *gorm.DB) {
 // checkCreated checks, right after the INSERT of an upsert, that the rows
 // it affected agree with the plan beforeCreate made.
 func (p *Plugin) checkCreated(db *gorm.DB) {
-	if db.Statement.Schema == nil {
+	if isMapCreate(db) {
 		restoreMaps(db)
 		return
 	}

@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"errors"
 	"fmt"
 	"reflect"
 
@@ -196,10 +197,6 @@ func (p *Plugin) byCondition(db *gorm.DB, t target, op Operation) {
 		fail("the statement was built before the rules could read its rows")
 		return
 	}
-	if _, ok := stmt.Clauses["FROM"]; ok && op == Update {
-		fail("an UPDATE … FROM joins other tables; the changed rows cannot be read")
-		return
-	}
 	if len(t.schema.PrimaryFields) == 0 {
 		fail("the model has no primary key: the changed rows cannot be told apart")
 		return
@@ -221,12 +218,18 @@ func (p *Plugin) byCondition(db *gorm.DB, t target, op Operation) {
 		keys[i] = keyValues(db, t.schema.PrimaryFields, rows.Elem().Index(i))
 		names[i] = keyString(keys[i])
 	}
-	// The statement changes the rows read, and only them.
+	// The statement changes the rows read, and only them. An
+	// UPDATE … FROM keeps its conditions: they join the other tables the
+	// SET may read from.
 	cond := clause.Expression(clause.Expr{SQL: "1 = 0"})
 	if n > 0 {
 		cond = keyCondition(t.schema.PrimaryFields, keys)
 	}
-	stmt.Clauses["WHERE"] = clause.Clause{Name: "WHERE", Expression: clause.Where{Exprs: []clause.Expression{cond}}}
+	exprs := []clause.Expression{cond}
+	if _, ok := stmt.Clauses["FROM"]; ok && op == Update {
+		exprs = append(append([]clause.Expression(nil), where.Exprs...), cond)
+	}
+	stmt.Clauses["WHERE"] = clause.Clause{Name: "WHERE", Expression: clause.Where{Exprs: exprs}}
 	db.InstanceSet(keyRows, &rowSet{t: t, before: rows, keys: names, perRow: perRow, bulk: bulk})
 }
 
@@ -244,7 +247,14 @@ func (p *Plugin) readRows(db *gorm.DB, t target, where clause.Where, limit int) 
 	if stmt.Unscoped {
 		q = q.Unscoped()
 	}
-	if len(where.Exprs) > 0 {
+	if from, ok := statementClause[clause.From](db, "FROM"); ok && len(where.Exprs) > 0 {
+		// UPDATE t SET … FROM other WHERE <join>: the rows of t for
+		// which the join finds a row, each once.
+		sub := db.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Table(stmt.Table).Select("1")
+		sub.Statement.AddClause(from)
+		sub.Statement.AddClause(where)
+		q = q.Where("EXISTS (?)", sub)
+	} else if len(where.Exprs) > 0 {
 		q.Statement.AddClause(where)
 	}
 	mysql := db.Dialector.Name() == "mysql"
@@ -382,6 +392,42 @@ func (p *Plugin) publishRows(db *gorm.DB, rs *rowSet, op Operation, changed []st
 // PostgreSQL and SQLite, LastInsertId under the key's column name or
 // "@id" on MySQL) and into the struct.
 func createdKeys(db *gorm.DB, t target) ([][]any, error) {
+	keys, err := knownKeys(db, t)
+	if err == nil || !errors.Is(err, errKeyUnknown) || len(t.schema.PrimaryFields) != 1 || db.RowsAffected != 1 {
+		return keys, err
+	}
+	// One row whose generated key GORM did not write back (a struct
+	// whose key field is not readable, `gorm:"->:false"`): the
+	// connection's last generated key is that row's.
+	var q string
+	switch db.Dialector.Name() {
+	case "mysql":
+		q = "SELECT LAST_INSERT_ID()"
+	case "sqlite":
+		q = "SELECT last_insert_rowid()"
+	case "postgres":
+		q = "SELECT lastval()"
+	default:
+		return nil, err
+	}
+	var id int64
+	if qerr := db.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Raw(q).Scan(&id).Error; qerr != nil || id == 0 {
+		return nil, err
+	}
+	return [][]any{{id}}, nil
+}
+
+// errKeyUnknown marks a created row whose key knownKeys could not find.
+var errKeyUnknown = errors.New("key unknown")
+
+// keyUnknownMark wraps errKeyUnknown into an error without adding text.
+type keyUnknownMark struct{}
+
+func (keyUnknownMark) Error() string { return "" }
+func (keyUnknownMark) Unwrap() error { return errKeyUnknown }
+
+// knownKeys returns the keys createdKeys finds in the maps or structs.
+func knownKeys(db *gorm.DB, t target) ([][]any, error) {
 	fields := t.schema.PrimaryFields
 	if len(fields) == 0 {
 		return nil, fmt.Errorf("%w: %s: the model has no primary key: the created rows cannot be read back", ErrUnsupportedWrite, t.schema.Name)
@@ -398,8 +444,8 @@ func createdKeys(db *gorm.DB, t target) ([][]any, error) {
 		maps = *d
 	}
 	unknown := func() error {
-		return fmt.Errorf("%w: %s: create through %s: the created row's primary key is not known (give it in the values, or write through the model %s so the database returns it)",
-			ErrUnsupportedWrite, t.schema.Name, db.Statement.Table, t.schema.ModelType)
+		return fmt.Errorf("%w: %s: create through %s: the created row's primary key is not known (give it in the values, or write through the model %s so the database returns it)%w",
+			ErrUnsupportedWrite, t.schema.Name, db.Statement.Table, t.schema.ModelType, keyUnknownMark{})
 	}
 	var keys [][]any
 	if maps != nil {
@@ -453,31 +499,50 @@ type returnedMaps struct {
 	fresh *[]map[string]any
 }
 
-// returnKeys makes a create from maps through Table(name), without a
-// model, return the generated primary key on PostgreSQL, the one database
-// where GORM then learns none (MySQL and SQLite report LastInsertId, which
-// GORM writes into the map as "@id"). GORM scans RETURNING into the
-// statement's destination: a map takes the key; a slice of maps would get
-// the returned rows appended, so the statement is built here from the
-// caller's maps and GORM scans into fresh maps, whose keys restoreMaps
-// copies over.
+// returnKeys makes a create from maps return the generated keys where
+// GORM would not write them into the caller's maps:
+//
+//   - through Table(name) without a model on PostgreSQL, GORM asks for no
+//     key at all (MySQL and SQLite report LastInsertId, which GORM writes
+//     into each map as "@id"): the plugin adds RETURNING of the rule's key;
+//   - for a slice of maps on PostgreSQL and SQLite, GORM scans RETURNING
+//     into the statement's destination, which appends the returned rows to
+//     the caller's slice instead of filling its maps.
+//
+// For a slice the statement is built here from the caller's maps, as
+// gorm:create would build it, and GORM scans into fresh maps, whose values
+// restoreMaps copies into the caller's maps after the INSERT.
 func returnKeys(db *gorm.DB, t target) {
 	stmt := db.Statement
-	if db.Dialector.Name() != "postgres" || stmt.SQL.Len() != 0 || len(t.schema.PrimaryFields) == 0 {
+	dialect := db.Dialector.Name()
+	if (dialect != "postgres" && dialect != "sqlite") || stmt.SQL.Len() != 0 {
 		return
 	}
 	if _, ok := stmt.Clauses["RETURNING"]; ok {
 		return
 	}
-	cols := make([]clause.Column, len(t.schema.PrimaryFields))
-	for i, f := range t.schema.PrimaryFields {
-		cols[i] = clause.Column{Name: f.DBName}
+	var cols []clause.Column
+	if s := stmt.Schema; s != nil {
+		for _, f := range s.FieldsWithDefaultDBValue {
+			if f.Readable {
+				cols = append(cols, clause.Column{Name: f.DBName})
+			}
+		}
+	} else if dialect == "postgres" {
+		for _, f := range t.schema.PrimaryFields {
+			cols = append(cols, clause.Column{Name: f.DBName})
+		}
+	}
+	if len(cols) == 0 {
+		return
 	}
 	var maps []map[string]any
 	switch d := stmt.Dest.(type) {
 	case map[string]any, *map[string]any:
-		stmt.AddClause(clause.Returning{Columns: cols})
-		return
+		if stmt.Schema == nil {
+			stmt.AddClause(clause.Returning{Columns: cols})
+		}
+		return // with a model GORM returns the key into the map itself
 	case []map[string]any:
 		maps = d
 	case *[]map[string]any:
@@ -485,6 +550,11 @@ func returnKeys(db *gorm.DB, t target) {
 	}
 	if len(maps) == 0 {
 		return
+	}
+	if s := stmt.Schema; s != nil && !stmt.Unscoped {
+		for _, c := range s.CreateClauses {
+			stmt.AddClause(c)
+		}
 	}
 	stmt.AddClause(clause.Returning{Columns: cols})
 	stmt.AddClauseIfNotExists(clause.Insert{})
@@ -529,7 +599,7 @@ func isMapCreate(db *gorm.DB) bool {
 // a map, Table(name) or another struct inserted, read back by key into
 // the rules' model.
 func (p *Plugin) publishCreatedRows(db *gorm.DB, t target) {
-	if !t.m.for_(Insert) || db.RowsAffected == 0 {
+	if db.RowsAffected == 0 {
 		return
 	}
 	keys, err := createdKeys(db, t)
@@ -542,14 +612,28 @@ func (p *Plugin) publishCreatedRows(db *gorm.DB, t target) {
 		p.finish(db, t, nil, fmt.Errorf("outbox: %s: read the created rows back: %w", t.schema.Name, err))
 		return
 	}
+	var plan *upsertPlan
+	if v, ok := db.InstanceGet(keyUpsert); ok {
+		plan = v.(*upsertPlan)
+	}
 	var msgs []*Message
-	for _, k := range keys {
+	for i, k := range keys {
+		op, changed := Insert, t.schema.DBNames
+		if plan != nil && i < len(plan.existed) && plan.existed[i] {
+			if plan.doNothing {
+				continue // the row existed: nothing was written
+			}
+			op, changed = Update, upsertColumns(db)
+		}
+		if !t.m.for_(op) {
+			continue
+		}
 		row, ok := rows[keyString(k)]
 		if !ok {
 			p.finish(db, t, msgs, fmt.Errorf("%w: %s: the created row with key %v cannot be read back", ErrUnsupportedWrite, t.schema.Name, k))
 			return
 		}
-		out, err := p.runRules(db, t, t.m, Insert, &change{entity: row, changed: t.schema.DBNames, rowsAffected: db.RowsAffected})
+		out, err := p.runRules(db, t, t.m, op, &change{entity: row, changed: changed, rowsAffected: db.RowsAffected})
 		msgs = append(msgs, out...)
 		if err != nil {
 			p.finish(db, t, msgs, err)

@@ -605,3 +605,34 @@ func TestUpdateFromPublishesPerRow(t *testing.T) {
 		require.Equal(t, []string{msg("update", os[0], "a", 50, "a"), msg("update", os[1], "a", 60, "a")}, values(b.rows(t)))
 	})
 }
+
+func TestGuardRawSQL(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b := setupRows(t, dbt, outbox.Config{Rules: rowRules(), GuardRawSQL: true})
+		os := b.seed(t, "a", "b")
+		for _, q := range []string{
+			"UPDATE orders SET status = 'x'",
+			"delete from ORDERS where id > 0",
+			"INSERT INTO orders (status, total) VALUES ('r', 1)",
+			"WITH s AS (SELECT 1) UPDATE tickets SET status = 'x'",
+		} {
+			var rw *outbox.RawWriteError
+			require.ErrorAs(t, b.db.Exec(q).Error, &rw, q)
+			require.ErrorIs(t, b.db.Exec(q).Error, outbox.ErrUnsupportedWrite)
+		}
+		var ids []uint64
+		err := b.db.Raw("DELETE FROM orders WHERE id = ? RETURNING id", os[0].ID).Scan(&ids).Error
+		require.ErrorIs(t, err, outbox.ErrUnsupportedWrite, "Raw too")
+		var n int64
+		require.NoError(t, b.db.Raw("SELECT COUNT(*) FROM orders").Scan(&n).Error, "reads pass")
+		require.Equal(t, int64(2), n, "nothing ran")
+		require.NoError(t, b.db.Exec("UPDATE invoices SET amount = 1").Error, "a table without rules")
+		require.NoError(t, b.db.Model(&Order{}).Where("status = ?", "a").Update("status", "c").Error, "GORM's own statements pass")
+		require.Len(t, b.rows(t), 1)
+
+		// Without the guard raw SQL is outside the rules.
+		b2 := setupWrite(t, dbtest.Open(t, dbt.Dialect), outbox.Config{Rules: rowRules()})
+		require.NoError(t, b2.db.Exec("UPDATE orders SET status = 'x'").Error)
+	})
+}

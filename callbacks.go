@@ -50,6 +50,17 @@ func (p *Plugin) registerCallbacks(db *gorm.DB) error {
 		{"delete", "after_delete", "gorm:after_delete", "gorm:commit_or_rollback_transaction", p.afterDelete},
 		{"delete", "end", "*", "", p.endTx},
 	}
+	if p.cfg.GuardRawSQL {
+		for _, err := range []error{
+			db.Callback().Raw().Before("gorm:raw").Register(prefix+"raw:guard", p.guardRaw),
+			db.Callback().Query().Before("gorm:query").Register(prefix+"query:guard", p.guardRaw),
+			db.Callback().Row().Before("gorm:row").Register(prefix+"row:guard", p.guardRaw),
+		} {
+			if err != nil {
+				return fmt.Errorf("outbox: register the raw SQL guard: %w", err)
+			}
+		}
+	}
 	for _, s := range steps {
 		name := prefix + s.kind + ":" + s.name
 		var err error

@@ -96,6 +96,14 @@ type Config struct {
 	// can lower or raise it with MaxRows; rules built with AllowBulk are
 	// not bounded.
 	MaxRowsPerWrite int
+	// GuardRawSQL refuses raw SQL (db.Exec, db.Raw) that writes to a
+	// table with publish rules (INSERT INTO, UPDATE, DELETE FROM,
+	// REPLACE INTO, MERGE INTO or TRUNCATE naming it) with a
+	// *RawWriteError, before it runs. Raw SQL is outside the rules: without
+	// the guard such a statement changes rows and publishes nothing. The
+	// check reads the statement's text, so a string literal that looks like
+	// such a write is refused too. Off by default.
+	GuardRawSQL bool
 	// Rules are the declarative publish rules, built with OnCreate,
 	// OnUpdate, OnDelete or On. More can be added with Plugin.AddRule
 	// before the first write.

@@ -105,6 +105,21 @@ func (e *TooManyRowsError) Error() string {
 // Unwrap lets errors.Is(err, ErrUnsupportedWrite) match.
 func (e *TooManyRowsError) Unwrap() error { return ErrUnsupportedWrite }
 
+// RawWriteError is returned, with Config.GuardRawSQL, for raw SQL
+// (db.Exec, db.Raw) that writes to a table with publish rules. Nothing
+// ran. It wraps ErrUnsupportedWrite.
+type RawWriteError struct {
+	Table string
+	SQL   string // the statement, at most 200 characters
+}
+
+func (e *RawWriteError) Error() string {
+	return fmt.Sprintf("outbox: raw SQL writes to table %s, which has publish rules, and would publish nothing (Config.GuardRawSQL): write through GORM's API or enqueue the messages: %s", e.Table, e.SQL)
+}
+
+// Unwrap lets errors.Is(err, ErrUnsupportedWrite) match.
+func (e *RawWriteError) Unwrap() error { return ErrUnsupportedWrite }
+
 // RuleError wraps an error returned by a publish rule. The write that
 // triggered the rule is rolled back.
 type RuleError struct {

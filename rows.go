@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"regexp"
+	"strings"
 
 	"gorm.io/gorm"
 	"gorm.io/gorm/callbacks"
@@ -133,6 +135,33 @@ func parseModel(db *gorm.DB, mt reflect.Type) (*schema.Schema, error) {
 		return nil, err
 	}
 	return stmt.Schema, nil
+}
+
+// rawWrite finds the tables raw SQL writes to.
+var rawWrite = regexp.MustCompile("(?is)\\b(?:insert\\s+(?:ignore\\s+)?into|replace\\s+into|merge\\s+into|update|delete\\s+from|truncate(?:\\s+table)?)\\s+((?:[`\"\\[]?\\w+[`\"\\]]?\\.)?[`\"\\[]?\\w+[`\"\\]]?)")
+
+// guardRaw refuses, with Config.GuardRawSQL, raw SQL that writes to a
+// table with rules. GORM's own statements are built by its callbacks,
+// after this one: only Exec and Raw arrive with their SQL already written.
+func (p *Plugin) guardRaw(db *gorm.DB) {
+	if db.Error != nil || db.Statement.SQL.Len() == 0 {
+		return
+	}
+	sql := db.Statement.SQL.String()
+	for _, m := range rawWrite.FindAllStringSubmatch(sql, -1) {
+		name := strings.Trim(m[1], "`\"[]")
+		if i := strings.LastIndexByte(name, '.'); i >= 0 {
+			name = strings.Trim(name[i+1:], "`\"[]")
+		}
+		if p.modelForTable(db, name) == nil && p.modelForTable(db, strings.ToLower(name)) == nil {
+			continue
+		}
+		if len(sql) > 200 {
+			sql = sql[:200]
+		}
+		_ = db.AddError(&RawWriteError{Table: name, SQL: sql})
+		return
+	}
 }
 
 // rowSet is what readRows found before a write by condition.

@@ -526,6 +526,7 @@ type returnedMaps struct {
 	dest  any
 	maps  []map[string]any
 	fresh *[]map[string]any
+	atID  string // the key column stored as "@id", or ""
 }
 
 // returnKeys makes a create from maps return the generated keys where
@@ -533,7 +534,8 @@ type returnedMaps struct {
 //
 //   - through Table(name) without a model on PostgreSQL, GORM asks for no
 //     key at all (MySQL and SQLite report LastInsertId, which GORM writes
-//     into each map as "@id"): the plugin adds RETURNING of the rule's key;
+//     into each map as "@id"): the plugin adds RETURNING of the rule's key
+//     and stores it as "@id" too;
 //   - for a slice of maps on PostgreSQL and SQLite, GORM scans RETURNING
 //     into the statement's destination, which appends the returned rows to
 //     the caller's slice instead of filling its maps.
@@ -566,19 +568,19 @@ func returnKeys(db *gorm.DB, t target) {
 		return
 	}
 	var maps []map[string]any
+	one := false
 	switch d := stmt.Dest.(type) {
-	case map[string]any, *map[string]any:
-		if stmt.Schema == nil {
-			stmt.AddClause(clause.Returning{Columns: cols})
-		}
-		return // with a model GORM returns the key into the map itself
+	case map[string]any:
+		maps, one = []map[string]any{d}, true
+	case *map[string]any:
+		maps, one = []map[string]any{*d}, true
 	case []map[string]any:
 		maps = d
 	case *[]map[string]any:
 		maps = *d
 	}
-	if len(maps) == 0 {
-		return
+	if len(maps) == 0 || (one && stmt.Schema != nil) {
+		return // with a model GORM returns the key into a single map itself
 	}
 	if s := stmt.Schema; s != nil && !stmt.Unscoped {
 		for _, c := range s.CreateClauses {
@@ -590,6 +592,10 @@ func returnKeys(db *gorm.DB, t target) {
 	stmt.AddClause(callbacks.ConvertToCreateValues(stmt))
 	stmt.Build(stmt.BuildClauses...)
 	rm := &returnedMaps{dest: stmt.Dest, maps: maps, fresh: &[]map[string]any{}}
+	if stmt.Schema == nil && len(t.schema.PrimaryFields) == 1 {
+		// Without a model GORM gives a generated key as "@id".
+		rm.atID = t.schema.PrimaryFields[0].DBName
+	}
 	stmt.Dest = rm.fresh
 	db.InstanceSet(keyReturned, rm)
 }
@@ -609,6 +615,9 @@ func restoreMaps(db *gorm.DB) {
 	for i, row := range *rm.fresh {
 		if i < len(rm.maps) && rm.maps[i] != nil {
 			for k, v := range row {
+				if k == rm.atID {
+					k = "@id"
+				}
 				rm.maps[i][k] = v
 			}
 		}

@@ -245,6 +245,15 @@ func TestCreatesFromMapsAndOtherStructsPublish(t *testing.T) {
 		require.Equal(t, []string{fmt.Sprintf("insert:%d:m1:3", id)}, values(b.rows(t)))
 		b.clear(t)
 
+		// A slice of maps: the keys land in the caller's maps (GORM alone
+		// would append the RETURNING rows to the slice on PostgreSQL,
+		// SQLite and MariaDB).
+		ms := []map[string]any{{"Status": "s1"}, {"Status": "s2"}}
+		require.NoError(t, b.db.Model(&Order{}).Create(&ms).Error)
+		require.Len(t, ms, 2)
+		require.Equal(t, []string{fmt.Sprintf("insert:%d:s1:0", idOf(ms[0]["id"])), fmt.Sprintf("insert:%d:s2:0", idOf(ms[1]["id"]))}, values(b.rows(t)))
+		b.clear(t)
+
 		require.NoError(t, gorm.G[Order](b.db).Set(
 			clause.Assignment{Column: clause.Column{Name: "status"}, Value: "g"},
 			clause.Assignment{Column: clause.Column{Name: "total"}, Value: 4},

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"reflect"
 	"regexp"
+	"slices"
 	"strings"
 
 	"gorm.io/gorm"
@@ -536,7 +537,7 @@ type returnedMaps struct {
 //     key at all (MySQL and SQLite report LastInsertId, which GORM writes
 //     into each map as "@id"): the plugin adds RETURNING of the rule's key
 //     and stores it as "@id" too;
-//   - for a slice of maps on PostgreSQL and SQLite, GORM scans RETURNING
+//   - for a slice of maps on PostgreSQL, SQLite and MariaDB, GORM scans RETURNING
 //     into the statement's destination, which appends the returned rows to
 //     the caller's slice instead of filling its maps.
 //
@@ -545,8 +546,9 @@ type returnedMaps struct {
 // restoreMaps copies into the caller's maps after the INSERT.
 func returnKeys(db *gorm.DB, t target) {
 	stmt := db.Statement
-	dialect := db.Dialector.Name()
-	if (dialect != "postgres" && dialect != "sqlite") || stmt.SQL.Len() != 0 {
+	// PostgreSQL, SQLite and MariaDB (GORM's MySQL dialect enables
+	// RETURNING on MariaDB) return created rows; MySQL does not.
+	if !slices.Contains(stmt.BuildClauses, "RETURNING") || stmt.SQL.Len() != 0 {
 		return
 	}
 	if _, ok := stmt.Clauses["RETURNING"]; ok {
@@ -559,7 +561,7 @@ func returnKeys(db *gorm.DB, t target) {
 				cols = append(cols, clause.Column{Name: f.DBName})
 			}
 		}
-	} else if dialect == "postgres" {
+	} else if db.Dialector.Name() == "postgres" {
 		for _, f := range t.schema.PrimaryFields {
 			cols = append(cols, clause.Column{Name: f.DBName})
 		}

@@ -26,7 +26,8 @@ const (
 	MaxRowsPerWriteDefault = 10_000
 	// MaxRowsPerWriteMax is the largest accepted MaxRowsPerWrite and
 	// MaxRows: the keys of the rows read are bound as parameters of the
-	// statement, and SQLite takes at most 32,766 of them.
+	// statement, and SQLite takes at most 32,766 of them. For a primary
+	// key of k columns the bound is MaxRowsPerWriteMax/k.
 	MaxRowsPerWriteMax = 30_000
 
 	MessagesTableDefault    = "outbox_messages"

@@ -91,7 +91,7 @@ func (e *TooLargeError) Unwrap() error { return ErrInvalidMessage }
 // statement runs: nothing was changed, also inside a transaction of the
 // caller's. It wraps ErrUnsupportedWrite.
 type TooManyRowsError struct {
-	Model     string // the rules' model type, e.g. "*main.Order"
+	Model     string // the rules' model type, e.g. "main.Order"
 	Table     string
 	Operation Operation
 	Limit     int

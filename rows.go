@@ -231,7 +231,9 @@ func (p *Plugin) byCondition(db *gorm.DB, t target, op Operation) {
 		fail("the model has no primary key: the changed rows cannot be told apart")
 		return
 	}
-	limit := p.rowLimit(perRow)
+	// The keys are bound as parameters: a key of k columns binds k per
+	// row.
+	limit := min(p.rowLimit(perRow), MaxRowsPerWriteMax/len(t.schema.PrimaryFields))
 	rows, err := p.readRows(db, t, where, limit+1)
 	if err != nil {
 		_ = db.AddError(fmt.Errorf("outbox: %s: read the rows a %s by condition matches: %w", t.schema.Name, op, err))

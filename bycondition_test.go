@@ -643,3 +643,20 @@ func TestGuardRawSQL(t *testing.T) {
 		require.NoError(t, b2.db.Exec("UPDATE orders SET status = 'x'").Error)
 	})
 }
+
+// With only AllowBulk rules, a write through another struct is one bulk
+// change: the rules never see a value of the other struct.
+func TestOtherStructWithBulkRules(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		rule := outbox.On(outbox.Update|outbox.Delete, func(c outbox.Change[*Order]) (*outbox.Message, error) {
+			return &outbox.Message{Topic: "bulk", Value: fmt.Appendf(nil, "%s bulk=%v %d", c.Op, c.Bulk, c.RowsAffected)}, nil
+		}, outbox.AllowBulk())
+		b := setupWrite(t, dbt, outbox.Config{Rules: []outbox.Rule{rule}})
+		lite := OrderLite{Status: "a"}
+		require.NoError(t, b.db.Create(&lite).Error)
+		require.NoError(t, b.db.Model(&lite).Update("status", "b").Error)
+		require.NoError(t, b.db.Delete(&lite).Error)
+		require.Equal(t, []string{"update bulk=true 1", "delete bulk=true 1"}, values(b.rows(t)))
+	})
+}

@@ -432,7 +432,7 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 	if v, ok := db.InstanceGet(keyBefore); ok {
 		before = v.(reflect.Value)
 	}
-	p.runEach(db, t, m, Update, keyedEntities(db), changed, false, func(ptr reflect.Value) *change {
+	p.runEach(db, t, m, Update, ownEntities(db, t), changed, false, func(ptr reflect.Value) *change {
 		return &change{entity: ptr, before: before, changed: changed, rowsAffected: affected}
 	})
 }
@@ -448,6 +448,16 @@ func keyedEntities(db *gorm.DB) []reflect.Value {
 		return nil
 	})
 	return targets
+}
+
+// ownEntities returns the statement's keyed entities when they are
+// values of the rules' model; none for a write through Table(name) or
+// another struct, which reaches here only when every rule allows bulk.
+func ownEntities(db *gorm.DB, t target) []reflect.Value {
+	if t.foreign {
+		return nil
+	}
+	return keyedEntities(db)
 }
 
 // runEach runs the rules of op for each target, with the change changeOf
@@ -548,7 +558,7 @@ func (p *Plugin) afterDelete(db *gorm.DB) {
 	if db.RowsAffected == 0 {
 		return
 	}
-	p.runEach(db, t, t.m, Delete, keyedEntities(db), changed, soft, func(ptr reflect.Value) *change {
+	p.runEach(db, t, t.m, Delete, ownEntities(db, t), changed, soft, func(ptr reflect.Value) *change {
 		return &change{entity: ptr, keyOnly: onlyPrimaryKey(db, ptr), changed: changed, soft: soft, rowsAffected: db.RowsAffected}
 	})
 }

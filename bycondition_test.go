@@ -660,3 +660,18 @@ func TestOtherStructWithBulkRules(t *testing.T) {
 		require.Equal(t, []string{"update bulk=true 1", "delete bulk=true 1"}, values(b.rows(t)))
 	})
 }
+
+// An update without conditions is GORM's to refuse; allowed, it is per
+// row like any other update by condition.
+func TestGlobalUpdatePublishesPerRow(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b := setupRows(t, dbt, outbox.Config{Rules: rowRules()})
+		os := b.seed(t, "a", "b")
+		err := b.db.Model(&Order{}).Update("status", "z").Error
+		require.ErrorIs(t, err, gorm.ErrMissingWhereClause)
+		require.Empty(t, b.rows(t))
+		require.NoError(t, b.db.Session(&gorm.Session{AllowGlobalUpdate: true}).Model(&Order{}).Update("status", "z").Error)
+		require.Equal(t, []string{msg("update", os[0], "z", 0, "a"), msg("update", os[1], "z", 1, "b")}, values(b.rows(t)))
+	})
+}

@@ -8,8 +8,9 @@
 #
 # kind: default (TestChaos: process, database and kfake broker faults,
 # the default publisher), strict (TestChaosStrict), network (TestChaosNetwork,
-# both modes: relays in network namespaces, partitions, delay and loss; needs
-# root and iproute2). Default: default. OUTBOX_CHAOS_SEED reruns a seed;
+# both modes in parallel: relays in network namespaces, partitions, delay and
+# loss; needs root and iproute2), network-default or network-strict (one
+# mode of it). Default: default. OUTBOX_CHAOS_SEED reruns a seed;
 # OUTBOX_CHAOS_LOGDIR keeps the relays' logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,9 @@ case "$kind" in
   default) run='^TestChaos$' ;;
   strict) run='^TestChaosStrict$' ;;
   network) run='^TestChaosNetwork$' ;;
-  *) echo "usage: $0 [default|strict|network]" >&2; exit 2 ;;
+  network-default) run='^TestChaosNetwork$/^default$' ;;
+  network-strict) run='^TestChaosNetwork$/^strict$' ;;
+  *) echo "usage: $0 [default|strict|network|network-default|network-strict]" >&2; exit 2 ;;
 esac
 
 bash scripts/services.sh

@@ -3,6 +3,7 @@ package chaos_test
 import (
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -309,18 +310,25 @@ func lastFault(t *testing.T, what string, events *eventLog, fn func()) {
 	t.Logf("chaos: last fault (%s) healed after %s", what, time.Since(start).Round(time.Millisecond))
 }
 
-// writeBacklog commits n messages over 16 keys of their own in
-// transactions of 100 and returns n.
-func writeBacklog(t *testing.T, db *gorm.DB, plugin *outbox.Plugin, topic string, n int) int {
+// writeBacklog commits n messages in transactions of 100 over keys of
+// their own (16 of them, or the given ones), calls after (if set) with
+// the count written after each, and returns n.
+func writeBacklog(t *testing.T, db *gorm.DB, plugin *outbox.Plugin, topic string, n int, after func(int), names ...string) int {
 	t.Helper()
-	const keys, perTx = 16, 100
+	const perTx = 100
+	if len(names) == 0 {
+		for k := range 16 {
+			names = append(names, fmt.Sprintf("backlog-%05d", k))
+		}
+	}
+	keys := len(names)
 	seq := make([]int32, keys)
 	for done := 0; done < n; done += perTx {
 		rows := make([]order, 0, perTx)
 		msgs := make([]*outbox.Message, 0, perTx)
 		for i := range min(perTx, n-done) {
 			k := (done + i) % keys
-			key := fmt.Sprintf("backlog-%05d", k)
+			key := names[k]
 			id := uuid.Must(uuid.NewV7()).String()
 			rows = append(rows, order{K: key, Seq: seq[k], MsgID: id})
 			msgs = append(msgs, &outbox.Message{ID: id, Topic: topic, Key: []byte(key), Value: []byte(key + "/" + strconv.Itoa(int(seq[k])))})
@@ -332,6 +340,73 @@ func writeBacklog(t *testing.T, db *gorm.DB, plugin *outbox.Plugin, topic string
 			}
 			return plugin.Enqueue(tx, msgs...)
 		}))
+		if after != nil {
+			after(done + len(rows))
+		}
+	}
+	return n
+}
+
+// staleRelay is the network run's last fault, the term guard's case:
+//
+//  1. relays 1 and 2 are cut off from the brokers: they renew and take
+//     leases, but publish nothing and so delete nothing;
+//  2. messages are written to keys of relay 0's buckets, in a stream:
+//     relay 0 publishes and deletes batch after batch and, halfway, is
+//     cut off from the database: the statement it sends next, often a
+//     delete, stays in its connection, unanswered;
+//  3. once relay 0 holds no lease, its peers having taken its buckets,
+//     its database link heals: what it sent lands now, under the new
+//     owners' leases, before they published the rows (their brokers are
+//     still cut off for two leases);
+//  4. everything heals.
+//
+// The guard must refuse those deletes (the relay logs "lease lost before
+// delete"); without it the delete-audit trigger records deletes by relay
+// 0 in buckets another relay holds, and the test fails. It returns the
+// messages written.
+func staleRelay(t *testing.T, lab *netLab, db *gorm.DB, plugin *outbox.Plugin, topic, leases string, lease time.Duration, buckets int) int {
+	t.Helper()
+	for s := 1; s < lab.slots; s++ {
+		require.NoError(t, lab.partition(s, linkBroker))
+	}
+	var own []int
+	require.NoError(t, db.Raw("SELECT bucket FROM "+db.Statement.Quote(leases)+" WHERE owner LIKE 'chaos-0-%' AND expires_at_ms > ?",
+		time.Now().UnixMilli()).Scan(&own).Error)
+	var names []string
+	for k := 0; len(names) < 16 && k < 100_000; k++ {
+		name := fmt.Sprintf("stale-%05d", k)
+		if slices.Contains(own, outbox.Bucket([]byte(name), nil, "", buckets)) {
+			names = append(names, name)
+		}
+	}
+	if len(names) == 0 {
+		t.Logf("chaos: relay 0 holds no lease at the last fault; its keys are any")
+	}
+	n := writeBacklog(t, db, plugin, topic, 3000, func(done int) {
+		if done == 1500 {
+			require.NoError(t, lab.partition(0, linkDB))
+		}
+	}, names...)
+	// Relay 0's leases lapse and its peers take its buckets.
+	q := "SELECT COUNT(*) FROM " + db.Statement.Quote(leases) + " WHERE owner LIKE 'chaos-0-%' AND expires_at_ms > ?"
+	deadline := time.Now().Add(5 * lease)
+	for {
+		var held int64
+		require.NoError(t, db.Raw(q, time.Now().UnixMilli()).Scan(&held).Error)
+		if held == 0 {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "relay 0 still holds %d leases %s after it was cut off from the database", held, 5*lease)
+		time.Sleep(50 * time.Millisecond)
+	}
+	require.NoError(t, lab.heal(0, linkDB))
+	// The fault's length: relay 0's connections retransmit what they hold
+	// while the new owners cannot publish.
+	time.Sleep(2 * lease)
+	for s := range lab.slots {
+		require.NoError(t, lab.heal(s, linkBroker))
+		require.NoError(t, lab.heal(s, linkDB))
 	}
 	return n
 }

@@ -347,6 +347,10 @@ func runChaos(t *testing.T, p params) {
 		})
 	case pgc != nil:
 		lastFault(t, evPGRestartImmediate, events, func() {
+			// The pool's idle connections may have died with an earlier
+			// restart.
+			sqlDB.SetMaxIdleConns(0)
+			sqlDB.SetMaxIdleConns(p.writers + 4)
 			written += writeBacklog(t, d.DB, plugin, topic, 3000, nil)
 			require.NoError(t, pgc.restart("immediate"))
 			// The pool's idle connections died with the server.

@@ -340,10 +340,13 @@ func runChaos(t *testing.T, p params) {
 	// deletes landing while its buckets' new owners hold them (see
 	// staleRelay), or a crash of the database server right after messages
 	// were written.
+	healStart, atHeal := time.Time{}, int64(-1)
 	switch {
 	case lab != nil:
 		lastFault(t, "a stale relay's statements land under the new owners' leases", events, func() {
-			written += staleRelay(t, lab, d.DB, plugin, topic, tables.LeasesTable(), p.lease, p.buckets)
+			var n int
+			n, atHeal, healStart = staleRelay(t, lab, d.DB, plugin, topic, tables.LeasesTable(), tables.MessagesTable(), p.lease, p.buckets)
+			written += n
 		})
 	case pgc != nil:
 		lastFault(t, evPGRestartImmediate, events, func() {
@@ -351,7 +354,9 @@ func runChaos(t *testing.T, p params) {
 			// restart.
 			sqlDB.SetMaxIdleConns(0)
 			sqlDB.SetMaxIdleConns(p.writers + 4)
-			written += writeBacklog(t, d.DB, plugin, topic, 3000, nil)
+			// One transaction, then the crash at once: the relays have no
+			// time to drain it first.
+			written += writeBacklog(t, d.DB, plugin, topic, 5000, 5000, nil)
 			require.NoError(t, pgc.restart("immediate"))
 			// The pool's idle connections died with the server.
 			sqlDB.SetMaxIdleConns(0)
@@ -362,8 +367,10 @@ func runChaos(t *testing.T, p params) {
 
 	// Everything must drain once the faults stop, and the relays must be
 	// live again quickly: progress within the liveness bound.
-	healStart := time.Now()
-	live := waitEmpty(t, d.DB, tables.MessagesTable(), p.drainLimit)
+	if healStart.IsZero() {
+		healStart = time.Now()
+	}
+	live := waitEmpty(t, d.DB, tables.MessagesTable(), p.drainLimit, healStart, atHeal)
 	if real != nil {
 		real.endQuiet() // the other test may break brokers again
 	}
@@ -681,14 +688,18 @@ func (l liveness) rate() float64 {
 	return float64(l.atHeal) / l.drained.Seconds()
 }
 
-// waitEmpty waits until the messages table is empty, at most limit, and
-// measures when publishing resumed.
-func waitEmpty(t *testing.T, db *gorm.DB, table string, limit time.Duration) liveness {
+// waitEmpty waits until the messages table is empty, at most limit after
+// start (the heal), and measures when publishing resumed. atHeal is the
+// count at start when the caller took it (the heal takes a while and the
+// relays may drain meanwhile), or -1: then the first count is.
+func waitEmpty(t *testing.T, db *gorm.DB, table string, limit time.Duration, start time.Time, atHeal int64) liveness {
 	q := "SELECT COUNT(*) FROM " + db.Statement.Quote(table)
-	start := time.Now()
 	deadline := start.Add(limit)
 	var l liveness
 	first := true
+	if atHeal >= 0 {
+		l.atHeal, first = atHeal, false
+	}
 	for {
 		var n int64
 		if err := db.Raw(q).Scan(&n).Error; err != nil {

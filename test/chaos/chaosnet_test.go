@@ -311,12 +311,11 @@ func lastFault(t *testing.T, what string, events *eventLog, fn func()) {
 	t.Logf("chaos: last fault (%s) healed after %s", what, time.Since(start).Round(time.Millisecond))
 }
 
-// writeBacklog commits n messages in transactions of 100 over keys of
+// writeBacklog commits n messages in transactions of perTx over keys of
 // their own (16 of them, or the given ones), calls after (if set) with
 // the count written after each, and returns n.
-func writeBacklog(t *testing.T, db *gorm.DB, plugin *outbox.Plugin, topic string, n int, after func(int), names ...string) int {
+func writeBacklog(t *testing.T, db *gorm.DB, plugin *outbox.Plugin, topic string, n, perTx int, after func(int), names ...string) int {
 	t.Helper()
-	const perTx = 100
 	if len(names) == 0 {
 		for k := range 16 {
 			names = append(names, fmt.Sprintf("backlog-%05d", k))
@@ -369,8 +368,8 @@ func writeBacklog(t *testing.T, db *gorm.DB, plugin *outbox.Plugin, topic string
 //     relay 0 publishes and deletes batch after batch and, halfway, is
 //     cut off from the database: the statement it sends next, often a
 //     delete, stays in its connection, unanswered;
-//  3. once relay 0 holds no lease, its peers having taken its buckets,
-//     its database link heals: what it sent lands now, under the new
+//  3. once its peers hold all of relay 0's buckets, its database link
+//     heals: what it sent lands now, under the new
 //     owners' leases, before they published the rows (their brokers are
 //     still cut off for two leases);
 //  4. everything heals.
@@ -378,8 +377,9 @@ func writeBacklog(t *testing.T, db *gorm.DB, plugin *outbox.Plugin, topic string
 // The guard must refuse those deletes (the relay logs "lease lost before
 // delete"); without it the delete-audit trigger records deletes by relay
 // 0 in buckets another relay holds, and the test fails. It returns the
-// messages written.
-func staleRelay(t *testing.T, lab *netLab, db *gorm.DB, plugin *outbox.Plugin, topic, leases string, lease time.Duration, buckets int) int {
+// messages written, and the messages pending and the time when the heal
+// began.
+func staleRelay(t *testing.T, lab *netLab, db *gorm.DB, plugin *outbox.Plugin, topic, leases, messages string, lease time.Duration, buckets int) (int, int64, time.Time) {
 	t.Helper()
 	for s := 1; s < lab.slots; s++ {
 		require.NoError(t, lab.partition(s, linkBroker))
@@ -397,30 +397,35 @@ func staleRelay(t *testing.T, lab *netLab, db *gorm.DB, plugin *outbox.Plugin, t
 	if len(names) == 0 {
 		t.Logf("chaos: relay 0 holds no lease at the last fault; its keys are any")
 	}
-	n := writeBacklog(t, db, plugin, topic, 3000, func(done int) {
+	n := writeBacklog(t, db, plugin, topic, 3000, 100, func(done int) {
 		if done == 1500 {
 			require.NoError(t, lab.partition(0, linkDB))
 		}
 	}, names...)
-	// Relay 0's leases lapse and its peers take its buckets.
-	q := "SELECT COUNT(*) FROM " + db.Statement.Quote(leases) + " WHERE owner LIKE 'chaos-0-%' AND expires_at_ms > ?"
-	deadline := time.Now().Add(5 * lease)
-	for {
-		var held int64
-		require.NoError(t, db.Raw(q, time.Now().UnixMilli()).Scan(&held).Error)
-		if held == 0 {
+	// Relay 0's leases lapse and its peers take its buckets (once its
+	// heartbeat lapsed too): until then relay 0, healed, could take them
+	// back and drain them itself.
+	q := "SELECT COUNT(*) FROM " + db.Statement.Quote(leases) + " WHERE bucket IN ? AND owner NOT LIKE 'chaos-0-%' AND expires_at_ms > ?"
+	deadline := time.Now().Add(10 * lease)
+	for len(own) > 0 {
+		var taken int64
+		require.NoError(t, db.Raw(q, own, time.Now().UnixMilli()).Scan(&taken).Error)
+		if int(taken) == len(own) {
 			break
 		}
-		require.True(t, time.Now().Before(deadline), "relay 0 still holds %d leases %s after it was cut off from the database", held, 5*lease)
+		require.True(t, time.Now().Before(deadline), "relay 0's peers hold %d of its %d buckets %s after it was cut off from the database", taken, len(own), 10*lease)
 		time.Sleep(50 * time.Millisecond)
 	}
 	require.NoError(t, lab.heal(0, linkDB))
 	// The fault's length: relay 0's connections retransmit what they hold
 	// while the new owners cannot publish.
 	time.Sleep(2 * lease)
+	var pending int64
+	require.NoError(t, db.Raw("SELECT COUNT(*) FROM "+db.Statement.Quote(messages)).Scan(&pending).Error)
+	healStart := time.Now()
 	for s := range lab.slots {
 		require.NoError(t, lab.heal(s, linkBroker))
 		require.NoError(t, lab.heal(s, linkDB))
 	}
-	return n
+	return n, pending, healStart
 }

@@ -60,8 +60,8 @@ const (
 
 var netRuns atomic.Int32
 
-// EnvNetRequired makes a missing ip or tc fail the network-fault test
-// instead of skipping it; scripts/test.sh sets it, and so does CI=true.
+// EnvNetRequired=1 makes a missing ip, tc or root fail the network-fault
+// test instead of skipping it, as CI=true does.
 const EnvNetRequired = "OUTBOX_CHAOS_NET_REQUIRED"
 
 // requireNetTools skips (fails in CI) when the test cannot build its

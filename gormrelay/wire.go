@@ -69,7 +69,7 @@ func NewKafka(db *gorm.DB, plugin *outbox.Plugin, kcfg publisher.KafkaConfig, op
 	if err != nil {
 		return nil, err
 	}
-	return wire(db, plugin, k, true, o)
+	return assemble(db, plugin, k, true, o)
 }
 
 // NewKafkaTransactional is NewKafka with the strict-mode publisher,
@@ -85,7 +85,7 @@ func NewKafkaTransactional(db *gorm.DB, plugin *outbox.Plugin, tcfg publisher.Tr
 	if err != nil {
 		return nil, err
 	}
-	return wire(db, plugin, t, true, o)
+	return assemble(db, plugin, t, true, o)
 }
 
 // New wires a relay for the outbox of plugin on db, publishing to pub: the
@@ -108,7 +108,7 @@ func NewKafkaTransactional(db *gorm.DB, plugin *outbox.Plugin, tcfg publisher.Tr
 // A relay.Config passed with WithRelayConfig whose BucketCount differs
 // from the plugin's is refused with a *relay.ConfigError.
 func New(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, opts ...Option) (*relay.Relay, error) {
-	return wire(db, plugin, pub, false, collect(opts))
+	return assemble(db, plugin, pub, false, collect(opts))
 }
 
 func collect(opts []Option) options {
@@ -119,8 +119,8 @@ func collect(opts []Option) options {
 	return o
 }
 
-// wire is New; own hands pub's lifecycle to the relay.
-func wire(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, own bool, o options) (*relay.Relay, error) {
+// assemble is New; own hands pub's lifecycle to the relay.
+func assemble(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, own bool, o options) (*relay.Relay, error) {
 	if plugin == nil {
 		return nil, &relay.ConfigError{Package: "gormrelay", Field: "plugin", Value: nil, Reason: "an *outbox.Plugin is required"}
 	}

@@ -49,7 +49,7 @@ type Relay struct {
 	cancelHard context.CancelCauseFunc
 	stopped    chan struct{} // closed when the run loop has ended
 	err        error
-	w          *worker // the current loop's state, for Leases
+	eng        *engine // the current run, for Leases
 }
 
 // New returns a relay draining store through publisher. cfg is completed
@@ -135,18 +135,18 @@ func (r *Relay) Start(ctx context.Context) error {
 	r.state = stateRunning
 	r.stopping = make(chan struct{})
 	r.cancelHard = cancel
-	r.w = newWorker(r)
-	go r.run(hard, r.w, r.stopping)
+	r.eng = newEngine(hard, r, false)
+	go r.run(hard, r.eng, r.stopping)
 	return nil
 }
 
-func (r *Relay) run(ctx context.Context, w *worker, stopping <-chan struct{}) {
+func (r *Relay) run(ctx context.Context, e *engine, stopping <-chan struct{}) {
 	log := r.cfg.Logger
 	log.Debug("relay: started")
-	stopSampler := r.startSampler(ctx, w)
-	err := w.run(ctx, stopping)
+	stopSampler := r.startSampler(ctx, e.k)
+	err := e.run(ctx, stopping)
 	stopSampler()
-	w.releaseAll(ctx)
+	e.releaseAll(ctx)
 	r.mu.Lock()
 	r.err = err
 	r.state = stateStopped
@@ -223,12 +223,12 @@ func (r *Relay) Err() error {
 // not a database query.
 func (r *Relay) Leases() []Lease {
 	r.mu.Lock()
-	w := r.w
+	e := r.eng
 	r.mu.Unlock()
-	if w == nil {
+	if e == nil {
 		return nil
 	}
-	return w.trustedLeases()
+	return e.k.trustedLeases()
 }
 
 // DrainOnce acquires the relay's fair share of buckets, drains each owned
@@ -254,9 +254,8 @@ func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
 		return 0, ErrStopped
 	}
 	r.state = stateDraining
-	w := newWorker(r)
-	w.oneShot = true
-	r.w = w
+	e := newEngine(ctx, r, true)
+	r.eng = e
 	r.mu.Unlock()
 	defer func() {
 		r.mu.Lock()
@@ -264,8 +263,8 @@ func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
 		r.mu.Unlock()
 	}()
 
-	n, err := w.drainAll(ctx)
-	w.releaseAll(ctx)
+	n, err := e.drainAll(ctx)
+	e.releaseAll(ctx)
 	return n, err
 }
 

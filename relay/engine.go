@@ -12,19 +12,6 @@ import (
 	ibackoff "github.com/gorm-outbox/outbox/internal/backoff"
 )
 
-// outcome is what one batch of one bucket came to.
-type outcome int
-
-const (
-	outEmpty   outcome = iota // the bucket had no pending rows
-	outDrained                // a partial batch was published: the bucket is empty as far as we know
-	outFull                   // a full batch was published: more rows are probably waiting
-	outFailed                 // the publish or a store call failed: back off
-	outRetry                  // the failure handler cleared the way: read again at once
-	outLost                   // the lease is gone: leave the rows to the new owner
-	outStopped                // the relay is stopping and the publish was cancelled
-)
-
 // engine is one run of the relay (Start) or one DrainOnce. It builds the
 // three parts of the engine, the lease keeper (keeper.go), the scheduler
 // (scheduler.go) and the drainers (drainer.go), which are tied one way:
@@ -422,7 +409,7 @@ func (e *engine) releaseAll(ctx context.Context) {
 	held := e.k.releaseAll()
 	e.cfg.Observer.OwnedBuckets(0)
 	_ = e.syncLeases(context.WithoutCancel(ctx)) // tell the publisher first; never a misconfiguration here
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.ReleaseTimeout)
 	defer cancel()
 	if err := e.r.store.ReleaseLeases(rctx, e.cfg.RelayID, held); err != nil {
 		e.log.Warn("relay: release leases failed; peers take the buckets over when the leases expire", "err", err)
@@ -481,7 +468,7 @@ func (e *engine) syncLeases(ctx context.Context) error {
 	e.announced = next
 	if len(released) > 0 {
 		slices.SortFunc(released, func(a, b Lease) int { return a.Bucket - b.Bucket })
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.ReleaseTimeout)
 		la.LeasesReleased(rctx, released)
 		cancel()
 	}
@@ -529,13 +516,6 @@ func jitter(d time.Duration) time.Duration {
 
 func earliest(a, b time.Time) time.Time {
 	if b.Before(a) {
-		return b
-	}
-	return a
-}
-
-func later(a, b time.Time) time.Time {
-	if b.After(a) {
 		return b
 	}
 	return a

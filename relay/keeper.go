@@ -500,3 +500,11 @@ func bucketsOf(hs []HeldLease) []int {
 	slices.Sort(bs)
 	return bs
 }
+
+// later returns the later of a and b.
+func later(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
+}

@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"sync"
@@ -218,14 +219,11 @@ type BacklogObserver interface {
 	BacklogUnavailable(err error)
 }
 
-// withDefaults fills the zero fields of s.
-func (s BacklogSampling) withDefaults() BacklogSampling {
-	if s.Interval == 0 {
-		s.Interval = BacklogSampleIntervalDefault
-	}
-	if s.Timeout <= 0 {
-		s.Timeout = BacklogSampleTimeoutDefault
-	}
+// WithDefaults returns a copy of s with every zero field set to its
+// default (a negative Timeout too). The relay applies it at Start.
+func (s BacklogSampling) WithDefaults() BacklogSampling {
+	s.Interval = cmp.Or(s.Interval, BacklogSampleIntervalDefault)
+	s.Timeout = cmp.Or(max(s.Timeout, 0), BacklogSampleTimeoutDefault)
 	return s
 }
 
@@ -243,7 +241,7 @@ func (r *Relay) startSampler(ctx context.Context, k *keeper) (stop func()) {
 		obs.BacklogUnavailable(nil)
 		return func() {}
 	}
-	cfg := obs.BacklogSampling().withDefaults()
+	cfg := obs.BacklogSampling().WithDefaults()
 	if cfg.Interval < 0 {
 		return func() {}
 	}

@@ -4,15 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 )
-
-// releaseTimeout bounds the release of leases when a relay stops. It runs
-// under context.WithoutCancel: an expired Stop context must not keep the
-// buckets locked until their leases expire.
-const releaseTimeout = 5 * time.Second
 
 // StopOverrun is the longest Relay.Stop waits for the relay after its
 // context ended: the bound on Stop overrunning its context.
@@ -266,16 +260,6 @@ func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
 	n, err := e.drainAll(ctx)
 	e.releaseAll(ctx)
 	return n, err
-}
-
-// sortedLeases returns the leases of a bucket→term map by bucket.
-func sortedLeases(m map[int]int64) []Lease {
-	out := make([]Lease, 0, len(m))
-	for b, t := range m {
-		out = append(out, Lease{Bucket: b, Term: t})
-	}
-	slices.SortFunc(out, func(a, b Lease) int { return a.Bucket - b.Bucket })
-	return out
 }
 
 // isStop reports whether err is the relay's own cancellation, not a

@@ -7,6 +7,19 @@ import (
 	ibackoff "github.com/gorm-outbox/outbox/internal/backoff"
 )
 
+// outcome is what one batch of one bucket came to.
+type outcome int
+
+const (
+	outEmpty   outcome = iota // the bucket had no pending rows
+	outDrained                // a partial batch was published: the bucket is empty as far as we know
+	outFull                   // a full batch was published: more rows are probably waiting
+	outFailed                 // the publish or a store call failed: back off
+	outRetry                  // the failure handler cleared the way: read again at once
+	outLost                   // the lease is gone: leave the rows to the new owner
+	outStopped                // the relay is stopping and the publish was cancelled
+)
+
 // bucketState is the scheduler's state of one bucket.
 type bucketState struct {
 	ready    bool      // may hold pending rows

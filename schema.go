@@ -81,7 +81,7 @@ type SchemaError struct {
 var ErrSchemaOutdated = errors.New("outbox: the outbox tables are older than this release needs")
 
 func (e *SchemaError) Error() string {
-	fix := "apply the outbox migrations up to " + e.Migration + " (github.com/gorm-outbox/outbox/migrations, or outbox.Migrations) or run Tables.AutoMigrate before starting the relay"
+	fix := "apply the outbox migrations up to " + e.Migration + " (github.com/gorm-outbox/outbox/migrations, or outbox.Migrations) or run the plugin's AutoMigrate (p.AutoMigrate(ctx, db)) or Tables.AutoMigrate before starting the relay"
 	if e.Column == "" {
 		return fmt.Sprintf("outbox: table %s does not exist: %s", e.Table, fix)
 	}

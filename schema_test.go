@@ -489,7 +489,7 @@ func TestStoreCheckSchema(t *testing.T) {
 		require.ErrorAs(t, err, &se)
 		require.Equal(t, outbox.SchemaError{Table: "old_outbox_messages", Column: "next_attempt_at_ms", Migration: "000001_outbox"}, *se)
 		require.ErrorIs(t, err, outbox.ErrSchemaOutdated)
-		require.EqualError(t, err, "outbox: table old_outbox_messages has no column next_attempt_at_ms: apply the outbox migrations up to 000001_outbox (github.com/gorm-outbox/outbox/migrations, or outbox.Migrations) or run Tables.AutoMigrate before starting the relay")
+		require.EqualError(t, err, "outbox: table old_outbox_messages has no column next_attempt_at_ms: apply the outbox migrations up to 000001_outbox (github.com/gorm-outbox/outbox/migrations, or outbox.Migrations) or run the plugin's AutoMigrate (p.AutoMigrate(ctx, db)) or Tables.AutoMigrate before starting the relay")
 
 		// The relay stops on it at start.
 		r, err := relay.New(store, relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) {

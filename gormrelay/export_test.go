@@ -2,6 +2,16 @@ package gormrelay
 
 import "time"
 
+// IdleLimitSet is idleLimitSet.
+var IdleLimitSet = idleLimitSet
+
+// TunedIdle is the idle limit s set on its pool; 0 if none.
+func TunedIdle(s *Store) int {
+	s.pool.mu.Lock()
+	defer s.pool.mu.Unlock()
+	return s.pool.tunedIdle
+}
+
 // PoolReadings is how many times s read its connection pool's statistics.
 func PoolReadings(s *Store) int {
 	s.pool.mu.Lock()

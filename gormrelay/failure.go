@@ -475,7 +475,7 @@ func (p *FailurePolicy) fail(ctx context.Context, name string, err error) error 
 	if db.Raw("SELECT 1").Row().Scan(&one) == nil && db.Exec("SELECT 1 FROM "+p.dead+" WHERE 1 = 0").Error != nil {
 		return &relay.MisconfigurationError{
 			Setting: "Tables",
-			Reason: fmt.Sprintf("table %s does not exist: run Tables.AutoMigrate (or your migrations) before starting the relay",
+			Reason: fmt.Sprintf("table %s does not exist: run the plugin's AutoMigrate (p.AutoMigrate(ctx, db)), Tables.AutoMigrate or your migrations before starting the relay",
 				p.store.tables.DeadLettersTable()),
 			Err: err,
 		}

@@ -1,9 +1,98 @@
 package gormrelay
 
 import (
+	"database/sql"
+	"log/slog"
+	"reflect"
 	"sync"
 	"time"
+
+	"github.com/gorm-outbox/outbox/relay"
 )
+
+// Pool tuning: a pool whose idle limit the application never set
+// (database/sql's default, 2) is raised by NewStore to what a relay needs,
+// PoolIdleFor(Parallelism), and raised again at the relay's first lease
+// acquisition if its Parallelism needs more. A pool whose idle limit was
+// set, to any value (SetMaxIdleConns(2) included), is left alone: calling
+// SetMaxIdleConns before NewStore is how to opt out. An open limit
+// (SetMaxOpenConns) is never changed, and database/sql caps the idle
+// limit at it.
+//
+// database/sql does not report the idle limit, so the store reads it from
+// the sql.DB's unexported maxIdleCount field (zero: never set), through
+// reflect, read-only; the field has kept its name and meaning since Go
+// 1.1. If a Go release renames it, the store tunes nothing and the churn
+// warning below still says what to set (TestPoolIdleLimitReadable fails
+// on such a release).
+const (
+	// PoolRelayConns is what a relay needs besides its drainers: its lease
+	// keeper's acquisition and renewal, and its backlog sampler.
+	PoolRelayConns = 3
+	// PoolAppConns is what the store leaves idle for the application
+	// sharing the pool: more than database/sql's default 2.
+	PoolAppConns = 5
+)
+
+// PoolIdleFor returns the idle limit the store gives an untuned pool for a
+// relay with the given Parallelism: parallelism + PoolRelayConns +
+// PoolAppConns, 16 at relay.ParallelismDefault.
+func PoolIdleFor(parallelism int) int {
+	if parallelism <= 0 {
+		parallelism = relay.ParallelismDefault
+	}
+	return parallelism + PoolRelayConns + PoolAppConns
+}
+
+// idleLimitSet reports whether the pool's idle limit was set by
+// SetMaxIdleConns (or SetMaxOpenConns below it); known is false when it
+// cannot be read.
+func idleLimitSet(db *sql.DB) (set, known bool) {
+	f := reflect.ValueOf(db).Elem().FieldByName("maxIdleCount")
+	if !f.IsValid() || f.Kind() != reflect.Int {
+		return false, false
+	}
+	return f.Int() != 0, true
+}
+
+// tunePool raises the idle limit of the store's pool to
+// PoolIdleFor(parallelism) if the store owns its tuning: the limit was
+// unset when NewStore first saw the pool, and this store set it since.
+// It logs each change once at Info.
+func (s *Store) tunePool(parallelism int) {
+	sqlDB, err := s.db.DB()
+	if err != nil {
+		return // not a *sql.DB pool (a transaction, a custom ConnPool)
+	}
+	want := PoolIdleFor(parallelism)
+	w := &s.pool
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.tunedIdle == 0 {
+		if w.untouchable {
+			return
+		}
+		set, known := idleLimitSet(sqlDB)
+		if set || !known {
+			w.untouchable = true
+			return
+		}
+	} else if want <= w.tunedIdle {
+		return
+	}
+	from := w.tunedIdle
+	w.tunedIdle = want
+	sqlDB.SetMaxIdleConns(want)
+	if from == 0 {
+		s.logger.Info("outbox: raised the connection pool's idle limit from database/sql's default 2, so that the relay's drainers reuse connections instead of opening a database session per statement; "+
+			"call sql.DB.SetMaxIdleConns yourself before creating the store to choose another value",
+			slog.Int("max_idle_conns", want), slog.Int("parallelism", max(parallelism, 1)),
+			slog.Int("max_open_conns", sqlDB.Stats().MaxOpenConnections))
+		return
+	}
+	s.logger.Info("outbox: raised the connection pool's idle limit for the relay's Parallelism",
+		slog.Int("from", from), slog.Int("max_idle_conns", want), slog.Int("parallelism", parallelism))
+}
 
 // Pool churn: database/sql keeps at most MaxIdleConns idle connections (2
 // unless the application sets it) and closes every connection returned
@@ -41,6 +130,11 @@ type poolWatch struct {
 	nextWarn time.Time
 	// readings counts the readings, for tests.
 	readings int
+	// tunedIdle is the idle limit this store set (tunePool); 0 if none.
+	tunedIdle int
+	// untouchable: the application set the idle limit, or it cannot be
+	// read; the store never changes it.
+	untouchable bool
 }
 
 // watchPool reads the connection pool's count of connections closed at

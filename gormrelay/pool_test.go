@@ -2,6 +2,7 @@ package gormrelay_test
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -20,18 +21,20 @@ import (
 
 const churnWarning = "closed connections at its idle limit"
 
-// A relay on a pool with database/sql's default idle limit (2), its 8
-// drainers kept busy by a writer, closes a connection after many of its
-// statements, and the store says so; with an idle limit above what the
-// relay and the writer use at once, the pool closes none and the store
-// stays quiet.
+// A relay on a pool whose idle limit the application explicitly left at
+// database/sql's default (2), its 8 drainers kept busy by a writer, closes
+// a connection after many of its statements, and the store says so. On a
+// pool the application never touched, the store raised the idle limit
+// itself (logged at Info): the pool closes no connection at its idle
+// limit and the store stays quiet, as with an idle limit of 16 set by the
+// application.
 func TestPoolChurnWarning(t *testing.T) {
 	t.Parallel()
 	for _, dialect := range []string{dbtest.Postgres, dbtest.MySQL} {
-		for _, idle := range []int{0, 16} { // 0: database/sql's default
-			name := dialect + "/default-idle"
-			if idle > 0 {
-				name = dialect + "/idle-16"
+		for _, idle := range []int{-1, 2, 16} { // -1: never set
+			name := fmt.Sprintf("%s/idle-%d", dialect, idle)
+			if idle < 0 {
+				name = dialect + "/untouched"
 			}
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
@@ -43,8 +46,14 @@ func TestPoolChurnWarning(t *testing.T) {
 				}
 				var logs dbtest.LogBuffer
 				b := newStoreBundle(t, db, outbox.Config{
-					Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
+					Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})),
 				})
+				if idle < 0 {
+					require.Contains(t, logs.String(), "raised the connection pool's idle limit")
+					require.Contains(t, logs.String(), "max_idle_conns=16")
+				} else {
+					require.NotContains(t, logs.String(), "raised the connection pool's idle limit", "a limit the application set is kept")
+				}
 				var acked atomic.Int64
 				cfg := fastConfig(t, "a")
 				cfg.Parallelism = 8
@@ -56,7 +65,7 @@ func TestPoolChurnWarning(t *testing.T) {
 				stop := keepWriting(t, b, &acked)
 				defer stop()
 
-				if idle == 0 {
+				if idle == 2 {
 					require.EventuallyWithT(t, func(c *assert.CollectT) {
 						assert.Contains(c, logs.String(), churnWarning)
 					}, deliverWithin, 10*time.Millisecond)
@@ -81,6 +90,53 @@ func TestPoolChurnWarning(t *testing.T) {
 			})
 		}
 	}
+}
+
+// The store reads the pool's idle limit: a Go release that renames
+// database/sql's field would silently turn the tuning off.
+func TestPoolIdleLimitReadable(t *testing.T) {
+	t.Parallel()
+	db := dbtest.Open(t, dbtest.SQLite)
+	sqlDB, err := db.DB.DB()
+	require.NoError(t, err)
+	set, known := gormrelay.IdleLimitSet(sqlDB)
+	require.True(t, known, "database/sql's maxIdleCount field is readable")
+	_ = set // dbtest may tune SQLite's pool
+	fresh := &sql.DB{}
+	set, known = gormrelay.IdleLimitSet(fresh)
+	require.True(t, known)
+	require.False(t, set)
+	fresh.SetMaxIdleConns(2)
+	set, _ = gormrelay.IdleLimitSet(fresh)
+	require.True(t, set, "an explicit default is a setting")
+}
+
+// A relay wired by hand (NewStore, relay.New) with a Parallelism above the
+// default gets an idle limit for it at its first lease acquisition, on a
+// pool the store tuned; never on one the application set.
+func TestPoolTunedForParallelism(t *testing.T) {
+	t.Parallel()
+	db := dbtest.Open(t, dbtest.Postgres)
+	b := newStoreBundle(t, db, outbox.Config{})
+	require.Equal(t, gormrelay.PoolIdleFor(relay.ParallelismDefault), gormrelay.TunedIdle(b.store))
+	b.insert(t, keyed(keysN(40), 1)...)
+	cfg := fastConfig(t, "wide")
+	cfg.Parallelism = 32
+	rec := newRecorder()
+	startRelay(t, b.store, rec.publisher("wide", nil), cfg)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, b.count(c)) }, deliverWithin, 10*time.Millisecond)
+	require.Equal(t, gormrelay.PoolIdleFor(32), gormrelay.TunedIdle(b.store))
+	require.Equal(t, 40, gormrelay.PoolIdleFor(32))
+
+	// The application's own setting is kept.
+	set := dbtest.Open(t, dbtest.Postgres)
+	sqlDB, err := set.DB.DB()
+	require.NoError(t, err)
+	sqlDB.SetMaxIdleConns(3)
+	kept := newStoreBundle(t, set, outbox.Config{})
+	kr := startRelay(t, kept.store, rec.publisher("kept", nil), cfg)
+	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.NotEmpty(c, kr.Leases()) }, deliverWithin, 10*time.Millisecond)
+	require.Zero(t, gormrelay.TunedIdle(kept.store))
 }
 
 // keepWriting inserts rows across the buckets, 64 at a time, keeping at

@@ -697,7 +697,7 @@ func TestRelayMisconfiguration(t *testing.T) {
 		require.NoError(t, err)
 		require.ErrorAs(t, startErr(t, bare, fastConfig(t, "d")), &me)
 		require.Equal(t, "Tables", me.Setting)
-		require.Contains(t, me.Error(), "AutoMigrate")
+		require.Contains(t, me.Error(), "p.AutoMigrate(ctx, db)")
 
 		// A writer with a larger BucketCount after the relay started: the
 		// relay notices at its next discovery poll, stops, and releases

@@ -137,6 +137,14 @@ var (
 // tables are not touched until the relay runs: a relay started before the
 // tables exist stops with a *relay.MisconfigurationError naming the missing
 // table.
+//
+// If the application never set the idle limit of db's connection pool
+// (database/sql keeps 2 idle connections and closes the rest, so the
+// relay's drainers would open a database session per statement), NewStore
+// raises it to PoolIdleFor(relay.ParallelismDefault), 16, and the relay's
+// first lease acquisition raises it further for a larger Parallelism; each
+// change is logged once at Info. Call SetMaxIdleConns on the pool before
+// NewStore (any value) to keep your own setting.
 func NewStore(db *gorm.DB, cfg outbox.Config, storeCfg ...StoreConfig) (*Store, error) {
 	if db == nil {
 		return nil, &relay.ConfigError{Package: "gormrelay", Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
@@ -157,7 +165,7 @@ func NewStore(db *gorm.DB, cfg outbox.Config, storeCfg ...StoreConfig) (*Store, 
 		return nil, err
 	}
 	sess := db.Session(&gorm.Session{NewDB: true, SkipHooks: true, SkipDefaultTransaction: true})
-	return &Store{
+	s := &Store{
 		db:       sess,
 		tables:   cfg.Tables,
 		buckets:  cfg.BucketCount,
@@ -167,7 +175,9 @@ func NewStore(db *gorm.DB, cfg outbox.Config, storeCfg ...StoreConfig) (*Store, 
 		relays:   sess.Statement.Quote(cfg.Tables.RelaysTable()),
 		postgres: sess.Dialector.Name() == outbox.DialectPostgres,
 		logger:   cfg.Logger,
-	}, nil
+	}
+	s.tunePool(relay.ParallelismDefault)
+	return s, nil
 }
 
 // op starts a store operation: a context bounded by the store timeout,
@@ -198,7 +208,7 @@ func (s *Store) fail(ctx context.Context, name string, err error) error {
 	if missing := s.missingTable(ctx); missing != "" {
 		return &relay.MisconfigurationError{
 			Setting: "Tables",
-			Reason:  fmt.Sprintf("table %s does not exist: run Tables.AutoMigrate (or your migrations) before starting the relay", missing),
+			Reason:  fmt.Sprintf("table %s does not exist: run the plugin's AutoMigrate (p.AutoMigrate(ctx, db)), Tables.AutoMigrate or your migrations before starting the relay", missing),
 			Err:     err,
 		}
 	}
@@ -275,6 +285,7 @@ func (s *Store) AcquireLeases(ctx context.Context, req relay.AcquireRequest) (re
 	if err != nil {
 		return relay.Acquired{}, s.fail(ctx, "acquire leases", err)
 	}
+	s.tunePool(req.Parallelism)
 	s.watchPool()
 	return res, nil
 }
@@ -473,8 +484,8 @@ func (s *Store) checkBuckets(db *gorm.DB) error {
 		return err
 	}
 	return s.checkTableBuckets(db, s.leases, func(bucket int32) string {
-		return fmt.Sprintf("table %s has a lease for bucket %d, outside 0..%d: another relay uses a larger BucketCount; changing it requires draining the outbox and deleting the lease rows",
-			s.tables.LeasesTable(), bucket, s.buckets-1)
+		return fmt.Sprintf("table %s has a lease for bucket %d, outside 0..%d: another relay uses a BucketCount of at least %d, this one %d; changing it requires draining the outbox and deleting the lease rows",
+			s.tables.LeasesTable(), bucket, s.buckets-1, bucket+1, s.buckets)
 	})
 }
 
@@ -486,15 +497,16 @@ func (s *Store) checkMessageBuckets(db *gorm.DB) error {
 }
 
 // messagesBeyond is the reason of the misconfiguration that messages in
-// bucket, outside 0..BucketCount-1, are.
+// bucket, outside 0..BucketCount-1, are. bucket is the highest such
+// bucket, so bucket+1 is the least BucketCount the writer uses.
 func (s *Store) messagesBeyond(bucket int32) string {
-	return fmt.Sprintf("table %s holds messages in bucket %d, outside 0..%d: a writer uses a larger BucketCount than this relay, so no relay can publish them; use one BucketCount everywhere",
-		s.tables.MessagesTable(), bucket, s.buckets-1)
+	return fmt.Sprintf("table %s holds messages in bucket %d, outside 0..%d: a writer uses a BucketCount of at least %d and this relay %d, so no relay can publish them; use one BucketCount everywhere",
+		s.tables.MessagesTable(), bucket, s.buckets-1, bucket+1, s.buckets)
 }
 
 // checkTableBuckets fails with a BucketCount *relay.MisconfigurationError,
-// its reason told by reason, when the (quoted) table holds a row of a
-// bucket outside 0..BucketCount-1.
+// its reason told by reason with the highest such bucket, when the
+// (quoted) table holds a row of a bucket outside 0..BucketCount-1.
 //
 // The ORDER BY keeps the probe an index seek under a plan made for any
 // parameter value: PostgreSQL plans a prepared statement once after a few
@@ -503,7 +515,7 @@ func (s *Store) messagesBeyond(bucket int32) string {
 // rows included, at every lease renewal of every relay.
 func (s *Store) checkTableBuckets(db *gorm.DB, table string, reason func(bucket int32) string) error {
 	var found []int32
-	if err := db.Raw("SELECT bucket FROM "+table+" WHERE bucket >= ? ORDER BY bucket LIMIT 1", s.buckets).Scan(&found).Error; err != nil {
+	if err := db.Raw("SELECT bucket FROM "+table+" WHERE bucket >= ? ORDER BY bucket DESC LIMIT 1", s.buckets).Scan(&found).Error; err != nil {
 		return err
 	}
 	if len(found) == 0 {

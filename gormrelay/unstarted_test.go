@@ -16,12 +16,12 @@ import (
 	"github.com/gorm-outbox/outbox/relay"
 )
 
-// A relay whose publisher was never started stops with the publisher's
-// ErrNotStarted, a misconfiguration, instead of retrying: nothing is
-// published, deleted, counted against a message or dead-lettered, although
-// the failure policy would dead-letter a message at its first failure. The
-// Kafka publisher refuses the first publish; the transactional one the
-// relay's leases, before any publish. Once the publisher is started, a new
+// A relay whose publisher was never started fails Start and Run at once
+// with the publisher's ErrNotStarted, a misconfiguration (the publishers'
+// CheckReady), instead of starting and stopping later in the background:
+// no lease is taken and nothing is published, deleted, counted against a
+// message or dead-lettered, although the failure policy would dead-letter a
+// message at its first failure. Once the publisher is started, the same
 // relay delivers everything.
 func TestRelayWithUnstartedPublisher(t *testing.T) {
 	t.Parallel()
@@ -60,18 +60,16 @@ func TestRelayWithUnstartedPublisher(t *testing.T) {
 			cfg := b.relayConfig(t, tc.name+"-unstarted")
 			cfg.FailureHandler = policy
 
-			r := startRelay(t, b.store, pub, cfg)
-			require.Eventually(t, func() bool {
-				select {
-				case <-r.Stopped():
-					return true
-				default:
-					return false
-				}
-			}, 60*time.Second, 5*time.Millisecond, "%s: the relay stops", tc.name)
-			require.ErrorIs(t, r.Err(), publisher.ErrNotStarted, tc.name)
-			require.True(t, relay.IsMisconfiguration(r.Err()), "%s: %v", tc.name, r.Err())
-			require.ErrorContains(t, r.Err(), "call Start before the relay publishes")
+			r, err := relay.New(b.store, pub, cfg)
+			require.NoError(t, err)
+			for name, err := range map[string]error{"Start": r.Start(t.Context()), "Run": r.Run(t.Context())} {
+				require.ErrorIs(t, err, publisher.ErrNotStarted, "%s %s", tc.name, name)
+				require.True(t, relay.IsMisconfiguration(err), "%s %s: %v", tc.name, name, err)
+				require.ErrorContains(t, err, "call Start before the relay publishes")
+			}
+			for _, l := range b.leaseRows(t) {
+				require.Nil(t, l.Owner, "%s: bucket %d leased", tc.name, l.Bucket)
+			}
 			require.EqualValues(t, 6, b.count(t), "%s: nothing deleted", tc.name)
 			var attempts int64
 			require.NoError(t, b.messages().Select("COALESCE(SUM(attempts), 0)").Scan(&attempts).Error)
@@ -80,7 +78,8 @@ func TestRelayWithUnstartedPublisher(t *testing.T) {
 			require.Zero(t, c.RecordCount(t, topic), "%s: nothing published", tc.name)
 
 			require.NoError(t, start(t.Context()))
-			running := startRelay(t, b.store, pub, b.relayConfig(t, tc.name+"-started"))
+			require.NoError(t, r.Start(t.Context()))
+			running := r
 			require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, b.count(c)) }, 60*time.Second, 10*time.Millisecond, tc.name)
 			require.Len(t, c.ReadLog(t, topic, 15*time.Second, kafkatest.ReadCommitted()), 6, tc.name)
 			require.NoError(t, running.Stop(t.Context()))

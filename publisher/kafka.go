@@ -223,6 +223,26 @@ var _ relay.Publisher = (*Kafka)(nil)
 
 var errKafkaNotStarted = notStarted("Kafka publisher")
 
+var _ relay.ReadyChecker = (*Kafka)(nil)
+
+// CheckReady implements relay.ReadyChecker, so that relay.Start and
+// relay.Run fail at once on a publisher that was never started: before
+// Start it returns the error Publish would, wrapping ErrNotStarted, a
+// *relay.MisconfigurationError; after Stop or Close, a
+// *relay.MisconfigurationError wrapping ErrClosed (a publisher runs once);
+// nil once started. It reads local state only.
+func (k *Kafka) CheckReady(context.Context) error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	switch {
+	case k.closed:
+		return closedAtStart("Kafka publisher")
+	case k.cur == nil:
+		return errKafkaNotStarted
+	}
+	return nil
+}
+
 // NewKafka checks cfg and returns the publisher. It opens no connection
 // and starts no goroutine: Start connects. It fails, with a *ConfigError,
 // only if the configuration is invalid.

@@ -28,6 +28,12 @@ func notStarted(name string) error {
 	return &relay.MisconfigurationError{Setting: name, Reason: "call Start before the relay publishes", Err: ErrNotStarted}
 }
 
+// closedAtStart is CheckReady's error for a publisher named name that was
+// stopped or closed.
+func closedAtStart(name string) error {
+	return &relay.MisconfigurationError{Setting: name, Reason: "the publisher was stopped or closed; a publisher runs once, create a new one", Err: ErrClosed}
+}
+
 // lifecycle gives a Kafka publisher the shape of the module's other
 // background services: the constructor connects nothing; Start(ctx)
 // connects, bounded by ctx, and ties the publisher to ctx (its end closes

@@ -137,22 +137,30 @@ func TestPublisherLifecycle(t *testing.T) {
 	}
 }
 
-// refusingAddr returns an address that refuses connections for as long
-// as the test runs: the client end of a connection the test holds open.
-// Nothing listens on that port, and no listener of a parallel test can be
-// given it while the connection holds it, as it could be given the port
-// of a listener closed to free it.
-func refusingAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	c, err := net.Dial("tcp", ln.Addr().String())
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = c.Close()
-		_ = ln.Close()
-	})
-	return c.LocalAddr().String()
+// CheckReady tells a relay, before it starts, what Publish would: before
+// Start an error wrapping ErrNotStarted, nil once started, and after Stop a
+// misconfiguration wrapping ErrClosed (a publisher runs once); a
+// TracingPublisher forwards it.
+func TestPublisherCheckReady(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	for name, open := range publishers(nil) {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			ctx := testCtx(t)
+			p := open(t, c.Brokers())
+			for _, rc := range []relay.ReadyChecker{p.(relay.ReadyChecker), publisher.TracingPublisher(p, nil).(relay.ReadyChecker)} {
+				requireNotStarted(t, rc.CheckReady(ctx))
+			}
+			require.NoError(t, p.Start(ctx))
+			require.NoError(t, p.(relay.ReadyChecker).CheckReady(ctx))
+			require.NoError(t, publisher.TracingPublisher(p, nil).(relay.ReadyChecker).CheckReady(ctx))
+			require.NoError(t, p.Stop(ctx))
+			err := p.(relay.ReadyChecker).CheckReady(ctx)
+			require.ErrorIs(t, err, publisher.ErrClosed)
+			require.True(t, relay.IsMisconfiguration(err), "%v", err)
+		})
+	}
 }
 
 // The constructors open no connection: they succeed on an address nothing
@@ -160,7 +168,7 @@ func refusingAddr(t *testing.T) string {
 // the publisher stays unstarted (Publish says so), and Stop ends it.
 func TestPublisherStartFailsWithoutBroker(t *testing.T) {
 	t.Parallel()
-	nobody := refusingAddr(t)
+	nobody := kafkatest.RefusingAddr(t)
 	want := map[string]string{"kafka": "publisher: start Kafka producer", "transactional": "publisher: connect to Kafka"}
 	for name, open := range publishers(func(c *sarama.Config) { c.Metadata.Retry.Max = 1 }) {
 		t.Run(name, func(t *testing.T) {

@@ -31,7 +31,10 @@ const tracerName = "github.com/gorm-outbox/outbox"
 // Without an installed SDK the spans are no-ops and cost next to nothing.
 //
 // When next implements relay.LeaseAware (the transactional Kafka
-// publisher does), so does the returned publisher, forwarding to it.
+// publisher does), so does the returned publisher, forwarding to it. The
+// returned publisher implements relay.ReadyChecker, forwarding to next's
+// when it has one (the Kafka publishers do), so a relay still refuses to
+// start on a wrapped publisher that was never started.
 func TracingPublisher(next relay.Publisher, tp trace.TracerProvider) relay.Publisher {
 	p := &tracingPublisher{next: next, tp: tp}
 	if la, ok := next.(relay.LeaseAware); ok {
@@ -50,6 +53,14 @@ type tracingPublisher struct {
 type leaseAwareTracingPublisher struct {
 	*tracingPublisher
 	relay.LeaseAware
+}
+
+// CheckReady implements relay.ReadyChecker: next's, or nil.
+func (p *tracingPublisher) CheckReady(ctx context.Context) error {
+	if rc, ok := p.next.(relay.ReadyChecker); ok {
+		return rc.CheckReady(ctx)
+	}
+	return nil
 }
 
 func (p *tracingPublisher) Publish(ctx context.Context, msgs []relay.Message) (int, error) {

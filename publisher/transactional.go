@@ -143,6 +143,26 @@ var (
 
 var errTransactionalNotStarted = notStarted("Transactional publisher")
 
+var _ relay.ReadyChecker = (*Transactional)(nil)
+
+// CheckReady implements relay.ReadyChecker, so that relay.Start and
+// relay.Run fail at once on a publisher that was never started: before
+// Start it returns the error Publish would, wrapping ErrNotStarted, a
+// *relay.MisconfigurationError; after Stop or Close, a
+// *relay.MisconfigurationError wrapping ErrClosed (a publisher runs once);
+// nil once started. It reads local state only.
+func (t *Transactional) CheckReady(context.Context) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	switch {
+	case t.closed:
+		return closedAtStart("Transactional publisher")
+	case !t.started:
+		return errTransactionalNotStarted
+	}
+	return nil
+}
+
 // txProducer is one bucket's transactional producer.
 type txProducer struct {
 	bucket int

@@ -56,6 +56,9 @@ const (
 	// RelayIDMaxLen is the longest accepted RelayID, the width of the
 	// lease owner and heartbeat columns.
 	RelayIDMaxLen = 128
+	// ShutdownTimeoutDefault bounds the graceful stop of Relay.Run, and
+	// the stop of a publisher the relay owns.
+	ShutdownTimeoutDefault = 10 * time.Second
 )
 
 // Config configures a Relay. The zero value is usable: every zero field
@@ -178,6 +181,27 @@ type Config struct {
 	// and the Store implements BacklogSampler, the started relay samples
 	// the backlog for it. Default: NopObserver.
 	Observer Observer
+
+	// ShutdownTimeout bounds the graceful stop Relay.Run makes when its
+	// context ends (stop claiming, finish the in-flight batch, delete what
+	// was acknowledged, release the leases): past it the in-flight publish
+	// is cancelled, its rows stay pending for the next owner, and Run
+	// returns an error saying so. It also bounds the stop of a publisher
+	// the relay owns (OwnPublisher), after the relay stopped. Relay.Stop
+	// is bounded by its own context instead. Default 10s
+	// (ShutdownTimeoutDefault).
+	ShutdownTimeout time.Duration
+
+	// OwnPublisher hands the publisher's lifecycle to the relay: the
+	// publisher must implement PublisherService (publisher.Kafka and
+	// publisher.Transactional do). Relay.Start (and Run) starts it after
+	// the store's start check and before the relay runs, failing if it
+	// cannot connect; the relay stops it once it has stopped, bounded by
+	// ShutdownTimeout, before Stopped is closed. DrainOnce refuses to run
+	// (it would have to start a publisher it cannot stop). Default false:
+	// the caller starts the publisher before the relay and stops it after
+	// (gormrelay.NewKafka sets it).
+	OwnPublisher bool
 }
 
 // WithDefaults returns a copy of c with every zero field set to its
@@ -198,6 +222,7 @@ func (c Config) WithDefaults() Config {
 	c.ReleaseTimeout = cmp.Or(c.ReleaseTimeout, ReleaseTimeoutDefault)
 	c.Logger = cmp.Or(c.Logger, slog.Default())
 	c.Observer = cmp.Or[Observer](c.Observer, NopObserver{})
+	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, ShutdownTimeoutDefault)
 	return c
 }
 
@@ -232,6 +257,8 @@ func (c Config) validate() error {
 		return bad("PublishTimeout", c.PublishTimeout, "must be positive")
 	case c.ReleaseTimeout < 0:
 		return bad("ReleaseTimeout", c.ReleaseTimeout, "must be positive")
+	case c.ShutdownTimeout < 0:
+		return bad("ShutdownTimeout", c.ShutdownTimeout, "must be positive")
 	case c.RateLimit < 0 || math.IsNaN(c.RateLimit) || math.IsInf(c.RateLimit, 0):
 		return bad("RateLimit", c.RateLimit, "must be a finite number of messages per second, or 0 for no limit")
 	}

@@ -54,6 +54,28 @@ type Publisher interface {
 	Publish(ctx context.Context, msgs []Message) (acked int, err error)
 }
 
+// ReadyChecker is an optional Publisher capability: telling, before the
+// relay starts, whether the publisher can publish at all. Relay.Start (and
+// Run and DrainOnce) calls CheckReady synchronously and fails with its
+// error when it is a *MisconfigurationError (for example a publisher that
+// was never started: publisher.Kafka and publisher.Transactional return
+// one wrapping publisher.ErrNotStarted); any other error is logged and the
+// relay starts anyway, as a failed publish would only be retried.
+// CheckReady must be cheap (no network round trip is required) and bounded
+// by ctx.
+type ReadyChecker interface {
+	CheckReady(ctx context.Context) error
+}
+
+// PublisherService is the lifecycle of a publisher that a relay owns
+// (Config.OwnPublisher): Start connects it, bounded by ctx, and ties it to
+// ctx; Stop flushes and closes it, bounded by ctx, and tolerates a Stop
+// before Start. publisher.Kafka and publisher.Transactional implement it.
+type PublisherService interface {
+	Start(ctx context.Context) error
+	Stop(ctx context.Context) error
+}
+
 // PublisherFunc adapts a function to the Publisher interface.
 type PublisherFunc func(ctx context.Context, msgs []Message) (int, error)
 

@@ -264,8 +264,12 @@
 // Problems that retrying cannot fix are a *MisconfigurationError: rows in
 // buckets at or above BucketCount (a writer configured with more buckets),
 // relays or stores disagreeing on BucketCount, outbox tables that do not
-// exist. Start returns them when the store can check them up front
-// (StartChecker; the GORM store can); found later, for example rows a
+// exist. Start and Run return them when the store can check them up front
+// (StartChecker; the GORM store can: a writer's rows in buckets 8..63 next
+// to an 8-bucket relay fail Start with the highest bucket and both
+// counts), and a publisher that cannot publish at all when it can tell
+// (ReadyChecker; the Kafka publishers can: one never started fails Start
+// with an error wrapping publisher.ErrNotStarted); found later, for example rows a
 // writer with more buckets committed after the start (the GORM store
 // checks at every discovery poll), they stop the relay, which releases its
 // leases, reported by Err and Stopped. The relay never spins on them
@@ -304,17 +308,38 @@
 //
 // # Lifecycle
 //
-// Start checks the store (StartChecker) and runs the relay in the
-// background. Stop is synchronous: it stops handing out batches, lets the
-// in-flight batches finish within the context's deadline (cancelling them
-// after), and releases the leases under context.WithoutCancel; it returns
-// at most StopOverrun (5s) after its context ended, the relay finishing in
-// the background if a publisher or the database ignores cancellation. Stop
-// tolerates being called before Start and twice. Stopped is closed when the
-// relay has stopped, and Err tells why. DrainOnce is the one-shot
-// alternative for jobs and tests: acquire, drain every owned bucket until
-// empty, acquire again if a lease lapsed meanwhile, release; pending rows
-// in buckets it could not own are reported as a *NotOwnedError.
+// Run is the recommended form: it starts the relay with Start's checks,
+// blocks, and returns nil after a graceful stop at the end of its context
+// (bounded by Config.ShutdownTimeout, default 10s) or the relay's fatal
+// error as soon as it stops on one. Under errgroup, beside an HTTP server,
+// a relay that fails ends the group instead of stopping unnoticed:
+//
+//	g, ctx := errgroup.WithContext(ctx)
+//	g.Go(func() error { return r.Run(ctx) })
+//	g.Go(func() error { return serveHTTP(ctx) })
+//	return g.Wait()
+//
+// Start is the backgrounding form. It runs the same checks synchronously
+// (the store's StartChecker, the publisher's ReadyChecker) and runs the
+// relay in the background; watch Stopped and Err. Stop is synchronous: it
+// stops handing out batches, lets the in-flight batches finish within the
+// context's deadline (cancelling them after), and releases the leases
+// under context.WithoutCancel; it returns at most StopOverrun (5s) after
+// its context ended, the relay finishing in the background if a publisher
+// or the database ignores cancellation. Stop tolerates being called before
+// Start and twice. Stopped is closed when the relay has stopped, and Err
+// tells why. DrainOnce is the one-shot alternative for jobs and tests:
+// acquire, drain every owned bucket until empty, acquire again if a lease
+// lapsed meanwhile, release; pending rows in buckets it could not own are
+// reported as a *NotOwnedError.
+//
+// With Config.OwnPublisher the relay owns the publisher's lifecycle
+// (PublisherService, which publisher.Kafka and publisher.Transactional
+// implement; gormrelay.NewKafka sets it): Start and Run start the
+// publisher after the store's check and fail if it cannot connect, and the
+// relay stops it after it stopped, bounded by ShutdownTimeout, before
+// Stopped is closed. Without it the caller starts the publisher before the
+// relay and stops it after.
 //
 // Every publish is bounded by Config.PublishTimeout (default 1m), far above
 // what a healthy sink needs; a publish past it is cancelled, counted as a

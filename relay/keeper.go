@@ -147,6 +147,7 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 		BucketCount:   k.cfg.BucketCount,
 		LeaseDuration: k.cfg.LeaseDuration,
 		Busy:          busy,
+		Parallelism:   k.cfg.Parallelism,
 	})
 	if err != nil {
 		return err

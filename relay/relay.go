@@ -36,6 +36,19 @@ type Relay struct {
 	// leaseAware is told of lease changes; nil if the publisher does not
 	// implement LeaseAware.
 	leaseAware LeaseAware
+	// ready checks the publisher at start; nil if it does not implement
+	// ReadyChecker.
+	ready ReadyChecker
+	// owned is the publisher's lifecycle when the relay owns it
+	// (Config.OwnPublisher); nil otherwise.
+	owned PublisherService
+
+	// startMu serializes Start and Run: an owned publisher is started
+	// and, on a failed start, stopped by one of them at a time.
+	startMu sync.Mutex
+	// pubLife ends the context an owned publisher was started with, once
+	// it has been stopped.
+	pubLife context.CancelFunc
 
 	mu         sync.Mutex
 	state      runState
@@ -49,8 +62,10 @@ type Relay struct {
 // New returns a relay draining store through publisher. cfg is completed
 // with WithDefaults and validated; an invalid field is reported as a
 // *ConfigError. Optional store capabilities (LeaseRenewer, FailureRecorder,
-// and FailureHandler as the default Config.FailureHandler), the failure
-// handler's BatchFilter and the publisher's LeaseAware are detected here.
+// StartChecker, and FailureHandler as the default Config.FailureHandler),
+// the failure handler's BatchFilter and the publisher's LeaseAware,
+// ReadyChecker and, with Config.OwnPublisher, PublisherService are
+// detected here.
 func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 	if store == nil {
 		return nil, &ConfigError{Field: "store", Value: nil, Reason: "a Store is required"}
@@ -74,47 +89,109 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 	}
 	r.caps = resolveCapabilities(store, cfg)
 	r.leaseAware, _ = publisher.(LeaseAware)
+	r.ready, _ = publisher.(ReadyChecker)
+	if cfg.OwnPublisher {
+		svc, ok := publisher.(PublisherService)
+		if !ok {
+			return nil, &ConfigError{Field: "OwnPublisher", Value: true,
+				Reason: fmt.Sprintf("the publisher (%T) has no Start and Stop (PublisherService) for the relay to own", publisher)}
+		}
+		r.owned = svc
+	}
 	return r, nil
 }
 
 // ID returns the relay's id, as written to lease owners and heartbeats.
 func (r *Relay) ID() string { return r.cfg.RelayID }
 
-// Start checks the store and starts the relay in the background. If the
-// Store implements StartChecker (the GORM store does), Start first runs
-// its check synchronously, bounded by ctx, and returns a
-// *MisconfigurationError it reports: missing or outdated tables, a
-// BucketCount that differs from the store's, rows or leases outside the
-// buckets. Any other check failure (the database down or slow) is logged
-// and the relay starts anyway, retrying in the background. The relay then
-// runs until Stop is called, ctx is
-// cancelled, or it meets a misconfiguration later (see Err); a relay that
-// stops on one releases its leases like Stop. Cancelling ctx is an abrupt
-// stop: the in-flight publish is cancelled, then leases are released as
-// with Stop.
+// Publisher returns the publisher the relay publishes through: the one
+// given to New, or the one a constructor built for it
+// (gormrelay.NewKafka), for its own metrics and state.
+func (r *Relay) Publisher() Publisher { return r.publisher }
+
+// Start checks the store and the publisher and starts the relay in the
+// background. Run is the blocking form, and the one to prefer: it cannot
+// stop on an error that nobody reads.
+//
+// Start fails synchronously, bounded by ctx, on what it can know before
+// running:
+//   - if the Store implements StartChecker (the GORM store does), a
+//     *MisconfigurationError it reports: missing or outdated tables, a
+//     BucketCount that differs from the store's, rows or leases outside
+//     the buckets. Any other check failure (the database down or slow) is
+//     logged and the relay starts anyway, retrying in the background;
+//   - with Config.OwnPublisher, the publisher's Start error (no broker
+//     answers);
+//   - if the Publisher implements ReadyChecker (the Kafka publishers do),
+//     a *MisconfigurationError it reports, such as a publisher that was
+//     never started (errors.Is(err, publisher.ErrNotStarted)).
+//
+// The relay then runs until Stop is called, ctx is cancelled, or it meets
+// a misconfiguration later (see Err); a relay that stops on one releases
+// its leases like Stop. Cancelling ctx is an abrupt stop: the in-flight
+// publish is cancelled, then leases are released as with Stop. A publisher
+// the relay owns is stopped after the relay stopped, before Stopped is
+// closed.
 //
 // Start on a running relay does nothing; on a stopped relay it returns
 // ErrStopped; during DrainOnce it returns ErrBusy.
-func (r *Relay) Start(ctx context.Context) error {
-	r.mu.Lock()
-	idle := r.state == stateIdle
-	r.mu.Unlock()
-	if sc, ok := r.store.(StartChecker); ok && idle {
-		err := sc.CheckStart(ctx, r.cfg.BucketCount)
-		switch {
-		case err == nil:
-		case IsMisconfiguration(err) || ctx.Err() != nil:
-			return fmt.Errorf("relay: start: %w", err)
-		default:
-			// The database is down or slow: not a misconfiguration. The
-			// loop retries with backoff and meets any misconfiguration at
-			// its first acquisition.
-			r.cfg.Logger.Warn("relay: start check failed; starting anyway and retrying in the background", "err", err)
-		}
+func (r *Relay) Start(ctx context.Context) error { return r.start(ctx, ctx) }
+
+// Run starts the relay as Start does, with the same synchronous checks,
+// and blocks until it has stopped. When ctx ends, Run stops the relay
+// gracefully, as Stop does (stop claiming, finish the in-flight batch,
+// delete what was acknowledged, release the leases), bounded by
+// Config.ShutdownTimeout, and then stops a publisher the relay owns. Run
+// returns:
+//   - nil after a clean stop at the end of ctx (or by a Stop called
+//     elsewhere);
+//   - the error Start would return, if the relay could not start;
+//   - the relay's fatal error (what Err reports, a *MisconfigurationError)
+//     if it stopped on its own, at once;
+//   - an error wrapping context.DeadlineExceeded if the graceful stop took
+//     longer than ShutdownTimeout: the in-flight publish was cancelled and
+//     its rows stay pending for the next owner.
+//
+// Run is the recommended way to run a relay: under errgroup (or beside an
+// HTTP server) a relay that stops on error ends the process's wait instead
+// of stopping silently.
+//
+//	g, ctx := errgroup.WithContext(ctx)
+//	g.Go(func() error { return r.Run(ctx) })
+//	g.Go(func() error { return serveHTTP(ctx) })
+//	return g.Wait()
+func (r *Relay) Run(ctx context.Context) error {
+	// The relay's life is not ctx: the end of ctx is a graceful stop
+	// below, not the abrupt one of a cancelled Start context.
+	if err := r.start(ctx, context.WithoutCancel(ctx)); err != nil {
+		return err
 	}
+	select {
+	case <-r.stopped:
+		return r.Err()
+	case <-ctx.Done():
+	}
+	stopCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.ShutdownTimeout)
+	defer cancel()
+	stopErr := r.Stop(stopCtx)
+	if err := r.Err(); err != nil {
+		return err
+	}
+	if stopErr != nil {
+		return fmt.Errorf("relay: run: graceful stop exceeded ShutdownTimeout (%s): %w", r.cfg.ShutdownTimeout, stopErr)
+	}
+	return nil
+}
+
+// start runs Start's checks bounded by ctx and starts the relay, whose
+// run ends with life (abruptly) or Stop (gracefully).
+func (r *Relay) start(ctx, life context.Context) error {
+	r.startMu.Lock()
+	defer r.startMu.Unlock()
 	r.mu.Lock()
-	defer r.mu.Unlock()
-	switch r.state {
+	state := r.state
+	r.mu.Unlock()
+	switch state {
 	case stateRunning:
 		return nil
 	case stateDraining:
@@ -125,13 +202,120 @@ func (r *Relay) Start(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("relay: start: %w", err)
 	}
-	hard, cancel := context.WithCancelCause(ctx)
+	if err := r.checkStore(ctx); err != nil {
+		return err
+	}
+	if r.owned != nil {
+		if err := r.startPublisher(ctx); err != nil {
+			return err
+		}
+	}
+	err := r.checkReady(ctx)
+	if err == nil {
+		err = r.launch(ctx, life)
+	}
+	if err != nil && r.owned != nil {
+		r.stopPublisher()
+	}
+	return err
+}
+
+// launch moves an idle relay to running and starts its loop.
+func (r *Relay) launch(ctx, life context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	switch r.state {
+	case stateDraining:
+		return ErrBusy
+	case stateStopped:
+		return ErrStopped
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("relay: start: %w", err)
+	}
+	hard, cancel := context.WithCancelCause(life)
 	r.state = stateRunning
 	r.stopping = make(chan struct{})
 	r.cancelHard = cancel
 	r.eng = newEngine(hard, r, false)
 	go r.run(hard, r.eng, r.stopping)
 	return nil
+}
+
+// checkStore runs the store's StartChecker, if it has one: a
+// misconfiguration (or the end of ctx) fails the start, anything else is
+// logged.
+func (r *Relay) checkStore(ctx context.Context) error {
+	sc, ok := r.store.(StartChecker)
+	if !ok {
+		return nil
+	}
+	err := sc.CheckStart(ctx, r.cfg.BucketCount)
+	switch {
+	case err == nil:
+	case IsMisconfiguration(err) || ctx.Err() != nil:
+		return fmt.Errorf("relay: start: %w", err)
+	default:
+		// The database is down or slow: not a misconfiguration. The
+		// loop retries with backoff and meets any misconfiguration at
+		// its first acquisition.
+		r.cfg.Logger.Warn("relay: start check failed; starting anyway and retrying in the background", "err", err)
+	}
+	return nil
+}
+
+// checkReady runs the publisher's ReadyChecker, if it has one, like
+// checkStore.
+func (r *Relay) checkReady(ctx context.Context) error {
+	if r.ready == nil {
+		return nil
+	}
+	err := r.ready.CheckReady(ctx)
+	switch {
+	case err == nil:
+	case IsMisconfiguration(err) || ctx.Err() != nil:
+		return fmt.Errorf("relay: start: publisher: %w", err)
+	default:
+		r.cfg.Logger.Warn("relay: publisher check failed; starting anyway", "err", err)
+	}
+	return nil
+}
+
+// startPublisher starts the owned publisher, bounded by ctx, under a
+// context of its own that ends only once the relay stopped it: the end of
+// ctx must not close the publisher of a relay that stops gracefully.
+func (r *Relay) startPublisher(ctx context.Context) error {
+	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	done := make(chan error, 1)
+	go func() { done <- r.owned.Start(life) }()
+	var err error
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		cancel() // ends the connect; the publisher stays unstarted
+		<-done
+		err = ctx.Err()
+	}
+	if err != nil {
+		cancel()
+		return fmt.Errorf("relay: start the publisher: %w", err)
+	}
+	r.pubLife = cancel
+	return nil
+}
+
+// stopPublisher stops the owned publisher, bounded by ShutdownTimeout,
+// and logs a failure: the relay's own outcome does not depend on it, as
+// every publish has returned by now.
+func (r *Relay) stopPublisher() {
+	ctx, cancel := context.WithTimeout(context.Background(), r.cfg.ShutdownTimeout)
+	defer cancel()
+	if err := r.owned.Stop(ctx); err != nil {
+		r.cfg.Logger.Warn("relay: the publisher did not stop cleanly", "err", err)
+	}
+	if r.pubLife != nil {
+		r.pubLife()
+	}
 }
 
 func (r *Relay) run(ctx context.Context, e *engine, stopping <-chan struct{}) {
@@ -141,6 +325,11 @@ func (r *Relay) run(ctx context.Context, e *engine, stopping <-chan struct{}) {
 	err := e.run(ctx, stopping)
 	stopSampler()
 	e.releaseAll(ctx)
+	if r.owned != nil {
+		// Every publish has returned: flush and close the publisher
+		// before Stopped reports the relay stopped.
+		r.stopPublisher()
+	}
 	r.mu.Lock()
 	r.err = err
 	r.state = stateStopped
@@ -236,8 +425,18 @@ func (r *Relay) Leases() []Lease {
 // once.
 //
 // DrainOnce returns ErrBusy while the relay is started and ErrStopped after
-// it was stopped. It may be called repeatedly.
+// it was stopped. It may be called repeatedly. Like Start, it first runs
+// the publisher's ReadyChecker, and fails at once on a publisher that was
+// never started. A relay that owns its publisher (Config.OwnPublisher)
+// refuses it with a *ConfigError.
 func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
+	if r.owned != nil {
+		return 0, &ConfigError{Field: "OwnPublisher", Value: true,
+			Reason: "DrainOnce neither starts nor stops a publisher: use Run or Start, or start the publisher yourself and leave OwnPublisher false"}
+	}
+	if err := r.checkReady(ctx); err != nil {
+		return 0, err
+	}
 	r.mu.Lock()
 	switch r.state {
 	case stateRunning, stateDraining:

@@ -97,6 +97,11 @@ type AcquireRequest struct {
 	// starts on it while this one still publishes. Acquisition does not
 	// wait for slow publishes to end.
 	Busy []int
+	// Parallelism is the relay's Config.Parallelism: how many of its
+	// drainers may call the store at once, besides its lease keeper. A
+	// store may size its connections by it (the GORM store raises an
+	// untuned connection pool's idle limit); it changes no lease.
+	Parallelism int
 }
 
 // Acquired is the result of Store.AcquireLeases.

@@ -84,19 +84,24 @@ func newDatabase(driver, baseDSN, tmp string) (*database, error) {
 
 // openGorm opens a pool of up to maxIdle open and idle connections
 // (SQLite: one), or with database/sql's defaults (any number open, 2
-// idle) when maxIdle is negative.
+// idle) when maxIdle is negative: untouched at -1 (the GORM store raises
+// the idle limit), set explicitly at -2 (the store keeps it).
 func openGorm(driver, dsn string, maxIdle int) (*gorm.DB, error) {
 	db, err := dbopen.Open(driver, dsn, &gorm.Config{Logger: logger.Discard})
 	if err != nil {
 		return nil, err
 	}
-	if driver != dbopen.SQLite && maxIdle >= 0 {
+	if driver != dbopen.SQLite && (maxIdle >= 0 || maxIdle == -2) {
 		sqlDB, err := db.DB()
 		if err != nil {
 			return nil, err
 		}
-		sqlDB.SetMaxOpenConns(maxIdle)
-		sqlDB.SetMaxIdleConns(maxIdle)
+		if maxIdle == -2 {
+			sqlDB.SetMaxIdleConns(2)
+		} else {
+			sqlDB.SetMaxOpenConns(maxIdle)
+			sqlDB.SetMaxIdleConns(maxIdle)
+		}
 	}
 	return db, nil
 }

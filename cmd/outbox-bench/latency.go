@@ -82,7 +82,8 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 			r.Notes = append(r.Notes, mode.name+": skipped, LISTEN/NOTIFY needs PostgreSQL")
 			continue
 		}
-		lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, &r.Notes)
+		var idleClosed int64
+		lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, &r.Notes, &idleClosed)
 		if err != nil {
 			return fmt.Errorf("%s: %w", mode.name, err)
 		}
@@ -96,6 +97,7 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 		r.add(mode.name+"_p99.9", ms(percentile(lat, 0.999)), "ms")
 		r.add(mode.name+"_max", ms(lat[len(lat)-1]), "ms")
 		r.add(mode.name+"_messages", float64(len(lat)), "msgs")
+		r.add(mode.name+"_max_idle_closed", float64(idleClosed), "conns")
 	}
 	// A hint-driven relay should have no worse a tail than a relay polling
 	// every 10 ms, measured in the same run, and can have no better one
@@ -214,7 +216,11 @@ func startNotifySender(ctx context.Context, e *env, channel string) (stop func()
 // With cfg.Timeline it also records each message's path through the
 // relay (not for listen, whose relay runs elsewhere), writes it there and
 // appends a summary of the slowest messages to notes.
-func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string) ([]time.Duration, int, error) {
+//
+// idleClosed receives how many connections the bench process's pool (the
+// writer's and, but for listen, the relay's) closed at its idle limit
+// while the messages were written and delivered (sql.DBStats.MaxIdleClosed).
+func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string, idleClosed *int64) ([]time.Duration, int, error) {
 	var rules []outbox.Rule
 	if mode.rules8 {
 		rules = append(rules, outbox.OnCreate(func(c outbox.Change[*LatencyOrder]) (*outbox.Message, error) {
@@ -298,6 +304,7 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	committed := make([]time.Time, total)
 	ids := make([]string, total)
 	var werr atomic.Value
+	closedAtStart := maxIdleClosed(e.db)
 	if mode.rules8 {
 		writeRules8(ctx, e, cfg, total, committed, ids, &werr)
 	} else {
@@ -316,6 +323,7 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+	*idleClosed = maxIdleClosed(e.db) - closedAtStart
 	mu.Lock()
 	defer mu.Unlock()
 	lat := make([]time.Duration, 0, total-warm)
@@ -547,4 +555,14 @@ func runConsumerRole() int {
 			}
 		}
 	}
+}
+
+// maxIdleClosed returns how many connections db's pool has closed at its
+// idle limit so far; 0 if it has no *sql.DB.
+func maxIdleClosed(db *gorm.DB) int64 {
+	sqlDB, err := db.DB()
+	if err != nil {
+		return 0
+	}
+	return sqlDB.Stats().MaxIdleClosed
 }

@@ -127,7 +127,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.Partitions, "partitions", 8, "topic partitions")
 	fs.IntVar(&c.BatchSize, "batch", 500, "relay batch size")
 	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
-	fs.IntVar(&c.MaxIdleConns, "max-idle-conns", 16, "connections each database pool keeps idle, and its open limit (-1: database/sql's defaults, 2 idle and no open limit, as in an application that sets neither)")
+	fs.IntVar(&c.MaxIdleConns, "max-idle-conns", 16, "connections each database pool keeps idle, and its open limit (-1: database/sql's defaults, 2 idle and no open limit, as in an application that sets neither, which the GORM store raises itself; -2: the same defaults set explicitly with SetMaxIdleConns(2), which the store keeps: an untuned pool)")
 	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
 	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
@@ -183,8 +183,8 @@ func parseFlags(args []string) (config, error) {
 	if c.Driver != "sqlite" && c.DSN == "" {
 		return c, fmt.Errorf("-dsn is required for %s", c.Driver)
 	}
-	if c.MaxIdleConns == 0 || c.MaxIdleConns < -1 {
-		return c, fmt.Errorf("-max-idle-conns must be positive, or -1 for database/sql's defaults")
+	if c.MaxIdleConns == 0 || c.MaxIdleConns < -2 {
+		return c, fmt.Errorf("-max-idle-conns must be positive, -1 for database/sql's defaults or -2 for them set explicitly")
 	}
 	if c.Parallelism < 0 || c.WideBuckets < 1 {
 		return c, fmt.Errorf("-parallelism must be 0 or positive and -wide-buckets positive")

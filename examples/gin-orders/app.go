@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -18,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/twmb/franz-go/pkg/kfake"
+	"golang.org/x/sync/errgroup"
 	"gorm.io/driver/mysql"
 	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
@@ -48,7 +48,11 @@ type Config struct {
 	HealthMaxAge time.Duration
 	// Consume runs the demo consumer that logs every event once.
 	Consume bool
-	Logger  *slog.Logger
+	// ShutdownTimeout bounds each step of the shutdown: the relay's
+	// graceful stop, the producer's flush, the HTTP server's. Default
+	// relay.ShutdownTimeoutDefault (10s).
+	ShutdownTimeout time.Duration
+	Logger          *slog.Logger
 }
 
 func (c Config) withDefaults() Config {
@@ -64,14 +68,17 @@ func (c Config) withDefaults() Config {
 	if c.HealthMaxAge == 0 {
 		c.HealthMaxAge = time.Minute
 	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = relay.ShutdownTimeoutDefault
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
 	return c
 }
 
-// App is a running service: HTTP, relay, publisher, optional embedded
-// broker and demo consumer.
+// App is the service: HTTP, relay (which owns its Kafka producer),
+// optional embedded broker and demo consumer.
 type App struct {
 	cfg      Config
 	log      *slog.Logger
@@ -79,7 +86,6 @@ type App struct {
 	plugin   *outbox.Plugin
 	relay    *relay.Relay
 	metrics  *metrics.Collector
-	pub      *publisher.Kafka
 	broker   *kfake.Cluster
 	consumer *Consumer
 	server   *http.Server
@@ -87,9 +93,32 @@ type App struct {
 	brokers  []string
 }
 
-// Start builds and starts every part of the service; ctx bounds the start
-// (cancelling it abandons a start in progress), not the service's life.
-// Close stops the service.
+// Serve runs the service until ctx ends or one of its parts fails, then
+// shuts it down in order. It returns nil after a clean shutdown at the end
+// of ctx, and otherwise the error that ended it: a start that failed, or
+// the relay or HTTP server stopping on an error (a relay that meets a
+// misconfiguration, such as a writer with a larger BucketCount, ends the
+// service instead of stopping unnoticed). started, if not nil, is called
+// once the service is up.
+func Serve(ctx context.Context, cfg Config, started func(*App)) error {
+	a, err := Start(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	if started != nil {
+		started(a)
+	}
+	err = a.Run(ctx)
+	shutdown, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.cfg.ShutdownTimeout)
+	defer cancel()
+	a.Close(shutdown)
+	return err
+}
+
+// Start builds every part of the service and starts the in-process broker
+// and the demo consumer, and listens on Addr; Run serves. ctx bounds the
+// start (cancelling it abandons a start in progress), not the service's
+// life. Close releases what Start opened.
 func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	cfg = cfg.withDefaults()
 	a := &App{cfg: cfg, log: cfg.Logger}
@@ -126,36 +155,22 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 		a.brokers = strings.Split(cfg.KafkaBrokers, ",")
 	}
 
-	if a.pub, err = publisher.NewKafka(publisher.KafkaConfig{
+	if a.metrics, err = metrics.New(metrics.Config{Outbox: a.plugin.Config().Name}); err != nil {
+		return nil, err
+	}
+	// NewKafka wires the store, the plugin's hints and bucket count, the
+	// store's default failure policy (it dead-letters a message that
+	// keeps failing and parks the later events of its order) and a Kafka
+	// producer that the relay owns: Run starts it before the relay and
+	// stops it after.
+	if a.relay, err = gormrelay.NewKafka(a.db, a.plugin, publisher.KafkaConfig{
 		Brokers: a.brokers,
 		Configure: func(c *sarama.Config) error {
 			c.ClientID = "gin-orders"
 			return nil
 		},
 		Logger: a.log,
-	}); err != nil {
-		return nil, err
-	}
-	// Start connects and initialises the producer. Like the relay, the
-	// publisher runs until Close stops it: the end of a Start context
-	// would close it. The connect is bounded by sarama's dial and
-	// metadata timeouts.
-	if err = a.pub.Start(context.WithoutCancel(ctx)); err != nil {
-		return nil, err
-	}
-	if a.metrics, err = metrics.New(metrics.Config{Outbox: a.plugin.Config().Name}); err != nil {
-		return nil, err
-	}
-	// The relay dead-letters a message that keeps failing (the store's
-	// default failure policy) and parks the later events of its order.
-	// gormrelay.New wires the store, the plugin's hints and bucket count.
-	if a.relay, err = gormrelay.New(a.db, a.plugin, publisher.TracingPublisher(a.pub, nil),
-		gormrelay.WithRelayConfig(relay.Config{Observer: a.metrics, Logger: a.log})); err != nil {
-		return nil, err
-	}
-	// The relay runs until Close stops it gracefully; a cancelled Start
-	// context would stop it abruptly instead.
-	if err = a.relay.Start(context.WithoutCancel(ctx)); err != nil {
+	}, gormrelay.WithRelayConfig(relay.Config{Observer: a.metrics, Logger: a.log, ShutdownTimeout: cfg.ShutdownTimeout})); err != nil {
 		return nil, err
 	}
 
@@ -169,13 +184,46 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 		return nil, err
 	}
 	a.server = &http.Server{Handler: a.routes(), ReadHeaderTimeout: 10 * time.Second}
-	go func() {
-		if err := a.server.Serve(a.listener); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			a.log.Error("http server stopped", slog.Any("error", err))
-		}
-	}()
-	a.log.Info("gin-orders listening", slog.String("addr", a.listener.Addr().String()))
 	return a, nil
+}
+
+// Run runs the relay and the HTTP server in one errgroup until ctx ends or
+// either fails; the first failure ends the other. At the end of ctx the
+// relay stops gracefully (its in-flight batch finishes, its leases are
+// released so a peer takes over at once, then the producer flushes) while
+// the HTTP server finishes its requests, each within
+// Config.ShutdownTimeout. Run returns nil after a clean stop at the end of
+// ctx, the failing part's error otherwise; a relay that cannot start (no
+// broker answers, tables missing) fails it at once.
+func (a *App) Run(ctx context.Context) error {
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		if err := a.relay.Run(ctx); err != nil {
+			return fmt.Errorf("relay: %w", err)
+		}
+		if ctx.Err() == nil {
+			return errors.New("relay: stopped before the service")
+		}
+		return nil
+	})
+	g.Go(func() error {
+		served := make(chan error, 1)
+		go func() { served <- a.server.Serve(a.listener) }()
+		a.log.Info("gin-orders listening", slog.String("addr", a.listener.Addr().String()))
+		select {
+		case err := <-served:
+			return fmt.Errorf("http server: %w", err)
+		case <-ctx.Done():
+		}
+		shutdown, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.cfg.ShutdownTimeout)
+		defer cancel()
+		if err := a.server.Shutdown(shutdown); err != nil {
+			a.log.Warn("http shutdown", slog.Any("error", err))
+		}
+		<-served
+		return nil
+	})
+	return g.Wait()
 }
 
 // Addr is the address the HTTP server listens on.
@@ -197,8 +245,14 @@ func (a *App) routes() http.Handler {
 	r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
 
 	admin := gormrelay.PluginAdmin(a.db, a.plugin)
-	// 503 while the oldest pending event is older than HealthMaxAge.
-	r.GET("/healthz", gin.WrapH(gormrelay.HealthHandler(admin, a.cfg.HealthMaxAge)))
+	// Kubernetes probes. Liveness: 503 once the relay stopped on an
+	// error. Readiness (and /healthz): 503 then too, and while the oldest
+	// pending event is older than HealthMaxAge or the database does not
+	// answer.
+	health := gormrelay.Health{Admin: admin, Relay: a.relay, MaxAge: a.cfg.HealthMaxAge}
+	r.GET("/livez", gin.WrapH(health.Liveness()))
+	r.GET("/readyz", gin.WrapH(health.Readiness()))
+	r.GET("/healthz", gin.WrapH(health.Readiness()))
 	// The operational API, read-only: it must sit behind the service's own
 	// authentication before AllowMutations is ever turned on.
 	adminAPI := http.StripPrefix("/admin/outbox", gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{Logger: a.log}))
@@ -211,24 +265,22 @@ func (a *App) routes() http.Handler {
 	return r
 }
 
-// Close shuts the service down in dependency order: stop taking requests,
-// stop the relay (it finishes its batch and releases its leases so a peer
-// takes over at once), close the producer (flushes), then the consumer,
-// the broker and the database.
+// Close releases what Start opened, once Run returned (or if it never
+// ran): the listener, the demo consumer, the broker and the database. The
+// relay and its producer have stopped when Run returned; a relay that
+// never ran is stopped here (a no-op).
 func (a *App) Close(ctx context.Context) {
 	if a.server != nil {
 		if err := a.server.Shutdown(ctx); err != nil {
 			a.log.Warn("http shutdown", slog.Any("error", err))
 		}
 	}
+	if a.listener != nil {
+		_ = a.listener.Close() // already closed if Run served
+	}
 	if a.relay != nil {
 		if err := a.relay.Stop(ctx); err != nil {
 			a.log.Warn("relay stop", slog.Any("error", err))
-		}
-	}
-	if a.pub != nil {
-		if err := a.pub.Stop(ctx); err != nil {
-			a.log.Warn("publisher stop", slog.Any("error", err))
 		}
 	}
 	if a.consumer != nil {
@@ -250,43 +302,31 @@ func openDatabase(raw string) (*gorm.DB, error) {
 	cfg := &gorm.Config{Logger: logger.Discard}
 	switch {
 	case strings.HasPrefix(raw, "postgres://"), strings.HasPrefix(raw, "postgresql://"):
-		db, err := gorm.Open(postgres.Open(raw), cfg)
-		return withPool(db, err, keepIdle)
+		// The pool keeps database/sql's defaults: the relay's store
+		// raises an idle limit nobody set to what its drainers need.
+		return gorm.Open(postgres.Open(raw), cfg)
 	case strings.HasPrefix(raw, "mysql://"):
 		dsn, err := outbox.MySQLDSN(raw)
 		if err != nil {
 			return nil, err
 		}
-		db, err := gorm.Open(mysql.Open(dsn), cfg)
-		return withPool(db, err, keepIdle)
+		return gorm.Open(mysql.Open(dsn), cfg)
 	default:
 		// github.com/glebarez/sqlite is GORM's dialector over the pure-Go
 		// modernc.org/sqlite: the example builds without cgo or a C
 		// compiler. (The library's own tests use gorm.io/driver/sqlite.)
 		path := strings.TrimPrefix(raw, "sqlite://")
 		db, err := gorm.Open(sqlite.Open("file:"+path+"?_pragma=busy_timeout(10000)&_pragma=journal_mode(WAL)&_txlock=immediate"), cfg)
+		if err != nil {
+			return nil, err
+		}
+		p, err := db.DB()
+		if err != nil {
+			return nil, err
+		}
 		// SQLite has one writer at a time; one connection avoids
 		// SQLITE_BUSY between pooled connections.
-		return withPool(db, err, func(p *sql.DB) { p.SetMaxOpenConns(1) })
+		p.SetMaxOpenConns(1)
+		return db, nil
 	}
-}
-
-// keepIdle lets a server database's pool keep 16 idle connections.
-// database/sql keeps 2 unless told otherwise and closes every connection
-// returned beyond them, so the relay's 8 drainers and the request
-// handlers would open a new database session for most statements.
-func keepIdle(p *sql.DB) { p.SetMaxIdleConns(16) }
-
-// withPool applies set to the connection pool of a database gorm.Open
-// returned, passing its error on.
-func withPool(db *gorm.DB, err error, set func(*sql.DB)) (*gorm.DB, error) {
-	if err != nil {
-		return nil, err
-	}
-	p, err := db.DB()
-	if err != nil {
-		return nil, err
-	}
-	set(p)
-	return db, nil
 }

@@ -23,6 +23,10 @@ import (
 	_ "github.com/go-sql-driver/mysql"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 func inCI() bool { return os.Getenv("CI") == "true" || os.Getenv("CI") == "1" }
@@ -172,7 +176,17 @@ func TestOrdersFlowToKafka(t *testing.T) {
 				Logger:       slog.New(slog.NewTextHandler(io.Discard, nil)),
 			})
 			require.NoError(t, err)
+			runCtx, stop := context.WithCancel(context.Background())
+			ran := make(chan error, 1)
+			go func() { ran <- app.Run(runCtx) }()
 			t.Cleanup(func() {
+				stop()
+				select {
+				case err := <-ran:
+					require.NoError(t, err, "a clean stop at the end of Run's context")
+				case <-time.After(processDeadline):
+					t.Errorf("Run did not return within %v", processDeadline)
+				}
 				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 				defer cancel()
 				closed := make(chan struct{})
@@ -235,10 +249,12 @@ func TestOrdersFlowToKafka(t *testing.T) {
 				require.Equal(t, "shipped", evs[2].Body["to"])
 			}
 
-			resp, err := http.Get("http://" + app.Addr() + "/healthz")
-			require.NoError(t, err)
-			resp.Body.Close()
-			require.Equal(t, http.StatusOK, resp.StatusCode)
+			for _, probe := range []string{"/healthz", "/livez", "/readyz"} {
+				resp, err := http.Get("http://" + app.Addr() + probe)
+				require.NoError(t, err)
+				resp.Body.Close()
+				require.Equal(t, http.StatusOK, resp.StatusCode, probe)
+			}
 			// The relay's metrics count every acknowledged event.
 			ackLine := fmt.Sprintf("outbox_messages_acknowledged_total{outbox=\"outbox_messages\"} %d", want)
 			require.Eventually(t, func() bool {
@@ -252,7 +268,7 @@ func TestOrdersFlowToKafka(t *testing.T) {
 			}, 5*time.Second, 20*time.Millisecond, "metrics show %s", ackLine)
 
 			// The admin API answers read-only requests and refuses mutations.
-			resp, err = http.Get("http://" + app.Addr() + "/admin/outbox/status")
+			resp, err := http.Get("http://" + app.Addr() + "/admin/outbox/status")
 			require.NoError(t, err)
 			resp.Body.Close()
 			require.Equal(t, http.StatusOK, resp.StatusCode)
@@ -296,4 +312,69 @@ func createTopic(t *testing.T, brokers, base string) string {
 	defer admin.Close()
 	require.NoError(t, admin.CreateTopic(name, &sarama.TopicDetail{NumPartitions: 3, ReplicationFactor: -1}, false))
 	return name
+}
+
+// A relay that stops on an error ends the service: here a writer with a
+// larger BucketCount (64, the service's relay has 8) commits to the same
+// outbox, the relay stops on the misconfiguration, and Serve returns its
+// error after shutting the rest down, instead of serving on while events
+// pile up.
+func TestRelayFailureEndsTheService(t *testing.T) {
+	t.Parallel()
+	dbPath := filepath.Join(t.TempDir(), "orders.db")
+	up := make(chan *App, 1)
+	served := make(chan error, 1)
+	go func() {
+		served <- Serve(context.Background(), Config{
+			Addr: "127.0.0.1:0", DatabaseURL: dbPath, Topic: "orders_fail",
+			Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		}, func(a *App) { up <- a })
+	}()
+	var app *App
+	select {
+	case app = <-up:
+	case err := <-served:
+		t.Fatalf("Serve: %v", err)
+	}
+	c := client{t: t, base: "http://" + app.Addr()}
+	c.do("POST", "/orders", map[string]any{"customer": "c1", "total": 100}, http.StatusCreated)
+
+	writeWithBucketCount64(t, dbPath, "orders_fail")
+
+	var err error
+	select {
+	case err = <-served:
+	case <-time.After(processDeadline):
+		t.Fatalf("Serve did not return within %v of the relay's misconfiguration", processDeadline)
+	}
+	require.Error(t, err)
+	require.True(t, relay.IsMisconfiguration(err), "%v", err)
+	require.ErrorContains(t, err, "a writer uses a BucketCount of at least")
+	_, err = http.Get("http://" + app.Addr() + "/healthz")
+	require.Error(t, err, "the HTTP server was shut down too")
+}
+
+// writeWithBucketCount64 commits 100 events to topic in the outbox of the
+// SQLite file dbPath as a writer with BucketCount 64 would, next to the
+// service's relay with 8: a misconfiguration its relay stops on.
+func writeWithBucketCount64(t *testing.T, dbPath, topic string) {
+	t.Helper()
+	writer, err := openDatabase(dbPath)
+	require.NoError(t, err)
+	defer func() {
+		if sqlDB, err := writer.DB(); err == nil {
+			sqlDB.Close()
+		}
+	}()
+	wide, err := outbox.NewPlugin(outbox.Config{BucketCount: 64})
+	require.NoError(t, err)
+	require.NoError(t, writer.Use(wide))
+	require.NoError(t, writer.Transaction(func(tx *gorm.DB) error {
+		for i := range 100 {
+			if err := outbox.Enqueue(tx, &outbox.Message{Topic: topic, Key: fmt.Appendf(nil, "k-%d", i), Value: []byte("v")}); err != nil {
+				return err
+			}
+		}
+		return nil
+	}))
 }

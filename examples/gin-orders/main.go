@@ -12,7 +12,9 @@
 //	DATABASE_URL=postgres://user:pass@localhost:5432/shop KAFKA_BROKERS=localhost:9092 go run .
 //
 // SIGINT (Ctrl-C) or SIGTERM shuts the service down in order within
-// -shutdown-timeout; a second signal exits at once.
+// -shutdown-timeout and exits 0; a second signal exits at once. A relay
+// that stops on an error (a misconfiguration it cannot retry) ends the
+// process with status 1 and the error.
 package main
 
 import (
@@ -62,27 +64,32 @@ func main() {
 		os.Exit(1)
 	}()
 
-	app, err := Start(ctx, cfg)
-	if err != nil {
-		log.Error("start", slog.Any("error", err))
-		os.Exit(1)
-	}
-	<-ctx.Done()
-
-	shutdown, cancelShutdown := context.WithTimeout(context.Background(), shutdownTimeout)
-	defer cancelShutdown()
-	closed := make(chan struct{})
-	go func() {
-		app.Close(shutdown)
-		close(closed)
-	}()
+	// Serve returns when ctx ends (nil after a clean shutdown) or when a
+	// part of the service fails, the relay included: its error then ends
+	// the process with a non-zero status instead of a relay that stopped
+	// while the process kept running.
+	cfg.ShutdownTimeout = shutdownTimeout
+	served := make(chan error, 1)
+	go func() { served <- Serve(ctx, cfg, nil) }()
+	var err error
 	select {
-	case <-closed:
-		log.Info("stopped")
-	case <-shutdown.Done():
-		log.Error("shutdown did not finish within its timeout; exiting", slog.Duration("timeout", shutdownTimeout))
+	case err = <-served:
+	case <-ctx.Done():
+		// The shutdown may take shutdownTimeout, whatever hangs.
+		t := time.NewTimer(shutdownTimeout)
+		defer t.Stop()
+		select {
+		case err = <-served:
+		case <-t.C:
+			log.Error("shutdown did not finish within its timeout; exiting", slog.Duration("timeout", shutdownTimeout))
+			os.Exit(1)
+		}
+	}
+	if err != nil {
+		log.Error("stopped on error", slog.Any("error", err))
 		os.Exit(1)
 	}
+	log.Info("stopped")
 }
 
 func env(name, def string) string {

@@ -275,3 +275,19 @@ func TestProcessRestartAfterKill(t *testing.T) {
 	second.signal(syscall.SIGINT)
 	require.Equal(t, 0, second.waitExit(), fmt.Sprintf("clean exit of the restarted service:\n%s", second.log()))
 }
+
+// A relay that stops on an error ends the process with status 1 and the
+// error in the log: a writer with a larger BucketCount commits to the
+// service's outbox.
+func TestProcessExitsWhenTheRelayFails(t *testing.T) {
+	t.Parallel()
+	dbPath := filepath.Join(t.TempDir(), "orders.db")
+	s := startService(t, "-addr", "127.0.0.1:0", "-kafka-brokers=", "-consume=false", "-database-url", dbPath)
+	s.waitLog(`msg="relay: leases changed"`, "owned=8")
+
+	writeWithBucketCount64(t, dbPath, "orders")
+
+	require.Equal(t, 1, s.waitExit(), "a failed relay is a failed process")
+	s.waitLog(`msg="stopped on error"`, "a writer uses a BucketCount of at least")
+	require.NotContains(t, s.log(), "msg=stopped\n")
+}

@@ -19,6 +19,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -780,4 +781,26 @@ func Poll[T any](ctx context.Context, cl *kgo.Client, n int, conv func(*kgo.Reco
 		}
 	}
 	return out, lastErr
+}
+
+// RefusingAddr returns an address that refuses connections for as long
+// as the test runs: the client end of a connection the test holds open.
+// Nothing listens on that port, and no listener of a parallel test can be
+// given it while the connection holds it, as it could be given the port
+// of a listener closed to free it.
+func RefusingAddr(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("kafkatest: listen: %v", err)
+	}
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatalf("kafkatest: dial: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = c.Close()
+		_ = ln.Close()
+	})
+	return c.LocalAddr().String()
 }

@@ -23,14 +23,11 @@ import (
 // the count published, the failures of a DrainOnce, and a
 // misconfiguration that stops the relay (failed).
 type drainers struct {
-	cfg       Config
-	log       *slog.Logger
-	store     Store
-	publisher Publisher
-	caps      capabilities
-	k         *keeper
-	sched     *scheduler
-	oneShot   bool // DrainOnce: failures are reported, not retried
+	parts
+	log     *slog.Logger
+	k       *keeper
+	sched   *scheduler
+	oneShot bool // DrainOnce: failures are reported, not retried
 
 	published atomic.Int64
 
@@ -40,9 +37,8 @@ type drainers struct {
 	failures []error       // DrainOnce: the buckets whose publish failed
 }
 
-func newDrainers(r *Relay, k *keeper, sched *scheduler, oneShot bool) *drainers {
-	return &drainers{cfg: r.cfg, log: r.cfg.Logger, store: r.store, publisher: r.publisher, caps: r.caps,
-		k: k, sched: sched, oneShot: oneShot, fatalC: make(chan struct{})}
+func newDrainers(p parts, k *keeper, sched *scheduler, oneShot bool) *drainers {
+	return &drainers{parts: p, log: p.cfg.Logger, k: k, sched: sched, oneShot: oneShot, fatalC: make(chan struct{})}
 }
 
 // start starts the drainers and returns the function that waits for them

@@ -22,8 +22,7 @@ import (
 // announces lease changes to a LeaseAware publisher, and turns hints and
 // discovery into ready buckets.
 type engine struct {
-	r     *Relay
-	cfg   Config
+	parts
 	log   *slog.Logger
 	k     *keeper
 	sched *scheduler
@@ -42,11 +41,11 @@ type engine struct {
 
 // newEngine returns the engine of one run under ctx, the parent of every
 // lease's context.
-func newEngine(ctx context.Context, r *Relay, oneShot bool) *engine {
-	e := &engine{r: r, cfg: r.cfg, log: r.cfg.Logger}
-	e.k = newKeeper(ctx, r.cfg, r.store, r.leaseAware != nil)
-	e.sched = newScheduler(r.cfg)
-	e.pool = newDrainers(r, e.k, e.sched, oneShot)
+func newEngine(ctx context.Context, p parts, oneShot bool) *engine {
+	e := &engine{parts: p, log: p.cfg.Logger}
+	e.k = newKeeper(ctx, p.cfg, p.store, p.leaseAware != nil)
+	e.sched = newScheduler(p.cfg)
+	e.pool = newDrainers(p, e.k, e.sched, oneShot)
 	return e
 }
 
@@ -73,7 +72,7 @@ func (e *engine) applyLeaseEvents(l *loop) error {
 // startRenewal starts renewing the leases in the background when the
 // store can (LeaseRenewer), and returns the function that stops it.
 func (e *engine) startRenewal(ctx context.Context) (stop func()) {
-	return e.r.caps.renewal.start(ctx, e.k)
+	return e.caps.renewal.start(ctx, e.k)
 }
 
 // run is the control loop of a started relay. It returns nil when stopped
@@ -93,7 +92,7 @@ func (e *engine) run(ctx context.Context, stopping <-chan struct{}) error {
 	}()
 	// Discovery runs beside the loop, so that hints are taken while the
 	// store looks for pending rows; deferred last, it ends first.
-	l := &loop{discovered: make(chan error, 1), timer: time.NewTimer(time.Hour), hintsC: e.r.caps.hints.Ready()}
+	l := &loop{discovered: make(chan error, 1), timer: time.NewTimer(time.Hour), hintsC: e.caps.hints.Ready()}
 	defer l.timer.Stop()
 	defer l.discovery.Wait()
 	for {
@@ -196,7 +195,7 @@ func (e *engine) maintainLeases(ctx context.Context, l *loop, now time.Time) (wo
 // its hints.
 func (e *engine) takeHints(l *loop, owned int, now time.Time) {
 	var unknown bool
-	e.hintBuf, unknown = e.r.caps.hints.Take(e.hintBuf[:0])
+	e.hintBuf, unknown = e.caps.hints.Take(e.hintBuf[:0])
 	if owned == 0 {
 		return
 	}
@@ -321,7 +320,7 @@ func (e *engine) drainAll(ctx context.Context) (int, error) {
 		if err := e.syncLeases(ctx); err != nil {
 			return published(), err
 		}
-		pending, err := e.r.store.PendingBuckets(ctx, all)
+		pending, err := e.store.PendingBuckets(ctx, all)
 		if err != nil {
 			return published(), joined(err)
 		}
@@ -389,7 +388,7 @@ func (e *engine) discover(ctx context.Context) error {
 	// Called even when nothing is left to probe: the store checks for
 	// rows beyond BucketCount at every discovery.
 	buckets = e.sched.toProbe(buckets)
-	pending, err := e.r.store.PendingBuckets(ctx, buckets)
+	pending, err := e.store.PendingBuckets(ctx, buckets)
 	if err != nil {
 		return err
 	}
@@ -411,7 +410,7 @@ func (e *engine) releaseAll(ctx context.Context) {
 	_ = e.syncLeases(context.WithoutCancel(ctx)) // tell the publisher first; never a misconfiguration here
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.ReleaseTimeout)
 	defer cancel()
-	if err := e.r.store.ReleaseLeases(rctx, e.cfg.RelayID, held); err != nil {
+	if err := e.store.ReleaseLeases(rctx, e.cfg.RelayID, held); err != nil {
 		e.log.Warn("relay: release leases failed; peers take the buckets over when the leases expire", "err", err)
 		return
 	}
@@ -429,7 +428,7 @@ func (e *engine) releaseAll(ctx context.Context) {
 // batch ends (the scheduler wakes the loop). It returns an error only for
 // a misconfiguration.
 func (e *engine) syncLeases(ctx context.Context) error {
-	la := e.r.leaseAware
+	la := e.leaseAware
 	if la == nil {
 		return nil
 	}

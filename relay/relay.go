@@ -2,7 +2,6 @@ package relay
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -28,14 +27,7 @@ const (
 // A Relay runs once: Start, then Stop. DrainOnce is a one-shot alternative
 // to Start for jobs and tests.
 type Relay struct {
-	cfg       Config
-	store     Store
-	publisher Publisher
-	caps      capabilities // optional capabilities or their fallbacks, resolved by New
-
-	// leaseAware is told of lease changes; nil if the publisher does not
-	// implement LeaseAware.
-	leaseAware LeaseAware
+	parts // resolved by New, shared by every run
 	// ready checks the publisher at start; nil if it does not implement
 	// ReadyChecker.
 	ready ReadyChecker
@@ -81,14 +73,7 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 		return nil, err
 	}
 	cfg.Logger = cfg.Logger.With("relay_id", cfg.RelayID)
-	r := &Relay{
-		cfg:       cfg,
-		store:     store,
-		publisher: publisher,
-		stopped:   make(chan struct{}),
-	}
-	r.caps = resolveCapabilities(store, cfg)
-	r.leaseAware, _ = publisher.(LeaseAware)
+	r := &Relay{parts: resolveParts(store, publisher, cfg), stopped: make(chan struct{})}
 	r.ready, _ = publisher.(ReadyChecker)
 	if cfg.OwnPublisher {
 		svc, ok := publisher.(PublisherService)
@@ -237,7 +222,7 @@ func (r *Relay) launch(ctx, life context.Context) error {
 	r.state = stateRunning
 	r.stopping = make(chan struct{})
 	r.cancelHard = cancel
-	r.eng = newEngine(hard, r, false)
+	r.eng = newEngine(hard, r.parts, false)
 	go r.run(hard, r.eng, r.stopping)
 	return nil
 }
@@ -447,7 +432,7 @@ func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
 		return 0, ErrStopped
 	}
 	r.state = stateDraining
-	e := newEngine(ctx, r, true)
+	e := newEngine(ctx, r.parts, true)
 	r.eng = e
 	r.mu.Unlock()
 	defer func() {
@@ -459,10 +444,4 @@ func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
 	n, err := e.drainAll(ctx)
 	e.releaseAll(ctx)
 	return n, err
-}
-
-// isStop reports whether err is the relay's own cancellation, not a
-// failure worth logging or counting.
-func isStop(ctx context.Context, err error) bool {
-	return ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ctx.Err()))
 }

@@ -324,7 +324,8 @@
 // relay in the background; watch Stopped and Err. Stop is synchronous: it
 // stops handing out batches, lets the in-flight batches finish within the
 // context's deadline (cancelling them after), and releases the leases
-// under context.WithoutCancel; it returns at most StopOverrun (5s) after
+// under context.WithoutCancel, bounded by Config.ReleaseTimeout (5s); it
+// returns at most StopOverrun (5s) after
 // its context ended, the relay finishing in the background if a publisher
 // or the database ignores cancellation. Stop tolerates being called before
 // Start and twice. Stopped is closed when the relay has stopped, and Err

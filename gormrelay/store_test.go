@@ -516,11 +516,12 @@ func TestStoreConfigTimeout(t *testing.T) {
 	t.Parallel()
 	b := newStoreBundle(t, dbtest.Open(t, dbtest.Postgres), outbox.Config{BucketCount: 2})
 	db, cfg := b.db, b.cfg
-	store, err := gormrelay.NewStore(db.DB, cfg, gormrelay.StoreConfig{Timeout: 300 * time.Millisecond})
-	require.NoError(t, err)
 	req := relay.AcquireRequest{RelayID: "a", BucketCount: 2, LeaseDuration: time.Minute}
-	_, err = store.AcquireLeases(t.Context(), req) // creates the lease rows
+	_, err := b.store.AcquireLeases(t.Context(), req) // creates the lease rows
 	require.NoError(t, err)
+	store, err := gormrelay.NewStore(db.DB, cfg, gormrelay.StoreConfig{Timeout: 2 * time.Second})
+	require.NoError(t, err)
+	require.NoError(t, store.CheckStart(t.Context(), 2)) // the schema check, done once per store
 
 	tx := db.DB.Begin()
 	require.NoError(t, tx.Error)
@@ -530,7 +531,7 @@ func TestStoreConfigTimeout(t *testing.T) {
 	require.Len(t, buckets, 2)
 
 	_, err = store.AcquireLeases(t.Context(), req)
-	require.ErrorContains(t, err, "timed out after 300ms")
+	require.ErrorContains(t, err, "outbox: store acquire leases: timed out after 2s")
 	require.False(t, relay.IsMisconfiguration(err), "a timeout is retried, not a misconfiguration")
 }
 

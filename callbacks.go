@@ -1,7 +1,6 @@
 package outbox
 
 import (
-	"database/sql/driver"
 	"fmt"
 	"reflect"
 
@@ -17,6 +16,8 @@ const (
 	keyBefore    = "outbox:before"
 	keyUpsert    = "outbox:upsert"
 	keySetAdded  = "outbox:set_added"
+	keyRows      = "outbox:rows"
+	keyReturned  = "outbox:returned"
 )
 
 // registerCallbacks places the plugin's callbacks. Every callback that
@@ -45,8 +46,20 @@ func (p *Plugin) registerCallbacks(db *gorm.DB) error {
 		{"update", "after_update", "gorm:after_update", "gorm:commit_or_rollback_transaction", p.afterUpdate},
 		{"update", "end", "*", "", p.endTx},
 		{"delete", "begin", "", "*", p.beginTx},
+		{"delete", "before_delete", "gorm:delete_before_associations", "gorm:delete", p.beforeDelete},
 		{"delete", "after_delete", "gorm:after_delete", "gorm:commit_or_rollback_transaction", p.afterDelete},
 		{"delete", "end", "*", "", p.endTx},
+	}
+	if p.cfg.GuardRawSQL {
+		for _, err := range []error{
+			db.Callback().Raw().Before("gorm:raw").Register(prefix+"raw:guard", p.guardRaw),
+			db.Callback().Query().Before("gorm:query").Register(prefix+"query:guard", p.guardRaw),
+			db.Callback().Row().Before("gorm:row").Register(prefix+"row:guard", p.guardRaw),
+		} {
+			if err != nil {
+				return fmt.Errorf("outbox: register the raw SQL guard: %w", err)
+			}
+		}
 	}
 	for _, s := range steps {
 		name := prefix + s.kind + ":" + s.name
@@ -66,40 +79,37 @@ func (p *Plugin) registerCallbacks(db *gorm.DB) error {
 	return nil
 }
 
-// statementRules returns the rules for the statement's model that cover
-// op, or nil.
-func (p *Plugin) statementRules(db *gorm.DB, op Operation) *modelRules {
-	if db.Statement.Schema == nil {
-		return nil
-	}
-	m := p.rulesFor(db.Statement.Schema.ModelType)
-	if !m.for_(op) {
-		return nil
-	}
-	return m
-}
-
 // beginTx opens a transaction for a write of a model with rules when GORM
 // will not (SkipDefaultTransaction), so the business row and its message
 // stay atomic. It never writes anything outside a transaction.
 func (p *Plugin) beginTx(db *gorm.DB) {
-	if db.Error != nil || !db.Config.SkipDefaultTransaction || db.Statement.Schema == nil || db.DryRun {
+	if db.Error != nil || !db.Config.SkipDefaultTransaction || db.DryRun {
 		return
 	}
-	if m := p.rulesFor(db.Statement.Schema.ModelType); m == nil || inTransaction(db.Statement.ConnPool) {
+	t := p.resolve(db)
+	if t.m == nil || inTransaction(db.Statement.ConnPool) {
 		return
 	}
 	tx := db.Begin()
 	if tx.Error != nil {
-		_ = db.AddError(fmt.Errorf("outbox: open a transaction for a write of %s with publish rules: %w", db.Statement.Schema.Name, tx.Error))
+		_ = db.AddError(fmt.Errorf("outbox: open a transaction for a write of %s with publish rules: %w", t.schema.Name, tx.Error))
 		return
 	}
 	db.Statement.ConnPool = tx.Statement.ConnPool
 	db.InstanceSet(keyStartedTx, true)
 }
 
-// endTx commits or rolls back the transaction beginTx opened.
+// endTx commits or rolls back the transaction beginTx opened. A write of
+// a table with rules that failed reports 0 rows affected: it was rolled
+// back, or (in a transaction of the caller's) refused before it ran or
+// failed after; either way the caller must not count its rows.
 func (p *Plugin) endTx(db *gorm.DB) {
+	if db.Error != nil && db.RowsAffected != 0 && p.resolve(db).m != nil {
+		db.RowsAffected = 0
+		if db.Statement.Result != nil {
+			db.Statement.Result.RowsAffected = 0
+		}
+	}
 	if !db.Config.SkipDefaultTransaction {
 		return // beginTx opened nothing; checked first: InstanceGet formats a key
 	}
@@ -191,22 +201,31 @@ func onlyPrimaryKey(db *gorm.DB, ptr reflect.Value) bool {
 	return true
 }
 
-func unsupported(db *gorm.DB, format string, args ...any) {
-	_ = db.AddError(fmt.Errorf("%w: %s: %s", ErrUnsupportedWrite, db.Statement.Schema.Name, fmt.Sprintf(format, args...)))
-}
-
 // beforeCreate plans an upsert of a model with rules: which of its
-// entities' keys already exist (see upsert.go).
+// entities' keys already exist (see upsert.go). An upsert from maps,
+// through Table(name) or through another struct mapped to a rule's table
+// is refused: which rows it inserted and which it updated cannot be read
+// back.
 func (p *Plugin) beforeCreate(db *gorm.DB) {
-	if db.Error != nil || db.DryRun || db.Statement.Schema == nil {
+	if db.Error != nil || db.DryRun {
 		return
 	}
-	m := p.rulesFor(db.Statement.Schema.ModelType)
-	if !m.for_(Insert | Update) {
+	t := p.resolve(db)
+	if !t.m.for_(Insert | Update) {
 		return
 	}
 	oc, ok := statementClause[clause.OnConflict](db, "ON CONFLICT")
-	if !ok || entityCount(db) == 0 {
+	if !ok {
+		if isMapCreate(db) && t.m.for_(Insert) {
+			returnKeys(db, t)
+		}
+		return
+	}
+	if isMapCreate(db) || db.Statement.Schema == nil {
+		_ = db.AddError(fmt.Errorf("%w: %s: upsert (ON CONFLICT) from maps: which rows were inserted and which updated cannot be known; upsert structs", ErrUnsupportedWrite, t.schema.Name))
+		return
+	}
+	if entityCount(db) == 0 {
 		return
 	}
 	plan, err := p.planUpsert(db, oc)
@@ -220,6 +239,10 @@ func (p *Plugin) beforeCreate(db *gorm.DB) {
 // checkCreated checks, right after the INSERT of an upsert, that the rows
 // it affected agree with the plan beforeCreate made.
 func (p *Plugin) checkCreated(db *gorm.DB) {
+	if isMapCreate(db) {
+		restoreMaps(db)
+		return
+	}
 	c, ok := db.Statement.Clauses["ON CONFLICT"]
 	if !ok || db.Error != nil || db.DryRun {
 		return // checked first: InstanceGet formats a key
@@ -238,11 +261,19 @@ func (p *Plugin) checkCreated(db *gorm.DB) {
 // upsert, the Update rules for every entity whose row existed and was
 // updated.
 func (p *Plugin) afterCreate(db *gorm.DB) {
-	if db.Error != nil || db.DryRun || db.Statement.Schema == nil {
+	if db.Error != nil || db.DryRun {
 		return
 	}
-	m := p.rulesFor(db.Statement.Schema.ModelType)
-	if !m.for_(Insert|Update) || entityCount(db) == 0 {
+	t := p.resolve(db)
+	if !t.m.for_(Insert | Update) {
+		return
+	}
+	if t.foreign || isMapCreate(db) {
+		p.publishCreatedRows(db, t)
+		return
+	}
+	m := t.m
+	if entityCount(db) == 0 {
 		return
 	}
 	var plan *upsertPlan
@@ -274,22 +305,32 @@ func (p *Plugin) afterCreate(db *gorm.DB) {
 		if !m.for_(op) {
 			return nil
 		}
-		out, err := p.runRules(db, m, op, c)
+		out, err := p.runRules(db, t, m, op, c)
 		msgs = append(msgs, out...)
 		return err
 	})
-	p.finish(db, msgs, err)
+	p.finish(db, t, msgs, err)
 }
 
 // beforeUpdate keeps a copy of the model value before the update assigns
 // the new values, so rules can compare, and computes the SET clause the
 // way gorm:update would, keeping it on the statement so the rules learn
 // which columns the update wrote (gorm:update drops the clause it builds
-// itself).
+// itself). An update that names no entity with a key is prepared by
+// byCondition (rows.go).
 func (p *Plugin) beforeUpdate(db *gorm.DB) {
-	if db.Error != nil || p.statementRules(db, Update) == nil {
+	if db.Error != nil {
 		return
 	}
+	t := p.resolve(db)
+	if !t.m.for_(Update) {
+		return
+	}
+	defer func() {
+		if db.Error == nil && !db.DryRun && (t.foreign || len(keyedEntities(db)) == 0) {
+			p.byCondition(db, t, Update)
+		}
+	}()
 	// When the model is also the source of the values (Save, Updates on
 	// the model itself), it already holds the new values.
 	if db.Statement.ReflectValue.Kind() == reflect.Struct && !sameValue(db.Statement.Dest, db.Statement.Model) {
@@ -363,10 +404,18 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 	if _, ok := db.InstanceGet(keySetAdded); ok {
 		delete(db.Statement.Clauses, "SET")
 	}
-	m := p.statementRules(db, Update)
-	if db.Error != nil || m == nil || db.DryRun {
+	if db.Error != nil || db.DryRun {
 		return
 	}
+	t := p.resolve(db)
+	if !t.m.for_(Update) {
+		return
+	}
+	if v, ok := db.InstanceGet(keyRows); ok {
+		p.publishRows(db, v.(*rowSet), Update, changed, false)
+		return
+	}
+	m := t.m
 	affected := db.RowsAffected
 	if affected == 0 {
 		affected = p.matchedUnchanged(db)
@@ -383,7 +432,7 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 	if v, ok := db.InstanceGet(keyBefore); ok {
 		before = v.(reflect.Value)
 	}
-	p.runEach(db, m, Update, keyedEntities(db), changed, false, func(ptr reflect.Value) *change {
+	p.runEach(db, t, m, Update, ownEntities(db, t), changed, false, func(ptr reflect.Value) *change {
 		return &change{entity: ptr, before: before, changed: changed, rowsAffected: affected}
 	})
 }
@@ -401,25 +450,35 @@ func keyedEntities(db *gorm.DB) []reflect.Value {
 	return targets
 }
 
+// ownEntities returns the statement's keyed entities when they are
+// values of the rules' model; none for a write through Table(name) or
+// another struct, which reaches here only when every rule allows bulk.
+func ownEntities(db *gorm.DB, t target) []reflect.Value {
+	if t.foreign {
+		return nil
+	}
+	return keyedEntities(db)
+}
+
 // runEach runs the rules of op for each target, with the change changeOf
 // makes of it, or the bulk rules when there is no target, and finishes the
 // statement with the messages.
-func (p *Plugin) runEach(db *gorm.DB, m *modelRules, op Operation, targets []reflect.Value, changed []string, soft bool, changeOf func(ptr reflect.Value) *change) {
+func (p *Plugin) runEach(db *gorm.DB, t target, m *modelRules, op Operation, targets []reflect.Value, changed []string, soft bool, changeOf func(ptr reflect.Value) *change) {
 	var msgs []*Message
 	var err error
 	if len(targets) == 0 {
-		msgs, err = p.runBulk(db, m, op, changed, soft)
+		msgs, err = p.runBulk(db, t, m, op, changed, soft)
 	} else {
 		for _, ptr := range targets {
 			var out []*Message
-			out, err = p.runRules(db, m, op, changeOf(ptr))
+			out, err = p.runRules(db, t, m, op, changeOf(ptr))
 			msgs = append(msgs, out...)
 			if err != nil {
 				break
 			}
 		}
 	}
-	p.finish(db, msgs, err)
+	p.finish(db, t, msgs, err)
 }
 
 // matchedUnchanged returns, on MySQL and MariaDB, how many rows an update
@@ -446,132 +505,87 @@ func (p *Plugin) matchedUnchanged(db *gorm.DB) int64 {
 	return n
 }
 
-// afterDelete runs the Delete rules for every deleted entity; for a delete
-// by primary key values, for a key-only entity per key.
+// beforeDelete prepares a delete that names no entity with a key (a
+// delete by condition, by key values, or through Table(name) or another
+// struct): see byCondition (rows.go).
+func (p *Plugin) beforeDelete(db *gorm.DB) {
+	if db.Error != nil || db.DryRun {
+		return
+	}
+	t := p.resolve(db)
+	if !t.m.for_(Delete) {
+		return
+	}
+	if t.foreign {
+		// gorm:delete adds the keys of the statement's entities to the
+		// WHERE; add them first, so the rows read are the rows deleted.
+		if s := db.Statement.Schema; s != nil {
+			for _, v := range []reflect.Value{db.Statement.ReflectValue, reflect.ValueOf(db.Statement.Model)} {
+				if !v.IsValid() {
+					continue
+				}
+				_, vals := schema.GetIdentityFieldValuesMap(db.Statement.Context, v, s.PrimaryFields)
+				if column, values := schema.ToQueryValues(db.Statement.Table, s.PrimaryFieldDBNames, vals); len(values) > 0 {
+					db.Statement.AddClause(clause.Where{Exprs: []clause.Expression{clause.IN{Column: column, Values: values}}})
+				}
+			}
+		}
+	} else if len(keyedEntities(db)) > 0 {
+		return
+	}
+	p.byCondition(db, t, Delete)
+}
+
+// afterDelete runs the Delete rules for every deleted entity, or for
+// every row a delete by condition deleted.
 func (p *Plugin) afterDelete(db *gorm.DB) {
-	m := p.statementRules(db, Delete)
-	if db.Error != nil || m == nil || db.DryRun {
+	if db.Error != nil || db.DryRun {
 		return
 	}
-	if db.RowsAffected == 0 {
+	t := p.resolve(db)
+	if !t.m.for_(Delete) {
 		return
-	}
-	targets := keyedEntities(db)
-	if len(targets) == 0 {
-		targets = keysFromWhere(db)
 	}
 	// A soft delete (a model with gorm.DeletedAt, not Unscoped) is an
 	// UPDATE of the deleted-at column: GORM leaves its SET clause on the
 	// statement.
 	changed := setColumns(db)
 	soft := changed != nil
-	p.runEach(db, m, Delete, targets, changed, soft, func(ptr reflect.Value) *change {
+	if v, ok := db.InstanceGet(keyRows); ok {
+		p.publishRows(db, v.(*rowSet), Delete, changed, soft)
+		return
+	}
+	if db.RowsAffected == 0 {
+		return
+	}
+	p.runEach(db, t, t.m, Delete, ownEntities(db, t), changed, soft, func(ptr reflect.Value) *change {
 		return &change{entity: ptr, keyOnly: onlyPrimaryKey(db, ptr), changed: changed, soft: soft, rowsAffected: db.RowsAffected}
 	})
-}
-
-// keysFromWhere turns a delete by primary key values (db.Delete(&T{}, 7)
-// or db.Delete(&T{}, []int{1, 2})) into one key-only entity per key. Any
-// other condition yields nothing: the delete is then a bulk delete.
-func keysFromWhere(db *gorm.DB) []reflect.Value {
-	s := db.Statement.Schema
-	if s.PrioritizedPrimaryField == nil || len(s.PrimaryFields) != 1 {
-		return nil
-	}
-	where, ok := statementClause[clause.Where](db, "WHERE")
-	if !ok {
-		return nil
-	}
-	// A soft delete adds "deleted_at IS NULL": it narrows nothing the keys
-	// do not already name.
-	exprs := make([]clause.Expression, 0, len(where.Exprs))
-	for _, e := range where.Exprs {
-		if !isSoftDeleteCondition(s, e) {
-			exprs = append(exprs, e)
-		}
-	}
-	if len(exprs) != 1 {
-		return nil
-	}
-	pk := s.PrioritizedPrimaryField
-	isPK := func(col any) bool {
-		switch c := col.(type) {
-		case clause.Column:
-			return c.Name == clause.PrimaryKey || c.Name == pk.DBName
-		case string:
-			return c == pk.DBName
-		}
-		return false
-	}
-	var values []any
-	switch e := exprs[0].(type) {
-	case clause.IN:
-		if !isPK(e.Column) {
-			return nil
-		}
-		values = e.Values
-	case clause.Eq:
-		if !isPK(e.Column) {
-			return nil
-		}
-		values = []any{e.Value}
-	default:
-		return nil
-	}
-	var out []reflect.Value
-	for _, v := range values {
-		ptr := reflect.New(s.ModelType)
-		if err := pk.Set(db.Statement.Context, ptr.Elem(), v); err != nil {
-			return nil
-		}
-		out = append(out, ptr)
-	}
-	return out
-}
-
-// isSoftDeleteCondition reports whether e is the "deleted_at IS NULL"
-// condition GORM adds for a model with a gorm.DeletedAt field.
-func isSoftDeleteCondition(s *schema.Schema, e clause.Expression) bool {
-	eq, ok := e.(clause.Eq)
-	if !ok {
-		return false
-	}
-	// GORM compares with a null sql.NullString.
-	if v, ok := eq.Value.(driver.Valuer); ok {
-		if dv, err := v.Value(); err != nil || dv != nil {
-			return false
-		}
-	} else if eq.Value != nil {
-		return false
-	}
-	col, ok := eq.Column.(clause.Column)
-	if !ok {
-		return false
-	}
-	f := s.LookUpField(col.Name)
-	return f != nil && f.FieldType == reflect.TypeFor[gorm.DeletedAt]()
 }
 
 // runBulk runs the rules for a statement by condition that names no
 // entity: only rules that opted in with AllowBulk may see it; any other
 // rule makes the write fail.
-func (p *Plugin) runBulk(db *gorm.DB, m *modelRules, op Operation, changed []string, soft bool) ([]*Message, error) {
+func (p *Plugin) runBulk(db *gorm.DB, t target, m *modelRules, op Operation, changed []string, soft bool) ([]*Message, error) {
 	for _, r := range m.rules {
 		if r.operations()&op != 0 && !r.allowsBulk() {
-			return nil, fmt.Errorf("%w: %s: %s by condition without an entity: %s needs the entity; load the rows and write them one by one, or build the rule with AllowBulk", ErrUnsupportedWrite, db.Statement.Schema.Name, op, r)
+			return nil, fmt.Errorf("%w: %s: %s by condition: %s needs each row, and the rows could not be read before the statement", ErrUnsupportedWrite, t.schema.Name, op, r)
 		}
 	}
-	return p.runRules(db, m, op, &change{bulk: true, changed: changed, soft: soft, rowsAffected: db.RowsAffected})
+	if db.RowsAffected == 0 {
+		return nil, nil
+	}
+	return p.runRules(db, t, m, op, &change{bulk: true, changed: changed, soft: soft, rowsAffected: db.RowsAffected})
 }
 
 // runRules calls every rule of m that covers op and returns their
 // messages. A rule that panics fails the write with a *RuleError instead
 // of unwinding through GORM, which would leave the write's transaction,
 // and its connection, open.
-func (p *Plugin) runRules(db *gorm.DB, m *modelRules, op Operation, c *change) (out []*Message, err error) {
+func (p *Plugin) runRules(db *gorm.DB, t target, m *modelRules, op Operation, c *change) (out []*Message, err error) {
 	defer func() {
 		if v := recover(); v != nil {
-			err = &RuleError{Model: db.Statement.Schema.ModelType.String(), Operation: op, Err: fmt.Errorf("rule panicked: %v", v)}
+			err = &RuleError{Model: t.schema.ModelType.String(), Operation: op, Err: fmt.Errorf("rule panicked: %v", v)}
 		}
 	}()
 	c.ctx = db.Statement.Context
@@ -583,7 +597,7 @@ func (p *Plugin) runRules(db *gorm.DB, m *modelRules, op Operation, c *change) (
 		}
 		msg, err := r.build(c)
 		if err != nil {
-			return out, &RuleError{Model: db.Statement.Schema.ModelType.String(), Operation: op, Err: err}
+			return out, &RuleError{Model: t.schema.ModelType.String(), Operation: op, Err: err}
 		}
 		if msg != nil {
 			out = append(out, msg)
@@ -594,7 +608,7 @@ func (p *Plugin) runRules(db *gorm.DB, m *modelRules, op Operation, c *change) (
 
 // finish writes the messages the rules built, in the write's transaction,
 // or records the error so GORM rolls the write back.
-func (p *Plugin) finish(db *gorm.DB, msgs []*Message, err error) {
+func (p *Plugin) finish(db *gorm.DB, t target, msgs []*Message, err error) {
 	if err != nil {
 		_ = db.AddError(err)
 		return
@@ -603,7 +617,7 @@ func (p *Plugin) finish(db *gorm.DB, msgs []*Message, err error) {
 		return
 	}
 	if !inTransaction(db.Statement.ConnPool) {
-		_ = db.AddError(fmt.Errorf("%w (the write of %s ran outside a transaction)", ErrNoTransaction, db.Statement.Schema.Name))
+		_ = db.AddError(fmt.Errorf("%w (the write of %s ran outside a transaction)", ErrNoTransaction, t.schema.Name))
 		return
 	}
 	if err := p.write(db, msgs); err != nil {

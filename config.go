@@ -21,6 +21,15 @@ const (
 	// 1,000,000), so nothing the default publisher would refuse commits.
 	MaxMessageBytesDefault = recordsize.MaxMessageBytesDefault
 
+	// MaxRowsPerWriteDefault is how many rows one update or delete by
+	// condition may change for rules that run once per row.
+	MaxRowsPerWriteDefault = 10_000
+	// MaxRowsPerWriteMax is the largest accepted MaxRowsPerWrite and
+	// MaxRows: the keys of the rows read are bound as parameters of the
+	// statement, and SQLite takes at most 32,766 of them. For a primary
+	// key of k columns the bound is MaxRowsPerWriteMax/k.
+	MaxRowsPerWriteMax = 30_000
+
 	MessagesTableDefault    = "outbox_messages"
 	LeasesTableDefault      = "outbox_leases"
 	RelaysTableDefault      = "outbox_relays"
@@ -79,6 +88,23 @@ type Config struct {
 	// publisher's MaxMessageBytes and the broker's message.max.bytes for
 	// the topic. A negative value disables the check.
 	MaxMessageBytes int
+	// MaxRowsPerWrite bounds how many rows one update or delete by
+	// condition (one that names no entity with a primary key) may change
+	// on a table whose rules run once per row: the plugin reads and locks
+	// the matching rows first and refuses a write that matches more with
+	// a *TooManyRowsError, before anything changes. Default
+	// MaxRowsPerWriteDefault (10,000); at most MaxRowsPerWriteMax. A rule
+	// can lower or raise it with MaxRows; rules built with AllowBulk are
+	// not bounded.
+	MaxRowsPerWrite int
+	// GuardRawSQL refuses raw SQL (db.Exec, db.Raw) that writes to a
+	// table with publish rules (INSERT INTO, UPDATE, DELETE FROM,
+	// REPLACE INTO, MERGE INTO or TRUNCATE naming it) with a
+	// *RawWriteError, before it runs. Raw SQL is outside the rules: without
+	// the guard such a statement changes rows and publishes nothing. The
+	// check reads the statement's text, so a string literal that looks like
+	// such a write is refused too. Off by default.
+	GuardRawSQL bool
 	// Rules are the declarative publish rules, built with OnCreate,
 	// OnUpdate, OnDelete or On. More can be added with Plugin.AddRule
 	// before the first write.
@@ -111,6 +137,9 @@ func (c Config) WithDefaults() Config {
 	if c.MaxMessageBytes == 0 {
 		c.MaxMessageBytes = MaxMessageBytesDefault
 	}
+	if c.MaxRowsPerWrite == 0 {
+		c.MaxRowsPerWrite = MaxRowsPerWriteDefault
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -136,6 +165,9 @@ func (c Config) Validate() error {
 	}
 	if c.BucketCount < 1 || c.BucketCount > BucketCountMax {
 		return &ConfigError{Package: "outbox", Field: "BucketCount", Value: c.BucketCount, Reason: fmt.Sprintf("must be between 1 and %d", BucketCountMax)}
+	}
+	if c.MaxRowsPerWrite < 1 || c.MaxRowsPerWrite > MaxRowsPerWriteMax {
+		return &ConfigError{Package: "outbox", Field: "MaxRowsPerWrite", Value: c.MaxRowsPerWrite, Reason: fmt.Sprintf("must be between 1 and %d", MaxRowsPerWriteMax)}
 	}
 	for i, r := range c.Rules {
 		if r == nil {

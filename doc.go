@@ -34,11 +34,20 @@
 //	})
 //
 // Rules run inside the write's transaction, after the model's own hooks
-// and before COMMIT; a rule's error rolls the write back. Upserts, including
-// the ones GORM issues to save associations, publish an Insert or an Update
-// per entity, found out inside the transaction. Updates and deletes by
-// condition with no entity are refused with ErrUnsupportedWrite unless
-// every rule opts in with AllowBulk.
+// and before COMMIT; a rule's error rolls the write back. A rule belongs to
+// its model's table: every GORM write that changes rows there runs it once
+// per row. Upserts, including the ones GORM issues to save associations,
+// publish an Insert or an Update per entity, found out inside the
+// transaction. Updates and deletes by condition (db.Where(…).Delete(&T{}),
+// association unlinks, gorm.G[T] forms) read and lock the matching rows
+// first and publish one change per row, with the row after the update or
+// as it was before the delete; more rows than Config.MaxRowsPerWrite
+// (default 10,000) fail with a *TooManyRowsError before anything changes,
+// and rules built with AllowBulk see one change per statement instead.
+// Creates from maps and writes through Table(name) or another struct
+// mapped to a rule's table are recognised by table name and read back into
+// the rule's model. Raw SQL (Exec, Raw) is outside the rules. See
+// docs/rules.md for every write shape.
 // Enqueue outside a transaction returns ErrNoTransaction and writes
 // nothing.
 //

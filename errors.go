@@ -26,10 +26,11 @@ var (
 	ErrInvalidMessage = errors.New("outbox: invalid message")
 
 	// ErrUnsupportedWrite is returned, and the write rolled back, when a
-	// model with publish rules is written in a way the rules cannot describe
-	// faithfully: a bulk update or delete that no rule opted in to, or an
-	// upsert whose outcome (which rows were inserted, which updated) did not
-	// check out.
+	// table with publish rules is written in a way the rules cannot
+	// describe faithfully: an update or delete by condition over more rows
+	// than the limit (*TooManyRowsError), a create through a map or
+	// Table(name) whose key cannot be known, an upsert from maps or whose
+	// outcome (which rows were inserted, which updated) did not check out.
 	ErrUnsupportedWrite = errors.New("outbox: write not supported for a model with publish rules")
 
 	// ErrInvalidConfig is wrapped by every *ConfigError. It is
@@ -83,6 +84,41 @@ func (e *TooLargeError) Error() string {
 
 // Unwrap lets errors.Is(err, ErrInvalidMessage) match.
 func (e *TooLargeError) Unwrap() error { return ErrInvalidMessage }
+
+// TooManyRowsError is returned when an update or delete by condition
+// matches more rows than the rules that run once per row allow
+// (Config.MaxRowsPerWrite, MaxRows). The rows are counted before the
+// statement runs: nothing was changed, also inside a transaction of the
+// caller's. It wraps ErrUnsupportedWrite.
+type TooManyRowsError struct {
+	Model     string // the rules' model type, e.g. "main.Order"
+	Table     string
+	Operation Operation
+	Limit     int
+}
+
+func (e *TooManyRowsError) Error() string {
+	return fmt.Sprintf("outbox: %s of %s (table %s) by condition matches more than %d rows, the limit of its publish rules: nothing was changed; narrow the condition, raise MaxRows or Config.MaxRowsPerWrite, or build the rules with AllowBulk",
+		e.Operation, e.Model, e.Table, e.Limit)
+}
+
+// Unwrap lets errors.Is(err, ErrUnsupportedWrite) match.
+func (e *TooManyRowsError) Unwrap() error { return ErrUnsupportedWrite }
+
+// RawWriteError is returned, with Config.GuardRawSQL, for raw SQL
+// (db.Exec, db.Raw) that writes to a table with publish rules. Nothing
+// ran. It wraps ErrUnsupportedWrite.
+type RawWriteError struct {
+	Table string
+	SQL   string // the statement, at most 200 characters
+}
+
+func (e *RawWriteError) Error() string {
+	return fmt.Sprintf("outbox: raw SQL writes to table %s, which has publish rules, and would publish nothing (Config.GuardRawSQL): write through GORM's API or enqueue the messages: %s", e.Table, e.SQL)
+}
+
+// Unwrap lets errors.Is(err, ErrUnsupportedWrite) match.
+func (e *RawWriteError) Unwrap() error { return ErrUnsupportedWrite }
 
 // RuleError wraps an error returned by a publish rule. The write that
 // triggered the rule is rolled back.

@@ -34,6 +34,11 @@ type Plugin struct {
 	models sync.Map // reflect.Type -> *modelRules
 	// singleInsert caches the single-row INSERT per table and style.
 	singleInsert sync.Map // singleInsertKey -> string
+	// tables maps a table name to the model struct type with rules
+	// that owns it, for writes through Table(name) or another struct;
+	// tablesKnown is set once the pointer-to-struct rule types are in.
+	tables      sync.Map // string -> reflect.Type
+	tablesKnown atomic.Bool
 	// packetLimit is MySQL's max_allowed_packet once read; -1 when it
 	// could not be read.
 	packetLimit atomic.Int64
@@ -83,6 +88,7 @@ func (p *Plugin) AddRule(r Rule) error {
 	p.mu.Lock()
 	p.rules = append(p.rules, r)
 	p.models.Clear()
+	p.tablesKnown.Store(false)
 	p.mu.Unlock()
 	return nil
 }

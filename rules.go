@@ -21,14 +21,21 @@ type Change[T any] struct {
 	// Op is what the write did to the entity.
 	Op Operation
 	// Entity is the entity as written. After an insert it carries the keys
-	// the database generated. It is the zero T for a bulk change.
+	// the database generated. For a write by condition (an update or
+	// delete that names no entity with a primary key), a create from a
+	// map, or a write through Table(name) or another struct mapped to the
+	// table, it is a fresh value read from the table: the row after an
+	// update, the row as it was for a delete, the inserted row. It is the
+	// zero T for a bulk change.
 	Entity T
-	// Before is the model value the update was called on, as it was before
-	// the update assigned the new values: Before.Status is the old status
-	// after db.Model(&order).Update("status", "paid") on a loaded order.
-	// It is only as good as that value: GORM reads nothing from the
-	// database. It is the zero T for inserts, deletes, Save (which passes
-	// the new values as the model) and bulk changes.
+	// Before is the row before the update. For a write by condition it is
+	// the row as read, and locked, before the statement. For an update of
+	// an entity it is the model value the update was called on, as it was
+	// before the update assigned the new values: Before.Status is the old
+	// status after db.Model(&order).Update("status", "paid") on a loaded
+	// order, only as good as that value (GORM reads nothing). It is the
+	// zero T for inserts, deletes, Save (which passes the new values as the
+	// model) and bulk changes.
 	Before T
 	// Changed lists the columns the write set: every column for an insert,
 	// the SET columns of an update (including updated_at when GORM sets
@@ -40,12 +47,14 @@ type Change[T any] struct {
 	// from ordinary queries. It is false for a hard delete, of a model
 	// without DeletedAt or with Unscoped.
 	SoftDelete bool
-	// KeyOnly is true for a delete that knows only the primary key: a
-	// delete by key (db.Delete(&Order{}, 7)) or of an entity whose other
-	// fields are all zero. The rule must not rely on other fields.
+	// KeyOnly is true for a delete of an entity whose fields other than
+	// the primary key are all zero (db.Delete(&Order{ID: 7})): the row is
+	// not read, and the rule must not rely on other fields. A delete by
+	// key values (db.Delete(&Order{}, 7)) is a delete by condition: the
+	// row is read.
 	KeyOnly bool
-	// Bulk is true for an update or delete by condition that names no
-	// entity. Only rules built with AllowBulk see such changes; Entity is
+	// Bulk is true for an update or delete by condition seen by a rule
+	// built with AllowBulk: one change for the whole statement; Entity is
 	// the zero T and RowsAffected says how many rows the statement hit.
 	Bulk bool
 	// RowsAffected is what the database reported for the statement.
@@ -63,14 +72,25 @@ type RuleFunc[T any] func(Change[T]) (*Message, error)
 type RuleOption func(*ruleOptions)
 
 type ruleOptions struct {
-	bulk bool
+	bulk    bool
+	maxRows int
 }
 
-// AllowBulk lets the rule receive bulk updates and deletes: statements by
-// condition that name no entity (db.Where("status = ?", "x").Delete(&Order{})).
-// Without it such writes of a model that has rules are refused with
-// ErrUnsupportedWrite, because the outbox cannot say which rows changed.
+// AllowBulk makes the rule see an update or delete by condition (one that
+// names no entity with a primary key, db.Where("status = ?", "x").Delete(&Order{}))
+// as one bulk change for the whole statement: Change.Bulk is set, Entity
+// is the zero T and RowsAffected says how many rows the statement hit.
+// When every rule of the model for the operation allows bulk, the plugin
+// reads no rows and applies no row limit. Without it the rule runs once
+// per changed row (see docs/rules.md).
 func AllowBulk() RuleOption { return func(o *ruleOptions) { o.bulk = true } }
+
+// MaxRows bounds how many rows one update or delete by condition may
+// change for the rule, which runs once per row: a write that matches more
+// is refused with a *TooManyRowsError before it changes anything. It
+// overrides Config.MaxRowsPerWrite for the rule, from 1 to
+// MaxRowsPerWriteMax; the smallest bound of the rules a write runs holds.
+func MaxRows(n int) RuleOption { return func(o *ruleOptions) { o.maxRows = n } }
 
 // Rule is a declarative publish rule; build one with On, OnCreate,
 // OnUpdate or OnDelete.
@@ -82,6 +102,11 @@ type Rule interface {
 	matches(model reflect.Type) bool
 	operations() Operation
 	allowsBulk() bool
+	// maxRows is the rule's MaxRows, 0 for the Config default.
+	maxRows() int
+	// modelType is the model struct type of a pointer-to-struct rule,
+	// nil for an interface rule.
+	modelType() reflect.Type
 	// build runs the rule for one entity (a pointer to the model struct,
 	// or an invalid Value for bulk changes).
 	build(c *change) (*Message, error)
@@ -113,6 +138,15 @@ type typedRule[T any] struct {
 // one of ops (Insert, Update, Delete, combined with |). T is a pointer to
 // a model struct (*Order), or an interface: the rule then applies to every
 // model whose pointer implements it.
+//
+// The rule belongs to the model's table, not to the GORM call: it runs
+// once per row that any GORM write changes there, by entity or by
+// condition, from a struct or a map, through the model, Table(name) or
+// another struct mapped to the table; where the rows cannot be known the
+// write is refused with ErrUnsupportedWrite. Updates and deletes by
+// condition are bounded by Config.MaxRowsPerWrite or MaxRows. Raw SQL
+// (Exec, Raw) is outside the rules. docs/rules.md lists every write shape
+// and what it publishes.
 //
 // The rule runs inside the write's transaction, after GORM's own
 // after-hooks and before COMMIT; the message it returns is written in that
@@ -151,6 +185,9 @@ func (r *typedRule[T]) check() error {
 	default:
 		return fmt.Errorf("%s: T must be a pointer to a model struct or an interface, not %s", r, r.t)
 	}
+	if r.opts.maxRows < 0 || r.opts.maxRows > MaxRowsPerWriteMax {
+		return fmt.Errorf("%s: MaxRows(%d) must be between 1 and %d", r, r.opts.maxRows, MaxRowsPerWriteMax)
+	}
 	return nil
 }
 
@@ -163,6 +200,14 @@ func (r *typedRule[T]) matches(model reflect.Type) bool {
 
 func (r *typedRule[T]) operations() Operation { return r.ops }
 func (r *typedRule[T]) allowsBulk() bool      { return r.opts.bulk }
+func (r *typedRule[T]) maxRows() int          { return r.opts.maxRows }
+
+func (r *typedRule[T]) modelType() reflect.Type {
+	if r.t.Kind() == reflect.Pointer && r.t.Elem().Kind() == reflect.Struct {
+		return r.t.Elem()
+	}
+	return nil
+}
 
 func (r *typedRule[T]) build(c *change) (*Message, error) {
 	ch := Change[T]{

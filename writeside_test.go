@@ -350,19 +350,26 @@ func TestDeleteRules(t *testing.T) {
 		require.NoError(t, b.db.Table(b.plugin.Config().Tables.MessagesTable()).Where("1 = 1").Delete(&outbox.MessageRow{}).Error)
 
 		require.NoError(t, b.db.Delete(&os[0]).Error)                       // the loaded entity
-		require.NoError(t, b.db.Delete(&Order{}, os[1].ID).Error)           // by primary key
+		require.NoError(t, b.db.Delete(&Order{}, os[1].ID).Error)           // by primary key: the row is read
 		require.NoError(t, b.db.Delete(&Order{}, []uint64{os[2].ID}).Error) // by key list
 		require.NoError(t, b.db.Delete(&Order{ID: 424242}).Error)           // hits nothing
-
-		err := b.db.Where("status = ?", "d").Delete(&Order{}).Error
-		require.ErrorIs(t, err, outbox.ErrUnsupportedWrite, "a delete by condition needs an opted-in rule")
-		require.Equal(t, int64(1), b.orders(t), "the refused delete is rolled back")
+		res := b.db.Where("status = ?", "d").Delete(&Order{})               // by condition, per row
+		require.NoError(t, res.Error)
+		require.Equal(t, int64(1), res.RowsAffected)
+		require.Zero(t, b.orders(t))
 
 		require.Equal(t, []string{
 			fmt.Sprintf("cancelled:%d:keyonly=false", os[0].ID),
-			fmt.Sprintf("cancelled:%d:keyonly=true", os[1].ID),
-			fmt.Sprintf("cancelled:%d:keyonly=true", os[2].ID),
+			fmt.Sprintf("cancelled:%d:keyonly=false", os[1].ID),
+			fmt.Sprintf("cancelled:%d:keyonly=false", os[2].ID),
+			fmt.Sprintf("cancelled:%d:keyonly=false", os[3].ID),
 		}, values(b.rows(t)))
+
+		// An entity that knows only its key is deleted by it, unread.
+		o := Order{Status: "e"}
+		require.NoError(t, b.db.Create(&o).Error)
+		require.NoError(t, b.db.Delete(&Order{ID: o.ID}).Error)
+		require.Equal(t, fmt.Sprintf("cancelled:%d:keyonly=true", o.ID), values(b.rows(t))[5])
 	})
 }
 

@@ -578,8 +578,12 @@ type BenchOrder struct {
 	Total  int64
 }
 
+// byConditionRows is how many rows each by-condition update of the write
+// scenario changes.
+const byConditionRows = 100
+
 func writeScenario(ctx context.Context, cfg config, r *result) error {
-	rule := outbox.OnCreate(func(c outbox.Change[*BenchOrder]) (*outbox.Message, error) {
+	rule := outbox.On(outbox.Insert|outbox.Update, func(c outbox.Change[*BenchOrder]) (*outbox.Message, error) {
 		return &outbox.Message{Topic: benchTopic, Key: []byte(strconv.FormatUint(c.Entity.ID, 10)), Value: make([]byte, cfg.ValueSize)}, nil
 	})
 	e, err := newEnv(ctx, cfg, rule)
@@ -617,12 +621,63 @@ func writeScenario(ctx context.Context, cfg config, r *result) error {
 	r.add("with_outbox", n/with.Seconds(), "tx/s")
 	r.add("without_plugin", n/without.Seconds(), "tx/s")
 	r.add("overhead", with.Seconds()/without.Seconds(), "ratio")
+	updates, err := byConditionUpdates(ctx, e.db, plain, rounds, max(per/10, 1), r)
+	if err != nil {
+		return err
+	}
 	var msgs int64
 	e.db.Raw("SELECT COUNT(*) FROM " + e.table()).Scan(&msgs)
-	if msgs != int64(per*rounds) {
-		return fmt.Errorf("write: %d messages for %d transactions", msgs, per*rounds)
+	if want := int64(per*rounds + updates*byConditionRows); msgs != want {
+		return fmt.Errorf("write: %d messages where %d inserts and %d updates of %d rows each publish %d", msgs, per*rounds, updates, byConditionRows, want)
 	}
 	return nil
+}
+
+// byConditionUpdates measures an update by condition of byConditionRows
+// rows (UPDATE … SET total = total + 1 WHERE id BETWEEN …), one per
+// transaction, through the plugin (one message per row: the rows are read
+// and locked first, the statement is restricted to their keys and the
+// rows are read again after it) against the plugin off, in alternating
+// rounds over the rows the inserts left. It returns how many updates ran
+// through the plugin.
+func byConditionUpdates(ctx context.Context, with, without *gorm.DB, rounds, per int, r *result) (int, error) {
+	var lo uint64
+	if err := without.WithContext(ctx).Model(&BenchOrder{}).Select("MIN(id)").Scan(&lo).Error; err != nil {
+		return 0, err
+	}
+	var count int64
+	if err := without.WithContext(ctx).Model(&BenchOrder{}).Count(&count).Error; err != nil {
+		return 0, err
+	}
+	windows := max(int(count)/byConditionRows, 1)
+	var withT, withoutT time.Duration
+	k := 0
+	for round := 0; round < rounds; round++ {
+		for _, side := range []struct {
+			db  *gorm.DB
+			acc *time.Duration
+		}{{without, &withoutT}, {with, &withT}} {
+			start := time.Now()
+			for i := 0; i < per; i++ {
+				from := lo + uint64(((k+i)%windows)*byConditionRows)
+				res := side.db.WithContext(ctx).Model(&BenchOrder{}).Where("id BETWEEN ? AND ?", from, from+byConditionRows-1).
+					Update("total", gorm.Expr("total + 1"))
+				if res.Error != nil {
+					return 0, res.Error
+				}
+				if res.RowsAffected != byConditionRows {
+					return 0, fmt.Errorf("write: update by condition changed %d rows, not %d", res.RowsAffected, byConditionRows)
+				}
+			}
+			*side.acc += time.Since(start)
+		}
+		k += per
+	}
+	n := float64(per * rounds)
+	r.add("update_100_rows_with_outbox", n/withT.Seconds(), "tx/s")
+	r.add("update_100_rows_without_plugin", n/withoutT.Seconds(), "tx/s")
+	r.add("update_100_rows_overhead", withT.Seconds()/withoutT.Seconds(), "ratio")
+	return per * rounds, nil
 }
 
 // startCPUProfile profiles this process's CPU into a new file at path

@@ -2,8 +2,6 @@ package gormrelay
 
 import (
 	"context"
-	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -11,12 +9,12 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/ops"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -25,14 +23,11 @@ import (
 // error naming it.
 const AdminTimeoutDefault = 30 * time.Second
 
-// Admin errors. Each is returned wrapped; test with errors.Is.
+// Admin errors, the operator API's (ops.ErrNotFound,
+// ops.ErrInvalidRequest). Each is returned wrapped; test with errors.Is.
 var (
-	// ErrNotFound is returned when a named dead letter does not exist.
-	ErrNotFound = errors.New("outbox: not found")
-	// ErrInvalidRequest is returned for an admin request that cannot be
-	// carried out as asked: a bucket outside 0..BucketCount-1, a malformed
-	// cursor, a missing key.
-	ErrInvalidRequest = errors.New("outbox: invalid admin request")
+	ErrNotFound       = ops.ErrNotFound
+	ErrInvalidRequest = ops.ErrInvalidRequest
 )
 
 // Admin is the operational API of one outbox: it reads and repairs the
@@ -149,86 +144,34 @@ func readBacklog(db *gorm.DB, cfg outbox.Config) (relay.Backlog, error) {
 	return b, nil
 }
 
-// DeadLetterCounts counts dead letters by state.
-type DeadLetterCounts struct {
-	Failed int64 `json:"failed"`
-	Parked int64 `json:"parked"`
-}
+// The operator API's types, under their gormrelay names.
+type (
+	DeadLetterCounts = ops.DeadLetterCounts
+	LeaseInfo        = ops.LeaseInfo
+	RelayInfo        = ops.RelayInfo
+	BucketStatus     = ops.BucketStatus
+	Status           = ops.Status
+	DeadLetter       = ops.DeadLetter
+	DeadLetterQuery  = ops.DeadLetterQuery
+	DeadLetterPage   = ops.DeadLetterPage
+	RequeueResult    = ops.RequeueResult
+	Snapshot         = ops.Snapshot
+)
 
-// Total is Failed + Parked.
-func (c DeadLetterCounts) Total() int64 { return c.Failed + c.Parked }
+// Dead-letter page sizes (ops.DeadLetterPageDefault, ops.DeadLetterPageMax).
+const (
+	DeadLetterPageDefault = ops.DeadLetterPageDefault
+	DeadLetterPageMax     = ops.DeadLetterPageMax
+)
 
-func (c *DeadLetterCounts) add(state string, n int64) {
-	if DeadLetterState(state) == DeadLetterParked {
-		c.Parked += n
-	} else {
-		c.Failed += n
-	}
-}
+// WatchIntervalDefault is the Watch interval used for a non-positive one.
+const WatchIntervalDefault = ops.WatchIntervalDefault
 
-// LeaseInfo is one bucket's lease row.
-type LeaseInfo struct {
-	Bucket int `json:"bucket"`
-	// Owner is the relay holding or last holding the lease; empty when
-	// free.
-	Owner string `json:"owner,omitempty"`
-	// Term counts the lease's acquisitions (and admin repairs of the
-	// bucket's dead letters, which revoke the current term).
-	Term int64 `json:"term"`
-	// ExpiresAt is when the lease lapses unless renewed; zero when free.
-	ExpiresAt time.Time `json:"expires_at,omitzero"`
-	// Held reports an owner whose lease had not expired at the read.
-	Held bool `json:"held"`
-	// Paused buckets are not claimed by any relay (PauseBucket).
-	Paused bool `json:"paused"`
-}
+// Admin implements the operator API.
+var _ ops.Operator = (*Admin)(nil)
 
-// RelayInfo is one relay's heartbeat.
-type RelayInfo struct {
-	ID        string    `json:"id"`
-	LastSeen  time.Time `json:"last_seen"`
-	StartedAt time.Time `json:"started_at"`
-	// Live reports a heartbeat younger than the Admin's live window
-	// (WithLiveWindow).
-	Live bool `json:"live"`
-	// Buckets counts the unexpired leases the relay holds.
-	Buckets int `json:"buckets"`
-}
-
-// BucketStatus is the state of one bucket.
-type BucketStatus struct {
-	Bucket  int   `json:"bucket"`
-	Pending int64 `json:"pending"`
-	// Oldest is the creation time of the bucket's oldest pending message;
-	// zero when none is pending. OldestAgeMs is its age at the read.
-	Oldest      time.Time        `json:"oldest,omitzero"`
-	OldestAgeMs int64            `json:"oldest_age_ms"`
-	DeadLetters DeadLetterCounts `json:"dead_letters"`
-	Lease       LeaseInfo        `json:"lease"`
-}
-
-// Status is an outbox's operational state at one moment: backlog, dead
-// letters, leases and relays, per bucket and in total.
-type Status struct {
-	SampledAt   time.Time `json:"sampled_at"`
-	BucketCount int       `json:"bucket_count"`
-	Pending     int64     `json:"pending"`
-	// Oldest is the creation time of the oldest pending message; zero
-	// when nothing is pending. OldestAgeMs is its age at SampledAt.
-	Oldest      time.Time        `json:"oldest,omitzero"`
-	OldestAgeMs int64            `json:"oldest_age_ms"`
-	DeadLetters DeadLetterCounts `json:"dead_letters"`
-	// Buckets lists every bucket, 0 to BucketCount-1.
-	Buckets []BucketStatus `json:"buckets"`
-	// Relays lists the relays with a heartbeat, by id.
-	Relays []RelayInfo `json:"relays"`
-	// LiveRelays counts the live relays.
-	LiveRelays int `json:"live_relays"`
-}
-
-// OldestAge is how long the oldest pending message had waited at
-// SampledAt; zero when nothing is pending.
-func (s Status) OldestAge() time.Duration { return time.Duration(s.OldestAgeMs) * time.Millisecond }
+// BucketCount is the outbox's number of buckets.
+func (a *Admin) BucketCount() int { return a.cfg.BucketCount }
 
 // Status reads the whole operational state with a few short queries
 // (backlog, dead letters, leases, relays). It locks nothing.
@@ -270,9 +213,9 @@ func (a *Admin) Status(ctx context.Context) (Status, error) {
 		return Status{}, a.fail(db, "read dead-letter counts", err)
 	}
 	for _, d := range dead {
-		st.DeadLetters.add(d.State, d.N)
+		st.DeadLetters.Add(DeadLetterState(d.State), d.N)
 		if inRange(d.Bucket) {
-			st.Buckets[d.Bucket].DeadLetters.add(d.State, d.N)
+			st.Buckets[d.Bucket].DeadLetters.Add(DeadLetterState(d.State), d.N)
 		}
 	}
 
@@ -370,195 +313,15 @@ func (a *Admin) relays(db *gorm.DB, now time.Time, held map[string]int) ([]Relay
 	return out, nil
 }
 
-// DeadLetter is a message taken out of the backlog by the failure policy.
-type DeadLetter struct {
-	// ID is the message's row id in the messages table when it died.
-	ID        int64
-	MessageID string
-	Bucket    int
-	Topic     string
-	// Key is nil for a keyless message.
-	Key []byte
-	// Value and Headers are read by Admin.DeadLetter only; lists leave
-	// them nil and report ValueSize.
-	Value     []byte
-	Headers   []outbox.Header
-	ValueSize int
-	Partition *int32
-	CreatedAt time.Time
-	DeadAt    time.Time
-	Attempts  int
-	// LastError is the last publish error: its cause in plain words first,
-	// then the sink's own text. It ends with DeliveryNote's line when
-	// MaybeDelivered.
-	LastError string
-	State     DeadLetterState
-	// MaybeDelivered reports that an earlier copy of the message may
-	// already have reached Kafka, and so its consumers: the relay sent it
-	// and never learned the outcome, or the broker acknowledged it in a
-	// batch whose earlier message failed. Requeueing it may deliver it
-	// twice; a parked message with MaybeDelivered may have been seen by
-	// consumers before the dead letter of its key. False means the relay
-	// knows of no such copy.
-	MaybeDelivered bool
-	// DeliveryNote says why MaybeDelivered is true; "" otherwise.
-	DeliveryNote string
-}
-
-// setDelivery derives MaybeDelivered and DeliveryNote from LastError.
-func (d *DeadLetter) setDelivery() {
-	d.DeliveryNote = DeliveryNote(d.LastError)
-	d.MaybeDelivered = d.DeliveryNote != ""
-}
-
-// deadLetterJSON is the JSON form of a DeadLetter.
-type deadLetterJSON struct {
-	ID          int64           `json:"id"`
-	MessageID   string          `json:"message_id"`
-	Bucket      int             `json:"bucket"`
-	Topic       string          `json:"topic"`
-	Key         *string         `json:"key,omitempty"`
-	KeyBase64   *string         `json:"key_base64,omitempty"`
-	Keyless     bool            `json:"keyless,omitempty"`
-	ValueBase64 *string         `json:"value_base64,omitempty"`
-	ValueSize   int             `json:"value_size"`
-	Headers     []headerJSON    `json:"headers,omitempty"`
-	Partition   *int32          `json:"partition,omitempty"`
-	CreatedAt   time.Time       `json:"created_at"`
-	DeadAt      time.Time       `json:"dead_at"`
-	Attempts    int             `json:"attempts"`
-	LastError   string          `json:"last_error,omitempty"`
-	State       DeadLetterState `json:"state"`
-	// MaybeDelivered and DeliveryNote are derived from LastError.
-	MaybeDelivered bool   `json:"maybe_delivered"`
-	DeliveryNote   string `json:"delivery_note,omitempty"`
-}
-
-type headerJSON struct {
-	Key         string  `json:"key"`
-	Value       *string `json:"value,omitempty"`
-	ValueBase64 *string `json:"value_base64,omitempty"`
-}
-
-// MarshalJSON encodes a dead letter with snake_case names. The key is
-// given as text ("key") when it is valid UTF-8 and as base64
-// ("key_base64") otherwise, and "keyless" is true for a keyless message;
-// the value, when loaded, as base64 ("value_base64"); header values as
-// text or base64 likewise. UnmarshalJSON reads it back.
-func (d DeadLetter) MarshalJSON() ([]byte, error) {
-	v := deadLetterJSON{ID: d.ID, MessageID: d.MessageID, Bucket: d.Bucket, Topic: d.Topic, ValueSize: d.ValueSize, Partition: d.Partition,
-		CreatedAt: d.CreatedAt, DeadAt: d.DeadAt, Attempts: d.Attempts, LastError: d.LastError, State: d.State,
-		MaybeDelivered: d.MaybeDelivered, DeliveryNote: d.DeliveryNote}
-	v.Key, v.KeyBase64 = textOrBase64(d.Key)
-	v.Keyless = d.Key == nil
-	if d.Value != nil {
-		s := base64.StdEncoding.EncodeToString(d.Value)
-		v.ValueBase64 = &s
-	}
-	for _, h := range d.Headers {
-		t, b := textOrBase64(h.Value)
-		v.Headers = append(v.Headers, headerJSON{Key: h.Key, Value: t, ValueBase64: b})
-	}
-	return json.Marshal(v)
-}
-
-// UnmarshalJSON decodes the form MarshalJSON writes, as the admin HTTP
-// API and outboxctl --json print it.
-func (d *DeadLetter) UnmarshalJSON(b []byte) error {
-	var v deadLetterJSON
-	if err := json.Unmarshal(b, &v); err != nil {
-		return err
-	}
-	out := DeadLetter{ID: v.ID, MessageID: v.MessageID, Bucket: v.Bucket, Topic: v.Topic, ValueSize: v.ValueSize, Partition: v.Partition,
-		CreatedAt: v.CreatedAt, DeadAt: v.DeadAt, Attempts: v.Attempts, LastError: v.LastError, State: v.State}
-	out.setDelivery()
-	var err error
-	if out.Key, err = fromTextOrBase64(v.Key, v.KeyBase64); err != nil {
-		return fmt.Errorf("outbox: dead letter %d: key_base64: %w", v.ID, err)
-	}
-	if out.Value, err = fromTextOrBase64(nil, v.ValueBase64); err != nil {
-		return fmt.Errorf("outbox: dead letter %d: value_base64: %w", v.ID, err)
-	}
-	for _, h := range v.Headers {
-		val, err := fromTextOrBase64(h.Value, h.ValueBase64)
-		if err != nil {
-			return fmt.Errorf("outbox: dead letter %d: header %q: %w", v.ID, h.Key, err)
-		}
-		out.Headers = append(out.Headers, outbox.Header{Key: h.Key, Value: val})
-	}
-	*d = out
-	return nil
-}
-
-func fromTextOrBase64(text, b64 *string) ([]byte, error) {
-	switch {
-	case text != nil:
-		return []byte(*text), nil
-	case b64 != nil:
-		return base64.StdEncoding.DecodeString(*b64)
-	}
-	return nil, nil
-}
-
-func textOrBase64(b []byte) (text, b64 *string) {
-	if b == nil {
-		return nil, nil
-	}
-	if utf8.Valid(b) {
-		s := string(b)
-		return &s, nil
-	}
-	s := base64.StdEncoding.EncodeToString(b)
-	return nil, &s
-}
-
-// DeadLetterQuery selects dead letters. Zero fields select everything.
-type DeadLetterQuery struct {
-	// Topic, if set, selects that topic only.
-	Topic string
-	// Key, if non-nil, selects that key only (an empty, non-nil key is the
-	// empty key). Keyless dead letters are selected with Keyless.
-	Key     []byte
-	Keyless bool
-	// State, if set, selects failed or parked dead letters only.
-	State DeadLetterState
-	// Bucket, if non-nil, selects one bucket.
-	Bucket *int
-	// Since and Until bound the time the message died: Since <= DeadAt <
-	// Until. Zero means unbounded.
-	Since, Until time.Time
-	// Limit is the page size, 1 to 1000. Default 50.
-	Limit int
-	// Cursor continues a listing where the previous page ended
-	// (DeadLetterPage.Next). Empty starts with the newest.
-	Cursor string
-}
-
-// DeadLetterPage is one page of dead letters, newest first.
-type DeadLetterPage struct {
-	Items []DeadLetter `json:"items"`
-	// Next is the cursor of the next page; empty on the last page.
-	Next string `json:"next,omitempty"`
-}
-
-// Dead-letter page sizes.
-const (
-	DeadLetterPageDefault = 50
-	DeadLetterPageMax     = 1000
-)
-
 const deadListColumns = "id, message_id, bucket, topic, msg_key, LENGTH(msg_value), msg_partition, created_at_ms, attempts, last_error, dead_at_ms, state"
 
 // DeadLetters lists dead letters matching q, newest first (by the time
 // they died, then by id), one page at a time. Values and headers are not
 // read; use DeadLetter for one message in full.
 func (a *Admin) DeadLetters(ctx context.Context, q DeadLetterQuery) (DeadLetterPage, error) {
-	limit := q.Limit
-	switch {
-	case limit == 0:
-		limit = DeadLetterPageDefault
-	case limit < 0 || limit > DeadLetterPageMax:
-		return DeadLetterPage{}, fmt.Errorf("%w: limit %d outside 1..%d", ErrInvalidRequest, limit, DeadLetterPageMax)
+	limit, after, err := q.Check()
+	if err != nil {
+		return DeadLetterPage{}, err
 	}
 	db, cancel := a.op(ctx, "list dead letters")
 	defer cancel()
@@ -568,21 +331,14 @@ func (a *Admin) DeadLetters(ctx context.Context, q DeadLetterQuery) (DeadLetterP
 	if q.Topic != "" {
 		cond("topic = ?", q.Topic)
 	}
-	if q.Key != nil && q.Keyless {
-		return DeadLetterPage{}, fmt.Errorf("%w: Key and Keyless exclude each other", ErrInvalidRequest)
-	}
 	if q.Key != nil {
 		cond("msg_key = ?", q.Key)
 	}
 	if q.Keyless {
 		cond("msg_key IS NULL")
 	}
-	switch q.State {
-	case "":
-	case DeadLetterFailed, DeadLetterParked:
+	if q.State != "" {
 		cond("state = ?", string(q.State))
-	default:
-		return DeadLetterPage{}, fmt.Errorf("%w: state %q is neither %q nor %q", ErrInvalidRequest, q.State, DeadLetterFailed, DeadLetterParked)
 	}
 	if q.Bucket != nil {
 		cond("bucket = ?", *q.Bucket)
@@ -593,12 +349,8 @@ func (a *Admin) DeadLetters(ctx context.Context, q DeadLetterQuery) (DeadLetterP
 	if !q.Until.IsZero() {
 		cond("dead_at_ms < ?", q.Until.UnixMilli())
 	}
-	if q.Cursor != "" {
-		at, id, err := parseCursor(q.Cursor)
-		if err != nil {
-			return DeadLetterPage{}, err
-		}
-		cond("(dead_at_ms < ? OR (dead_at_ms = ? AND id < ?))", at, at, id)
+	if after != nil {
+		cond("(dead_at_ms < ? OR (dead_at_ms = ? AND id < ?))", after.DeadAtMs, after.DeadAtMs, after.ID)
 	}
 	sql := "SELECT " + deadListColumns + " FROM " + a.quote(a.cfg.Tables.DeadLettersTable())
 	if len(where) > 0 {
@@ -614,22 +366,9 @@ func (a *Admin) DeadLetters(ctx context.Context, q DeadLetterQuery) (DeadLetterP
 	if len(items) > limit {
 		page.Items = items[:limit]
 		last := page.Items[limit-1]
-		page.Next = fmt.Sprintf("%d.%d", last.DeadAt.UnixMilli(), last.ID)
+		page.Next = ops.CursorAfter(last)
 	}
 	return page, nil
-}
-
-func parseCursor(c string) (at, id int64, err error) {
-	a, b, ok := strings.Cut(c, ".")
-	if ok {
-		if at, err = strconv.ParseInt(a, 10, 64); err == nil {
-			id, err = strconv.ParseInt(b, 10, 64)
-		}
-	}
-	if !ok || err != nil {
-		return 0, 0, fmt.Errorf("%w: malformed cursor %q", ErrInvalidRequest, c)
-	}
-	return at, id, nil
 }
 
 // DeadLetter reads one dead letter in full, or fails with ErrNotFound.
@@ -660,7 +399,7 @@ func (a *Admin) CountDeadLetters(ctx context.Context) (DeadLetterCounts, error) 
 		return c, a.fail(db, "count dead letters", err)
 	}
 	for _, r := range rows {
-		c.add(r.State, r.N)
+		c.Add(DeadLetterState(r.State), r.N)
 	}
 	return c, nil
 }
@@ -698,7 +437,7 @@ func (a *Admin) scanDeadLetters(db *gorm.DB, query string, full bool, args ...an
 		if lastError != nil {
 			d.LastError = *lastError
 		}
-		d.setDelivery()
+		d.SetDelivery()
 		if partition != nil {
 			p := int32(*partition)
 			d.Partition = &p
@@ -711,29 +450,6 @@ func (a *Admin) scanDeadLetters(db *gorm.DB, query string, full bool, args ...an
 		out = append(out, d)
 	}
 	return out, rows.Err()
-}
-
-// RequeueResult reports what a requeue moved back into the messages
-// table.
-type RequeueResult struct {
-	// Requeued counts dead letters moved back.
-	Requeued int64 `json:"requeued"`
-	// Moved counts pending messages of a requeued key that were moved
-	// behind the requeued ones to keep the key's order.
-	Moved int64 `json:"moved"`
-	// Buckets lists the buckets that received messages.
-	Buckets []int `json:"buckets,omitempty"`
-	// NotFound lists requested ids that were not dead letters.
-	NotFound []int64 `json:"not_found,omitempty"`
-}
-
-func (r *RequeueResult) addGroup(bucket int, requeued, moved int64) {
-	r.Requeued += requeued
-	r.Moved += moved
-	if requeued+moved > 0 && !slices.Contains(r.Buckets, bucket) {
-		r.Buckets = append(r.Buckets, bucket)
-		slices.Sort(r.Buckets)
-	}
 }
 
 // requeueGroup is one unit of requeue: every dead letter of one key in
@@ -880,7 +596,7 @@ func (a *Admin) requeue(ctx context.Context, groups []requeueGroup, res *Requeue
 		if err != nil {
 			return err
 		}
-		res.addGroup(g.bucket, requeued, moved)
+		res.AddGroup(g.bucket, requeued, moved)
 	}
 	return nil
 }
@@ -1068,52 +784,10 @@ func (a *Admin) setPaused(ctx context.Context, bucket int, paused bool) error {
 	return nil
 }
 
-// Snapshot is one reading of a Watch stream.
-type Snapshot struct {
-	Status Status
-	// Err is set when the reading failed; the stream goes on.
-	Err error
-}
-
-// WatchIntervalDefault is the Watch interval used for a non-positive one.
-const WatchIntervalDefault = time.Second
-
-// Watch streams the outbox's Status, read at once and then every
-// interval, until ctx ends; the channel is closed after the last send. It
-// is read-only: it never claims, locks or changes anything, so it cannot
-// compete with the relays, which makes it safe for dashboards, health
-// checks and tests. A failed reading is sent with Err set and the stream
-// continues. Readings are not buffered: a slow receiver delays the next
-// one rather than receiving a backlog of stale readings. A message
-// enqueued and published between two readings is never seen.
+// Watch streams the outbox's Status (ops.Watch): read at once and then
+// every interval, until ctx ends. It is read-only.
 func (a *Admin) Watch(ctx context.Context, interval time.Duration) <-chan Snapshot {
-	if interval <= 0 {
-		interval = WatchIntervalDefault
-	}
-	ch := make(chan Snapshot)
-	go func() {
-		defer close(ch)
-		t := time.NewTimer(0)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-			st, err := a.Status(ctx)
-			if ctx.Err() != nil {
-				return
-			}
-			select {
-			case ch <- Snapshot{Status: st, Err: err}:
-			case <-ctx.Done():
-				return
-			}
-			t.Reset(interval)
-		}
-	}()
-	return ch
+	return ops.Watch(ctx, a, interval)
 }
 
 type idBucketKey struct {

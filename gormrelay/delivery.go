@@ -5,6 +5,8 @@ import (
 	"strconv"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/gorm-outbox/outbox/ops"
 )
 
 // A stored error text (last_error of a message or a dead letter) ends
@@ -15,7 +17,7 @@ import (
 // in a batch whose earlier message failed, so the relay publishes it again.
 // The line stays through later failures and into the dead-letter table;
 // DeadLetter.MaybeDelivered and DeliveryNote read it back.
-const maybeDeliveredPrefix = "may have been delivered: "
+const maybeDeliveredPrefix = ops.MaybeDeliveredPrefix
 
 // noteOutcomeUnknown is the note of a message whose publish may have
 // written it although the publisher reported it failed.
@@ -49,15 +51,8 @@ func outcomeOf(err error) (failed bool, later []string) {
 }
 
 // DeliveryNote returns the "may have been delivered: ..." line of a stored
-// error text, or "" if it has none.
-func DeliveryNote(lastError string) string {
-	for line := range strings.SplitSeq(lastError, "\n") {
-		if strings.HasPrefix(line, maybeDeliveredPrefix) {
-			return line
-		}
-	}
-	return ""
-}
+// error text, or "" if it has none (ops.DeliveryNote).
+func DeliveryNote(lastError string) string { return ops.DeliveryNote(lastError) }
 
 // errorText is the text stored for a failure with cause text: cut to fit
 // lastErrorMax together with note (if any), which goes on its own last
@@ -101,26 +96,6 @@ func cutText(s string, n int) string {
 	return cut + marker
 }
 
-// sinkErrorMark separates a recorded failure's cause, in plain words, from
-// the sink's own error text (see publisher.Error).
-const sinkErrorMark = "; sink error: "
-
 // ErrorCause returns the part of a stored error text that a list shows
-// whole: the cause in plain words and where it happened (topic,
-// partition, message id, key), without the sink's raw text and the
-// delivery note; whitespace runs become one space. A text without the
-// "; sink error: " mark (recorded by an older release, or by a publisher
-// that does not write one) is returned whole.
-func ErrorCause(lastError string) string {
-	var lines []string
-	for line := range strings.SplitSeq(lastError, "\n") {
-		if !strings.HasPrefix(line, maybeDeliveredPrefix) {
-			lines = append(lines, line)
-		}
-	}
-	s := strings.Join(lines, "\n")
-	if i := strings.Index(s, sinkErrorMark); i > 0 {
-		s = s[:i]
-	}
-	return strings.Join(strings.Fields(s), " ")
-}
+// whole (ops.ErrorCause).
+func ErrorCause(lastError string) string { return ops.ErrorCause(lastError) }

@@ -10,11 +10,14 @@
 //     retried until it passes, its bucket waiting behind it (ModeBlock).
 //   - DrainOnce publishes everything pending once, for jobs and tests.
 //   - Admin is the operational API (backlog, status, leases, relays, dead
-//     letters, requeue, purge, pause and resume), NewAdminHandler serves it
-//     as JSON over HTTP. Health answers Kubernetes probes: liveness fails
-//     at once when the relay stopped on an error, readiness also when the
-//     oldest pending message is older than MaxAge or the database does not
-//     answer (HealthHandler is readiness without the relay).
+//     letters, requeue, purge, pause and resume): the GORM implementation
+//     of ops.Operator. Its front ends live in ops/opshttp and ops/opsui and
+//     take any ops.Operator; NewAdminHandler (JSON over HTTP), NewUI (the
+//     web UI) and Health are their gormrelay names, taking the Admin.
+//     Health answers Kubernetes probes: liveness fails at once when the
+//     relay stopped on an error, readiness also when the oldest pending
+//     message is older than MaxAge or the database does not answer
+//     (HealthHandler is readiness without the relay).
 //
 // The flow is write → table → relay → publisher: package outbox writes
 // the rows in the business transaction, the relay engine (package relay)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/sqlrows"
+	"github.com/gorm-outbox/outbox/ops"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -48,16 +49,13 @@ func (m FailureMode) String() string {
 	return fmt.Sprintf("FailureMode(%d)", int(m))
 }
 
-// DeadLetterState is the state of a dead letter.
-type DeadLetterState string
+// DeadLetterState is the state of a dead letter (ops.DeadLetterState).
+type DeadLetterState = ops.DeadLetterState
 
+// Dead-letter states (ops.DeadLetterFailed, ops.DeadLetterParked).
 const (
-	// DeadLetterFailed is a message that exhausted the failure policy.
-	DeadLetterFailed DeadLetterState = "failed"
-	// DeadLetterParked is a message that did not fail itself but was held
-	// back because an earlier message of its key (in its bucket) is a dead
-	// letter: publishing it would deliver the key out of order.
-	DeadLetterParked DeadLetterState = "parked"
+	DeadLetterFailed = ops.DeadLetterFailed
+	DeadLetterParked = ops.DeadLetterParked
 )
 
 // FailurePolicyConfig configures a FailurePolicy. The zero value is the

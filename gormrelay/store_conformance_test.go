@@ -11,6 +11,7 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/opstest"
 	"github.com/gorm-outbox/outbox/relay"
 	"github.com/gorm-outbox/outbox/relay/storetest"
 )
@@ -50,5 +51,15 @@ func TestStoreConformance(t *testing.T) {
 				require.NoError(t, db.DB.Table(tb.MessagesTable()).Create(&rows).Error)
 			},
 		})
+	})
+}
+
+// The Admin keeps the operator API's contract on every database.
+func TestOperatorConformance(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		storetest.RunOperator(t, opstest.Harness(func(t *testing.T, buckets int) *opstest.Backend {
+			return opstest.GORM(t, db, outbox.Config{BucketCount: buckets})
+		}))
 	})
 }

@@ -1,7 +1,8 @@
 // Command outboxctl is the operator's tool for a gorm-outbox outbox: it
 // shows the backlog, leases and relays, lists and requeues dead letters,
 // purges old ones, and pauses or resumes buckets. It talks to the database
-// directly through gormrelay.Admin and needs no running relay.
+// directly through gormrelay.Admin, used through the operator API
+// (ops.Operator), and needs no running relay.
 //
 //	outboxctl [flags] status
 //	outboxctl [flags] dead-letters list [--topic T] [--key K | --key-base64 B | --keyless] [--state failed|parked]
@@ -44,6 +45,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
+	"github.com/gorm-outbox/outbox/ops"
 )
 
 // Exit statuses.
@@ -82,7 +84,8 @@ type globals struct {
 	out, errOut io.Writer
 	getenv      func(string) string
 	redact      redactor
-	admin       *gormrelay.Admin
+	op          ops.Operator  // the outbox's operator API: every command but schema
+	cfg         outbox.Config // the outbox the operator API works on
 	db          *gorm.DB
 	runCtx      context.Context
 	closeDB     func()
@@ -333,7 +336,7 @@ func (g *globals) connect(ctx context.Context) error {
 	if err != nil {
 		return usageError{err.Error()}
 	}
-	g.admin = admin.WithLiveWindow(g.liveWindow)
+	g.op, g.cfg = admin.WithLiveWindow(g.liveWindow), admin.Config()
 	g.db = db
 	return nil
 }
@@ -373,7 +376,7 @@ func (g *globals) explain(ctx context.Context, err error) error {
 	if db.Raw("SELECT 1").Row().Scan(&one) != nil {
 		return err // the database does not answer: not a schema problem
 	}
-	t := g.admin.Config().Tables
+	t := g.cfg.Tables
 	var missing []string
 	for _, name := range []string{t.MessagesTable(), t.LeasesTable(), t.RelaysTable(), t.DeadLettersTable()} {
 		if db.Exec("SELECT 1 FROM "+db.Statement.Quote(name)+" WHERE 1 = 0").Error != nil {
@@ -433,20 +436,20 @@ func (g *globals) status(ctx context.Context, fs *flag.FlagSet, args []string) e
 	if len(pos) > 0 {
 		return usagef("status takes no arguments")
 	}
-	st, err := g.admin.Status(ctx)
+	st, err := g.op.Status(ctx)
 	if err != nil {
 		return err
 	}
 	if g.json {
 		return g.printJSON(st)
 	}
-	printStatus(g.out, st, g.admin.Config())
+	printStatus(g.out, st, g.cfg)
 	return nil
 }
 
 func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []string) error {
 	var (
-		q                   gormrelay.DeadLetterQuery
+		q                   ops.DeadLetterQuery
 		key, keyB64         string
 		state, since, until string
 		bucket              = -1
@@ -463,7 +466,7 @@ func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []s
 	fs.IntVar(&bucket, "bucket", -1, "list: only this bucket")
 	fs.StringVar(&since, "since", "", "list: died at or after this time")
 	fs.StringVar(&until, "until", "", "list: died before this time")
-	fs.IntVar(&limit, "limit", gormrelay.DeadLetterPageDefault, "list: page size")
+	fs.IntVar(&limit, "limit", ops.DeadLetterPageDefault, "list: page size")
 	fs.StringVar(&cursor, "cursor", "", "list: continue after a previous page")
 	pos, err := parse(fs, args)
 	if err != nil {
@@ -482,7 +485,7 @@ func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []s
 		if len(rest) > 0 {
 			return usagef("dead-letters list takes no arguments")
 		}
-		q = gormrelay.DeadLetterQuery{Topic: topic, State: gormrelay.DeadLetterState(state), Limit: limit, Cursor: cursor, Keyless: keyless}
+		q = ops.DeadLetterQuery{Topic: topic, State: ops.DeadLetterState(state), Limit: limit, Cursor: cursor, Keyless: keyless}
 		if q.Key, err = keyArg(hasKey, key, keyB64); err != nil {
 			return err
 		}
@@ -490,10 +493,10 @@ func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []s
 			q.Bucket = &bucket
 		}
 		now := time.Now()
-		if q.Since, err = gormrelay.ParseAdminTime(since, now); err != nil {
+		if q.Since, err = ops.ParseTime(since, now); err != nil {
 			return usagef("--since: %v", err)
 		}
-		if q.Until, err = gormrelay.ParseAdminTime(until, now); err != nil {
+		if q.Until, err = ops.ParseTime(until, now); err != nil {
 			return usagef("--until: %v", err)
 		}
 	case "show", "discard", "rm":
@@ -514,19 +517,19 @@ func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []s
 	}
 	switch sub {
 	case "list", "ls":
-		page, err := g.admin.DeadLetters(ctx, q)
+		page, err := g.op.DeadLetters(ctx, q)
 		if err != nil {
 			return err
 		}
 		if g.json {
 			if page.Items == nil {
-				page.Items = []gormrelay.DeadLetter{}
+				page.Items = []ops.DeadLetter{}
 			}
 			return g.printJSON(page)
 		}
 		printDeadLetters(g.out, page)
 	case "show":
-		d, err := g.admin.DeadLetter(ctx, ids[0])
+		d, err := g.op.DeadLetter(ctx, ids[0])
 		if err != nil {
 			return err
 		}
@@ -535,7 +538,7 @@ func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []s
 		}
 		printDeadLetter(g.out, d)
 	default:
-		n, err := g.admin.DiscardDeadLetters(ctx, ids...)
+		n, err := g.op.DiscardDeadLetters(ctx, ids...)
 		if err != nil {
 			return err
 		}
@@ -622,17 +625,17 @@ func (g *globals) requeue(ctx context.Context, fs *flag.FlagSet, args []string) 
 	if err := g.connect(ctx); err != nil {
 		return err
 	}
-	var res gormrelay.RequeueResult
+	var res ops.RequeueResult
 	switch {
 	case ids != nil:
-		res, err = g.admin.RequeueIDs(ctx, ids...)
+		res, err = g.op.RequeueIDs(ctx, ids...)
 	case k != nil:
-		res, err = g.admin.RequeueKey(ctx, k)
+		res, err = g.op.RequeueKey(ctx, k)
 		if err == nil && res.Requeued == 0 {
-			return fmt.Errorf("%w: no dead letter has key %s", gormrelay.ErrNotFound, printable(k, 0))
+			return fmt.Errorf("%w: no dead letter has key %s", ops.ErrNotFound, printable(k, 0))
 		}
 	default:
-		res, err = g.admin.RequeueAll(ctx, topic)
+		res, err = g.op.RequeueAll(ctx, topic)
 	}
 	if err != nil {
 		if res.Requeued > 0 {
@@ -655,7 +658,7 @@ func (g *globals) requeue(ctx context.Context, fs *flag.FlagSet, args []string) 
 		fmt.Fprintf(g.out, "not dead letters: %s\n", joinInts(res.NotFound))
 	}
 	if ids != nil && len(res.NotFound) == len(ids) {
-		return fmt.Errorf("%w: none of the ids is a dead letter", gormrelay.ErrNotFound)
+		return fmt.Errorf("%w: none of the ids is a dead letter", ops.ErrNotFound)
 	}
 	return nil
 }
@@ -688,14 +691,14 @@ func (g *globals) purge(ctx context.Context, fs *flag.FlagSet, args []string) er
 	if olderThan == "" {
 		return usagef("purge needs --older-than (a duration such as 720h, or an RFC 3339 time)")
 	}
-	t, err := gormrelay.ParseAdminTime(olderThan, time.Now())
+	t, err := ops.ParseTime(olderThan, time.Now())
 	if err != nil {
 		return usagef("--older-than: %v", err)
 	}
 	if err := g.connect(ctx); err != nil {
 		return err
 	}
-	n, err := g.admin.PurgeDeadLetters(ctx, t)
+	n, err := g.op.PurgeDeadLetters(ctx, t)
 	if err != nil {
 		return err
 	}
@@ -724,9 +727,9 @@ func (g *globals) pause(ctx context.Context, fs *flag.FlagSet, args []string, pa
 		return err
 	}
 	if paused {
-		err = g.admin.PauseBucket(ctx, b)
+		err = g.op.PauseBucket(ctx, b)
 	} else {
-		err = g.admin.ResumeBucket(ctx, b)
+		err = g.op.ResumeBucket(ctx, b)
 	}
 	if err != nil {
 		return err

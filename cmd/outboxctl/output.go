@@ -13,7 +13,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/gorm-outbox/outbox"
-	"github.com/gorm-outbox/outbox/gormrelay"
+	"github.com/gorm-outbox/outbox/ops"
 )
 
 func newTable(w io.Writer) *tabwriter.Writer {
@@ -36,7 +36,7 @@ func age(d time.Duration) string {
 	return fmt.Sprintf("%dd%dh", days, int((d-time.Duration(days)*24*time.Hour)/time.Hour))
 }
 
-func printStatus(w io.Writer, st gormrelay.Status, cfg outbox.Config) {
+func printStatus(w io.Writer, st ops.Status, cfg outbox.Config) {
 	fmt.Fprintf(w, "outbox %s: %d buckets, %d pending", cfg.Tables.MessagesTable(), st.BucketCount, st.Pending)
 	if st.Pending > 0 {
 		fmt.Fprintf(w, ", oldest %s old", age(st.OldestAge()))
@@ -137,22 +137,22 @@ func oneLine(s string) string {
 }
 
 // errorSummary is the part of a recorded failure the dead-letter list
-// shows, whole: gormrelay.ErrorCause, the cause and where, without the
+// shows, whole: ops.ErrorCause, the cause and where, without the
 // sink's raw text and the delivery note, which "dead-letters show" prints.
 // A text recorded without a cause first (by an older release) is shown as
 // its innermost cause.
 func errorSummary(lastError string) string {
-	return failureCause(gormrelay.ErrorCause(lastError))
+	return failureCause(ops.ErrorCause(lastError))
 }
 
-func maybeDelivered(d gormrelay.DeadLetter) string {
+func maybeDelivered(d ops.DeadLetter) string {
 	if d.MaybeDelivered {
 		return "maybe"
 	}
 	return "no"
 }
 
-func printDeadLetters(w io.Writer, page gormrelay.DeadLetterPage) {
+func printDeadLetters(w io.Writer, page ops.DeadLetterPage) {
 	if len(page.Items) == 0 {
 		fmt.Fprintln(w, "no dead letters")
 		return
@@ -170,7 +170,7 @@ func printDeadLetters(w io.Writer, page gormrelay.DeadLetterPage) {
 	}
 }
 
-func printDeadLetter(w io.Writer, d gormrelay.DeadLetter) {
+func printDeadLetter(w io.Writer, d ops.DeadLetter) {
 	tw := newTable(w)
 	row := func(k, v string) { fmt.Fprintf(tw, "%s\t%s\n", k, v) }
 	row("id", strconv.FormatInt(d.ID, 10))

@@ -27,6 +27,9 @@
 // reported), and concurrent use for different buckets, which the engine's
 // drainers do (run it with -race). Lease expiry is tested with leases of
 // a few hundred milliseconds on the host's clock.
+//
+// RunOperator is the conformance suite of the operator API
+// (ops.Operator), for a store that also offers the operator front ends.
 package storetest
 
 import (

@@ -1,6 +1,8 @@
-// Package ui_test drives the operator web UI (gormrelay.UI) in a real
-// headless Chromium against real databases: the numbers it shows, its
-// actions, its refusals and its escaping.
+// Package ui_test drives the operator web UI (opsui.UI) in a real
+// headless Chromium against each implementation of the operator API: the
+// GORM store's Admin on real databases, and the in-memory opsmem.Store.
+// It checks the numbers the UI shows, its actions, its refusals and its
+// escaping.
 //
 // The test binary starts one browser for all its tests (each test gets
 // its own tab) with a fresh profile, and stops it after the last test.

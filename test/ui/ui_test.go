@@ -2,6 +2,7 @@ package ui_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -21,9 +22,10 @@ import (
 	"github.com/chromedp/chromedp"
 	"github.com/stretchr/testify/require"
 
-	"github.com/gorm-outbox/outbox"
-	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/opstest"
+	"github.com/gorm-outbox/outbox/ops"
+	"github.com/gorm-outbox/outbox/ops/opsui"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -35,28 +37,23 @@ const mount = "/ops/outbox"
 var testSecret = []byte("ui-test-secret-0123456789abcdef0123456789")
 
 type bundle struct {
-	db    *dbtest.DB
-	cfg   outbox.Config
-	admin *gormrelay.Admin
+	be    *opstest.Backend
+	admin ops.Operator
 	srv   *httptest.Server
 	root  string // the UI's URL, ending in "/"
 }
 
-// setup migrates a fresh outbox and serves its UI under mount.
-func setup(t *testing.T, db *dbtest.DB, opts gormrelay.UIOptions) *bundle {
+// setup serves the UI of be's outbox under mount.
+func setup(t *testing.T, be *opstest.Backend, opts opsui.Options) *bundle {
 	t.Helper()
-	cfg := outbox.Config{BucketCount: 4}.WithDefaults()
-	require.NoError(t, cfg.Tables.AutoMigrate(context.Background(), db.DB))
-	admin, err := gormrelay.NewAdmin(db.DB, cfg)
-	require.NoError(t, err)
-	b := &bundle{db: db, cfg: cfg, admin: admin}
+	b := &bundle{be: be, admin: be.Op}
 	b.srv = b.serve(t, opts)
 	b.root = b.srv.URL + mount + "/"
 	return b
 }
 
 // serve starts another server with a UI of the same outbox.
-func (b *bundle) serve(t *testing.T, opts gormrelay.UIOptions) *httptest.Server {
+func (b *bundle) serve(t *testing.T, opts opsui.Options) *httptest.Server {
 	if opts.CSRFSecret == nil {
 		opts.CSRFSecret = testSecret
 	}
@@ -64,15 +61,15 @@ func (b *bundle) serve(t *testing.T, opts gormrelay.UIOptions) *httptest.Server 
 		opts.Logger = dbtest.Logger(t)
 	}
 	mux := http.NewServeMux()
-	mux.Handle(mount+"/", http.StripPrefix(mount, gormrelay.NewUI(b.admin, opts)))
+	mux.Handle(mount+"/", http.StripPrefix(mount, opsui.New(b.admin, opts)))
 	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
 	return srv
 }
 
 const (
-	hour = int64(time.Hour / time.Millisecond)
-	min  = int64(time.Minute / time.Millisecond)
+	hour = time.Hour
+	min  = time.Minute
 )
 
 // seed writes a backlog in buckets 0 to 2, a relay holding leases, a
@@ -86,37 +83,33 @@ const (
 func (b *bundle) seed(t *testing.T) {
 	t.Helper()
 	ctx := context.Background()
-	now := time.Now().UnixMilli()
-	var msgs []outbox.MessageRow
+	now := time.Now()
+	var msgs []relay.Message
 	for i, m := range []struct {
-		bucket int32
+		bucket int
 		key    string
-		age    int64
-	}{{0, "a", 5 * min}, {0, "a", 4 * min}, {0, "b", 3 * min}, {1, "c", hour}, {1, "c", 50 * min}, {2, "d", 20 * 1000}} {
-		msgs = append(msgs, outbox.MessageRow{MessageID: fmt.Sprintf("m-%d", i), Bucket: m.bucket, Topic: "orders",
-			Key: []byte(m.key), Value: []byte(`{"n":` + strconv.Itoa(i) + `}`), CreatedAtMs: now - m.age})
+		age    time.Duration
+	}{{0, "a", 5 * min}, {0, "a", 4 * min}, {0, "b", 3 * min}, {1, "c", hour}, {1, "c", 50 * min}, {2, "d", 20 * time.Second}} {
+		msgs = append(msgs, relay.Message{MessageID: fmt.Sprintf("m-%d", i), Bucket: m.bucket, Topic: "orders",
+			Key: []byte(m.key), Value: []byte(`{"n":` + strconv.Itoa(i) + `}`), CreatedAt: now.Add(-m.age)})
 	}
-	require.NoError(t, b.db.DB.Table(b.cfg.Tables.MessagesTable()).Create(&msgs).Error)
-
-	store, err := gormrelay.NewStore(b.db.DB, b.cfg)
-	require.NoError(t, err)
-	_, err = store.AcquireLeases(ctx, relay.AcquireRequest{RelayID: "relay-a", BucketCount: b.cfg.BucketCount, LeaseDuration: time.Hour})
-	require.NoError(t, err)
-	require.NoError(t, b.db.DB.Table(b.cfg.Tables.RelaysTable()).Create(&outbox.RelayRow{
-		RelayID: "relay-gone", LastSeenMs: now - 10*min, StartedAtMs: now - 3*hour}).Error)
+	b.be.Insert(t, msgs...)
+	for bucket := range b.be.Config.BucketCount {
+		b.be.SetLease(t, bucket, "relay-a", now.Add(time.Hour))
+	}
+	b.be.Heartbeat(t, "relay-a", now, now.Add(-hour))
+	b.be.Heartbeat(t, "relay-gone", now.Add(-10*min), now.Add(-3*hour))
 	require.NoError(t, b.admin.PauseBucket(ctx, 3))
 
-	lastErr := tooLargeError()
-	parkedErr := parkedNote
 	b.insertDead(t,
-		outbox.DeadLetterRow{ID: 1001, Bucket: 1, Topic: "orders", Key: []byte("order-1"), Value: []byte(`{"order":1,"lines":[{"sku":"A-1","qty":2}]}`),
-			Headers:  outbox.EncodeHeaders([]outbox.Header{{Key: "trace-id", Value: []byte("4bf92f3577b34da6")}, {Key: "bin", Value: []byte{0xff, 0x00, 0x41}}}),
-			Attempts: 10, LastError: &lastErr, DeadAtMs: now - 2*hour},
-		outbox.DeadLetterRow{ID: 1002, Bucket: 1, Topic: "orders", Key: []byte("order-1"), Value: []byte(`{"order":1,"status":"paid"}`), State: "parked", DeadAtMs: now - 2*hour,
-			LastError: &parkedErr},
-		outbox.DeadLetterRow{ID: 1003, Bucket: 2, Topic: "payments", Value: []byte{0xde, 0xad, 0xbe, 0xef, 0x00}, Attempts: 3, DeadAtMs: now - 30*min},
-		outbox.DeadLetterRow{ID: 1004, Bucket: 0, Topic: "orders", Key: []byte("order-9"), Value: []byte("not json: order 9 shipped"), Attempts: 1, DeadAtMs: now - 10*min},
-		outbox.DeadLetterRow{ID: 1005, Bucket: 2, Topic: "payments", Key: []byte("p-5"), Value: []byte("old"), Attempts: 10, DeadAtMs: now - 100*hour},
+		ops.DeadLetter{ID: 1001, Bucket: 1, Topic: "orders", Key: []byte("order-1"), Value: []byte(`{"order":1,"lines":[{"sku":"A-1","qty":2}]}`),
+			Headers:  []relay.Header{{Key: "trace-id", Value: []byte("4bf92f3577b34da6")}, {Key: "bin", Value: []byte{0xff, 0x00, 0x41}}},
+			Attempts: 10, LastError: tooLargeError(), DeadAt: now.Add(-2 * hour)},
+		ops.DeadLetter{ID: 1002, Bucket: 1, Topic: "orders", Key: []byte("order-1"), Value: []byte(`{"order":1,"status":"paid"}`), State: "parked", DeadAt: now.Add(-2 * hour),
+			LastError: parkedNote},
+		ops.DeadLetter{ID: 1003, Bucket: 2, Topic: "payments", Value: []byte{0xde, 0xad, 0xbe, 0xef, 0x00}, Attempts: 3, DeadAt: now.Add(-30 * min)},
+		ops.DeadLetter{ID: 1004, Bucket: 0, Topic: "orders", Key: []byte("order-9"), Value: []byte("not json: order 9 shipped"), Attempts: 1, DeadAt: now.Add(-10 * min)},
+		ops.DeadLetter{ID: 1005, Bucket: 2, Topic: "payments", Key: []byte("p-5"), Value: []byte("old"), Attempts: 10, DeadAt: now.Add(-100 * hour)},
 	)
 }
 
@@ -137,40 +130,45 @@ func tooLargeError() string {
 // acknowledged after an earlier message of its batch failed.
 const parkedNote = `may have been delivered: it was sent in a batch whose earlier message "d-1001" failed; the broker acknowledged it or did not answer, and the relay publishes it again`
 
-func (b *bundle) insertDead(t *testing.T, rows ...outbox.DeadLetterRow) {
+func (b *bundle) insertDead(t *testing.T, dead ...ops.DeadLetter) {
 	t.Helper()
-	for i := range rows {
-		r := &rows[i]
-		r.MessageID = fmt.Sprintf("d-%d", r.ID)
-		if r.State == "" {
-			r.State = "failed"
+	for i := range dead {
+		d := &dead[i]
+		d.MessageID = fmt.Sprintf("d-%d", d.ID)
+		if d.State == "" {
+			d.State = ops.DeadLetterFailed
 		}
-		r.CreatedAtMs = r.DeadAtMs - min
+		d.CreatedAt = d.DeadAt.Add(-min)
 	}
-	require.NoError(t, b.db.DB.Table(b.cfg.Tables.DeadLettersTable()).Create(&rows).Error)
+	b.be.InsertDead(t, dead...)
 }
 
-// deadExists reports whether dead letter id is in the table.
+// deadExists reports whether dead letter id exists.
 func (b *bundle) deadExists(t *testing.T, id int64) bool {
 	t.Helper()
-	var n int64
-	require.NoError(t, b.db.DB.Table(b.cfg.Tables.DeadLettersTable()).Where("id = ?", id).Count(&n).Error)
-	return n > 0
+	_, err := b.admin.DeadLetter(context.Background(), id)
+	if errors.Is(err, ops.ErrNotFound) {
+		return false
+	}
+	require.NoError(t, err)
+	return true
 }
 
-// pendingMessageIDs lists the message ids in the messages table.
+// pendingMessageIDs lists the message ids of the pending messages.
 func (b *bundle) pendingMessageIDs(t *testing.T) []string {
 	t.Helper()
 	var ids []string
-	require.NoError(t, b.db.DB.Table(b.cfg.Tables.MessagesTable()).Order("id").Pluck("message_id", &ids).Error)
+	for _, m := range b.be.Pending(t) {
+		ids = append(ids, m.MessageID)
+	}
 	return ids
 }
 
 func (b *bundle) paused(t *testing.T, bucket int) bool {
 	t.Helper()
-	var rows []outbox.LeaseRow
-	require.NoError(t, b.db.DB.Table(b.cfg.Tables.LeasesTable()).Where("bucket = ?", bucket).Find(&rows).Error)
-	return len(rows) == 1 && rows[0].Paused
+	st, err := b.admin.Status(context.Background())
+	require.NoError(t, err)
+	return st.Buckets[bucket].Lease.Paused
 }
 
 // ------------------------------------------------------------ browser helpers
@@ -264,7 +262,7 @@ func ms(t time.Time) string {
 }
 
 // requireShows checks that the page shows the numbers of st.
-func requireShows(t *testing.T, st gormrelay.Status, got shownOverview) {
+func requireShows(t *testing.T, st ops.Status, got shownOverview) {
 	t.Helper()
 	i64 := func(n int64) string { return strconv.FormatInt(n, 10) }
 	require.Equal(t, i64(st.Pending), got.Pending)
@@ -322,9 +320,9 @@ func requireShows(t *testing.T, st gormrelay.Status, got shownOverview) {
 // refresh itself to the new numbers.
 func TestOverviewMatchesAdmin(t *testing.T) {
 	t.Parallel()
-	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+	opstest.ForEach(t, 4, func(t *testing.T, be *opstest.Backend) {
 		var published atomic.Int64
-		b := setup(t, db, gormrelay.UIOptions{RefreshInterval: 300 * time.Millisecond,
+		b := setup(t, be, opsui.Options{RefreshInterval: 300 * time.Millisecond,
 			Published: func() float64 { return float64(published.Load()) }})
 		b.seed(t)
 		ctx := tab(t)
@@ -339,13 +337,13 @@ func TestOverviewMatchesAdmin(t *testing.T) {
 		require.Zero(t, eval[int](t, ctx, `document.querySelectorAll('form[method=post]').length`), "a read-only UI offers no action")
 
 		// The outbox changes: the page follows without a reload.
-		now := time.Now().UnixMilli()
-		more := []outbox.MessageRow{}
+		now := time.Now()
+		more := []relay.Message{}
 		for i := range 5 {
-			more = append(more, outbox.MessageRow{MessageID: fmt.Sprintf("n-%d", i), Bucket: 3, Topic: "orders", Key: []byte("z"), CreatedAtMs: now - 7*min})
+			more = append(more, relay.Message{MessageID: fmt.Sprintf("n-%d", i), Bucket: 3, Topic: "orders", Key: []byte("z"), CreatedAt: now.Add(-7 * min)})
 		}
-		require.NoError(t, db.DB.Table(b.cfg.Tables.MessagesTable()).Create(&more).Error)
-		b.insertDead(t, outbox.DeadLetterRow{ID: 2001, Bucket: 3, Topic: "orders", Key: []byte("z"), DeadAtMs: now})
+		b.be.Insert(t, more...)
+		b.insertDead(t, ops.DeadLetter{ID: 2001, Bucket: 3, Topic: "orders", Key: []byte("z"), DeadAt: now})
 		require.NoError(t, b.admin.ResumeBucket(ctx0, 3))
 		published.Add(42)
 		st, err = b.admin.Status(ctx0)
@@ -383,9 +381,9 @@ func readChart(t *testing.T, ctx context.Context, id string) shownChart {
 // back, with the rise still drawn.
 func TestOverviewChartsFollowTheBacklog(t *testing.T) {
 	t.Parallel()
-	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+	opstest.ForEach(t, 4, func(t *testing.T, be *opstest.Backend) {
 		var published atomic.Int64
-		b := setup(t, db, gormrelay.UIOptions{AllowMutations: true, RefreshInterval: 300 * time.Millisecond,
+		b := setup(t, be, opsui.Options{AllowMutations: true, RefreshInterval: 300 * time.Millisecond,
 			Published: func() float64 { return float64(published.Load()) }})
 		b.seed(t)
 		ctx := tab(t)
@@ -399,12 +397,12 @@ func TestOverviewChartsFollowTheBacklog(t *testing.T) {
 		require.Equal(t, "Published", text(t, ctx, "#chart-rate .label"))
 
 		// A backlog of 200, the oldest 3 hours old.
-		now := time.Now().UnixMilli()
-		var more []outbox.MessageRow
+		now := time.Now()
+		var more []relay.Message
 		for i := range 200 {
-			more = append(more, outbox.MessageRow{MessageID: fmt.Sprintf("burst-%d", i), Bucket: int32(i % 4), Topic: "burst", CreatedAtMs: now - 3*hour})
+			more = append(more, relay.Message{MessageID: fmt.Sprintf("burst-%d", i), Bucket: i % 4, Topic: "burst", CreatedAt: now.Add(-3 * hour)})
 		}
-		require.NoError(t, db.DB.Table(b.cfg.Tables.MessagesTable()).CreateInBatches(more, 100).Error)
+		b.be.Insert(t, more...)
 		waitJS(t, ctx, `document.getElementById('chart-backlog').dataset.last === "206"`)
 		c = readChart(t, ctx, "backlog")
 		require.Equal(t, "206", c.Now)
@@ -418,7 +416,7 @@ func TestOverviewChartsFollowTheBacklog(t *testing.T) {
 
 		// It drains (as a relay would delete what it published): the
 		// charts fall back, and the rise stays drawn.
-		require.NoError(t, db.DB.Table(b.cfg.Tables.MessagesTable()).Where("topic = ?", "burst").Delete(&outbox.MessageRow{}).Error)
+		b.be.DeletePending(t, "burst")
 		published.Add(200)
 		waitJS(t, ctx, `document.getElementById('chart-backlog').dataset.last === "6"`)
 		c = readChart(t, ctx, "backlog")
@@ -432,7 +430,7 @@ func TestOverviewChartsFollowTheBacklog(t *testing.T) {
 		// The charts are drawn by the server as inline SVG: nothing is
 		// fetched for them.
 		require.Zero(t, eval[int](t, ctx, `document.querySelectorAll('#charts img, #charts canvas, #charts script').length`))
-		if db.Dialect == dbtest.SQLite { // one set of screenshots for the docs
+		if be.Name == dbtest.SQLite { // one set of screenshots for the docs
 			screenshot(t, ctx, "ui-overview.png")
 		}
 	})
@@ -445,7 +443,7 @@ func shownIDs(t *testing.T, ctx context.Context) []int64 {
 	return eval[[]int64](t, ctx, `[...document.querySelectorAll('#dead-letters tbody tr')].map(tr => +tr.dataset.id)`)
 }
 
-func ids(items []gormrelay.DeadLetter) []int64 {
+func ids(items []ops.DeadLetter) []int64 {
 	out := []int64{}
 	for _, d := range items {
 		out = append(out, d.ID)
@@ -458,11 +456,11 @@ func ids(items []gormrelay.DeadLetter) []int64 {
 // with Admin.DeadLetters and Admin.DeadLetter.
 func TestDeadLetters(t *testing.T) {
 	t.Parallel()
-	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		b := setup(t, db, gormrelay.UIOptions{})
+	opstest.ForEach(t, 4, func(t *testing.T, be *opstest.Backend) {
+		b := setup(t, be, opsui.Options{})
 		b.seed(t)
 		ctx := tab(t)
-		list := func(q gormrelay.DeadLetterQuery) []int64 {
+		list := func(q ops.DeadLetterQuery) []int64 {
 			t.Helper()
 			p, err := b.admin.DeadLetters(context.Background(), q)
 			require.NoError(t, err)
@@ -472,7 +470,7 @@ func TestDeadLetters(t *testing.T) {
 		// From the overview's link.
 		open(t, ctx, b.root)
 		require.EqualValues(t, http.StatusOK, click(t, ctx, `nav a[href="dead-letters"]`))
-		require.Equal(t, list(gormrelay.DeadLetterQuery{}), shownIDs(t, ctx))
+		require.Equal(t, list(ops.DeadLetterQuery{}), shownIDs(t, ctx))
 		require.Equal(t, []int64{1004, 1003, 1002, 1001, 1005}, shownIDs(t, ctx), "newest first")
 		require.Equal(t, "4 failed · 1 parked", text(t, ctx, "h1 .small"))
 
@@ -492,18 +490,18 @@ func TestDeadLetters(t *testing.T) {
 		do(t, ctx, chromedp.SetValue(chromedp.CSS(`#filter input[name=topic]`), "orders"),
 			chromedp.SetValue(chromedp.CSS(`#filter select[name=state]`), "failed"))
 		require.EqualValues(t, http.StatusOK, click(t, ctx, `#filter button[type=submit]`))
-		require.Equal(t, list(gormrelay.DeadLetterQuery{Topic: "orders", State: gormrelay.DeadLetterFailed}), shownIDs(t, ctx))
+		require.Equal(t, list(ops.DeadLetterQuery{Topic: "orders", State: ops.DeadLetterFailed}), shownIDs(t, ctx))
 		require.Equal(t, []int64{1004, 1001}, shownIDs(t, ctx))
 		require.Equal(t, "orders", eval[string](t, ctx, `document.querySelector('#filter input[name=topic]').value`), "the form keeps the filter")
 
 		// Key, keyless, bucket and time filters.
-		for query, q := range map[string]gormrelay.DeadLetterQuery{
+		for query, q := range map[string]ops.DeadLetterQuery{
 			"key=order-1":       {Key: []byte("order-1")},
 			"keyless=true":      {Keyless: true},
 			"bucket=2":          {Bucket: new(2)},
 			"since=1h":          {Since: time.Now().Add(-time.Hour)},
 			"until=24h":         {Until: time.Now().Add(-24 * time.Hour)},
-			"state=parked":      {State: gormrelay.DeadLetterParked},
+			"state=parked":      {State: ops.DeadLetterParked},
 			"topic=nope":        {Topic: "nope"},
 			"topic=&key=&since": {},
 		} {
@@ -517,7 +515,7 @@ func TestDeadLetters(t *testing.T) {
 
 		// Paging, two at a time, through the next-page links.
 		open(t, ctx, b.root+"dead-letters?limit=2")
-		q := gormrelay.DeadLetterQuery{Limit: 2}
+		q := ops.DeadLetterQuery{Limit: 2}
 		for page := 1; ; page++ {
 			p, err := b.admin.DeadLetters(context.Background(), q)
 			require.NoError(t, err)
@@ -573,11 +571,11 @@ func TestDeadLetters(t *testing.T) {
 // confirmation, and checks the result on the page and in the database.
 func TestActionsThroughUI(t *testing.T) {
 	t.Parallel()
-	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		b := setup(t, db, gormrelay.UIOptions{AllowMutations: true})
+	opstest.ForEach(t, 4, func(t *testing.T, be *opstest.Backend) {
+		b := setup(t, be, opsui.Options{AllowMutations: true})
 		b.seed(t)
 		ctx := tab(t)
-		shots := db.Dialect == dbtest.SQLite // one set of screenshots for the docs
+		shots := be.Name == dbtest.SQLite // one set of screenshots for the docs
 		open(t, ctx, b.root)
 		require.Equal(t, "changes enabled", text(t, ctx, "#mode"))
 
@@ -601,7 +599,7 @@ func TestActionsThroughUI(t *testing.T) {
 		pending := b.pendingMessageIDs(t)
 		require.Equal(t, []string{"d-1001", "d-1002"}, pending[len(pending)-2:], "back in the messages table, in order")
 		_, err := b.admin.DeadLetter(context.Background(), 1001)
-		require.ErrorIs(t, err, gormrelay.ErrNotFound)
+		require.ErrorIs(t, err, ops.ErrNotFound)
 		require.EqualValues(t, http.StatusOK, click(t, ctx, "#back"))
 		require.Equal(t, []int64{1004, 1003, 1005}, shownIDs(t, ctx))
 
@@ -638,8 +636,8 @@ func TestActionsThroughUI(t *testing.T) {
 		require.Contains(t, b.pendingMessageIDs(t), "d-1003")
 
 		// Requeue a key, from the filtered list.
-		b.insertDead(t, outbox.DeadLetterRow{ID: 3001, Bucket: 0, Topic: "orders", Key: []byte("k 1"), DeadAtMs: time.Now().UnixMilli()},
-			outbox.DeadLetterRow{ID: 3002, Bucket: 0, Topic: "orders", Key: []byte("k 1"), State: "parked", DeadAtMs: time.Now().UnixMilli()})
+		b.insertDead(t, ops.DeadLetter{ID: 3001, Bucket: 0, Topic: "orders", Key: []byte("k 1"), DeadAt: time.Now()},
+			ops.DeadLetter{ID: 3002, Bucket: 0, Topic: "orders", Key: []byte("k 1"), State: "parked", DeadAt: time.Now()})
 		open(t, ctx, b.root+"dead-letters?key=k+1")
 		click(t, ctx, "#requeue-key")
 		require.Equal(t, `Requeue the 2 dead letter(s) of key "k 1"?`, text(t, ctx, "#question"))
@@ -700,10 +698,10 @@ func post(t *testing.T, u string, form url.Values, headers map[string]string) (i
 // proves that the refused ones failed for the reason checked.
 func TestForgedPostsRefused(t *testing.T) {
 	t.Parallel()
-	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		b := setup(t, db, gormrelay.UIOptions{}) // read-only
+	opstest.ForEach(t, 4, func(t *testing.T, be *opstest.Backend) {
+		b := setup(t, be, opsui.Options{}) // read-only
 		b.seed(t)
-		rw := b.serve(t, gormrelay.UIOptions{AllowMutations: true})
+		rw := b.serve(t, opsui.Options{AllowMutations: true})
 		rwRoot := rw.URL + mount + "/"
 		ctx := tab(t)
 
@@ -796,8 +794,8 @@ func TestForgedPostsRefused(t *testing.T) {
 // becomes an element.
 func TestHostilePayloadRendersAsText(t *testing.T) {
 	t.Parallel()
-	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		b := setup(t, db, gormrelay.UIOptions{AllowMutations: true})
+	opstest.ForEach(t, 4, func(t *testing.T, be *opstest.Backend) {
+		b := setup(t, be, opsui.Options{AllowMutations: true})
 		const (
 			key    = `<script>window.pwned=1</script>`
 			topic  = `<i>t</i>`
@@ -807,17 +805,16 @@ func TestHostilePayloadRendersAsText(t *testing.T) {
 			lerr   = `<svg onload="window.pwned=1"></svg>`
 			jsonV  = `{"html":"</pre><script>window.pwned=1</script>"}`
 		)
-		e := lerr
-		now := time.Now().UnixMilli()
+		now := time.Now()
 		b.insertDead(t,
-			outbox.DeadLetterRow{ID: 1, Bucket: 1, Topic: topic, Key: []byte(key), Value: []byte(value),
-				Headers: outbox.EncodeHeaders([]outbox.Header{{Key: hkey, Value: []byte(hvalue)}}), LastError: &e, DeadAtMs: now},
-			outbox.DeadLetterRow{ID: 2, Bucket: 1, Topic: topic, Key: []byte(key), Value: []byte(jsonV), State: "parked", DeadAtMs: now})
-		require.NoError(t, db.DB.Table(b.cfg.Tables.MessagesTable()).Create(&outbox.MessageRow{MessageID: "m", Bucket: 1, Topic: topic, Key: []byte(key), CreatedAtMs: now}).Error)
-		store, err := gormrelay.NewStore(db.DB, b.cfg)
-		require.NoError(t, err)
-		_, err = store.AcquireLeases(context.Background(), relay.AcquireRequest{RelayID: `<script>window.pwned=1</script>`, BucketCount: 4, LeaseDuration: time.Hour})
-		require.NoError(t, err)
+			ops.DeadLetter{ID: 1, Bucket: 1, Topic: topic, Key: []byte(key), Value: []byte(value),
+				Headers: []relay.Header{{Key: hkey, Value: []byte(hvalue)}}, LastError: lerr, DeadAt: now},
+			ops.DeadLetter{ID: 2, Bucket: 1, Topic: topic, Key: []byte(key), Value: []byte(jsonV), State: "parked", DeadAt: now})
+		b.be.Insert(t, relay.Message{MessageID: "m", Bucket: 1, Topic: topic, Key: []byte(key), CreatedAt: now})
+		for bucket := range 4 {
+			b.be.SetLease(t, bucket, key, now.Add(time.Hour))
+		}
+		b.be.Heartbeat(t, key, now, now)
 		ctx := tab(t)
 
 		requireInert := func(page string, literals ...string) {
@@ -856,8 +853,8 @@ func TestHostilePayloadRendersAsText(t *testing.T) {
 // each gets its status and a message that names the problem, never a 500.
 func TestBadInput(t *testing.T) {
 	t.Parallel()
-	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		b := setup(t, db, gormrelay.UIOptions{AllowMutations: true})
+	opstest.ForEach(t, 4, func(t *testing.T, be *opstest.Backend) {
+		b := setup(t, be, opsui.Options{AllowMutations: true})
 		b.seed(t)
 		ctx := tab(t)
 		for _, c := range []struct {

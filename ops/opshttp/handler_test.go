@@ -1,4 +1,4 @@
-package gormrelay_test
+package opshttp_test
 
 import (
 	"context"
@@ -13,9 +13,11 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/gorm-outbox/outbox"
-	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/opstest"
+	"github.com/gorm-outbox/outbox/ops"
+	"github.com/gorm-outbox/outbox/ops/opshttp"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 type httpClient struct {
@@ -57,26 +59,25 @@ func (c httpClient) list(path string) deadPage {
 	return p
 }
 
-func TestAdminHandler(t *testing.T) {
+func TestHandler(t *testing.T) {
 	t.Parallel()
-	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
-		admin := b.newAdmin(t)
-		b.insert(t, outbox.MessageRow{ID: 100, MessageID: "p", Bucket: 1, Key: []byte("k"), Value: []byte("k/9")})
-		old := time.Now().Add(-72 * time.Hour).UnixMilli()
-		b.insertDead(t,
-			outbox.DeadLetterRow{ID: 1, Bucket: 1, Topic: "orders", Key: []byte("k"), Value: []byte("k/0"), LastError: ptr("rejected"), DeadAtMs: old},
-			outbox.DeadLetterRow{ID: 2, Bucket: 1, Topic: "orders", Key: []byte("k"), Value: []byte("k/1"), State: "parked", DeadAtMs: old},
-			outbox.DeadLetterRow{ID: 3, Bucket: 2, Topic: "payments", Value: []byte("n/0")},
+	opstest.ForEach(t, 4, func(t *testing.T, b *opstest.Backend) {
+		admin := b.Op
+		b.Insert(t, relay.Message{ID: 100, MessageID: "p", Bucket: 1, Topic: "orders", Key: []byte("k"), Value: []byte("k/9")})
+		old := time.Now().Add(-72 * time.Hour)
+		b.InsertDead(t,
+			ops.DeadLetter{ID: 1, MessageID: "d-1", Bucket: 1, Topic: "orders", Key: []byte("k"), Value: []byte("k/0"), LastError: "rejected", DeadAt: old},
+			ops.DeadLetter{ID: 2, MessageID: "d-2", Bucket: 1, Topic: "orders", Key: []byte("k"), Value: []byte("k/1"), State: "parked", DeadAt: old},
+			ops.DeadLetter{ID: 3, MessageID: "d-3", Bucket: 2, Topic: "payments", Value: []byte("n/0")},
 		)
 
-		ro := httpClient{t, httptest.NewServer(gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{Logger: dbtest.Logger(t)}))}
+		ro := httpClient{t, httptest.NewServer(opshttp.NewHandler(admin, opshttp.Options{Logger: dbtest.Logger(t)}))}
 		defer ro.srv.Close()
 
-		var st gormrelay.Status
+		var st ops.Status
 		require.Equal(t, http.StatusOK, ro.do("GET", "/status", "", &st))
 		require.EqualValues(t, 1, st.Pending)
-		require.Equal(t, gormrelay.DeadLetterCounts{Failed: 2, Parked: 1}, st.DeadLetters)
+		require.Equal(t, ops.DeadLetterCounts{Failed: 2, Parked: 1}, st.DeadLetters)
 		require.Len(t, st.Buckets, 4)
 
 		var page deadPage
@@ -124,18 +125,23 @@ func TestAdminHandler(t *testing.T) {
 			require.Equal(t, http.StatusForbidden, ro.do(m.method, m.path, m.body, &e), "%s %s", m.method, m.path)
 			require.Contains(t, e["error"], "AllowMutations")
 		}
-		require.Len(t, b.deadRows(t), 3, "nothing changed")
-		require.Empty(t, b.leaseRows(t))
+		c, err := admin.CountDeadLetters(t.Context())
+		require.NoError(t, err)
+		require.EqualValues(t, 3, c.Total(), "nothing changed")
+		require.Equal(t, http.StatusOK, ro.do("GET", "/status", "", &st))
+		for _, bs := range st.Buckets {
+			require.Zero(t, bs.Lease.Term, "nothing changed")
+		}
 
-		rw := httpClient{t, httptest.NewServer(gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{AllowMutations: true, Logger: dbtest.Logger(t)}))}
+		rw := httpClient{t, httptest.NewServer(opshttp.NewHandler(admin, opshttp.Options{AllowMutations: true, Logger: dbtest.Logger(t)}))}
 		defer rw.srv.Close()
 		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/requeue", `{"ids":[1],"key":"k"}`, &e))
 		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/requeue", `{"topic":"orders"}`, &e))
 		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/requeue", `{"bogus":1}`, &e))
-		var res gormrelay.RequeueResult
+		var res ops.RequeueResult
 		require.Equal(t, http.StatusOK, rw.do("POST", "/dead-letters/requeue", `{"key":"k"}`, &res))
-		require.Equal(t, gormrelay.RequeueResult{Requeued: 2, Moved: 1, Buckets: []int{1}}, res)
-		require.Equal(t, []string{"k/0", "k/1", "k/9"}, b.pendingValues(t))
+		require.Equal(t, ops.RequeueResult{Requeued: 2, Moved: 1, Buckets: []int{1}}, res)
+		require.Equal(t, []string{"k/0", "k/1", "k/9"}, pendingValues(t, b))
 
 		var purged map[string]any
 		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/dead-letters/purge", `{}`, &e))
@@ -143,8 +149,10 @@ func TestAdminHandler(t *testing.T) {
 		require.EqualValues(t, 0, purged["purged"])
 		require.Equal(t, http.StatusOK, rw.do("DELETE", "/dead-letters/3", "", nil))
 		require.Equal(t, http.StatusNotFound, rw.do("DELETE", "/dead-letters/3", "", &e))
-		require.Empty(t, b.deadRows(t))
-		require.Len(t, b.pendingValues(t), 3, "pending messages are never deleted")
+		c, err = admin.CountDeadLetters(t.Context())
+		require.NoError(t, err)
+		require.Zero(t, c.Total())
+		require.Len(t, pendingValues(t, b), 3, "pending messages are never deleted")
 
 		require.Equal(t, http.StatusOK, rw.do("POST", "/buckets/2/pause", "", nil))
 		require.Equal(t, http.StatusBadRequest, rw.do("POST", "/buckets/9/pause", "", &e))
@@ -158,23 +166,33 @@ func TestAdminHandler(t *testing.T) {
 	})
 }
 
+// pendingValues lists the pending messages' values by id.
+func pendingValues(t *testing.T, b *opstest.Backend) []string {
+	var out []string
+	for _, m := range b.Pending(t) {
+		out = append(out, string(m.Value))
+	}
+	return out
+}
+
 // roundTripDeadLetters covers every shape of key, value and header a dead
-// letter can have: text, binary, empty, keyless or tombstone, nil.
-func roundTripDeadLetters() []outbox.DeadLetterRow {
+// letter can have: text, binary, empty, keyless or tombstone, nil, and
+// the note that a copy may have been delivered.
+func roundTripDeadLetters() []ops.DeadLetter {
 	part := int32(3)
-	return []outbox.DeadLetterRow{
-		{ID: 1, Bucket: 1, Topic: "orders", Key: []byte("order-7"), Value: []byte(`{"id":7}`), Partition: &part, Attempts: 10,
-			LastError: ptr(`publisher: message 0 (id "m", topic "orders"): permanent: boom`),
-			Headers:   outbox.EncodeHeaders([]outbox.Header{{Key: "text", Value: []byte("v")}, {Key: "bin", Value: []byte{0xff, 0}}, {Key: "nil"}})},
-		{ID: 2, Bucket: 1, Topic: "orders", Key: []byte{0xff, 0xfe}, Value: []byte{0, 1, 2}, State: "parked"},
-		{ID: 3, Bucket: 2, Topic: "orders", Key: []byte{}, Value: []byte{}},
-		{ID: 4, Bucket: 2, Topic: "orders"}, // keyless tombstone
+	return []ops.DeadLetter{
+		{ID: 1, MessageID: "d-1", Bucket: 1, Topic: "orders", Key: []byte("order-7"), Value: []byte(`{"id":7}`), Partition: &part, Attempts: 10,
+			LastError: `publisher: message 0 (id "m", topic "orders"): permanent: boom` + "\n" + ops.MaybeDeliveredPrefix + "a publish was attempted and its outcome is unknown",
+			Headers:   []relay.Header{{Key: "text", Value: []byte("v")}, {Key: "bin", Value: []byte{0xff, 0}}, {Key: "nil"}}},
+		{ID: 2, MessageID: "d-2", Bucket: 1, Topic: "orders", Key: []byte{0xff, 0xfe}, Value: []byte{0, 1, 2}, State: "parked"},
+		{ID: 3, MessageID: "d-3", Bucket: 2, Topic: "orders", Key: []byte{}, Value: []byte{}},
+		{ID: 4, MessageID: "d-4", Bucket: 2, Topic: "orders"}, // keyless tombstone
 	}
 }
 
 // utcTimes makes dead letters comparable after a JSON round trip, which
 // keeps the instant but not the *time.Location.
-func utcTimes(ds ...gormrelay.DeadLetter) []gormrelay.DeadLetter {
+func utcTimes(ds ...ops.DeadLetter) []ops.DeadLetter {
 	for i := range ds {
 		ds[i].CreatedAt, ds[i].DeadAt = ds[i].CreatedAt.UTC(), ds[i].DeadAt.UTC()
 	}
@@ -182,33 +200,33 @@ func utcTimes(ds ...gormrelay.DeadLetter) []gormrelay.DeadLetter {
 }
 
 // The admin API's dead-letter JSON decodes back into the Go types.
-func TestAdminHandlerJSONRoundTrip(t *testing.T) {
+func TestHandlerJSONRoundTrip(t *testing.T) {
 	t.Parallel()
-	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+	opstest.ForEach(t, 4, func(t *testing.T, b *opstest.Backend) {
 		ctx := context.Background()
-		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
-		admin := b.newAdmin(t)
-		b.insertDead(t, roundTripDeadLetters()...)
-		c := httpClient{t, httptest.NewServer(gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{Logger: dbtest.Logger(t)}))}
+		admin := b.Op
+		b.InsertDead(t, roundTripDeadLetters()...)
+		c := httpClient{t, httptest.NewServer(opshttp.NewHandler(admin, opshttp.Options{Logger: dbtest.Logger(t)}))}
 		defer c.srv.Close()
 
-		want, err := admin.DeadLetters(ctx, gormrelay.DeadLetterQuery{})
+		want, err := admin.DeadLetters(ctx, ops.DeadLetterQuery{})
 		require.NoError(t, err)
 		require.Len(t, want.Items, 4)
-		var got gormrelay.DeadLetterPage
+		var got ops.DeadLetterPage
 		require.Equal(t, http.StatusOK, c.do("GET", "/dead-letters", "", &got))
 		require.Equal(t, utcTimes(want.Items...), utcTimes(got.Items...))
+		require.True(t, got.Items[len(got.Items)-1].MaybeDelivered, "the delivery note survives the round trip")
 		require.Equal(t, want.Next, got.Next)
 
 		for _, d := range want.Items {
 			one, err := admin.DeadLetter(ctx, d.ID)
 			require.NoError(t, err)
-			var gotOne gormrelay.DeadLetter
+			var gotOne ops.DeadLetter
 			require.Equal(t, http.StatusOK, c.do("GET", fmt.Sprintf("/dead-letters/%d", d.ID), "", &gotOne))
 			require.Equal(t, utcTimes(one), utcTimes(gotOne), "dead letter %d", d.ID)
 		}
 		// The shapes survive: nil stays nil, empty stays empty.
-		var keyless, empty gormrelay.DeadLetter
+		var keyless, empty ops.DeadLetter
 		require.Equal(t, http.StatusOK, c.do("GET", "/dead-letters/4", "", &keyless))
 		require.Nil(t, keyless.Key)
 		require.Nil(t, keyless.Value)

@@ -1,4 +1,7 @@
-package gormrelay
+// Package opsui is an operator's web interface to an outbox, over the
+// operator API (ops.Operator): it works with any store that implements it
+// and imports no database code.
+package opsui
 
 import (
 	"bytes"
@@ -24,33 +27,35 @@ import (
 	"time"
 	"unicode"
 	"unicode/utf8"
+
+	"github.com/gorm-outbox/outbox/ops"
 )
 
 // UI defaults.
 const (
-	// UIRefreshIntervalDefault is how often the overview page refreshes
+	// RefreshIntervalDefault is how often the overview page refreshes
 	// itself.
-	UIRefreshIntervalDefault = 2 * time.Second
-	// UIThroughputWindow is the span over which the overview computes its
+	RefreshIntervalDefault = 2 * time.Second
+	// ThroughputWindow is the span over which the overview computes its
 	// rates.
-	UIThroughputWindow = time.Minute
-	// UIChartWindow is the span the overview's charts cover: its readings
-	// of the last ten minutes, one point per UIChartStep.
-	UIChartWindow = 10 * time.Minute
-	// UIChartStep is the least time between two points of a chart: the
+	ThroughputWindow = time.Minute
+	// ChartWindow is the span the overview's charts cover: its readings
+	// of the last ten minutes, one point per ChartStep.
+	ChartWindow = 10 * time.Minute
+	// ChartStep is the least time between two points of a chart: the
 	// chart's last point follows the newest reading until it is a step
 	// after the point before it, and the next reading adds a point. So a
-	// chart holds at most UIChartWindow/UIChartStep + 1 points (301)
+	// chart holds at most ChartWindow/ChartStep + 1 points (301)
 	// however often the overview is read, and its last point is always
 	// the newest reading.
-	UIChartStep = 2 * time.Second
-	// UITokenLifetime is how long a form token of the UI stays valid: a
+	ChartStep = 2 * time.Second
+	// TokenLifetime is how long a form token of the UI stays valid: a
 	// form older than that is refused and must be reloaded.
-	UITokenLifetime = 12 * time.Hour
+	TokenLifetime = 12 * time.Hour
 )
 
-// UIOptions configures NewUI. The zero value is a read-only UI.
-type UIOptions struct {
+// Options configures NewUI. The zero value is a read-only UI.
+type Options struct {
 	// AllowMutations enables the actions that change the outbox: requeue,
 	// discard, purge, pause and resume. Default false: the pages show no
 	// action, and every POST is refused with 403 Forbidden on the server.
@@ -59,7 +64,7 @@ type UIOptions struct {
 	// error. Default: slog.Default().
 	Logger *slog.Logger
 	// RefreshInterval is how often the overview page reloads its numbers
-	// in the browser. Default UIRefreshIntervalDefault (2s); the minimum
+	// in the browser. Default RefreshIntervalDefault (2s); the minimum
 	// is 250ms. The open pages share their readings: one runs at a time,
 	// and one is reused for half a RefreshInterval, or for 10 times as long
 	// as it took when that is longer (counting a large backlog takes
@@ -68,7 +73,7 @@ type UIOptions struct {
 	RefreshInterval time.Duration
 	// Published, if set, returns a running total of the messages this
 	// service's relays published, such as metrics.Collector.Acknowledged;
-	// the overview then shows the publish rate over UIThroughputWindow.
+	// the overview then shows the publish rate over ThroughputWindow.
 	// Without it the overview shows only how fast the backlog grows or
 	// drains. Default nil.
 	Published func() float64
@@ -92,7 +97,7 @@ var uiTemplates = func() map[string]*template.Template {
 		"keyless":  func(k []byte) bool { return k == nil },
 		"unixms":   func(t time.Time) int64 { return t.UnixMilli() },
 		"truncate": truncate,
-		"cause":    ErrorCause,
+		"cause":    ops.ErrorCause,
 		"oneline":  func(s string) string { return strings.Join(strings.Fields(s), " ") },
 	}
 	base := template.Must(template.New("layout.html").Funcs(funcs).ParseFS(uiFiles, "ui/templates/layout.html"))
@@ -105,7 +110,7 @@ var uiTemplates = func() map[string]*template.Template {
 
 // UI is an operator's web interface to an outbox: an overview of the
 // backlog, leases and relays that refreshes itself, the dead letters with
-// filters and a detail view, and, when enabled, the repairs of the Admin
+// filters and a detail view, and, when enabled, the repairs of the operator API
 // (requeue, discard, purge, pause, resume), each confirmed on a page of
 // its own before it runs. It is an http.Handler serving HTML from assets
 // embedded in the binary: it loads nothing from elsewhere and works
@@ -114,19 +119,19 @@ var uiTemplates = func() map[string]*template.Template {
 // Mount it under any path with http.StripPrefix; every link in it is
 // relative:
 //
-//	mux.Handle("/ops/outbox/", http.StripPrefix("/ops/outbox", gormrelay.NewUI(admin, gormrelay.UIOptions{})))
+//	mux.Handle("/ops/outbox/", http.StripPrefix("/ops/outbox", opsui.New(op, opsui.Options{})))
 //
-// Like NewAdminHandler it does no authentication or authorization of its
+// Like opshttp.NewHandler it does no authentication or authorization of its
 // own: it shows message keys, payloads and error texts, and with
 // AllowMutations it can requeue and delete dead letters and stop buckets.
 // Mount it only behind the service's own authentication, never on a
 // public listener. Changes are refused on the server unless
 // AllowMutations is set, and even then only with a form token the UI
-// issued (HMAC-signed, valid for UITokenLifetime) from a same-origin
+// issued (HMAC-signed, valid for TokenLifetime) from a same-origin
 // request (Sec-Fetch-Site and Origin, see http.CrossOriginProtection).
 type UI struct {
-	admin   *Admin
-	opts    UIOptions
+	op      ops.Operator
+	opts    Options
 	mux     *http.ServeMux
 	cross   *http.CrossOriginProtection
 	secret  []byte
@@ -135,8 +140,8 @@ type UI struct {
 	reading chan struct{} // holds a token while a Status reading runs
 
 	mu      sync.Mutex
-	samples []uiSample // overview readings within UIChartWindow, one per UIChartStep, oldest first
-	last    Status     // the last reading, valid while lastAt is set
+	samples []uiSample // overview readings within ChartWindow, one per ChartStep, oldest first
+	last    ops.Status // the last reading, valid while lastAt is set
 	lastAt  time.Time  // when it ended; zero before the first and after an action
 	lastFor time.Duration
 	actions uint64 // the UI's actions so far: a reading begun before one is not kept
@@ -144,13 +149,13 @@ type UI struct {
 
 var _ http.Handler = (*UI)(nil)
 
-// NewUI returns the web interface of admin's outbox.
-func NewUI(admin *Admin, opts UIOptions) *UI {
+// New returns the web interface of op's outbox.
+func New(op ops.Operator, opts Options) *UI {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	u := &UI{admin: admin, opts: opts, mux: http.NewServeMux(), cross: http.NewCrossOriginProtection(),
-		refresh: UIRefreshIntervalDefault, reading: make(chan struct{}, 1)}
+	u := &UI{op: op, opts: opts, mux: http.NewServeMux(), cross: http.NewCrossOriginProtection(),
+		refresh: RefreshIntervalDefault, reading: make(chan struct{}, 1)}
 	if opts.RefreshInterval > 0 {
 		u.refresh = max(opts.RefreshInterval, 250*time.Millisecond)
 	}
@@ -198,7 +203,7 @@ func (u *UI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	default:
 		if !u.opts.AllowMutations {
 			u.fail(w, r, &uiError{code: http.StatusForbidden,
-				msg: "outbox ui: changes are disabled; the service must enable them explicitly with UIOptions.AllowMutations"})
+				msg: "outbox ui: changes are disabled; the service must enable them explicitly with Options.AllowMutations"})
 			return
 		}
 		if err := u.cross.Check(r); err != nil {
@@ -246,9 +251,9 @@ func (u *UI) fail(w http.ResponseWriter, r *http.Request, err error) {
 	switch {
 	case errors.As(err, &ue):
 		code = ue.code
-	case errors.Is(err, ErrInvalidRequest):
+	case errors.Is(err, ops.ErrInvalidRequest):
 		code = http.StatusBadRequest
-	case errors.Is(err, ErrNotFound):
+	case errors.Is(err, ops.ErrNotFound):
 		code = http.StatusNotFound
 	}
 	if code == http.StatusInternalServerError && r.Context().Err() == nil {
@@ -340,7 +345,7 @@ func (u *UI) checkToken(tok string, now time.Time) error {
 	if err != nil {
 		return errors.New("the form token is invalid")
 	}
-	if issued := time.Unix(sec, 0); now.Sub(issued) > UITokenLifetime || issued.Sub(now) > time.Minute {
+	if issued := time.Unix(sec, 0); now.Sub(issued) > TokenLifetime || issued.Sub(now) > time.Minute {
 		return errors.New("the form token has expired")
 	}
 	return nil
@@ -359,7 +364,7 @@ type uiSample struct {
 type uiRates struct {
 	// Window is the span compared; zero until two readings exist.
 	Window time.Duration
-	// Published per second; HasPublished without UIOptions.Published is
+	// Published per second; HasPublished without Options.Published is
 	// false.
 	Published    float64
 	HasPublished bool
@@ -369,25 +374,25 @@ type uiRates struct {
 }
 
 // sample records a reading and returns the rates against the oldest
-// reading within UIThroughputWindow, and the readings the charts draw.
+// reading within ThroughputWindow, and the readings the charts draw.
 //
 // The readings are the overview's own: taken when a page asks for the
 // overview (at most one per reading shared by the open pages), kept for
-// UIChartWindow at one per UIChartStep. Nobody looking means no reading:
+// ChartWindow at one per ChartStep. Nobody looking means no reading:
 // the charts start with the first page opened and show a gap as a
 // straight line between the readings around it.
-func (u *UI) sample(st Status) (uiRates, []uiSample) {
+func (u *UI) sample(st ops.Status) (uiRates, []uiSample) {
 	s := uiSample{at: st.SampledAt, pending: st.Pending, oldestMs: st.OldestAgeMs}
 	if u.opts.Published != nil {
 		s.published = u.opts.Published()
 	}
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	u.samples = slices.DeleteFunc(u.samples, func(o uiSample) bool { return s.at.Sub(o.at) >= UIChartWindow })
+	u.samples = slices.DeleteFunc(u.samples, func(o uiSample) bool { return s.at.Sub(o.at) >= ChartWindow })
 	switch n := len(u.samples); {
 	case slices.ContainsFunc(u.samples, func(o uiSample) bool { return o.at.Equal(s.at) }):
 		// a reading served again is one sample
-	case n >= 2 && u.samples[n-1].at.Sub(u.samples[n-2].at) < UIChartStep && s.at.After(u.samples[n-1].at):
+	case n >= 2 && u.samples[n-1].at.Sub(u.samples[n-2].at) < ChartStep && s.at.After(u.samples[n-1].at):
 		// The last point is less than a step after the one before it: it
 		// follows the newest reading until it is a step away.
 		u.samples[n-1] = s
@@ -398,7 +403,7 @@ func (u *UI) sample(st Status) (uiRates, []uiSample) {
 	last := u.samples[len(u.samples)-1]
 	first := last
 	for _, o := range u.samples {
-		if last.at.Sub(o.at) <= UIThroughputWindow {
+		if last.at.Sub(o.at) <= ThroughputWindow {
 			first = o
 			break
 		}
@@ -413,7 +418,7 @@ func (u *UI) sample(st Status) (uiRates, []uiSample) {
 }
 
 type uiOverview struct {
-	Status Status
+	Status ops.Status
 	Rates  uiRates
 	Charts []uiChart
 	Paused []int
@@ -431,11 +436,11 @@ const uiReadingCost = 10
 // time it took if that is longer: however many pages are open, the
 // readings keep the database busy a tenth of the time at most. An action
 // of the UI ends the reuse, so its result shows at once.
-func (u *UI) status(ctx context.Context) (Status, error) {
+func (u *UI) status(ctx context.Context) (ops.Status, error) {
 	select {
 	case u.reading <- struct{}{}:
 	case <-ctx.Done():
-		return Status{}, context.Cause(ctx)
+		return ops.Status{}, context.Cause(ctx)
 	}
 	defer func() { <-u.reading }()
 	u.mu.Lock()
@@ -445,9 +450,9 @@ func (u *UI) status(ctx context.Context) (Status, error) {
 		return last, nil
 	}
 	start := time.Now()
-	st, err := u.admin.Status(ctx)
+	st, err := u.op.Status(ctx)
 	if err != nil {
-		return Status{}, err
+		return ops.Status{}, err
 	}
 	u.keepStatus(st, actions, start, time.Now())
 	return st, nil
@@ -456,7 +461,7 @@ func (u *UI) status(ctx context.Context) (Status, error) {
 // keepStatus keeps st, a reading that ran from start to end, to be served
 // again, unless an action of the UI happened since the reading began
 // (actions was u.actions then): it may not show that action's result.
-func (u *UI) keepStatus(st Status, actions uint64, start, end time.Time) {
+func (u *UI) keepStatus(st ops.Status, actions uint64, start, end time.Time) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if u.actions != actions {
@@ -513,8 +518,8 @@ func (u *UI) live(w http.ResponseWriter, r *http.Request) {
 type uiDeadLetters struct {
 	Filter  url.Values
 	Error   string
-	Counts  DeadLetterCounts
-	Items   []DeadLetter
+	Counts  ops.DeadLetterCounts
+	Items   []ops.DeadLetter
 	Next    string // URL of the next page; empty on the last
 	First   string // URL of the first page; empty on it
 	Limited bool   // the filter selects some dead letters only
@@ -532,20 +537,20 @@ func (u *UI) deadLetters(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	data := uiDeadLetters{Filter: v}
-	counts, err := u.admin.CountDeadLetters(r.Context())
+	counts, err := u.op.CountDeadLetters(r.Context())
 	if err != nil {
 		u.fail(w, r, err)
 		return
 	}
 	data.Counts = counts
 	code := http.StatusOK
-	q, err := ParseDeadLetterQuery(v, time.Now())
+	q, err := ops.ParseDeadLetterQuery(v, time.Now())
 	if err != nil {
 		// Every parse error is a malformed parameter.
 		err = badInput("%v", err)
 	} else {
-		var page DeadLetterPage
-		page, err = u.admin.DeadLetters(r.Context(), q)
+		var page ops.DeadLetterPage
+		page, err = u.op.DeadLetters(r.Context(), q)
 		data.Items = page.Items
 		if page.Next != "" {
 			next := cloneValues(v)
@@ -555,7 +560,7 @@ func (u *UI) deadLetters(w http.ResponseWriter, r *http.Request) {
 	}
 	if err != nil {
 		var ue *uiError
-		if !errors.As(err, &ue) && !errors.Is(err, ErrInvalidRequest) {
+		if !errors.As(err, &ue) && !errors.Is(err, ops.ErrInvalidRequest) {
 			u.fail(w, r, err)
 			return
 		}
@@ -584,7 +589,7 @@ func cloneValues(v url.Values) url.Values {
 }
 
 type uiDeadLetter struct {
-	D       DeadLetter
+	D       ops.DeadLetter
 	Key     uiBytes
 	Value   uiBytes
 	Headers []uiHeader
@@ -611,7 +616,7 @@ func (u *UI) deadLetter(w http.ResponseWriter, r *http.Request) {
 		u.fail(w, r, err)
 		return
 	}
-	d, err := u.admin.DeadLetter(r.Context(), id)
+	d, err := u.op.DeadLetter(r.Context(), id)
 	if err != nil {
 		u.fail(w, r, err)
 		return
@@ -795,9 +800,9 @@ func onlyOne(f url.Values, names ...string) (string, error) {
 }
 
 // countUpTo counts the dead letters q selects, up to one page.
-func (u *UI) countUpTo(ctx context.Context, q DeadLetterQuery) (string, error) {
-	q.Limit = DeadLetterPageMax
-	page, err := u.admin.DeadLetters(ctx, q)
+func (u *UI) countUpTo(ctx context.Context, q ops.DeadLetterQuery) (string, error) {
+	q.Limit = ops.DeadLetterPageMax
+	page, err := u.op.DeadLetters(ctx, q)
 	if err != nil {
 		return "", err
 	}
@@ -807,7 +812,7 @@ func (u *UI) countUpTo(ctx context.Context, q DeadLetterQuery) (string, error) {
 	return strconv.Itoa(len(page.Items)), nil
 }
 
-func requeued(res RequeueResult) uiResult {
+func requeued(res ops.RequeueResult) uiResult {
 	out := uiResult{Title: "Requeued", Message: fmt.Sprintf("Requeued %d dead letter(s).", res.Requeued)}
 	if res.Moved > 0 {
 		out.Notes = append(out.Notes, fmt.Sprintf("%d pending message(s) of the same key moved behind them to keep the key's order.", res.Moved))
@@ -834,7 +839,7 @@ func (u *UI) requeueAction(ctx context.Context, f url.Values) (uiAction, error) 
 			c.Notes = append(c.Notes, fmt.Sprintf("A keyed dead letter is requeued with every dead letter of its key in bucket %d, so the key keeps its order.", d.Bucket))
 		}
 		return uiAction{confirm: c, run: func(ctx context.Context) (uiResult, error) {
-			res, err := u.admin.RequeueIDs(ctx, id)
+			res, err := u.op.RequeueIDs(ctx, id)
 			if err != nil {
 				return uiResult{}, err
 			}
@@ -850,14 +855,14 @@ func (u *UI) requeueAction(ctx context.Context, f url.Values) (uiAction, error) 
 				return uiAction{}, badInput("key_base64: %v", err)
 			}
 		}
-		n, err := u.countUpTo(ctx, DeadLetterQuery{Key: key})
+		n, err := u.countUpTo(ctx, ops.DeadLetterQuery{Key: key})
 		if err != nil {
 			return uiAction{}, err
 		}
 		c := uiConfirm{Question: fmt.Sprintf("Requeue the %s dead letter(s) of key %s?", n, quoteKey(key)),
 			Notes: []string{"The key's pending messages move behind them, so its order holds."}}
 		return uiAction{confirm: c, run: func(ctx context.Context) (uiResult, error) {
-			res, err := u.admin.RequeueKey(ctx, key)
+			res, err := u.op.RequeueKey(ctx, key)
 			return requeued(res), err
 		}}, nil
 	default:
@@ -867,7 +872,7 @@ func (u *UI) requeueAction(ctx context.Context, f url.Values) (uiAction, error) 
 		} else if f.Get("all") != "true" {
 			return uiAction{}, badInput(`all must be "true"`)
 		}
-		n, err := u.countUpTo(ctx, DeadLetterQuery{Topic: topic})
+		n, err := u.countUpTo(ctx, ops.DeadLetterQuery{Topic: topic})
 		if err != nil {
 			return uiAction{}, err
 		}
@@ -877,7 +882,7 @@ func (u *UI) requeueAction(ctx context.Context, f url.Values) (uiAction, error) 
 			c.Notes = []string{"Keys move as a whole: a key with a dead letter of this topic is requeued with all its dead letters in the bucket, whatever their topic."}
 		}
 		return uiAction{confirm: c, run: func(ctx context.Context) (uiResult, error) {
-			res, err := u.admin.RequeueAll(ctx, topic)
+			res, err := u.op.RequeueAll(ctx, topic)
 			return requeued(res), err
 		}}, nil
 	}
@@ -885,14 +890,14 @@ func (u *UI) requeueAction(ctx context.Context, f url.Values) (uiAction, error) 
 
 // namedDeadLetter reads the dead letter a form's id names, and describes
 // it for a question.
-func (u *UI) namedDeadLetter(ctx context.Context, f url.Values) (int64, DeadLetter, string, error) {
+func (u *UI) namedDeadLetter(ctx context.Context, f url.Values) (int64, ops.DeadLetter, string, error) {
 	id, err := parseID(f.Get("id"))
 	if err != nil {
-		return 0, DeadLetter{}, "", err
+		return 0, ops.DeadLetter{}, "", err
 	}
-	d, err := u.admin.DeadLetter(ctx, id)
+	d, err := u.op.DeadLetter(ctx, id)
 	if err != nil {
-		return 0, DeadLetter{}, "", err
+		return 0, ops.DeadLetter{}, "", err
 	}
 	return id, d, fmt.Sprintf("dead letter %d (topic %s, key %s)", id, d.Topic, quoteKey(d.Key)), nil
 }
@@ -900,7 +905,7 @@ func (u *UI) namedDeadLetter(ctx context.Context, f url.Values) (int64, DeadLett
 // goneMeanwhile is the error of a confirmed action whose dead letter was
 // requeued or discarded since the confirmation was asked.
 func goneMeanwhile(id int64) error {
-	return fmt.Errorf("%w: dead letter %d (requeued or discarded meanwhile)", ErrNotFound, id)
+	return fmt.Errorf("%w: dead letter %d (requeued or discarded meanwhile)", ops.ErrNotFound, id)
 }
 
 func (u *UI) discardAction(ctx context.Context, f url.Values) (uiAction, error) {
@@ -909,11 +914,11 @@ func (u *UI) discardAction(ctx context.Context, f url.Values) (uiAction, error) 
 		return uiAction{}, err
 	}
 	c := uiConfirm{Question: fmt.Sprintf("Delete %s for good?", what)}
-	if d.Key != nil && d.State == DeadLetterFailed {
+	if d.Key != nil && d.State == ops.DeadLetterFailed {
 		c.Notes = []string{"Messages parked behind it stay quarantined until the key is requeued."}
 	}
 	return uiAction{confirm: c, run: func(ctx context.Context) (uiResult, error) {
-		n, err := u.admin.DiscardDeadLetters(ctx, id)
+		n, err := u.op.DiscardDeadLetters(ctx, id)
 		if err == nil && n == 0 {
 			err = goneMeanwhile(id)
 		}
@@ -923,18 +928,18 @@ func (u *UI) discardAction(ctx context.Context, f url.Values) (uiAction, error) 
 
 func (u *UI) purgeAction(ctx context.Context, f url.Values) (uiAction, error) {
 	s := strings.TrimSpace(f.Get("older_than"))
-	t, err := ParseAdminTime(s, time.Now())
+	t, err := ops.ParseTime(s, time.Now())
 	if err != nil || t.IsZero() {
 		return uiAction{}, badInput("older than: %q must be an RFC 3339 time or a duration such as 72h", s)
 	}
-	n, err := u.countUpTo(ctx, DeadLetterQuery{Until: t})
+	n, err := u.countUpTo(ctx, ops.DeadLetterQuery{Until: t})
 	if err != nil {
 		return uiAction{}, err
 	}
 	c := uiConfirm{Question: fmt.Sprintf("Delete the %s dead letter(s) that died before %s for good?", n, fmtTime(t)),
 		Notes: []string{"Pending messages are never touched. A key whose dead letters are all purged is released: its next messages are published."}}
 	return uiAction{confirm: c, run: func(ctx context.Context) (uiResult, error) {
-		n, err := u.admin.PurgeDeadLetters(ctx, t)
+		n, err := u.op.PurgeDeadLetters(ctx, t)
 		return uiResult{Title: "Purged", Message: fmt.Sprintf("Purged %d dead letter(s) that died before %s.", n, fmtTime(t))}, err
 	}}, nil
 }
@@ -945,7 +950,7 @@ func (u *UI) pauseAction(pause bool, f url.Values) (uiAction, error) {
 	if err != nil {
 		return uiAction{}, badInput("bucket %q is not a number", s)
 	}
-	if n := u.admin.Config().BucketCount; b < 0 || b >= n {
+	if n := u.op.BucketCount(); b < 0 || b >= n {
 		return uiAction{}, badInput("bucket %d outside 0..%d", b, n-1)
 	}
 	c := uiConfirm{Question: fmt.Sprintf("Resume bucket %d?", b), Notes: []string{"A relay with spare share claims it at its next lease maintenance."}}
@@ -955,9 +960,9 @@ func (u *UI) pauseAction(pause bool, f url.Values) (uiAction, error) {
 	}
 	return uiAction{confirm: c, run: func(ctx context.Context) (uiResult, error) {
 		if pause {
-			return uiResult{Title: "Paused", Message: fmt.Sprintf("Paused bucket %d.", b)}, u.admin.PauseBucket(ctx, b)
+			return uiResult{Title: "Paused", Message: fmt.Sprintf("Paused bucket %d.", b)}, u.op.PauseBucket(ctx, b)
 		}
-		return uiResult{Title: "Resumed", Message: fmt.Sprintf("Resumed bucket %d.", b)}, u.admin.ResumeBucket(ctx, b)
+		return uiResult{Title: "Resumed", Message: fmt.Sprintf("Resumed bucket %d.", b)}, u.op.ResumeBucket(ctx, b)
 	}}, nil
 }
 

@@ -1,20 +1,22 @@
-package gormrelay
+// Package opshttp serves the operator API (ops.Operator) as JSON over
+// HTTP, for any store that implements it. It imports no database code.
+package opshttp
 
 import (
-	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
-	"net/url"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/gorm-outbox/outbox/ops"
 )
 
-// AdminHandlerOptions configures NewAdminHandler.
-type AdminHandlerOptions struct {
+// Options configures NewHandler.
+type Options struct {
 	// AllowMutations enables the requests that change the outbox (requeue,
 	// purge, discard, pause, resume: every POST and DELETE). Default false:
 	// they are refused with 403 Forbidden and only the read-only requests
@@ -25,22 +27,22 @@ type AdminHandlerOptions struct {
 	Logger *slog.Logger
 }
 
-// NewAdminHandler returns an http.Handler serving the Admin's operations
+// NewHandler returns an http.Handler serving op's operations
 // as JSON, for mounting into a service (use http.StripPrefix to mount it
 // under a path):
 //
-//	GET    /status                    Admin.Status
-//	GET    /dead-letters              Admin.DeadLetters: ?topic= &key= (or key_base64=, or keyless=true)
+//	GET    /status                    Operator.Status
+//	GET    /dead-letters              Operator.DeadLetters: ?topic= &key= (or key_base64=, or keyless=true)
 //	                                  &state=failed|parked &bucket= &since= &until= &limit= &cursor=
 //	                                  (times are RFC 3339, or a duration meaning that long ago)
-//	GET    /dead-letters/count        Admin.CountDeadLetters
-//	GET    /dead-letters/{id}         Admin.DeadLetter, with value and headers
+//	GET    /dead-letters/count        Operator.CountDeadLetters
+//	GET    /dead-letters/{id}         Operator.DeadLetter, with value and headers
 //	POST   /dead-letters/requeue      {"ids":[..]} | {"key":".."} | {"key_base64":".."} | {"all":true,"topic":".."}
 //	POST   /dead-letters/purge        {"older_than":"2024-05-01T00:00:00Z"} or {"older_than":"72h"}
 //	POST   /dead-letters/discard      {"ids":[..]}
-//	DELETE /dead-letters/{id}         Admin.DiscardDeadLetters of one
-//	POST   /buckets/{bucket}/pause    Admin.PauseBucket
-//	POST   /buckets/{bucket}/resume   Admin.ResumeBucket
+//	DELETE /dead-letters/{id}         Operator.DiscardDeadLetters of one
+//	POST   /buckets/{bucket}/pause    Operator.PauseBucket
+//	POST   /buckets/{bucket}/resume   Operator.ResumeBucket
 //
 // Errors are {"error":"..."} with 400 for a malformed or invalid request,
 // 404 for an unknown dead letter, 403 for a refused mutation and 500 for
@@ -52,11 +54,11 @@ type AdminHandlerOptions struct {
 // behind the service's own authentication and authorization, never on a
 // public listener. Mutations are refused unless AllowMutations is set
 // explicitly.
-func NewAdminHandler(admin *Admin, opts AdminHandlerOptions) http.Handler {
+func NewHandler(op ops.Operator, opts Options) http.Handler {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	h := &adminHandler{admin: admin, opts: opts, mux: http.NewServeMux()}
+	h := &adminHandler{op: op, opts: opts, mux: http.NewServeMux()}
 	h.mux.HandleFunc("GET /status", h.status)
 	h.mux.HandleFunc("GET /dead-letters", h.list)
 	h.mux.HandleFunc("GET /dead-letters/count", h.count)
@@ -71,9 +73,9 @@ func NewAdminHandler(admin *Admin, opts AdminHandlerOptions) http.Handler {
 }
 
 type adminHandler struct {
-	admin *Admin
-	opts  AdminHandlerOptions
-	mux   *http.ServeMux
+	op   ops.Operator
+	opts Options
+	mux  *http.ServeMux
 }
 
 // adminBodyMax bounds a request body.
@@ -85,7 +87,7 @@ func (h *adminHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	default:
 		if !h.opts.AllowMutations {
 			writeJSON(w, http.StatusForbidden, map[string]string{
-				"error": "outbox admin: mutating requests are disabled; the service must enable them explicitly with AdminHandlerOptions.AllowMutations",
+				"error": "outbox admin: mutating requests are disabled; the service must enable them explicitly with opshttp.Options.AllowMutations (gormrelay.AdminHandlerOptions)",
 			})
 			return
 		}
@@ -141,9 +143,9 @@ func badf(format string, args ...any) error { return badRequest{fmt.Sprintf(form
 func (h *adminHandler) fail(w http.ResponseWriter, r *http.Request, err error) {
 	var br badRequest
 	switch {
-	case errors.As(err, &br), errors.Is(err, ErrInvalidRequest):
+	case errors.As(err, &br), errors.Is(err, ops.ErrInvalidRequest):
 		writeJSON(w, http.StatusBadRequest, map[string]string{"error": err.Error()})
-	case errors.Is(err, ErrNotFound):
+	case errors.Is(err, ops.ErrNotFound):
 		writeJSON(w, http.StatusNotFound, map[string]string{"error": err.Error()})
 	default:
 		if r.Context().Err() == nil {
@@ -154,7 +156,7 @@ func (h *adminHandler) fail(w http.ResponseWriter, r *http.Request, err error) {
 }
 
 func (h *adminHandler) status(w http.ResponseWriter, r *http.Request) {
-	st, err := h.admin.Status(r.Context())
+	st, err := h.op.Status(r.Context())
 	if err != nil {
 		h.fail(w, r, err)
 		return
@@ -163,13 +165,13 @@ func (h *adminHandler) status(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *adminHandler) count(w http.ResponseWriter, r *http.Request) {
-	c, err := h.admin.CountDeadLetters(r.Context())
+	c, err := h.op.CountDeadLetters(r.Context())
 	if err != nil {
 		h.fail(w, r, err)
 		return
 	}
 	writeJSON(w, http.StatusOK, struct {
-		DeadLetterCounts
+		ops.DeadLetterCounts
 		Total int64 `json:"total"`
 	}{c, c.Total()})
 }
@@ -180,93 +182,19 @@ func (h *adminHandler) list(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, err)
 		return
 	}
-	page, err := h.admin.DeadLetters(r.Context(), q)
+	page, err := h.op.DeadLetters(r.Context(), q)
 	if err != nil {
 		h.fail(w, r, err)
 		return
 	}
 	if page.Items == nil {
-		page.Items = []DeadLetter{}
+		page.Items = []ops.DeadLetter{}
 	}
 	writeJSON(w, http.StatusOK, page)
 }
 
-func parseDeadLetterQuery(r *http.Request) (DeadLetterQuery, error) {
-	return ParseDeadLetterQuery(r.URL.Query(), time.Now())
-}
-
-// ParseDeadLetterQuery reads a dead-letter filter from URL query
-// parameters, as GET /dead-letters takes them: topic, key (or key_base64,
-// or keyless=true), state, bucket, since, until (ParseAdminTime, relative
-// to now), limit and cursor. A present but empty key selects the empty
-// key. Every error it returns describes a malformed parameter.
-func ParseDeadLetterQuery(v url.Values, now time.Time) (DeadLetterQuery, error) {
-	q := DeadLetterQuery{Topic: v.Get("topic"), State: DeadLetterState(v.Get("state")), Cursor: v.Get("cursor")}
-	var err error
-	if q.Key, err = keyParam(v.Has("key"), v.Get("key"), v.Get("key_base64")); err != nil {
-		return q, err
-	}
-	if s := v.Get("keyless"); s != "" {
-		if q.Keyless, err = strconv.ParseBool(s); err != nil {
-			return q, badf("keyless: %v", err)
-		}
-	}
-	if s := v.Get("bucket"); s != "" {
-		b, err := strconv.Atoi(s)
-		if err != nil {
-			return q, badf("bucket: %v", err)
-		}
-		q.Bucket = &b
-	}
-	if s := v.Get("limit"); s != "" {
-		if q.Limit, err = strconv.Atoi(s); err != nil {
-			return q, badf("limit: %v", err)
-		}
-	}
-	if q.Since, err = ParseAdminTime(v.Get("since"), now); err != nil {
-		return q, badf("since: %v", err)
-	}
-	if q.Until, err = ParseAdminTime(v.Get("until"), now); err != nil {
-		return q, badf("until: %v", err)
-	}
-	return q, nil
-}
-
-// keyParam reads a key given as text or base64; nil when neither is set.
-func keyParam(hasText bool, text, b64 string) ([]byte, error) {
-	switch {
-	case hasText && b64 != "":
-		return nil, badf("give key or key_base64, not both")
-	case hasText:
-		return []byte(text), nil
-	case b64 != "":
-		k, err := base64.StdEncoding.DecodeString(b64)
-		if err != nil {
-			return nil, badf("key_base64: %v", err)
-		}
-		return k, nil
-	}
-	return nil, nil
-}
-
-// ParseAdminTime parses a time given to the admin tools: RFC 3339, or a
-// Go duration ("72h", "30m") meaning that long before now. Empty is the
-// zero time.
-func ParseAdminTime(s string, now time.Time) (time.Time, error) {
-	if s == "" {
-		return time.Time{}, nil
-	}
-	if d, err := time.ParseDuration(s); err == nil {
-		if d < 0 {
-			return time.Time{}, fmt.Errorf("negative duration %q", s)
-		}
-		return now.Add(-d), nil
-	}
-	t, err := time.Parse(time.RFC3339Nano, s)
-	if err != nil {
-		return time.Time{}, fmt.Errorf("%q is neither an RFC 3339 time nor a duration such as 72h", s)
-	}
-	return t, nil
+func parseDeadLetterQuery(r *http.Request) (ops.DeadLetterQuery, error) {
+	return ops.ParseDeadLetterQuery(r.URL.Query(), time.Now())
 }
 
 func pathID(r *http.Request) (int64, error) {
@@ -283,7 +211,7 @@ func (h *adminHandler) show(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, err)
 		return
 	}
-	d, err := h.admin.DeadLetter(r.Context(), id)
+	d, err := h.op.DeadLetter(r.Context(), id)
 	if err != nil {
 		h.fail(w, r, err)
 		return
@@ -316,7 +244,7 @@ func (h *adminHandler) requeue(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, err)
 		return
 	}
-	key, err := keyParam(req.Key != nil, deref(req.Key), req.KeyBase64)
+	key, err := ops.ParseKey(req.Key != nil, deref(req.Key), req.KeyBase64)
 	if err != nil {
 		h.fail(w, r, err)
 		return
@@ -331,14 +259,14 @@ func (h *adminHandler) requeue(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, badf(`give exactly one of "ids", "key", "key_base64" or "all" (with an optional "topic")`))
 		return
 	}
-	var res RequeueResult
+	var res ops.RequeueResult
 	switch {
 	case len(req.IDs) > 0:
-		res, err = h.admin.RequeueIDs(r.Context(), req.IDs...)
+		res, err = h.op.RequeueIDs(r.Context(), req.IDs...)
 	case key != nil:
-		res, err = h.admin.RequeueKey(r.Context(), key)
+		res, err = h.op.RequeueKey(r.Context(), key)
 	default:
-		res, err = h.admin.RequeueAll(r.Context(), req.Topic)
+		res, err = h.op.RequeueAll(r.Context(), req.Topic)
 	}
 	if err != nil {
 		h.fail(w, r, err)
@@ -362,12 +290,12 @@ func (h *adminHandler) purge(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, err)
 		return
 	}
-	t, err := ParseAdminTime(req.OlderThan, time.Now())
+	t, err := ops.ParseTime(req.OlderThan, time.Now())
 	if err != nil || t.IsZero() {
 		h.fail(w, r, badf(`"older_than" must be an RFC 3339 time or a duration such as 72h`))
 		return
 	}
-	n, err := h.admin.PurgeDeadLetters(r.Context(), t)
+	n, err := h.op.PurgeDeadLetters(r.Context(), t)
 	if err != nil {
 		h.fail(w, r, err)
 		return
@@ -387,7 +315,7 @@ func (h *adminHandler) discard(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, badf(`"ids" is required`))
 		return
 	}
-	n, err := h.admin.DiscardDeadLetters(r.Context(), req.IDs...)
+	n, err := h.op.DiscardDeadLetters(r.Context(), req.IDs...)
 	if err != nil {
 		h.fail(w, r, err)
 		return
@@ -401,9 +329,9 @@ func (h *adminHandler) discardOne(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, err)
 		return
 	}
-	n, err := h.admin.DiscardDeadLetters(r.Context(), id)
+	n, err := h.op.DiscardDeadLetters(r.Context(), id)
 	if err == nil && n == 0 {
-		err = fmt.Errorf("%w: dead letter %d", ErrNotFound, id)
+		err = fmt.Errorf("%w: dead letter %d", ops.ErrNotFound, id)
 	}
 	if err != nil {
 		h.fail(w, r, err)
@@ -420,9 +348,9 @@ func (h *adminHandler) pause(paused bool) http.HandlerFunc {
 			return
 		}
 		if paused {
-			err = h.admin.PauseBucket(r.Context(), b)
+			err = h.op.PauseBucket(r.Context(), b)
 		} else {
-			err = h.admin.ResumeBucket(r.Context(), b)
+			err = h.op.ResumeBucket(r.Context(), b)
 		}
 		if err != nil {
 			h.fail(w, r, err)

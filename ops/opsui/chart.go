@@ -1,4 +1,4 @@
-package gormrelay
+package opsui
 
 import (
 	"math"
@@ -38,7 +38,7 @@ type uiChart struct {
 
 // charts draws the overview's charts from samples, oldest first: the
 // backlog, the oldest pending age, and the publish rate (with
-// UIOptions.Published) or the backlog's change per second (without).
+// Options.Published) or the backlog's change per second (without).
 func (u *UI) charts(samples []uiSample) []uiChart {
 	n := len(samples)
 	at := make([]time.Time, n)

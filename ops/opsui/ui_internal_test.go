@@ -1,4 +1,4 @@
-package gormrelay
+package opsui
 
 import (
 	"context"
@@ -14,8 +14,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/gorm-outbox/outbox"
-	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/ops"
+	"github.com/gorm-outbox/outbox/ops/opsmem"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 func TestShowBytes(t *testing.T) {
@@ -53,13 +54,13 @@ func TestShowBytes(t *testing.T) {
 
 func TestUIToken(t *testing.T) {
 	t.Parallel()
-	u := NewUI(nil, UIOptions{CSRFSecret: []byte("0123456789abcdef0123456789abcdef")})
-	other := NewUI(nil, UIOptions{})
+	u := New(nil, Options{CSRFSecret: []byte("0123456789abcdef0123456789abcdef")})
+	other := New(nil, Options{})
 	now := time.Unix(time.Now().Unix(), 0) // tokens carry whole seconds
 	tok := u.token(now)
 	require.NoError(t, u.checkToken(tok, now))
-	require.NoError(t, u.checkToken(tok, now.Add(UITokenLifetime)))
-	require.ErrorContains(t, u.checkToken(tok, now.Add(UITokenLifetime+time.Second)), "expired")
+	require.NoError(t, u.checkToken(tok, now.Add(TokenLifetime)))
+	require.ErrorContains(t, u.checkToken(tok, now.Add(TokenLifetime+time.Second)), "expired")
 	require.ErrorContains(t, u.checkToken(u.token(now.Add(time.Hour)), now), "expired", "issued in the future")
 	require.ErrorContains(t, u.checkToken("", now), "no token")
 	require.ErrorContains(t, other.checkToken(tok, now), "invalid", "another UI's secret")
@@ -69,7 +70,7 @@ func TestUIToken(t *testing.T) {
 	require.ErrorContains(t, u.checkToken("garbage", now), "invalid")
 
 	// The same secret on two replicas: tokens of one pass on the other.
-	replica := NewUI(nil, UIOptions{CSRFSecret: []byte("0123456789abcdef0123456789abcdef")})
+	replica := New(nil, Options{CSRFSecret: []byte("0123456789abcdef0123456789abcdef")})
 	require.NoError(t, replica.checkToken(tok, now))
 }
 
@@ -77,21 +78,21 @@ func TestUIRates(t *testing.T) {
 	t.Parallel()
 	var published float64
 	var mu sync.Mutex
-	u := NewUI(nil, UIOptions{Published: func() float64 { mu.Lock(); defer mu.Unlock(); return published }})
+	u := New(nil, Options{Published: func() float64 { mu.Lock(); defer mu.Unlock(); return published }})
 	t0 := time.Now()
-	r, _ := u.sample(Status{SampledAt: t0, Pending: 100})
+	r, _ := u.sample(ops.Status{SampledAt: t0, Pending: 100})
 	require.Zero(t, r.Window, "one reading has no rate")
 	require.True(t, r.HasPublished)
 	mu.Lock()
 	published = 50
 	mu.Unlock()
-	r, _ = u.sample(Status{SampledAt: t0.Add(10 * time.Second), Pending: 80})
+	r, _ = u.sample(ops.Status{SampledAt: t0.Add(10 * time.Second), Pending: 80})
 	require.Equal(t, 10*time.Second, r.Window)
 	require.InDelta(t, 5.0, r.Published, 1e-9)
 	require.InDelta(t, -2.0, r.BacklogChange, 1e-9)
 	// Readings older than the window are dropped.
-	r, _ = u.sample(Status{SampledAt: t0.Add(UIThroughputWindow + 5*time.Second), Pending: 80})
-	require.Equal(t, UIThroughputWindow-5*time.Second, r.Window, "compared with the reading at 10s; the one at 0s is too old")
+	r, _ = u.sample(ops.Status{SampledAt: t0.Add(ThroughputWindow + 5*time.Second), Pending: 80})
+	require.Equal(t, ThroughputWindow-5*time.Second, r.Window, "compared with the reading at 10s; the one at 0s is too old")
 	require.InDelta(t, 0, r.BacklogChange, 1e-9)
 	require.InDelta(t, 0, r.Published, 1e-9)
 
@@ -100,30 +101,30 @@ func TestUIRates(t *testing.T) {
 	for i := range 8 {
 		wg.Go(func() {
 			for j := range 50 {
-				u.sample(Status{SampledAt: t0.Add(time.Duration(i*50+j) * time.Millisecond), Pending: int64(j)})
+				u.sample(ops.Status{SampledAt: t0.Add(time.Duration(i*50+j) * time.Millisecond), Pending: int64(j)})
 			}
 		})
 	}
 	wg.Wait()
 }
 
-// The charts keep one point per UIChartStep over UIChartWindow however
+// The charts keep one point per ChartStep over ChartWindow however
 // often the overview is read, and their last point follows the newest
 // reading.
 func TestUIChartReadings(t *testing.T) {
 	t.Parallel()
-	u := NewUI(nil, UIOptions{})
+	u := New(nil, Options{})
 	t0 := time.Now()
 	var got []uiSample
 	for i := range 20_000 { // a reading every 100ms for 33 minutes
-		_, got = u.sample(Status{SampledAt: t0.Add(time.Duration(i) * 100 * time.Millisecond), Pending: int64(i)})
-		require.LessOrEqual(t, len(got), int(UIChartWindow/UIChartStep)+1)
+		_, got = u.sample(ops.Status{SampledAt: t0.Add(time.Duration(i) * 100 * time.Millisecond), Pending: int64(i)})
+		require.LessOrEqual(t, len(got), int(ChartWindow/ChartStep)+1)
 		require.Equal(t, int64(i), got[len(got)-1].pending, "the last point is the newest reading")
 	}
-	require.GreaterOrEqual(t, len(got), int(UIChartWindow/UIChartStep))
-	require.LessOrEqual(t, got[len(got)-1].at.Sub(got[0].at), UIChartWindow)
+	require.GreaterOrEqual(t, len(got), int(ChartWindow/ChartStep))
+	require.LessOrEqual(t, got[len(got)-1].at.Sub(got[0].at), ChartWindow)
 	for i := 1; i < len(got)-1; i++ {
-		require.GreaterOrEqual(t, got[i].at.Sub(got[i-1].at), UIChartStep)
+		require.GreaterOrEqual(t, got[i].at.Sub(got[i-1].at), ChartStep)
 	}
 }
 
@@ -185,20 +186,15 @@ func TestUIFormatting(t *testing.T) {
 func TestUIStatusShared(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := dbtest.Open(t, dbtest.SQLite)
-	cfg := outbox.Config{}.WithDefaults()
-	require.NoError(t, cfg.Tables.AutoMigrate(ctx, db.DB))
-	admin, err := NewAdmin(db.DB, cfg)
-	require.NoError(t, err)
-	u := NewUI(admin, UIOptions{RefreshInterval: time.Hour, AllowMutations: true})
+	admin := opsmem.New(4)
+	u := New(admin, Options{RefreshInterval: time.Hour, AllowMutations: true})
 	first, err := u.status(ctx)
 	require.NoError(t, err)
 	require.Zero(t, first.Pending)
 
-	row := outbox.MessageRow{MessageID: "m-1", Bucket: 2, Topic: "orders", CreatedAtMs: time.Now().UnixMilli()}
-	require.NoError(t, db.DB.Table(cfg.Tables.MessagesTable()).Create(&row).Error)
+	admin.Insert(relay.Message{MessageID: "m-1", Bucket: 2, Topic: "orders"})
 	var wg sync.WaitGroup
-	got := make([]Status, 8)
+	got := make([]ops.Status, 8)
 	for i := range got {
 		wg.Go(func() {
 			var err error
@@ -236,7 +232,7 @@ func TestUIStatusShared(t *testing.T) {
 	require.True(t, again.SampledAt.After(after.SampledAt), "read again, not the reading begun before the action")
 
 	// Half of the shortest RefreshInterval later, a new reading.
-	fast := NewUI(admin, UIOptions{RefreshInterval: 250 * time.Millisecond})
+	fast := New(admin, Options{RefreshInterval: 250 * time.Millisecond})
 	one, err := fast.status(ctx)
 	require.NoError(t, err)
 	require.EventuallyWithT(t, func(c *assert.CollectT) {

@@ -1,0 +1,174 @@
+package opshttp
+
+import (
+	"context"
+	"encoding/json"
+	"log/slog"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/gorm-outbox/outbox/ops"
+)
+
+// HealthTimeoutDefault bounds the reading of one readiness request.
+const HealthTimeoutDefault = 5 * time.Second
+
+// healthBody is the health handlers' JSON response.
+type healthBody struct {
+	// Status is "ok"; "unhealthy" (backlog too old), "error" (the outbox
+	// could not be read), "failed" (the relay stopped on an error) or
+	// "stopped" (the relay stopped cleanly: the process is shutting down).
+	Status string `json:"status"`
+	// Error is the relay's error when Status is "failed".
+	Error string `json:"error,omitempty"`
+	// OldestPendingAgeSeconds is absent when nothing is pending or the
+	// outbox could not be read.
+	OldestPendingAgeSeconds *float64 `json:"oldest_pending_age_seconds,omitempty"`
+	MaxAgeSeconds           float64  `json:"max_age_seconds,omitempty"`
+	Bucket                  *int     `json:"bucket,omitempty"`
+}
+
+// Health answers the probes of a service that runs a relay, split the way
+// Kubernetes expects:
+//
+//   - Liveness (mount at /livez): is the process worth keeping? 503 at
+//     once when Relay has stopped on an error (Relay.Err, a
+//     misconfiguration such as a writer's larger BucketCount), with the
+//     error's text; 200 otherwise. It reads no database: a database
+//     outage must not restart every relay.
+//   - Readiness (mount at /readyz, and /healthz): is the outbox being
+//     delivered? 503 when Relay stopped on an error (as Liveness) or
+//     stopped at all, when the oldest pending message has waited longer
+//     than MaxAge, or when the outbox cannot be read within
+//     HealthTimeoutDefault; 200 otherwise.
+//
+// Bodies are small JSON objects:
+//
+//	{"status":"ok","oldest_pending_age_seconds":0.42,"max_age_seconds":300,"bucket":3}
+//	{"status":"unhealthy","oldest_pending_age_seconds":912.5,"max_age_seconds":300,"bucket":5}
+//	{"status":"error","max_age_seconds":300}
+//	{"status":"failed","error":"relay: misconfiguration: BucketCount: table outbox_messages holds messages in bucket 63, ..."}
+//
+// Errors reading the outbox are logged on Logger, not written to the
+// response. A relay's error is written: it names tables and settings, not
+// payloads. Handler serves all three paths.
+type Health struct {
+	// Operator reads the backlog for Readiness (OldestPending). Required
+	// by Readiness and Handler.
+	Operator ops.Operator
+	// Relay is the relay the process runs, if any (a *relay.Relay): its
+	// end is reported at once, without waiting for the backlog to age.
+	// Optional.
+	Relay Stopper
+	// MaxAge is the oldest-pending age above which Readiness fails; it
+	// must be positive (Readiness and Handler panic otherwise). Pick it
+	// from the delivery objective, well above the relays' PollInterval and
+	// BackoffMax.
+	MaxAge time.Duration
+	// Logger receives a line when the outbox cannot be read. Default:
+	// slog.Default().
+	Logger *slog.Logger
+}
+
+// Stopper is what Health reads of a running relay; *relay.Relay
+// implements it.
+type Stopper interface {
+	// Stopped is closed when the relay has stopped.
+	Stopped() <-chan struct{}
+	// Err is the error the relay stopped on; nil while it runs or after a
+	// clean stop.
+	Err() error
+}
+
+// relayEnd reports whether h.Relay has stopped, and its error.
+func (h Health) relayEnd() (stopped bool, err error) {
+	if h.Relay == nil {
+		return false, nil
+	}
+	select {
+	case <-h.Relay.Stopped():
+		return true, h.Relay.Err()
+	default:
+		return false, nil
+	}
+}
+
+// Liveness returns the liveness handler; see Health.
+func (h Health) Liveness() http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, code := healthBody{Status: "ok"}, http.StatusOK
+		if _, err := h.relayEnd(); err != nil {
+			body, code = healthBody{Status: "failed", Error: err.Error()}, http.StatusServiceUnavailable
+		}
+		writeHealth(w, r, code, body)
+	})
+}
+
+// Readiness returns the readiness handler; see Health. It panics if
+// Operator is nil or MaxAge is not positive.
+func (h Health) Readiness() http.Handler {
+	if h.Operator == nil {
+		panic("outbox: Health.Readiness: Operator is required")
+	}
+	if h.MaxAge <= 0 {
+		panic("outbox: Health.Readiness: MaxAge must be positive")
+	}
+	op, maxAge, logger := h.Operator, h.MaxAge, h.Logger
+	if logger == nil {
+		logger = slog.Default()
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body := healthBody{Status: "ok", MaxAgeSeconds: maxAge.Seconds()}
+		code := http.StatusOK
+		if stopped, err := h.relayEnd(); stopped {
+			body.Status, code = "stopped", http.StatusServiceUnavailable
+			if err != nil {
+				body.Status, body.Error = "failed", err.Error()
+			}
+			writeHealth(w, r, code, body)
+			return
+		}
+		ctx, cancel := context.WithTimeout(r.Context(), HealthTimeoutDefault)
+		defer cancel()
+		age, bucket, ok, err := op.OldestPending(ctx)
+		switch {
+		case err != nil:
+			body.Status, code = "error", http.StatusServiceUnavailable
+			logger.WarnContext(ctx, "outbox: health check could not read the backlog", "err", err)
+		case ok:
+			secs := age.Seconds()
+			body.OldestPendingAgeSeconds, body.Bucket = &secs, &bucket
+			if age > maxAge {
+				body.Status, code = "unhealthy", http.StatusServiceUnavailable
+			}
+		}
+		writeHealth(w, r, code, body)
+	})
+}
+
+// Handler returns a handler serving Liveness at /livez and Readiness at
+// /readyz and /healthz (paths ending there, so it can be mounted under a
+// prefix); other paths get 404. It panics as Readiness does.
+func (h Health) Handler() http.Handler {
+	live, ready := h.Liveness(), h.Readiness()
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch {
+		case strings.HasSuffix(r.URL.Path, "/livez"):
+			live.ServeHTTP(w, r)
+		case strings.HasSuffix(r.URL.Path, "/readyz"), strings.HasSuffix(r.URL.Path, "/healthz"):
+			ready.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+func writeHealth(w http.ResponseWriter, r *http.Request, code int, body healthBody) {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(code)
+	if r.Method != http.MethodHead {
+		_ = json.NewEncoder(w).Encode(body)
+	}
+}

@@ -627,10 +627,7 @@ func DrainOnce(ctx context.Context, db *gorm.DB, cfg outbox.Config, pub relay.Pu
 	if err != nil {
 		return 0, err
 	}
-	if rcfg.BucketCount == 0 {
-		rcfg.BucketCount = store.buckets
-	}
-	r, err := relay.New(store, pub, rcfg)
+	r, err := relay.New(store, pub, rcfg) // BucketCount from the store
 	if err != nil {
 		return 0, err
 	}

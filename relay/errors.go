@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
@@ -108,3 +109,9 @@ func (e *NotOwnedError) Error() string {
 
 // Unwrap lets errors.Is(err, ErrNotOwned) match.
 func (e *NotOwnedError) Unwrap() error { return ErrNotOwned }
+
+// isStop reports whether err is the relay's own cancellation, not a
+// failure worth logging or counting.
+func isStop(ctx context.Context, err error) bool {
+	return ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ctx.Err()))
+}

@@ -22,6 +22,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // StoreTimeoutDefault bounds every Store operation (one or a few short
@@ -834,7 +835,8 @@ const batchCapMin = 64
 
 // batchColumns are the message columns a batch read selects, in the order
 // scanBatch scans them.
-const batchColumns = "id, message_id, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts"
+const batchColumns = wire.ColID + ", " + wire.ColMessageID + ", " + wire.ColTopic + ", " + wire.ColKey + ", " + wire.ColValue + ", " +
+	wire.ColHeaders + ", " + wire.ColPartition + ", " + wire.ColCreatedAtMs + ", " + wire.ColAttempts
 
 // NextBatch implements relay.Store: the oldest limit rows of bucket by id,
 // read through the (bucket, id) index (see bucketRange).

@@ -73,7 +73,7 @@ func NewKafka(db *gorm.DB, plugin *outbox.Plugin, kcfg publisher.KafkaConfig, op
 	if err != nil {
 		return nil, err
 	}
-	return wire(db, plugin, k, true, o)
+	return assemble(db, plugin, k, true, o)
 }
 
 // NewKafkaTransactional is NewKafka with the strict-mode publisher,
@@ -89,7 +89,7 @@ func NewKafkaTransactional(db *gorm.DB, plugin *outbox.Plugin, tcfg publisher.Tr
 	if err != nil {
 		return nil, err
 	}
-	return wire(db, plugin, t, true, o)
+	return assemble(db, plugin, t, true, o)
 }
 
 // New wires a relay for the outbox of plugin on db, publishing to pub: the
@@ -113,7 +113,7 @@ func NewKafkaTransactional(db *gorm.DB, plugin *outbox.Plugin, tcfg publisher.Tr
 // from the plugin's is refused by relay.New with a *relay.ConfigError
 // (Field "BucketCount") wrapping relay.CheckBucketCount's error.
 func New(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, opts ...Option) (*relay.Relay, error) {
-	return wire(db, plugin, pub, false, collect(opts))
+	return assemble(db, plugin, pub, false, collect(opts))
 }
 
 func collect(opts []Option) options {
@@ -124,8 +124,8 @@ func collect(opts []Option) options {
 	return o
 }
 
-// wire is New; own hands pub's lifecycle to the relay.
-func wire(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, own bool, o options) (*relay.Relay, error) {
+// assemble is New; own hands pub's lifecycle to the relay.
+func assemble(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, own bool, o options) (*relay.Relay, error) {
 	if plugin == nil {
 		return nil, &relay.ConfigError{Package: "gormrelay", Field: "plugin", Value: nil, Reason: "an *outbox.Plugin is required"}
 	}

@@ -1,0 +1,80 @@
+package pgwal_test
+
+import (
+	"context"
+	"os"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/gormrelay"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/pgwal"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// TestMeasureDrain measures, on the WAL mode server, the drain of a
+// backlog of OUTBOX_MEASURE_DRAIN messages (16 keys, 100 per transaction)
+// through a publisher that acknowledges at once: table mode
+// (gormrelay.DrainOnce) beside WAL mode (pgwal.Reader), so the figures
+// compare the sources, not Kafka. Run only when the variable is set:
+//
+//	OUTBOX_MEASURE_DRAIN=100000 go test -count=1 -run TestMeasureDrain -v ./pgwal/
+func TestMeasureDrain(t *testing.T) {
+	n, _ := strconv.Atoi(os.Getenv("OUTBOX_MEASURE_DRAIN"))
+	if n <= 0 {
+		t.Skip("set OUTBOX_MEASURE_DRAIN to the backlog size")
+	}
+	ack := relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil })
+	backlog := func(t *testing.T, db *gorm.DB) {
+		for i := 0; i < n; i += 100 {
+			require.NoError(t, db.Transaction(func(tx *gorm.DB) error {
+				msgs := make([]*outbox.Message, 0, 100)
+				for j := i; j < min(i+100, n); j++ {
+					msgs = append(msgs, &outbox.Message{Topic: "drain", Key: []byte(strconv.Itoa(j % 16)), Value: []byte("value-" + strconv.Itoa(j))})
+				}
+				return outbox.Enqueue(tx, msgs...)
+			}))
+		}
+	}
+
+	// Table mode.
+	tdb := dbtest.OpenWAL(t)
+	tp, err := outbox.NewPlugin(outbox.Config{Name: dbtest.Name("m_")})
+	require.NoError(t, err)
+	require.NoError(t, tdb.DB.Use(tp))
+	require.NoError(t, tp.AutoMigrate(context.Background(), tdb.DB))
+	backlog(t, tdb.DB)
+	began := time.Now()
+	got, err := gormrelay.DrainOnce(context.Background(), tdb.DB, tp.Config(), ack, relay.Config{})
+	require.NoError(t, err)
+	require.Equal(t, n, got)
+	tableTook := time.Since(began)
+
+	// WAL mode.
+	e := &env{db: dbtest.OpenWAL(t)}
+	e.plugin, err = outbox.NewPlugin(outbox.Config{Name: dbtest.Name("m_"), Mode: outbox.ModeWAL})
+	require.NoError(t, err)
+	require.NoError(t, e.db.DB.Use(e.plugin))
+	require.NoError(t, e.plugin.AutoMigrate(context.Background(), e.db.DB))
+	var published atomic.Int64
+	count := relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) {
+		published.Add(int64(len(msgs)))
+		return len(msgs), nil
+	})
+	r := e.reader(t, count, "m", func(c *pgwal.Config) { c.BatchSize = 100; c.StandbyInterval = time.Second; c.LeaseDuration = 10 * time.Second })
+	backlog(t, e.db.DB)
+	began = time.Now()
+	stop := run(r)
+	require.Eventually(t, func() bool { return published.Load() >= int64(n) }, 10*time.Minute, time.Millisecond)
+	walTook := time.Since(began)
+	require.NoError(t, stop())
+	t.Logf("drain of %d messages: table mode %v (%.0f msg/s), WAL mode %v (%.0f msg/s), ratio WAL/table %.2f",
+		n, tableTook.Round(time.Millisecond), float64(n)/tableTook.Seconds(), walTook.Round(time.Millisecond), float64(n)/walTook.Seconds(),
+		tableTook.Seconds()/walTook.Seconds())
+}

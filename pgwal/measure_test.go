@@ -67,7 +67,11 @@ func TestMeasureDrain(t *testing.T) {
 		published.Add(int64(len(msgs)))
 		return len(msgs), nil
 	})
-	r := e.reader(t, count, "m", func(c *pgwal.Config) { c.BatchSize = 100; c.StandbyInterval = time.Second; c.LeaseDuration = 10 * time.Second })
+	r := e.reader(t, count, "m", func(c *pgwal.Config) {
+		c.BatchSize = 100
+		c.StandbyInterval = time.Second
+		c.LeaseDuration = 10 * time.Second
+	})
 	backlog(t, e.db.DB)
 	began = time.Now()
 	stop := run(r)

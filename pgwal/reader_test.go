@@ -218,6 +218,7 @@ func TestReaderFailures(t *testing.T) {
 	e := setup(t)
 	var mu sync.Mutex
 	outage := 5
+	poison := true
 	pub := relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
 		mu.Lock()
 		down := outage > 0
@@ -228,8 +229,11 @@ func TestReaderFailures(t *testing.T) {
 		if down {
 			return 0, relay.Unavailable(errors.New("broker down"))
 		}
+		mu.Lock()
+		poisoned := poison
+		mu.Unlock()
 		for i, m := range msgs {
-			if string(m.Value) == "k0:3" {
+			if poisoned && string(m.Value) == "k0:3" {
 				n, err := e.pub.Publish(ctx, msgs[:i])
 				if err != nil {
 					return n, err
@@ -271,6 +275,34 @@ func TestReaderFailures(t *testing.T) {
 		st, err := r.SlotStatus(context.Background())
 		return err == nil && st.Confirmed > 0 && r.Stats().Confirmed >= st.Confirmed && st.Confirmed == r.Stats().Confirmed
 	}, 30*time.Second, 50*time.Millisecond)
+
+	// Requeue: the key's dead letters are emitted again in order and
+	// removed, and the key flows again, later writes included.
+	mu.Lock()
+	poison = false
+	mu.Unlock()
+	n, err := pgwal.RequeueKey(context.Background(), e.db.DB, e.plugin, []byte("k0"))
+	require.NoError(t, err)
+	require.Equal(t, 7, n)
+	e.write(t, 1, 10, 12) // k0:10, k0:11
+	require.Eventually(t, func() bool {
+		recs = e.kafka.ReadLog(t, e.topic, 30*time.Second)
+		return len(recs) == 32
+	}, 30*time.Second, 50*time.Millisecond)
+	var k0 []string
+	for _, rec := range recs {
+		if string(rec.Key) == "k0" {
+			k0 = append(k0, string(rec.Value))
+		}
+	}
+	want := make([]string, 12)
+	for i := range want {
+		want[i] = "k0:" + strconv.Itoa(i)
+	}
+	require.Equal(t, want, k0, "the key in order, nothing twice")
+	var left int64
+	require.NoError(t, e.db.Table(dl).Count(&left).Error)
+	require.Zero(t, left)
 	require.NoError(t, stop())
 }
 

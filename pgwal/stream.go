@@ -304,7 +304,17 @@ func (s *stream) publishLoop(ctx context.Context, q *bucketQ) error {
 		}
 		// Messages of a quarantined key go behind its dead letter.
 		if n := s.leadingQuarantined(q, es); n > 0 {
-			if err := s.deadLetter(ctx, q, es[:n], string(gormrelay.DeadLetterParked), ""); err != nil {
+			// A key whose dead letters were requeued (RequeueKey) flows
+			// again.
+			dead, err := s.hasDeadLetters(ctx, es[0].msg.Key)
+			if err == nil && !dead {
+				delete(q.quarantined, string(es[0].msg.Key))
+				continue
+			}
+			if err == nil {
+				err = s.deadLetter(ctx, q, es[:n], string(gormrelay.DeadLetterParked), "")
+			}
+			if err != nil {
 				if ctx.Err() != nil {
 					return nil
 				}
@@ -383,14 +393,25 @@ func (q *bucketQ) isQuarantined(m *relay.Message) bool {
 	return ok
 }
 
-// leadingQuarantined counts the leading entries of es whose key is
-// quarantined.
+// leadingQuarantined counts the leading entries of es of the first
+// one's key when that key is quarantined.
 func (s *stream) leadingQuarantined(q *bucketQ, es []entry) int {
-	n := 0
-	for n < len(es) && q.isQuarantined(&es[n].msg) {
+	if !q.isQuarantined(&es[0].msg) {
+		return 0
+	}
+	n := 1
+	for n < len(es) && es[n].msg.Key != nil && string(es[n].msg.Key) == string(es[0].msg.Key) {
 		n++
 	}
 	return n
+}
+
+// hasDeadLetters reports whether key has rows in the dead-letter table.
+func (s *stream) hasDeadLetters(ctx context.Context, key []byte) (bool, error) {
+	var n int64
+	db := s.r.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
+	err := db.Raw("SELECT count(*) FROM (SELECT 1 FROM "+db.Statement.Quote(s.r.dead)+" WHERE msg_key = ? LIMIT 1) d", key).Scan(&n).Error
+	return n > 0, err
 }
 
 // firstQuarantined returns the index of the first entry of es whose key

@@ -10,12 +10,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
+	"github.com/gorm-outbox/outbox/internal/promtest"
 	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
@@ -151,6 +153,12 @@ func TestReaderPublishesInOrder(t *testing.T) {
 		return err == nil && st.Exists && st.Confirmed >= r.Stats().Confirmed && r.Stats().Published == 200 &&
 			r.Stats().Confirmed > 0
 	}, 30*time.Second, 50*time.Millisecond)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(r.Collector())
+	name := e.plugin.Config().Name
+	require.Equal(t, map[string]float64{"slot=" + r.Config().Slot: 200}, promtest.Series(t, reg, pgwal.NamePublished, name))
+	require.Equal(t, map[string]float64{"slot=" + r.Config().Slot: 0}, promtest.Series(t, reg, pgwal.NameSlotLost, name))
+	require.Len(t, promtest.Series(t, reg, pgwal.NameRetainedBytes, name), 1)
 	require.NoError(t, stop())
 	var dead int64
 	require.NoError(t, e.db.Table(e.plugin.Config().Tables.DeadLettersTable()).Count(&dead).Error)
@@ -321,6 +329,9 @@ func TestReaderStopsOnDroppedSlot(t *testing.T) {
 		return e.db.Exec("SELECT pg_drop_replication_slot(?)", slot).Error == nil
 	}, 30*time.Second, 50*time.Millisecond)
 	e.write(t, 1, 3, 6) // lost: no slot holds them
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(r.Collector())
+	require.Equal(t, map[string]float64{"slot=" + slot: 1}, promtest.Series(t, reg, pgwal.NameSlotLost, e.plugin.Config().Name))
 
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()

@@ -20,6 +20,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/promtest"
 	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -113,15 +114,26 @@ func (e *env) write(t *testing.T, keys, from, to int) {
 // and checks that each key's values first appear in order.
 func (e *env) checkDelivered(t *testing.T, keys, n int) (records int) {
 	t.Helper()
-	var recs []kafkatest.Record
+	var (
+		recs    []kafkatest.Record
+		missing []string
+	)
 	require.Eventually(t, func() bool {
 		recs = e.kafka.ReadLog(t, e.topic, 30*time.Second)
 		seen := map[string]bool{}
 		for _, r := range recs {
 			seen[string(r.Value)] = true
 		}
-		return len(seen) == keys*n
-	}, 60*time.Second, 100*time.Millisecond, "every message reaches Kafka")
+		missing = missing[:0]
+		for k := range keys {
+			for i := range n {
+				if v := "k" + strconv.Itoa(k) + ":" + strconv.Itoa(i); !seen[v] {
+					missing = append(missing, v)
+				}
+			}
+		}
+		return len(missing) == 0
+	}, 60*time.Second, 100*time.Millisecond, "every message reaches Kafka: missing %v", &missing)
 	next := map[string]int{}
 	for _, r := range recs { // ordered by partition, then offset: per-key order
 		key, seqText, _ := strings.Cut(string(r.Value), ":")
@@ -341,4 +353,35 @@ func TestReaderStopsOnDroppedSlot(t *testing.T) {
 	require.ErrorIs(t, err, pgwal.ErrSlotLost)
 	require.Contains(t, err.Error(), "dropped")
 	require.False(t, slotExists(e.db.DB, slot), "the slot is not created again silently")
+}
+
+// TestReaderStrictMode: the strict-mode publisher (Kafka transactions,
+// one transactional id per bucket) works unchanged under a WAL reader: a
+// read_committed consumer sees each key in order, once.
+func TestReaderStrictMode(t *testing.T) {
+	e := setup(t)
+	tx := publishertest.StartTransactional(t, publisher.TransactionalConfig{
+		Brokers:               e.kafka.Brokers(),
+		TransactionalIDPrefix: fmt.Sprintf("wal-strict-%d-", time.Now().UnixNano()),
+		Logger:                dbtest.Logger(t),
+	})
+	r := e.reader(t, tx, "a")
+	stop := run(r)
+	e.write(t, 4, 0, 15)
+	require.Eventually(t, func() bool {
+		return len(e.kafka.ReadLog(t, e.topic, 30*time.Second, kafkatest.ReadCommitted())) == 60
+	}, 60*time.Second, 100*time.Millisecond)
+	byKey := map[string][]string{}
+	for _, rec := range e.kafka.ReadLog(t, e.topic, 30*time.Second, kafkatest.ReadCommitted()) {
+		byKey[string(rec.Key)] = append(byKey[string(rec.Key)], string(rec.Value))
+	}
+	for k := range 4 {
+		key := "k" + strconv.Itoa(k)
+		want := make([]string, 15)
+		for i := range want {
+			want[i] = key + ":" + strconv.Itoa(i)
+		}
+		require.Equal(t, want, byKey[key])
+	}
+	require.NoError(t, stop())
 }

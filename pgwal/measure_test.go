@@ -82,3 +82,51 @@ func TestMeasureDrain(t *testing.T) {
 		n, tableTook.Round(time.Millisecond), float64(n)/tableTook.Seconds(), walTook.Round(time.Millisecond), float64(n)/walTook.Seconds(),
 		tableTook.Seconds()/walTook.Seconds())
 }
+
+type measureRow struct {
+	ID    uint64 `gorm:"primaryKey"`
+	Value string
+}
+
+// TestMeasureWrite measures the cost of the outbox on the write: the
+// same OUTBOX_MEASURE_WRITE transactions, each inserting one row and
+// (with a plugin) enqueueing one message, without the plugin, in table
+// mode and in WAL mode, on the WAL mode server:
+//
+//	OUTBOX_MEASURE_WRITE=3000 go test -count=1 -run TestMeasureWrite -v ./pgwal/
+func TestMeasureWrite(t *testing.T) {
+	n, _ := strconv.Atoi(os.Getenv("OUTBOX_MEASURE_WRITE"))
+	if n <= 0 {
+		t.Skip("set OUTBOX_MEASURE_WRITE to the number of transactions")
+	}
+	measure := func(mode *outbox.Mode) time.Duration {
+		db := dbtest.OpenWAL(t)
+		if mode != nil {
+			p, err := outbox.NewPlugin(outbox.Config{Name: dbtest.Name("w_"), Mode: *mode})
+			require.NoError(t, err)
+			require.NoError(t, db.DB.Use(p))
+			require.NoError(t, p.AutoMigrate(context.Background(), db.DB))
+		}
+		require.NoError(t, db.AutoMigrate(&measureRow{}))
+		began := time.Now()
+		for i := range n {
+			require.NoError(t, db.Transaction(func(tx *gorm.DB) error {
+				if err := tx.Create(&measureRow{ID: uint64(i + 1), Value: "v"}).Error; err != nil {
+					return err
+				}
+				if mode == nil {
+					return nil
+				}
+				return outbox.Enqueue(tx, &outbox.Message{Topic: "t", Key: []byte(strconv.Itoa(i % 16)), Value: []byte("value")})
+			}))
+		}
+		return time.Since(began)
+	}
+	table, wal := outbox.ModeTable, outbox.ModeWAL
+	if slot := dbtest.NewWALSlot(t); slot == nil { // a slot exists, as in production
+		t.Fatal("no slot")
+	}
+	none, tt, wt := measure(nil), measure(&table), measure(&wal)
+	t.Logf("%d transactions: no plugin %v, table mode %v (%.2f), WAL mode %v (%.2f)",
+		n, none.Round(time.Millisecond), tt.Round(time.Millisecond), tt.Seconds()/none.Seconds(), wt.Round(time.Millisecond), wt.Seconds()/none.Seconds())
+}

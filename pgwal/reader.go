@@ -97,7 +97,8 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // *relay.MisconfigurationError from the publisher, a bucket beyond the
 // outbox's BucketCount. Connection failures are retried with backoff.
 // Ending ctx abandons the messages in flight: they were not confirmed, so
-// the next reader publishes them again.
+// the next reader publishes them again. The lease is not released then:
+// another reader takes over once it lapses (LeaseDuration).
 func (r *Reader) Run(ctx context.Context) error {
 	if err := r.leases.migrate(ctx); err != nil {
 		return fmt.Errorf("pgwal: create lease table %s: %w", r.cfg.LeaseTable, err)

@@ -115,6 +115,11 @@ type Config struct {
 	// OnUpdate, OnDelete or On. More can be added with Plugin.AddRule
 	// before the first write.
 	Rules []Rule
+	// Mode is where messages are written: ModeTable (the default), rows
+	// of the messages table, or ModeWAL, PostgreSQL's write-ahead log
+	// (PostgreSQL 14+ with wal_level = logical; db.Use fails with a
+	// *WALUnsupportedError otherwise). See docs/wal-mode.md.
+	Mode Mode
 	// Logger receives the plugin's logs. Default: slog.Default().
 	Logger *slog.Logger
 }
@@ -174,6 +179,9 @@ func (c Config) Validate() error {
 	}
 	if c.BucketCount < 1 || c.BucketCount > BucketCountMax {
 		return &ConfigError{Package: "outbox", Field: "BucketCount", Value: c.BucketCount, Reason: fmt.Sprintf("must be between 1 and %d", BucketCountMax)}
+	}
+	if c.Mode != ModeTable && c.Mode != ModeWAL {
+		return &ConfigError{Package: "outbox", Field: "Mode", Value: c.Mode, Reason: "must be ModeTable or ModeWAL"}
 	}
 	if c.MaxRowsPerWrite < 1 || c.MaxRowsPerWrite > MaxRowsPerWriteMax {
 		return &ConfigError{Package: "outbox", Field: "MaxRowsPerWrite", Value: c.MaxRowsPerWrite, Reason: fmt.Sprintf("must be between 1 and %d", MaxRowsPerWriteMax)}

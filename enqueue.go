@@ -98,6 +98,9 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 			return err
 		}
 	}
+	if p.cfg.Mode == ModeWAL {
+		return p.emit(tx, msgs)
+	}
 	style := placeholderStyle(tx.Dialector.Name())
 	packetLimit := 0
 	if tx.Dialector.Name() == "mysql" {
@@ -133,14 +136,10 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 		start = end
 		args := make([]any, 0, len(chunk)*sqlrows.InsertArgs)
 		for _, m := range chunk {
-			if m.ID == "" {
-				id, err := newMessageID()
-				if err != nil {
-					return err
-				}
-				m.ID = id
+			bucket, err := p.identify(m)
+			if err != nil {
+				return err
 			}
-			bucket := Bucket(m.Key, m.Partition, m.ID, p.cfg.BucketCount)
 			var partition any
 			if m.Partition != nil {
 				partition = int64(*m.Partition)
@@ -155,6 +154,18 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 		}
 	}
 	return nil
+}
+
+// identify fills in an empty m.ID and returns m's bucket.
+func (p *Plugin) identify(m *Message) (int, error) {
+	if m.ID == "" {
+		id, err := newMessageID()
+		if err != nil {
+			return 0, err
+		}
+		m.ID = id
+	}
+	return Bucket(m.Key, m.Partition, m.ID, p.cfg.BucketCount), nil
 }
 
 const (

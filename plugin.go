@@ -135,6 +135,11 @@ func (p *Plugin) Initialize(db *gorm.DB) error {
 	if db.ConnPool == nil {
 		return fmt.Errorf("outbox: %s: the *gorm.DB has no connection pool", p.Name())
 	}
+	if p.cfg.Mode == ModeWAL {
+		if err := p.checkWAL(db); err != nil {
+			return err
+		}
+	}
 	// With PrepareStmt set at gorm.Open the pool is a *gorm.PreparedStmtDB,
 	// which GORM documents as assertable (db.ConnPool.(*gorm.PreparedStmtDB)):
 	// wrap what it prepares on instead of hiding it. Its transactions are

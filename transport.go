@@ -395,16 +395,4 @@ func hintBackoff(cfg HintBridgeConfig, failures int) time.Duration {
 }
 
 // sleepCtx waits for d or ctx, and reports whether the full pause elapsed.
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	if d <= 0 {
-		return ctx.Err() == nil
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
-}
+func sleepCtx(ctx context.Context, d time.Duration) bool { return backoff.Sleep(ctx, d) }

@@ -4,10 +4,14 @@
 # expect:
 #
 #   PostgreSQL  postgres@127.0.0.1:5432, trust on loopback
+#   PostgreSQL  postgres@127.0.0.1:5434, a second cluster ("wal") with
+#               wal_level = logical for the WAL mode tests, trust on
+#               loopback for normal and replication connections
 #   MariaDB     root@127.0.0.1:3306, empty password
 #
-# Idempotent and quiet when both already answer. A server given by
-# OUTBOX_TEST_POSTGRES_DSN / OUTBOX_TEST_MYSQL_DSN is left alone. Installing
+# Idempotent and quiet when all three already answer; a running server is
+# never restarted. A server given by OUTBOX_TEST_POSTGRES_DSN /
+# OUTBOX_TEST_POSTGRES_WAL_DSN / OUTBOX_TEST_MYSQL_DSN is left alone. Installing
 # needs root and Debian's apt-get; anything that cannot be installed or
 # started is named and the script exits non-zero.
 set -euo pipefail
@@ -16,6 +20,7 @@ log() { echo "services: $*"; }
 die() { echo "services: ERROR: $*" >&2; exit 1; }
 
 pg_ready() { pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; }
+pgwal_ready() { pg_isready -h 127.0.0.1 -p 5434 -q 2>/dev/null; }
 my_client() { if command -v mariadb >/dev/null 2>&1; then mariadb "$@"; else mysql "$@"; fi; }
 my_ready() { my_client -h 127.0.0.1 -P 3306 -uroot --connect-timeout=2 -e 'SELECT 1' >/dev/null 2>&1; }
 
@@ -44,12 +49,17 @@ wait_for() { # name, probe function, seconds
 }
 
 # ---------------------------------------------------------------- PostgreSQL
-start_postgres() {
+# pg_version installs PostgreSQL when missing and prints its newest version.
+pg_version() {
   if ! command -v pg_ctlcluster >/dev/null 2>&1 || [ -z "$(ls /usr/lib/postgresql 2>/dev/null)" ]; then
-    apt_install postgresql postgresql-client
+    apt_install postgresql postgresql-client >&2
   fi
+  ls /usr/lib/postgresql | sort -V | tail -1
+}
+
+start_postgres() {
   local v
-  v=$(ls /usr/lib/postgresql | sort -V | tail -1)
+  v=$(pg_version)
   if ! pg_lsclusters -h 2>/dev/null | awk '{print $1" "$2}' | grep -qx "$v main"; then
     log "creating PostgreSQL $v cluster"
     pg_createcluster "$v" main >/dev/null || die "pg_createcluster $v main failed"
@@ -82,6 +92,54 @@ start_postgres() {
   psql -h 127.0.0.1 -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname='test'" | grep -q 1 \
     || psql -h 127.0.0.1 -U postgres -d postgres -qc "CREATE DATABASE test" \
     || die "cannot create PostgreSQL database test"
+}
+
+# ------------------------------------------- PostgreSQL for WAL mode (5434)
+# A cluster of its own, so the shared server's settings never change and it
+# is never restarted for WAL mode.
+start_postgres_wal() {
+  local v
+  v=$(pg_version)
+  if ! pg_lsclusters -h 2>/dev/null | awk '{print $1" "$2}' | grep -qx "$v wal"; then
+    log "creating PostgreSQL $v cluster wal on port 5434"
+    pg_createcluster "$v" wal --port 5434 >/dev/null || die "pg_createcluster $v wal failed"
+  fi
+  local conf=/etc/postgresql/$v/wal
+  if ! grep -q '^# gorm-outbox tests: WAL mode' "$conf/postgresql.conf"; then
+    {
+      echo '# gorm-outbox tests: WAL mode'
+      echo 'wal_level = logical'
+      echo 'max_replication_slots = 20'
+      echo 'max_wal_senders = 20'
+      echo 'max_connections = 300'
+    } >>"$conf/postgresql.conf"
+  fi
+  if ! grep -q '^# gorm-outbox tests' "$conf/pg_hba.conf"; then
+    local tmp
+    tmp=$(mktemp)
+    {
+      echo '# gorm-outbox tests: trust on loopback, replication included'
+      echo 'host all all 127.0.0.1/32 trust'
+      echo 'host all all ::1/128 trust'
+      echo 'host replication all 127.0.0.1/32 trust'
+      echo 'host replication all ::1/128 trust'
+      cat "$conf/pg_hba.conf"
+    } >"$tmp"
+    cat "$tmp" >"$conf/pg_hba.conf"
+    rm -f "$tmp"
+  fi
+  if pg_lsclusters -h | awk -v v="$v" '$1==v && $2=="wal" {print $4}' | grep -q online; then
+    pg_ctlcluster --skip-systemctl-redirect "$v" wal reload >/dev/null 2>&1 || true
+  else
+    log "starting PostgreSQL $v cluster wal"
+    pg_ctlcluster --skip-systemctl-redirect "$v" wal start || die "PostgreSQL $v wal did not start (see /var/log/postgresql/)"
+  fi
+  wait_for postgres-wal pgwal_ready 60 || die "PostgreSQL (wal) does not answer on 127.0.0.1:5434"
+  [ "$(psql -h 127.0.0.1 -p 5434 -U postgres -d postgres -tAc 'SHOW wal_level')" = logical ] \
+    || die "PostgreSQL on 5434 runs with wal_level other than logical: restart it (pg_ctlcluster $v wal restart)"
+  psql -h 127.0.0.1 -p 5434 -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname='test'" | grep -q 1 \
+    || psql -h 127.0.0.1 -p 5434 -U postgres -d postgres -qc "CREATE DATABASE test" \
+    || die "cannot create PostgreSQL (wal) database test"
 }
 
 # ------------------------------------------------------------------- MariaDB
@@ -131,6 +189,14 @@ if [ -z "${OUTBOX_TEST_POSTGRES_DSN:-}" ]; then
   else
     start_postgres
     log "PostgreSQL ready on 127.0.0.1:5432"
+  fi
+fi
+if [ -z "${OUTBOX_TEST_POSTGRES_WAL_DSN:-}" ]; then
+  if pgwal_ready && [ "$(psql -h 127.0.0.1 -p 5434 -U postgres -d test -tAc 'SHOW wal_level' 2>/dev/null)" = logical ]; then
+    :
+  else
+    start_postgres_wal
+    log "PostgreSQL (wal_level=logical) ready on 127.0.0.1:5434"
   fi
 fi
 if [ -z "${OUTBOX_TEST_MYSQL_DSN:-}" ]; then

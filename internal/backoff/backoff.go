@@ -4,6 +4,7 @@
 package backoff
 
 import (
+	"context"
 	"math/rand/v2"
 	"time"
 )
@@ -22,4 +23,19 @@ func Exponential(lo, hi time.Duration, n int) time.Duration {
 		return d
 	}
 	return d/2 + rand.N(d/2+1)
+}
+
+// Sleep waits for d or ctx, and reports whether the full pause elapsed.
+func Sleep(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }

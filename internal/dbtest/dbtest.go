@@ -145,13 +145,7 @@ func Open(t testing.TB, dialect string, opts ...Options) *DB {
 	d := &DB{Dialect: dialect, Namespace: Name("t_")}
 	switch dialect {
 	case Postgres:
-		admin := mustOpen(t, "pgx", PostgresDSN())
-		exec(t, admin, "CREATE SCHEMA "+d.Namespace)
-		t.Cleanup(func() {
-			_, _ = admin.Exec("DROP SCHEMA " + d.Namespace + " CASCADE")
-			admin.Close()
-		})
-		d.DSN = PostgresDSN() + " search_path=" + d.Namespace
+		d.postgresSchema(t, PostgresDSN())
 	case MySQL:
 		admin := mustOpen(t, "mysql", MySQLDSN())
 		exec(t, admin, "CREATE DATABASE "+d.Namespace)
@@ -165,13 +159,20 @@ func Open(t testing.TB, dialect string, opts ...Options) *DB {
 	default:
 		t.Fatalf("dbtest: unknown dialect %q", dialect)
 	}
-	cfg := o.Config
+	d.connect(t, o.Config)
+	return d
+}
+
+// connect opens d.DB on d.DSN with cfg (default: logger silenced), closed
+// at the end of the test.
+func (d *DB) connect(t testing.TB, cfg *gorm.Config) {
+	t.Helper()
 	if cfg == nil {
 		cfg = &gorm.Config{Logger: logger.Discard}
 	}
-	db, err := OpenGorm(dialect, d.DSN, cfg)
+	db, err := OpenGorm(d.Dialect, d.DSN, cfg)
 	if err != nil {
-		t.Fatalf("dbtest: open %s: %v", dialect, err)
+		t.Fatalf("dbtest: open %s: %v", d.Dialect, err)
 	}
 	sqlDB, err := db.DB()
 	if err != nil {
@@ -179,13 +180,25 @@ func Open(t testing.TB, dialect string, opts ...Options) *DB {
 	}
 	t.Cleanup(func() { sqlDB.Close() })
 	d.DB = db
-	return d
 }
 
 // OpenGorm opens a GORM connection for the dialect and DSN (one
 // connection for SQLite).
 func OpenGorm(dialect, dsn string, cfg *gorm.Config) (*gorm.DB, error) {
 	return dbopen.Open(dialect, dsn, cfg)
+}
+
+// postgresSchema creates d.Namespace on the server of dsn, dropped at the
+// end of the test, and points d.DSN at it.
+func (d *DB) postgresSchema(t testing.TB, dsn string) {
+	t.Helper()
+	admin := mustOpen(t, "pgx", dsn)
+	exec(t, admin, "CREATE SCHEMA "+d.Namespace)
+	t.Cleanup(func() {
+		_, _ = admin.Exec("DROP SCHEMA " + d.Namespace + " CASCADE")
+		admin.Close()
+	})
+	d.DSN = dsn + " search_path=" + d.Namespace
 }
 
 func mustOpen(t testing.TB, driver, dsn string) *sql.DB {

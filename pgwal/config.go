@@ -1,0 +1,157 @@
+package pgwal
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"regexp"
+	"strconv"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// Defaults applied by Config.WithDefaults.
+const (
+	LeaseDurationDefault   = 10 * time.Second
+	StandbyIntervalDefault = 2 * time.Second
+	BatchSizeDefault       = 100
+	MaxPendingDefault      = 10_000
+	MaxAttemptsDefault     = 10
+	BackoffMinDefault      = 100 * time.Millisecond
+	BackoffMaxDefault      = 10 * time.Second
+)
+
+// Config configures a Reader. ReplicationDSN is required; the zero value
+// of every other field takes its default.
+type Config struct {
+	// ReplicationDSN is the connection string (keyword/value or URL) of
+	// the PostgreSQL database the writers use; the reader adds
+	// replication=database. Its role needs the REPLICATION attribute and
+	// pg_hba.conf must allow replication connections.
+	ReplicationDSN string
+	// Slot is the logical replication slot, created at the first Run when
+	// missing; it is also the name of the (empty) publication pgoutput
+	// needs and the key of the reader's lease. Lowercase letters, digits
+	// and underscores, at most 63 characters. Default "outbox_" followed
+	// by the outbox name reduced to those characters.
+	Slot string
+	// LeaseTable holds the lease that elects the one reader of the slot.
+	// Default: the outbox's leases table name followed by "_wal".
+	LeaseTable string
+	// RelayID identifies this reader in the lease. Default:
+	// hostname-pid-random.
+	RelayID string
+	// LeaseDuration is how long the lease lasts without renewal: another
+	// reader takes the slot over that long after this one died. Default
+	// 10s.
+	LeaseDuration time.Duration
+	// StandbyInterval is how often the reader renews its lease, records
+	// its confirmed position and sends a standby status update to the
+	// server; the server's requests for a reply are answered at once.
+	// Default 2s; less than LeaseDuration/2.
+	StandbyInterval time.Duration
+	// BatchSize is the most messages of one bucket handed to one Publish
+	// call. Default 100.
+	BatchSize int
+	// MaxPending bounds the messages decoded but not yet published; the
+	// reader stops reading the stream while it is reached. Default 10,000.
+	MaxPending int
+	// MaxAttempts is how many failed publishes with an error that is
+	// neither permanent nor an outage (relay.IsUnavailable) a message gets
+	// before it is dead-lettered. Permanent errors dead-letter at once;
+	// outages are retried for as long as they last. Default 10.
+	MaxAttempts int
+	// BackoffMin and BackoffMax bound the pause after a failed publish or
+	// a lost connection, doubling per consecutive failure. Default 100ms
+	// and 10s.
+	BackoffMin, BackoffMax time.Duration
+	// Logger receives the reader's logs. Default slog.Default().
+	Logger *slog.Logger
+}
+
+var slotRE = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
+
+// slotName reduces an outbox name to a slot name.
+func slotName(name string) string {
+	b := []byte("outbox_")
+	for i := 0; i < len(name) && len(b) < 63; i++ {
+		c := name[i]
+		switch {
+		case c >= 'a' && c <= 'z', c >= '0' && c <= '9', c == '_':
+			b = append(b, c)
+		case c >= 'A' && c <= 'Z':
+			b = append(b, c+'a'-'A')
+		default:
+			b = append(b, '_')
+		}
+	}
+	return string(b)
+}
+
+// withDefaults fills in c for the outbox oc.
+func (c Config) withDefaults(oc outbox.Config) Config {
+	if c.Slot == "" {
+		c.Slot = slotName(oc.Name)
+	}
+	if c.LeaseTable == "" {
+		c.LeaseTable = oc.Tables.Leases + "_wal"
+	}
+	if c.RelayID == "" {
+		host, _ := os.Hostname()
+		c.RelayID = host + "-" + strconv.Itoa(os.Getpid()) + "-" + uuid.NewString()[:8]
+	}
+	if c.LeaseDuration == 0 {
+		c.LeaseDuration = LeaseDurationDefault
+	}
+	if c.StandbyInterval == 0 {
+		c.StandbyInterval = min(StandbyIntervalDefault, c.LeaseDuration/3)
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = BatchSizeDefault
+	}
+	if c.MaxPending == 0 {
+		c.MaxPending = MaxPendingDefault
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = MaxAttemptsDefault
+	}
+	if c.BackoffMin == 0 {
+		c.BackoffMin = BackoffMinDefault
+	}
+	if c.BackoffMax == 0 {
+		c.BackoffMax = max(BackoffMaxDefault, c.BackoffMin)
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	bad := func(field string, value any, reason string) error {
+		return &relay.ConfigError{Package: "pgwal", Field: field, Value: value, Reason: reason}
+	}
+	switch {
+	case c.ReplicationDSN == "":
+		return bad("ReplicationDSN", "", "required")
+	case !slotRE.MatchString(c.Slot):
+		return bad("Slot", fmt.Sprintf("%q", c.Slot), "must match [a-z0-9_]{1,63}")
+	case c.LeaseDuration < 3*c.StandbyInterval || c.StandbyInterval <= 0:
+		return bad("StandbyInterval", c.StandbyInterval, fmt.Sprintf("must be positive and at most a third of LeaseDuration (%s)", c.LeaseDuration))
+	case c.BatchSize < 1:
+		return bad("BatchSize", c.BatchSize, "must be positive")
+	case c.MaxPending < c.BatchSize:
+		return bad("MaxPending", c.MaxPending, "must be at least BatchSize")
+	case c.MaxAttempts < 1:
+		return bad("MaxAttempts", c.MaxAttempts, "must be positive")
+	case c.BackoffMin < 0 || c.BackoffMax < c.BackoffMin:
+		return bad("BackoffMax", c.BackoffMax, "must be at least BackoffMin, both not negative")
+	case len(c.RelayID) > 128:
+		return bad("RelayID", c.RelayID, "at most 128 characters")
+	}
+	return outbox.ValidateIdentifier("LeaseTable", c.LeaseTable)
+}

@@ -1,0 +1,102 @@
+package pgwal
+
+import (
+	"context"
+	"time"
+
+	"gorm.io/gorm"
+	"gorm.io/gorm/clause"
+)
+
+// SlotLease is the row that elects the one reader of a slot, with the
+// lease semantics of the relay's bucket leases (outbox.LeaseRow): an
+// owner, an expiry, and a term that grows with every acquisition, so a
+// reader whose lease was taken over can tell. ConfirmedLSN is the
+// position the owner last confirmed to the server, recorded before it is
+// sent: a slot whose confirmed position is beyond it was dropped and
+// created again, and the messages in between are lost.
+type SlotLease struct {
+	Slot        string  `gorm:"column:slot;type:varchar(63);primaryKey"`
+	Owner       *string `gorm:"column:owner;type:varchar(128)"`
+	Term        int64   `gorm:"column:term;not null;default:0"`
+	ExpiresAtMs int64   `gorm:"column:expires_at_ms;not null;default:0"`
+	// ConfirmedLSN is 0 until the reader created or first read the slot.
+	ConfirmedLSN int64 `gorm:"column:confirmed_lsn;not null;default:0"`
+}
+
+// leases is the reader's access to its lease row.
+type leases struct {
+	db    *gorm.DB
+	table string
+	slot  string
+	me    string
+	dur   time.Duration
+}
+
+func (l *leases) migrate(ctx context.Context) error {
+	return l.db.WithContext(ctx).Table(l.table).AutoMigrate(&SlotLease{})
+}
+
+// acquire takes the lease when it is free, expired or already ours, and
+// returns the new term and the recorded confirmed position. ok is false
+// when another reader holds it.
+func (l *leases) acquire(ctx context.Context) (term, confirmed int64, ok bool, err error) {
+	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
+	if err := db.Table(l.table).Clauses(clause.OnConflict{DoNothing: true}).Create(&SlotLease{Slot: l.slot}).Error; err != nil {
+		return 0, 0, false, err
+	}
+	now := time.Now().UnixMilli()
+	r := db.Exec("UPDATE "+l.quoted(db)+" SET owner = ?, term = term + 1, expires_at_ms = ? WHERE slot = ? AND (owner IS NULL OR owner = ? OR expires_at_ms <= ?)",
+		l.me, now+l.dur.Milliseconds(), l.slot, l.me, now)
+	if r.Error != nil || r.RowsAffected == 0 {
+		return 0, 0, false, r.Error
+	}
+	var row SlotLease
+	if err := db.Table(l.table).Where("slot = ?", l.slot).Take(&row).Error; err != nil {
+		return 0, 0, false, err
+	}
+	if row.Owner == nil || *row.Owner != l.me {
+		return 0, 0, false, nil
+	}
+	return row.Term, row.ConfirmedLSN, true, nil
+}
+
+// renew extends the lease held under term and records confirmed (never
+// moving it back). It reports false when the lease was lost.
+func (l *leases) renew(ctx context.Context, term, confirmed int64) (bool, error) {
+	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
+	now := time.Now().UnixMilli()
+	r := db.Exec("UPDATE "+l.quoted(db)+" SET expires_at_ms = ?, confirmed_lsn = CASE WHEN confirmed_lsn < ? THEN ? ELSE confirmed_lsn END"+
+		" WHERE slot = ? AND owner = ? AND term = ? AND expires_at_ms > ?",
+		now+l.dur.Milliseconds(), confirmed, confirmed, l.slot, l.me, term, now)
+	return r.Error == nil && r.RowsAffected == 1, r.Error
+}
+
+// recorded returns the confirmed position recorded in the lease row, 0
+// when there is none.
+func (l *leases) recorded(ctx context.Context) (int64, error) {
+	var rows []SlotLease
+	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
+	if err := db.Table(l.table).Where("slot = ?", l.slot).Find(&rows).Error; err != nil || len(rows) == 0 {
+		return 0, err
+	}
+	return rows[0].ConfirmedLSN, nil
+}
+
+// record stores confirmed as the recorded position when it is further,
+// whoever holds the lease.
+func (l *leases) record(ctx context.Context, confirmed int64) error {
+	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
+	if err := db.Table(l.table).Clauses(clause.OnConflict{DoNothing: true}).Create(&SlotLease{Slot: l.slot}).Error; err != nil {
+		return err
+	}
+	return db.Exec("UPDATE "+l.quoted(db)+" SET confirmed_lsn = ? WHERE slot = ? AND confirmed_lsn < ?", confirmed, l.slot, confirmed).Error
+}
+
+// release gives the lease up.
+func (l *leases) release(ctx context.Context, term int64) error {
+	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
+	return db.Exec("UPDATE "+l.quoted(db)+" SET owner = NULL, expires_at_ms = 0 WHERE slot = ? AND owner = ? AND term = ?", l.slot, l.me, term).Error
+}
+
+func (l *leases) quoted(db *gorm.DB) string { return db.Statement.Quote(l.table) }

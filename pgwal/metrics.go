@@ -1,0 +1,75 @@
+package pgwal
+
+import (
+	"context"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metric names of Reader.Collector. Every series carries the labels
+// outbox (the outbox name) and slot.
+const (
+	NameRetainedBytes = "outbox_wal_retained_bytes"
+	NameSlotLost      = "outbox_wal_slot_lost"
+	NameConfirmedLSN  = "outbox_wal_confirmed_lsn"
+	NameReceived      = "outbox_wal_received_total"
+	NamePublished     = "outbox_wal_published_total"
+	NameDeadLettered  = "outbox_wal_dead_lettered_total"
+)
+
+// scrapeTimeout bounds the slot query of one scrape.
+const scrapeTimeout = 5 * time.Second
+
+type collector struct {
+	r                                                    *Reader
+	retained, lost, confirmed, received, published, dead *prometheus.Desc
+}
+
+// Collector returns a Prometheus collector of the reader: its counters,
+// its last confirmed position, and, read from pg_replication_slots at
+// each scrape, the WAL the slot retains (alert on it: a reader that
+// stopped makes the server keep WAL until max_slot_wal_keep_size
+// invalidates the slot or the disk fills) and whether the slot is lost
+// (1 when it is missing or its wal_status is "lost").
+func (r *Reader) Collector() prometheus.Collector {
+	cl := prometheus.Labels{"outbox": r.ocfg.Name, "slot": r.cfg.Slot}
+	d := func(name, help string) *prometheus.Desc { return prometheus.NewDesc(name, help, nil, cl) }
+	return &collector{r: r,
+		retained:  d(NameRetainedBytes, "WAL bytes the slot retains: pg_current_wal_lsn() - confirmed_flush_lsn."),
+		lost:      d(NameSlotLost, "1 when the slot is missing or invalidated (wal_status lost), else 0."),
+		confirmed: d(NameConfirmedLSN, "The last position this reader confirmed to the server."),
+		received:  d(NameReceived, "Outbox messages decoded from the slot, replays included."),
+		published: d(NamePublished, "Messages the publisher acknowledged."),
+		dead:      d(NameDeadLettered, "Messages written to the dead-letter table, failed and parked."),
+	}
+}
+
+func (c *collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.retained, c.lost, c.confirmed, c.received, c.published, c.dead} {
+		ch <- d
+	}
+}
+
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	s := c.r.Stats()
+	ch <- prometheus.MustNewConstMetric(c.confirmed, prometheus.GaugeValue, float64(s.Confirmed))
+	ch <- prometheus.MustNewConstMetric(c.received, prometheus.CounterValue, float64(s.Received))
+	ch <- prometheus.MustNewConstMetric(c.published, prometheus.CounterValue, float64(s.Published))
+	ch <- prometheus.MustNewConstMetric(c.dead, prometheus.CounterValue, float64(s.DeadLettered))
+	ctx, cancel := context.WithTimeout(context.Background(), scrapeTimeout)
+	defer cancel()
+	st, err := c.r.SlotStatus(ctx)
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(c.retained, err)
+		return
+	}
+	lost := 0.0
+	if !st.Exists || st.WALStatus == "lost" {
+		lost = 1
+	}
+	ch <- prometheus.MustNewConstMetric(c.lost, prometheus.GaugeValue, lost)
+	if st.Exists {
+		ch <- prometheus.MustNewConstMetric(c.retained, prometheus.GaugeValue, float64(st.RetainedBytes))
+	}
+}

@@ -1,0 +1,305 @@
+package pgwal
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/backoff"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// Reader relays the messages an outbox in WAL mode (outbox.ModeWAL)
+// writes: it reads them from a logical replication slot in commit order
+// and publishes them through a relay.Publisher, per bucket in order and
+// buckets in parallel. One reader per slot reads at a time, elected by a
+// lease; the others wait and take over when its lease lapses.
+type Reader struct {
+	db     *gorm.DB
+	ocfg   outbox.Config
+	cfg    Config
+	pub    relay.Publisher
+	log    *slog.Logger
+	leases leases
+	dead   string
+	prefix string
+
+	received, published, deadLettered atomic.Uint64
+	confirmed                         atomic.Uint64
+}
+
+// Stats counts what a Reader did since it was made.
+type Stats struct {
+	// Received counts the outbox messages decoded from the slot,
+	// replays included.
+	Received uint64
+	// Published counts the messages the publisher acknowledged.
+	Published uint64
+	// DeadLettered counts the messages written to the dead-letter table,
+	// failed and parked.
+	DeadLettered uint64
+	// Confirmed is the last position confirmed to the server.
+	Confirmed pglogrepl.LSN
+}
+
+// New returns a reader of the outbox of plugin, which must be in
+// outbox.ModeWAL, on db, publishing to pub (started by the caller). It
+// starts nothing: Run reads. The outbox tables (plugin.AutoMigrate) hold
+// the dead letters; Run creates the lease table.
+func New(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, cfg Config) (*Reader, error) {
+	if plugin == nil || pub == nil || db == nil {
+		return nil, &relay.ConfigError{Package: "pgwal", Field: "New", Reason: "db, plugin and pub are required"}
+	}
+	ocfg := plugin.Config()
+	if ocfg.Mode != outbox.ModeWAL {
+		return nil, &relay.ConfigError{Package: "pgwal", Field: "outbox.Config.Mode", Value: ocfg.Mode, Reason: "the outbox must be in ModeWAL"}
+	}
+	cfg = cfg.withDefaults(ocfg)
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	r := &Reader{db: db, ocfg: ocfg, cfg: cfg, pub: pub, log: cfg.Logger.With("outbox", ocfg.Name, "slot", cfg.Slot),
+		dead: ocfg.Tables.DeadLettersTable(), prefix: ocfg.WALPrefix()}
+	r.leases = leases{db: db, table: cfg.LeaseTable, slot: cfg.Slot, me: cfg.RelayID, dur: cfg.LeaseDuration}
+	return r, nil
+}
+
+// Config returns the configuration with defaults filled in.
+func (r *Reader) Config() Config { return r.cfg }
+
+// Stats returns the reader's counters.
+func (r *Reader) Stats() Stats {
+	return Stats{Received: r.received.Load(), Published: r.published.Load(), DeadLettered: r.deadLettered.Load(),
+		Confirmed: pglogrepl.LSN(r.confirmed.Load())}
+}
+
+// SlotStatus reads the slot's status: its confirmed position and the WAL
+// it retains.
+func (r *Reader) SlotStatus(ctx context.Context) (SlotStatus, error) {
+	return ReadSlotStatus(ctx, r.db, r.cfg.Slot)
+}
+
+// errLeaseLost ends one term of reading.
+var errLeaseLost = errors.New("pgwal: lease lost")
+
+// Run elects this reader (waiting while another holds the slot), reads
+// the slot and publishes until ctx ends, then returns nil. It returns an
+// error for what retrying cannot fix: a *SlotLostError, a
+// *relay.MisconfigurationError from the publisher, a bucket beyond the
+// outbox's BucketCount. Connection failures are retried with backoff.
+// Ending ctx abandons the messages in flight: they were not confirmed, so
+// the next reader publishes them again. The lease is not released then:
+// another reader takes over once it lapses (LeaseDuration).
+func (r *Reader) Run(ctx context.Context) error {
+	if err := r.leases.migrate(ctx); err != nil {
+		return fmt.Errorf("pgwal: create lease table %s: %w", r.cfg.LeaseTable, err)
+	}
+	if err := r.ensurePublication(ctx); err != nil {
+		return err
+	}
+	failures := 0
+	for {
+		term, confirmed, ok, err := r.leases.acquire(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if err == nil && ok {
+			began := time.Now()
+			err = r.term(ctx, term, pglogrepl.LSN(confirmed))
+			if ctx.Err() != nil {
+				return nil
+			}
+			var lost *SlotLostError
+			if errors.As(err, &lost) || relay.IsMisconfiguration(err) {
+				r.log.Error("pgwal: reader stopped", "err", err)
+				return err
+			}
+			if time.Since(began) > r.cfg.BackoffMax {
+				failures = 0
+			}
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.StandbyInterval)
+			_ = r.leases.release(rctx, term)
+			cancel()
+		}
+		if err != nil {
+			failures++
+			r.log.Warn("pgwal: reading the slot failed, retrying", "err", err, "attempt", failures)
+		}
+		d := r.cfg.StandbyInterval
+		if err != nil {
+			d = backoff.Exponential(r.cfg.BackoffMin, r.cfg.BackoffMax, failures)
+		}
+		if !backoff.Sleep(ctx, d) {
+			return nil
+		}
+	}
+}
+
+func (r *Reader) ensurePublication(ctx context.Context) error {
+	db := r.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
+	var n int64
+	if err := db.Raw("SELECT count(*) FROM pg_publication WHERE pubname = ?", r.cfg.Slot).Scan(&n).Error; err != nil {
+		return fmt.Errorf("pgwal: read publications: %w", err)
+	}
+	if n > 0 {
+		return nil
+	}
+	// An empty publication: pgoutput needs one, and it decodes no row
+	// change, only the logical decoding messages.
+	err := db.Exec("CREATE PUBLICATION " + r.cfg.Slot).Error
+	if err != nil && !isDuplicate(err) {
+		return fmt.Errorf("pgwal: create publication %s: %w", r.cfg.Slot, err)
+	}
+	return nil
+}
+
+func isDuplicate(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "42710"
+}
+
+// term reads the slot for as long as this reader holds the lease under
+// term.
+func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) error {
+	st, err := r.SlotStatus(ctx)
+	if err != nil {
+		return fmt.Errorf("pgwal: read slot status: %w", err)
+	}
+	exists, err := checkSlot(st, r.cfg.Slot, recorded)
+	if err != nil {
+		return err
+	}
+	conn, err := r.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if !exists {
+		if st.Confirmed, err = r.createSlot(ctx, conn); err != nil {
+			return err
+		}
+	}
+	// Record where reading starts before anything is confirmed, so a slot
+	// dropped from now on is noticed.
+	if ok, err := r.leases.renew(ctx, term, int64(st.Confirmed)); err != nil || !ok {
+		return errors.Join(errLeaseLost, err)
+	}
+	err = pglogrepl.StartReplication(ctx, conn, r.cfg.Slot, 0, pglogrepl.StartReplicationOptions{
+		PluginArgs: []string{"proto_version '1'", "publication_names '" + r.cfg.Slot + "'", "messages 'true'"},
+	})
+	if err != nil {
+		return fmt.Errorf("pgwal: start replication from slot %s: %w", r.cfg.Slot, err)
+	}
+	r.log.Info("pgwal: reading the slot", "term", term, "from", st.Confirmed)
+
+	sctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	s := newStream(r, conn, term, st.Confirmed)
+	if err := s.loadQuarantine(ctx); err != nil {
+		return err
+	}
+	var wg sync.WaitGroup
+	leases := make([]relay.Lease, r.ocfg.BucketCount)
+	for b := range s.buckets {
+		leases[b] = relay.Lease{Bucket: b, Term: term}
+	}
+	if la, ok := r.pub.(relay.LeaseAware); ok {
+		if err := la.LeasesAcquired(sctx, leases); err != nil {
+			la.LeasesReleased(context.WithoutCancel(ctx), leases)
+			return fmt.Errorf("pgwal: publisher: %w", err)
+		}
+		defer la.LeasesReleased(context.WithoutCancel(ctx), leases)
+	}
+	for _, q := range s.buckets {
+		wg.Go(func() {
+			if err := s.publishLoop(sctx, q); err != nil {
+				cancel(err)
+			}
+		})
+	}
+	err = s.receive(sctx)
+	cancel(err)
+	wg.Wait()
+	if cause := context.Cause(sctx); cause != nil && !errors.Is(cause, context.Canceled) {
+		return cause
+	}
+	return err
+}
+
+// createSlot creates the slot on the replication connection conn and
+// returns its consistent point: the messages committed after it are in
+// the slot.
+func (r *Reader) createSlot(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.LSN, error) {
+	res, err := pglogrepl.CreateReplicationSlot(ctx, conn, r.cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{})
+	if err != nil {
+		return 0, fmt.Errorf("pgwal: create slot %s: %w", r.cfg.Slot, err)
+	}
+	lsn, err := pglogrepl.ParseLSN(res.ConsistentPoint)
+	if err != nil {
+		return 0, err
+	}
+	r.log.Info("pgwal: created the replication slot", "consistent_point", lsn)
+	return lsn, nil
+}
+
+// EnsureSlot creates the lease table, the publication and the slot when
+// they are missing, without reading. Only messages committed after the
+// slot was created are in it: call EnsureSlot (or run a reader) before
+// any writer switches to outbox.ModeWAL. A slot that this outbox's
+// readers used before and that is gone or invalidated is a
+// *SlotLostError, not created again.
+func (r *Reader) EnsureSlot(ctx context.Context) error {
+	if err := r.leases.migrate(ctx); err != nil {
+		return fmt.Errorf("pgwal: create lease table %s: %w", r.cfg.LeaseTable, err)
+	}
+	if err := r.ensurePublication(ctx); err != nil {
+		return err
+	}
+	recorded, err := r.leases.recorded(ctx)
+	if err != nil {
+		return fmt.Errorf("pgwal: read lease: %w", err)
+	}
+	st, err := r.SlotStatus(ctx)
+	if err != nil {
+		return fmt.Errorf("pgwal: read slot status: %w", err)
+	}
+	exists, err := checkSlot(st, r.cfg.Slot, pglogrepl.LSN(recorded))
+	if err != nil || exists {
+		return err
+	}
+	conn, err := r.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	lsn, err := r.createSlot(ctx, conn)
+	if err != nil {
+		return err
+	}
+	return r.leases.record(ctx, int64(lsn))
+}
+
+func (r *Reader) connect(ctx context.Context) (*pgconn.PgConn, error) {
+	pc, err := pgconn.ParseConfig(r.cfg.ReplicationDSN)
+	if err != nil {
+		return nil, &relay.ConfigError{Package: "pgwal", Field: "ReplicationDSN", Value: "(redacted)", Reason: "cannot be parsed", Err: err}
+	}
+	if pc.RuntimeParams == nil {
+		pc.RuntimeParams = map[string]string{}
+	}
+	pc.RuntimeParams["replication"] = "database"
+	conn, err := pgconn.ConnectConfig(ctx, pc)
+	if err != nil {
+		return nil, fmt.Errorf("pgwal: replication connection: %w", err)
+	}
+	return conn, nil
+}

@@ -852,4 +852,11 @@ func TestNewKafkaErrors(t *testing.T) {
 	})
 	require.ErrorContains(t, err, "Transaction.ID")
 
+	for _, n := range []int{-1, publisher.ProducersMax + 1} {
+		_, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: []string{"127.0.0.1:1"}, Producers: n})
+		var ce *relay.ConfigError
+		require.ErrorAs(t, err, &ce, "Producers %d", n)
+		require.Equal(t, "KafkaConfig.Producers", ce.Field)
+	}
+	require.Equal(t, publisher.ProducersDefault, publisher.KafkaConfig{}.WithDefaults().Producers)
 }

@@ -13,6 +13,35 @@ import (
 	"github.com/gorm-outbox/outbox/relay"
 )
 
+// publishConcurrently publishes batches batches(w, 0..n-1) from each of
+// workers goroutines, each worker's one after another, and requires every
+// one acknowledged in full.
+func publishConcurrently(t *testing.T, k *publisher.Kafka, workers, n int, batch func(w, b int) []relay.Message) {
+	t.Helper()
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wg.Go(func() {
+			for b := range n {
+				msgs := batch(w, b)
+				acked, err := k.Publish(context.Background(), msgs)
+				if err == nil && acked != len(msgs) {
+					err = fmt.Errorf("worker %d batch %d: acked %d of %d", w, b, acked, len(msgs))
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+}
+
 // bucketBatch is batch b of bucket: size messages over keys keys of the
 // bucket, with increasing values per key across the bucket's batches.
 func bucketBatch(topic string, bucket, b, size, keys int) []relay.Message {
@@ -42,27 +71,9 @@ func TestKafkaProducersPinBuckets(t *testing.T) {
 	const producers, buckets, batches, size, keys = 3, 6, 4, 50, 5
 	k := newKafka(t, c, func(cfg *publisher.KafkaConfig) { cfg.Producers = producers })
 
-	var wg sync.WaitGroup
-	errs := make(chan error, buckets)
-	for bucket := range buckets {
-		wg.Go(func() {
-			for b := range batches {
-				acked, err := k.Publish(context.Background(), bucketBatch(topic, bucket, b, size, keys))
-				if err == nil && acked != size {
-					err = fmt.Errorf("bucket %d batch %d: acked %d of %d", bucket, b, acked, size)
-				}
-				if err != nil {
-					errs <- err
-					return
-				}
-			}
-		})
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		require.NoError(t, err)
-	}
+	publishConcurrently(t, k, buckets, batches, func(bucket, b int) []relay.Message {
+		return bucketBatch(topic, bucket, b, size, keys)
+	})
 
 	const total = buckets * batches * size
 	recs := readAll(t, c, topic, total)

@@ -112,8 +112,22 @@ func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) 
 	if retry.BackoffFunc == nil && retry.Backoff == sarama.NewConfig().Producer.Transaction.Retry.Backoff {
 		retry.BackoffFunc = txnRetryBackoff
 	}
+	if f := &sc.Producer.Flush; f.Frequency == 0 && f.Messages == 0 && f.Bytes == 0 {
+		f.Frequency = TxnLingerDefault
+	}
 	return sc, nil
 }
+
+// TxnLingerDefault is the transactional producers' sarama
+// Producer.Flush.Frequency unless TransactionalConfig.Configure sets a
+// Producer.Flush threshold: how long a produce request waits for more of
+// the transaction's records. Without it sarama sends the first record of a
+// transaction alone, and every produce request of a transaction that
+// reaches a partition not yet in it costs an AddPartitionsToTxn round
+// trip before it; a millisecond collects the whole batch, handed over in
+// a tight loop, into one AddPartitionsToTxn and one produce request per
+// broker.
+const TxnLingerDefault = time.Millisecond
 
 // Bounds of txnRetryBackoff.
 const (

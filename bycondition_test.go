@@ -280,10 +280,20 @@ func TestCreatesFromMapsAndOtherStructsPublish(t *testing.T) {
 			ID     uint64 `gorm:"primaryKey;->:false"`
 			Status string
 		}
+		if dbt.Dialect == dbtest.Postgres {
+			// Another sequence used in the same statement (here by a
+			// trigger) must not be taken for the row's key.
+			require.NoError(t, b.db.Exec(`CREATE SEQUENCE other_seq START 1000000`).Error)
+			require.NoError(t, b.db.Exec(`CREATE FUNCTION bump_other() RETURNS trigger AS $$ BEGIN PERFORM nextval('other_seq'); RETURN NEW; END $$ LANGUAGE plpgsql`).Error)
+			require.NoError(t, b.db.Exec(`CREATE TRIGGER bump_other BEFORE INSERT ON orders FOR EACH ROW EXECUTE FUNCTION bump_other()`).Error)
+		}
 		require.NoError(t, b.db.Table("orders").Create(&blind{Status: "blind"}).Error)
-		rows = values(b.rows(t))
-		require.Len(t, rows, 1)
-		require.True(t, strings.HasPrefix(rows[0], "insert:") && strings.HasSuffix(rows[0], ":blind:0"), rows[0])
+		var blindID uint64
+		require.NoError(t, b.db.Table("orders").Where("status = ?", "blind").Pluck("id", &blindID).Error)
+		require.Equal(t, []string{fmt.Sprintf("insert:%d:blind:0", blindID)}, values(b.rows(t)), "the message names the row inserted")
+		if dbt.Dialect == dbtest.Postgres {
+			require.NoError(t, b.db.Exec(`DROP TRIGGER bump_other ON orders`).Error)
+		}
 		b.clear(t)
 
 		require.NoError(t, b.db.Table("orders").Create(map[string]any{"id": 9001, "status": "tbl"}).Error)

@@ -5,7 +5,7 @@ import (
 	"log/slog"
 	"regexp"
 
-	"github.com/gorm-outbox/outbox/internal/recordsize"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // Defaults applied by Config.WithDefaults.
@@ -19,7 +19,7 @@ const (
 	// counted by Message.Size as the Kafka producer counts a record: the
 	// default of the Kafka publisher (publisher.MaxMessageBytesDefault,
 	// 1,000,000), so nothing the default publisher would refuse commits.
-	MaxMessageBytesDefault = recordsize.MaxMessageBytesDefault
+	MaxMessageBytesDefault = wire.KafkaMaxMessageBytesDefault
 
 	// MaxRowsPerWriteDefault is how many rows one update or delete by
 	// condition may change for rules that run once per row.
@@ -81,13 +81,19 @@ type Config struct {
 	// owns, which the relay reports as a misconfiguration and stops.
 	// Changing it requires draining the table and deleting the lease rows.
 	BucketCount int
-	// MaxMessageBytes is the largest message, counted by Message.Size as
-	// the Kafka producer counts the record it becomes, that Enqueue and
-	// publish rules accept. Default MaxMessageBytesDefault (1,000,000),
+	// MaxMessageBytes is the largest message, counted by Limits.Size (by
+	// default Message.Size, as the Kafka producer counts the record it
+	// becomes), that Enqueue and publish rules accept. Default MaxMessageBytesDefault (1,000,000),
 	// the Kafka publisher's own default. Keep it at or below the
 	// publisher's MaxMessageBytes and the broker's message.max.bytes for
 	// the topic. A negative value disables the check.
 	MaxMessageBytes int
+	// Limits are the sink's rules for a message: which topic names it
+	// accepts and how it counts a message's size against MaxMessageBytes.
+	// Enqueue and publish rules refuse a message that breaks them, in the
+	// writer's transaction. Default KafkaLimits{}; a relay publishing to
+	// another sink supplies that sink's rules here.
+	Limits Limits
 	// MaxRowsPerWrite bounds how many rows one update or delete by
 	// condition (one that names no entity with a primary key) may change
 	// on a table whose rules run once per row: the plugin reads and locks
@@ -136,6 +142,9 @@ func (c Config) WithDefaults() Config {
 	}
 	if c.MaxMessageBytes == 0 {
 		c.MaxMessageBytes = MaxMessageBytesDefault
+	}
+	if c.Limits == nil {
+		c.Limits = KafkaLimits{}
 	}
 	if c.MaxRowsPerWrite == 0 {
 		c.MaxRowsPerWrite = MaxRowsPerWriteDefault

@@ -11,7 +11,10 @@
 // schema of the tables and the commit notifier. The relay's GORM store,
 // failure policy, admin API and health handler are in package gormrelay;
 // the storage-agnostic engine in package relay; the sinks in package
-// publisher.
+// publisher. This package imports none of them: what both sides share
+// (Header, ConfigError, the bucket function, the row's column names,
+// Kafka's topic and size rules) is in package wire, and the sink's rules
+// a message is checked against at Enqueue are Config.Limits.
 //
 // # Writing messages
 //

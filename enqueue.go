@@ -94,7 +94,7 @@ func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 		// The trace of the request that writes the message travels with it
 		// (tracing.go); added first so the size check includes it.
 		injectTraceContext(tx.Statement.Context, m)
-		if err := m.validate(p.cfg.MaxMessageBytes); err != nil {
+		if err := m.validate(p.cfg.Limits, p.cfg.MaxMessageBytes); err != nil {
 			return err
 		}
 	}

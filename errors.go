@@ -4,7 +4,7 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // Sentinel errors. Each is returned wrapped; test with errors.Is.
@@ -34,14 +34,15 @@ var (
 	ErrUnsupportedWrite = errors.New("outbox: write not supported for a model with publish rules")
 
 	// ErrInvalidConfig is wrapped by every *ConfigError. It is
-	// relay.ErrInvalidConfig.
-	ErrInvalidConfig = relay.ErrInvalidConfig
+	// wire.ErrInvalidConfig, as is relay.ErrInvalidConfig.
+	ErrInvalidConfig = wire.ErrInvalidConfig
 )
 
 // ConfigError reports a configuration field that failed validation. It is
-// relay.ConfigError, the one shape every package of the module reports
-// configuration errors with; this package's have Package "outbox".
-type ConfigError = relay.ConfigError
+// wire.ConfigError (as is relay.ConfigError), the one shape every package
+// of the module reports configuration errors with; this package's have
+// Package "outbox".
+type ConfigError = wire.ConfigError
 
 // MessageError reports a message that was refused before anything was
 // written. When it comes from a publish rule or Enqueue inside a write, the

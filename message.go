@@ -4,17 +4,15 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash/fnv"
 
 	"github.com/google/uuid"
 
-	"github.com/gorm-outbox/outbox/internal/recordsize"
-	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // Header is one record header. Order is kept and duplicate names are
-// allowed, as in Kafka.
-type Header = relay.Header
+// allowed, as in Kafka. It is wire.Header, as is relay.Header.
+type Header = wire.Header
 
 // Message is what a writer hands to the outbox. It is stored as one row in
 // the same transaction as the business write and published by a relay
@@ -41,9 +39,9 @@ type Message struct {
 }
 
 // Bucket returns the ordering bucket of a message with this key and
-// partition among bucketCount buckets. The function is part of the storage
-// format: every writer and relay sharing a table must agree on it, so it
-// never changes between versions.
+// partition among bucketCount buckets. It is wire.Bucket: the function is
+// part of the storage format, shared by every writer and relay, and never
+// changes between versions.
 //
 //   - a pinned partition p: p mod bucketCount;
 //   - a key (including the empty key): FNV-1a 32-bit of the key bytes, mod
@@ -51,40 +49,14 @@ type Message struct {
 //   - keyless (nil key): FNV-1a 32-bit of the message id, mod bucketCount, so
 //     keyless messages spread over every bucket.
 func Bucket(key []byte, partition *int32, messageID string, bucketCount int) int {
-	if bucketCount <= 0 {
-		return 0
-	}
-	if partition != nil {
-		return int(uint32(*partition) % uint32(bucketCount))
-	}
-	h := fnv.New32a()
-	if key != nil {
-		h.Write(key)
-	} else {
-		h.Write([]byte(messageID))
-	}
-	return int(h.Sum32() % uint32(bucketCount))
+	return wire.Bucket(key, partition, messageID, bucketCount)
 }
 
 // ValidateTopic reports whether name is a legal Kafka topic name, with a
-// *MessageError saying why not.
+// *MessageError saying why not. It is KafkaLimits.CheckTopic.
 func ValidateTopic(name string) error {
-	bad := func(reason string) error {
-		return &MessageError{Field: "Topic", Topic: name, Reason: reason}
-	}
-	switch {
-	case name == "":
-		return bad("empty topic name")
-	case len(name) > 249:
-		return bad(fmt.Sprintf("%d characters, the limit is 249", len(name)))
-	case name == "." || name == "..":
-		return bad(`"." and ".." are not allowed`)
-	}
-	for i := 0; i < len(name); i++ {
-		c := name[i]
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
-			return bad(fmt.Sprintf("character %q at %d: only [a-zA-Z0-9._-] are allowed", c, i))
-		}
+	if err := wire.CheckKafkaTopic(name); err != nil {
+		return &MessageError{Field: "Topic", Topic: name, Reason: err.Error()}
 	}
 	return nil
 }
@@ -104,17 +76,17 @@ func (m *Message) Size() int {
 	if idLen == 0 {
 		idLen = uuidLen
 	}
-	return recordsize.Record(len(m.Key), len(m.Value), hb, len(m.Headers), idLen)
+	return wire.KafkaRecordSize(len(m.Key), len(m.Value), hb, len(m.Headers), idLen)
 }
 
 // uuidLen is the length of the id newMessageID returns.
 const uuidLen = 36
 
-// validate checks the message against the rules Kafka and the outbox
-// enforce, so a bad message fails in the writer's transaction and not
-// hours later in the relay.
-func (m *Message) validate(maxBytes int) error {
-	if err := ValidateTopic(m.Topic); err != nil {
+// validate checks the message against the rules of the sink (limits)
+// and of the outbox, so a bad message fails in the writer's transaction
+// and not hours later in the relay.
+func (m *Message) validate(limits Limits, maxBytes int) error {
+	if err := checkTopic(limits, m.Topic); err != nil {
 		return err
 	}
 	if m.Partition != nil && *m.Partition < 0 {
@@ -128,7 +100,7 @@ func (m *Message) validate(maxBytes int) error {
 	if m.ID != "" && len(m.ID) > 64 {
 		return &MessageError{Field: "ID", Topic: m.Topic, Reason: "message id longer than 64 characters"}
 	}
-	if size := m.Size(); maxBytes > 0 && size > maxBytes {
+	if size := limits.Size(m); maxBytes > 0 && size > maxBytes {
 		return &TooLargeError{Topic: m.Topic, Size: size, Limit: maxBytes, Setting: "MaxMessageBytes"}
 	}
 	return nil

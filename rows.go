@@ -430,20 +430,30 @@ func createdKeys(db *gorm.DB, t target) ([][]any, error) {
 	}
 	// One row whose generated key GORM did not write back (a struct
 	// whose key field is not readable, `gorm:"->:false"`): the
-	// connection's last generated key is that row's.
-	var q string
+	// connection's last generated key for this table is that row's.
+	// MySQL's LAST_INSERT_ID() and SQLite's last_insert_rowid() are the
+	// statement's own (a trigger's inserts do not change them). On
+	// PostgreSQL lastval() would be any sequence's last value in the
+	// session (a trigger's, another serial column's), so the value is
+	// read from the key column's own sequence; a key no sequence feeds
+	// is refused.
+	var (
+		q    string
+		args []any
+	)
 	switch db.Dialector.Name() {
 	case "mysql":
 		q = "SELECT LAST_INSERT_ID()"
 	case "sqlite":
 		q = "SELECT last_insert_rowid()"
 	case "postgres":
-		q = "SELECT lastval()"
+		q = "SELECT currval(pg_get_serial_sequence(?, ?))"
+		args = []any{db.Statement.Table, t.schema.PrimaryFields[0].DBName}
 	default:
 		return nil, err
 	}
 	var id int64
-	if qerr := db.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Raw(q).Scan(&id).Error; qerr != nil || id == 0 {
+	if qerr := db.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Raw(q, args...).Scan(&id).Error; qerr != nil || id == 0 {
 		return nil, err
 	}
 	return [][]any{{id}}, nil

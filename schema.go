@@ -10,6 +10,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox/internal/sqlschema"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 //go:generate go test -run TestMigrationFiles -update-migrations .
@@ -108,15 +109,15 @@ func (t tableDef) under(tables Tables) sqlschema.Table {
 // messageColumns are the columns a dead letter keeps of its message, in
 // the order both tables have them.
 var messageColumns = []sqlschema.Column{
-	sqlschema.C("message_id", "varchar(64) NOT NULL", "varchar(64) NOT NULL", "varchar(64) NOT NULL", 1),
-	sqlschema.C("bucket", "integer NOT NULL", "int NOT NULL", "integer NOT NULL", 1),
-	sqlschema.C("topic", "varchar(249) NOT NULL", "varchar(249) NOT NULL", "varchar(249) NOT NULL", 1),
-	sqlschema.C("msg_key", "bytea", "longblob", "blob", 1),
-	sqlschema.C("msg_value", "bytea", "longblob", "blob", 1),
-	sqlschema.C("headers", "bytea", "longblob", "blob", 1),
-	sqlschema.C("msg_partition", "integer", "int", "integer", 1),
-	sqlschema.C("created_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1),
-	sqlschema.C("attempts", "integer NOT NULL DEFAULT 0", "int NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1),
+	sqlschema.C(wire.ColMessageID, "varchar(64) NOT NULL", "varchar(64) NOT NULL", "varchar(64) NOT NULL", 1),
+	sqlschema.C(wire.ColBucket, "integer NOT NULL", "int NOT NULL", "integer NOT NULL", 1),
+	sqlschema.C(wire.ColTopic, "varchar(249) NOT NULL", "varchar(249) NOT NULL", "varchar(249) NOT NULL", 1),
+	sqlschema.C(wire.ColKey, "bytea", "longblob", "blob", 1),
+	sqlschema.C(wire.ColValue, "bytea", "longblob", "blob", 1),
+	sqlschema.C(wire.ColHeaders, "bytea", "longblob", "blob", 1),
+	sqlschema.C(wire.ColPartition, "integer", "int", "integer", 1),
+	sqlschema.C(wire.ColCreatedAtMs, "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1),
+	sqlschema.C(wire.ColAttempts, "integer NOT NULL DEFAULT 0", "int NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1),
 }
 
 // The column types are exactly those GORM's migrators emit for the models
@@ -130,8 +131,8 @@ var outboxTables = []tableDef{
 				[]sqlschema.Column{sqlschema.C("id", "bigserial", "bigint AUTO_INCREMENT", "integer PRIMARY KEY AUTOINCREMENT", 1)},
 				messageColumns,
 				[]sqlschema.Column{
-					sqlschema.C("next_attempt_at_ms", "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1),
-					sqlschema.C("last_error", "text", "text", "text", 1),
+					sqlschema.C(wire.ColNextAttemptAtMs, "bigint NOT NULL DEFAULT 0", "bigint NOT NULL DEFAULT 0", "integer NOT NULL DEFAULT 0", 1),
+					sqlschema.C(wire.ColLastError, "text", "text", "text", 1),
 				},
 			),
 			PK:      "id",
@@ -169,9 +170,9 @@ var outboxTables = []tableDef{
 				[]sqlschema.Column{sqlschema.C("id", "bigint", "bigint", "integer", 1)},
 				messageColumns,
 				[]sqlschema.Column{
-					sqlschema.C("last_error", "text", "text", "text", 1),
-					sqlschema.C("dead_at_ms", "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1),
-					sqlschema.C("state", "varchar(16) NOT NULL", "varchar(16) NOT NULL", "varchar(16) NOT NULL", 1),
+					sqlschema.C(wire.ColLastError, "text", "text", "text", 1),
+					sqlschema.C(wire.ColDeadAtMs, "bigint NOT NULL", "bigint NOT NULL", "integer NOT NULL", 1),
+					sqlschema.C(wire.ColState, "varchar(16) NOT NULL", "varchar(16) NOT NULL", "varchar(16) NOT NULL", 1),
 				},
 			),
 			PK: "id",

@@ -18,12 +18,14 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
+	gormschema "gorm.io/gorm/schema"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/migrations"
 	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 var updateMigrations = flag.Bool("update-migrations", false, "rewrite the files under migrations/ from outbox.MigrationFiles")
@@ -544,4 +546,19 @@ func ExampleSchemaSQL() {
 	// CREATE TABLE IF NOT EXISTS "billing_outbox_dead_letters" (
 	// CREATE INDEX IF NOT EXISTS "idx_billing_outbox_dead_letters_bucket_id" ON "billing_outbox_dead_letters" ("bucket", "id")
 	// CREATE INDEX IF NOT EXISTS "idx_billing_outbox_dead_letters_dead_at_ms" ON "billing_outbox_dead_letters" ("dead_at_ms")
+}
+
+// The GORM models spell the row's columns in struct tags, which cannot
+// use the wire constants: they must name the same columns in the same
+// order.
+func TestRowModelsSpellTheWireColumns(t *testing.T) {
+	t.Parallel()
+	columns := func(model any) []string {
+		s, err := gormschema.Parse(model, &sync.Map{}, gormschema.NamingStrategy{})
+		require.NoError(t, err)
+		return s.DBNames
+	}
+	msg := strings.Split(wire.MessageColumns, ", ")
+	require.Equal(t, append(slices.Clone(msg), wire.ColNextAttemptAtMs, wire.ColLastError), columns(&outbox.MessageRow{}))
+	require.Equal(t, append(slices.Clone(msg), wire.ColLastError, wire.ColDeadAtMs, wire.ColState), columns(&outbox.DeadLetterRow{}))
 }

@@ -721,3 +721,63 @@ func TestAutoMigrateRefusesHostileNames(t *testing.T) {
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 	require.True(t, dbt.DB.Migrator().HasTable("victims"), "nothing ran")
 }
+
+// queueLimits are the rules of a sink that is not Kafka: topics are
+// "queue/" paths (which Kafka refuses: '/' and ':' are not in its
+// alphabet) and only the value counts against MaxMessageBytes.
+type queueLimits struct{}
+
+func (queueLimits) CheckTopic(topic string) error {
+	if !strings.HasPrefix(topic, "queue/") {
+		return errors.New(`must start with "queue/"`)
+	}
+	return nil
+}
+
+func (queueLimits) Size(m *outbox.Message) int { return len(m.Value) }
+
+// The sink's Limits decide which topics and sizes Enqueue accepts: a
+// custom Limits admits what Kafka's rules refuse and refuses what they
+// admit, and counts sizes its own way.
+func TestLimitsDecideWhatEnqueueAccepts(t *testing.T) {
+	t.Parallel()
+	enqueue := func(b *wbundle, m outbox.Message) error {
+		return b.db.Transaction(func(tx *gorm.DB) error {
+			if err := tx.Create(&Order{Status: m.Topic}).Error; err != nil {
+				return err
+			}
+			return b.plugin.Enqueue(tx, &m)
+		})
+	}
+	// 1000 bytes of value and 200 of header: over 1024 as Kafka counts
+	// it, 1000 as the queue sink does.
+	headed := func(topic string) outbox.Message {
+		return outbox.Message{Topic: topic, Value: make([]byte, 1000), Headers: []outbox.Header{{Key: "h", Value: make([]byte, 200)}}}
+	}
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		kafka := setupWrite(t, dbt, outbox.Config{MaxMessageBytes: 1024})
+		require.ErrorIs(t, enqueue(kafka, outbox.Message{Topic: "queue/orders:v1"}), outbox.ErrInvalidMessage)
+		var tl *outbox.TooLargeError
+		require.ErrorAs(t, enqueue(kafka, headed("orders")), &tl)
+		require.Empty(t, kafka.rows(t))
+
+		queue := setupWrite(t, dbt, outbox.Config{Name: "queue", Tables: outbox.WithPrefix("queue_"), MaxMessageBytes: 1024, Limits: queueLimits{}})
+		require.NoError(t, enqueue(queue, outbox.Message{Topic: "queue/orders:v1"}))
+		require.NoError(t, enqueue(queue, headed("queue/orders:v1")), "only the value counts")
+
+		err := enqueue(queue, outbox.Message{Topic: "orders"})
+		var me *outbox.MessageError
+		require.ErrorAs(t, err, &me)
+		require.ErrorIs(t, err, outbox.ErrInvalidMessage)
+		require.Equal(t, "Topic", me.Field)
+		require.Equal(t, `must start with "queue/"`, me.Reason)
+
+		require.ErrorAs(t, enqueue(queue, outbox.Message{Topic: "queue/big", Value: make([]byte, 1025)}), &tl)
+		require.Equal(t, 1025, tl.Size)
+
+		rows := queue.rows(t)
+		require.Len(t, rows, 2)
+		require.Equal(t, "queue/orders:v1", rows[0].Topic)
+		require.Equal(t, "queue/orders:v1", rows[1].Topic)
+	})
+}

@@ -16,6 +16,7 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/ops"
 	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // AdminTimeoutDefault bounds one Admin operation (a read, or one
@@ -313,7 +314,8 @@ func (a *Admin) relays(db *gorm.DB, now time.Time, held map[string]int) ([]Relay
 	return out, nil
 }
 
-const deadListColumns = "id, message_id, bucket, topic, msg_key, LENGTH(msg_value), msg_partition, created_at_ms, attempts, last_error, dead_at_ms, state"
+const deadListColumns = wire.ColID + ", " + wire.ColMessageID + ", " + wire.ColBucket + ", " + wire.ColTopic + ", " + wire.ColKey + ", LENGTH(" + wire.ColValue + "), " +
+	wire.ColPartition + ", " + wire.ColCreatedAtMs + ", " + wire.ColAttempts + ", " + wire.ColLastError + ", " + wire.ColDeadAtMs + ", " + wire.ColState
 
 // DeadLetters lists dead letters matching q, newest first (by the time
 // they died, then by id), one page at a time. Values and headers are not

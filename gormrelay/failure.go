@@ -16,6 +16,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/sqlrows"
 	"github.com/gorm-outbox/outbox/ops"
 	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // MaxAttemptsDefault is how many failed publish attempts the failure
@@ -521,8 +522,8 @@ type outboxRow struct {
 }
 
 const (
-	rowColumns  = "id, message_id, bucket, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts, last_error"
-	deadColumns = rowColumns + ", dead_at_ms, state"
+	rowColumns  = wire.MessageColumns + ", " + wire.ColLastError
+	deadColumns = rowColumns + ", " + wire.ColDeadAtMs + ", " + wire.ColState
 )
 
 // readRows reads the messages-table columns of the rows of table
@@ -576,7 +577,7 @@ func scanRows(tx *gorm.DB, query string, dead bool, args ...any) ([]outboxRow, e
 // the messages table they get new ids in the order given, with the
 // failure columns reset.
 func insertRows(tx *gorm.DB, table string, rows []outboxRow, dead bool) error {
-	cols, width := "(id, message_id, bucket, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts, last_error, dead_at_ms, state)", 13
+	cols, width := "("+deadColumns+")", 13
 	if !dead {
 		cols, width = sqlrows.InsertColumns, sqlrows.InsertArgs
 	}
@@ -626,10 +627,7 @@ func DrainOnce(ctx context.Context, db *gorm.DB, cfg outbox.Config, pub relay.Pu
 	if err != nil {
 		return 0, err
 	}
-	if rcfg.BucketCount == 0 {
-		rcfg.BucketCount = store.buckets
-	}
-	r, err := relay.New(store, pub, rcfg)
+	r, err := relay.New(store, pub, rcfg) // BucketCount from the store
 	if err != nil {
 		return 0, err
 	}

@@ -681,7 +681,7 @@ func TestRelayMisconfiguration(t *testing.T) {
 		require.ErrorAs(t, err, &ce)
 		require.ErrorIs(t, err, relay.ErrInvalidConfig)
 		require.Equal(t, "BucketCount", ce.Field)
-		require.Contains(t, err.Error(), "has 8 buckets")
+		require.Contains(t, err.Error(), "the relay uses 16 buckets but the store's outbox is configured with 8")
 		// The same count, or none, is the store's.
 		cfg.BucketCount = 0
 		r0, err := relay.New(b.store, relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) { return 0, nil }), cfg)

@@ -1,6 +1,7 @@
 package gormrelay
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"database/sql/driver"
@@ -21,12 +22,40 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // StoreTimeoutDefault bounds every Store operation (one or a few short
-// statements). A timed-out operation fails with an error naming it; the
-// relay retries it with backoff.
+// statements) when StoreConfig.Timeout is zero.
 const StoreTimeoutDefault = 10 * time.Second
+
+// StoreConfig configures a Store beyond the outbox's configuration. The
+// zero value is usable: every zero field takes the default documented on
+// it.
+type StoreConfig struct {
+	// Timeout bounds every Store operation (one or a few short
+	// statements), and the failure policy's dead-letter transaction. A
+	// timed-out operation fails with an error naming it; the relay retries
+	// it with backoff. Keep it well below relay.Config.LeaseRenewInterval,
+	// so that a slow acquisition or renewal fails before the leases do.
+	// Default 10s (StoreTimeoutDefault).
+	Timeout time.Duration
+}
+
+// WithDefaults returns a copy of c with every zero field set to its
+// default.
+func (c StoreConfig) WithDefaults() StoreConfig {
+	c.Timeout = cmp.Or(c.Timeout, StoreTimeoutDefault)
+	return c
+}
+
+// validate checks a configuration that WithDefaults has filled in.
+func (c StoreConfig) validate() error {
+	if c.Timeout < time.Millisecond {
+		return &relay.ConfigError{Package: "gormrelay", Field: "StoreConfig.Timeout", Value: c.Timeout, Reason: "must be at least 1ms"}
+	}
+	return nil
+}
 
 const (
 	// storeChunk bounds the ids or buckets put into one statement, well
@@ -103,7 +132,9 @@ var (
 
 // NewStore returns the relay store of the outbox configured by cfg on db.
 // cfg is completed with WithDefaults and validated; its Tables and
-// BucketCount are used, and must match the writers' configuration. The
+// BucketCount are used, and must match the writers' configuration. An
+// optional StoreConfig (at most one) sets the store's own settings; it is
+// completed with WithDefaults and validated too. The
 // tables are not touched until the relay runs: a relay started before the
 // tables exist stops with a *relay.MisconfigurationError naming the missing
 // table.
@@ -115,12 +146,23 @@ var (
 // first lease acquisition raises it further for a larger Parallelism; each
 // change is logged once at Info. Call SetMaxIdleConns on the pool before
 // NewStore (any value) to keep your own setting.
-func NewStore(db *gorm.DB, cfg outbox.Config) (*Store, error) {
+func NewStore(db *gorm.DB, cfg outbox.Config, storeCfg ...StoreConfig) (*Store, error) {
 	if db == nil {
 		return nil, &relay.ConfigError{Package: "gormrelay", Field: "db", Value: nil, Reason: "a *gorm.DB is required"}
 	}
+	if len(storeCfg) > 1 {
+		return nil, &relay.ConfigError{Package: "gormrelay", Field: "storeCfg", Value: len(storeCfg), Reason: "at most one StoreConfig"}
+	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	sc := StoreConfig{}
+	if len(storeCfg) == 1 {
+		sc = storeCfg[0]
+	}
+	sc = sc.WithDefaults()
+	if err := sc.validate(); err != nil {
 		return nil, err
 	}
 	sess := db.Session(&gorm.Session{NewDB: true, SkipHooks: true, SkipDefaultTransaction: true})
@@ -128,7 +170,7 @@ func NewStore(db *gorm.DB, cfg outbox.Config) (*Store, error) {
 		db:       sess,
 		tables:   cfg.Tables,
 		buckets:  cfg.BucketCount,
-		timeout:  StoreTimeoutDefault,
+		timeout:  sc.Timeout,
 		messages: sess.Statement.Quote(cfg.Tables.MessagesTable()),
 		leases:   sess.Statement.Quote(cfg.Tables.LeasesTable()),
 		relays:   sess.Statement.Quote(cfg.Tables.RelaysTable()),
@@ -249,15 +291,10 @@ func (s *Store) AcquireLeases(ctx context.Context, req relay.AcquireRequest) (re
 	return res, nil
 }
 
-// checkBucketCount fails unless the relay's BucketCount is the store's.
+// checkBucketCount fails unless the relay's BucketCount is the store's
+// (relay.CheckBucketCount).
 func (s *Store) checkBucketCount(n int) error {
-	if n == s.buckets {
-		return nil
-	}
-	return &relay.MisconfigurationError{
-		Setting: "BucketCount",
-		Reason:  fmt.Sprintf("the relay uses %d buckets but the outbox (table %s) is configured with %d: every writer and relay must use the same BucketCount", n, s.tables.MessagesTable(), s.buckets),
-	}
+	return relay.CheckBucketCount(n, s.buckets, "the outbox (table "+s.tables.MessagesTable()+")")
 }
 
 var _ relay.StartChecker = (*Store)(nil)
@@ -798,7 +835,8 @@ const batchCapMin = 64
 
 // batchColumns are the message columns a batch read selects, in the order
 // scanBatch scans them.
-const batchColumns = "id, message_id, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts"
+const batchColumns = wire.ColID + ", " + wire.ColMessageID + ", " + wire.ColTopic + ", " + wire.ColKey + ", " + wire.ColValue + ", " +
+	wire.ColHeaders + ", " + wire.ColPartition + ", " + wire.ColCreatedAtMs + ", " + wire.ColAttempts
 
 // NextBatch implements relay.Store: the oldest limit rows of bucket by id,
 // read through the (bucket, id) index (see bucketRange).

@@ -508,3 +508,47 @@ func TestStoreSchemaQualified(t *testing.T) {
 		require.NoError(t, b.store.ReleaseLeases(ctx, "r", leases))
 	})
 }
+
+// StoreConfig.Timeout bounds the store's operations: an acquisition
+// blocked on a lease row another transaction locked fails with the
+// configured bound in its error, not the default's.
+func TestStoreConfigTimeout(t *testing.T) {
+	t.Parallel()
+	b := newStoreBundle(t, dbtest.Open(t, dbtest.Postgres), outbox.Config{BucketCount: 2})
+	db, cfg := b.db, b.cfg
+	req := relay.AcquireRequest{RelayID: "a", BucketCount: 2, LeaseDuration: time.Minute}
+	_, err := b.store.AcquireLeases(t.Context(), req) // creates the lease rows
+	require.NoError(t, err)
+	store, err := gormrelay.NewStore(db.DB, cfg, gormrelay.StoreConfig{Timeout: 2 * time.Second})
+	require.NoError(t, err)
+	require.NoError(t, store.CheckStart(t.Context(), 2)) // the schema check, done once per store
+
+	tx := db.DB.Begin()
+	require.NoError(t, tx.Error)
+	defer tx.Rollback()
+	var buckets []int
+	require.NoError(t, tx.Raw("SELECT bucket FROM "+cfg.Tables.LeasesTable()+" FOR UPDATE").Scan(&buckets).Error)
+	require.Len(t, buckets, 2)
+
+	_, err = store.AcquireLeases(t.Context(), req)
+	require.ErrorContains(t, err, "outbox: store acquire leases: timed out after 2s")
+	require.False(t, relay.IsMisconfiguration(err), "a timeout is retried, not a misconfiguration")
+}
+
+// A StoreConfig value out of range is refused with a *relay.ConfigError
+// naming the field; the zero value takes the default.
+func TestStoreConfigValidation(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, gormrelay.StoreTimeoutDefault, gormrelay.StoreConfig{}.WithDefaults().Timeout)
+	require.Equal(t, time.Second, gormrelay.StoreConfig{Timeout: time.Second}.WithDefaults().Timeout)
+	db := dbtest.Open(t, dbtest.SQLite)
+	for name, scs := range map[string][]gormrelay.StoreConfig{
+		"StoreConfig.Timeout": {{Timeout: -time.Second}},
+		"storeCfg":            {{}, {}},
+	} {
+		_, err := gormrelay.NewStore(db.DB, outbox.Config{}, scs...)
+		var ce *relay.ConfigError
+		require.ErrorAs(t, err, &ce, name)
+		require.Equal(t, name, ce.Field)
+	}
+}

@@ -2,7 +2,6 @@ package gormrelay
 
 import (
 	"log/slog"
-	"strconv"
 
 	"gorm.io/gorm"
 
@@ -16,6 +15,7 @@ type Option func(*options)
 
 type options struct {
 	relay   relay.Config
+	store   StoreConfig
 	failure *FailurePolicyConfig
 	logger  *slog.Logger
 }
@@ -25,6 +25,10 @@ type options struct {
 // itself when left zero: Hints (the plugin's Notifier), BucketCount (the
 // plugin's), FailureHandler (the failure policy) and Logger (WithLogger).
 func WithRelayConfig(cfg relay.Config) Option { return func(o *options) { o.relay = cfg } }
+
+// WithStoreConfig sets the store's configuration (its operation timeout).
+// Default: the zero StoreConfig.
+func WithStoreConfig(cfg StoreConfig) Option { return func(o *options) { o.store = cfg } }
 
 // WithFailurePolicy sets the failure policy's configuration. Default: the
 // store's own policy, the zero FailurePolicyConfig (dead-letter after
@@ -69,7 +73,7 @@ func NewKafka(db *gorm.DB, plugin *outbox.Plugin, kcfg publisher.KafkaConfig, op
 	if err != nil {
 		return nil, err
 	}
-	return wire(db, plugin, k, true, o)
+	return assemble(db, plugin, k, true, o)
 }
 
 // NewKafkaTransactional is NewKafka with the strict-mode publisher,
@@ -85,7 +89,7 @@ func NewKafkaTransactional(db *gorm.DB, plugin *outbox.Plugin, tcfg publisher.Tr
 	if err != nil {
 		return nil, err
 	}
-	return wire(db, plugin, t, true, o)
+	return assemble(db, plugin, t, true, o)
 }
 
 // New wires a relay for the outbox of plugin on db, publishing to pub: the
@@ -106,9 +110,10 @@ func NewKafkaTransactional(db *gorm.DB, plugin *outbox.Plugin, tcfg publisher.Tr
 //	return r.Run(ctx)
 //
 // A relay.Config passed with WithRelayConfig whose BucketCount differs
-// from the plugin's is refused with a *relay.ConfigError.
+// from the plugin's is refused by relay.New with a *relay.ConfigError
+// (Field "BucketCount") wrapping relay.CheckBucketCount's error.
 func New(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, opts ...Option) (*relay.Relay, error) {
-	return wire(db, plugin, pub, false, collect(opts))
+	return assemble(db, plugin, pub, false, collect(opts))
 }
 
 func collect(opts []Option) options {
@@ -119,8 +124,8 @@ func collect(opts []Option) options {
 	return o
 }
 
-// wire is New; own hands pub's lifecycle to the relay.
-func wire(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, own bool, o options) (*relay.Relay, error) {
+// assemble is New; own hands pub's lifecycle to the relay.
+func assemble(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, own bool, o options) (*relay.Relay, error) {
 	if plugin == nil {
 		return nil, &relay.ConfigError{Package: "gormrelay", Field: "plugin", Value: nil, Reason: "an *outbox.Plugin is required"}
 	}
@@ -128,21 +133,14 @@ func wire(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, own bool, o o
 		return nil, &relay.ConfigError{Package: "gormrelay", Field: "publisher", Value: nil, Reason: "a relay.Publisher is required"}
 	}
 	cfg := plugin.Config()
-	store, err := NewStore(db, cfg)
+	store, err := NewStore(db, cfg, o.store)
 	if err != nil {
 		return nil, err
 	}
 	if o.logger != nil {
 		store.logger = o.logger
 	}
-	rc := o.relay
-	switch {
-	case rc.BucketCount == 0:
-		rc.BucketCount = cfg.BucketCount
-	case rc.BucketCount != cfg.BucketCount:
-		return nil, &relay.ConfigError{Package: "gormrelay", Field: "relay.Config.BucketCount", Value: rc.BucketCount,
-			Reason: "must equal the plugin's BucketCount " + strconv.Itoa(cfg.BucketCount)}
-	}
+	rc := o.relay // relay.New takes BucketCount from the store, the plugin's
 	if rc.Hints == nil {
 		rc.Hints = plugin.Notifier()
 	}

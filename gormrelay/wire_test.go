@@ -89,11 +89,11 @@ func TestNewRefusesBadWiring(t *testing.T) {
 	require.NoError(t, err)
 	pub := relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) { return 0, nil })
 	for field, err := range map[string]error{
-		"plugin":                   second(gormrelay.New(db.DB, nil, pub)),
-		"publisher":                second(gormrelay.New(db.DB, p, nil)),
-		"db":                       second(gormrelay.New(nil, p, pub)),
-		"relay.Config.BucketCount": second(gormrelay.New(db.DB, p, pub, gormrelay.WithRelayConfig(relay.Config{BucketCount: 8}))),
-		"MaxAttempts":              second(gormrelay.New(db.DB, p, pub, gormrelay.WithFailurePolicy(gormrelay.FailurePolicyConfig{MaxAttempts: -1}))),
+		"plugin":      second(gormrelay.New(db.DB, nil, pub)),
+		"publisher":   second(gormrelay.New(db.DB, p, nil)),
+		"db":          second(gormrelay.New(nil, p, pub)),
+		"BucketCount": second(gormrelay.New(db.DB, p, pub, gormrelay.WithRelayConfig(relay.Config{BucketCount: 8}))),
+		"MaxAttempts": second(gormrelay.New(db.DB, p, pub, gormrelay.WithFailurePolicy(gormrelay.FailurePolicyConfig{MaxAttempts: -1}))),
 	} {
 		var ce *relay.ConfigError
 		require.ErrorAs(t, err, &ce, field)

@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/gorm-outbox/outbox"
-	"github.com/gorm-outbox/outbox/internal/recordsize"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // Defaults applied by Config.WithDefaults.
@@ -16,7 +16,7 @@ const (
 	// MessageIDHeaderDefault is the record header that carries the message
 	// id: the header the outbox's Kafka publisher stamps on every record
 	// (publisher.DefaultMessageIDHeader).
-	MessageIDHeaderDefault = recordsize.MessageIDHeaderDefault
+	MessageIDHeaderDefault = wire.KafkaMessageIDHeaderDefault
 	// MessageIDMaxLen is the longest accepted message id, in bytes: the
 	// width of the message_id column. The outbox's ids are 36-byte UUIDs.
 	MessageIDMaxLen = 64

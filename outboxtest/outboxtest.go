@@ -21,6 +21,7 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // Timeout bounds each database operation of the helpers, and Drain as a
@@ -299,7 +300,7 @@ func pending(t testingT, db *gorm.DB, p *outbox.Plugin) ([]Message, bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), Timeout)
 	defer cancel()
 	sess := db.Session(&gorm.Session{NewDB: true, SkipHooks: true, Context: ctx})
-	rows, err := sess.Raw("SELECT id, message_id, bucket, topic, msg_key, msg_value, headers, msg_partition, created_at_ms, attempts FROM " +
+	rows, err := sess.Raw("SELECT " + wire.MessageColumns + " FROM " +
 		sess.Statement.Quote(table) + " ORDER BY id").Rows()
 	if err != nil {
 		failure(t, "cannot read the outbox table %s (did you run the plugin's AutoMigrate or the migrations?): %v", table, err)

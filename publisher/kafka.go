@@ -13,22 +13,22 @@ import (
 
 	"github.com/IBM/sarama"
 
-	"github.com/gorm-outbox/outbox/internal/recordsize"
 	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 const (
 	// MessageIDHeaderDefault is the record header the Kafka publisher stamps
 	// with relay.Message.MessageID unless KafkaConfig.MessageIDHeader says
 	// otherwise.
-	MessageIDHeaderDefault = recordsize.MessageIDHeaderDefault
+	MessageIDHeaderDefault = wire.KafkaMessageIDHeaderDefault
 
 	// MaxMessageBytesDefault is KafkaConfig.MaxMessageBytes's default: just
 	// under the broker's default message.max.bytes (1048588), so that sarama
 	// rejects an oversized record on its own before the broker would fail
 	// the whole batch it travels in. The write side refuses at enqueue what
-	// this default would refuse (internal/recordsize holds both).
-	MaxMessageBytesDefault = recordsize.MaxMessageBytesDefault
+	// this default would refuse (package wire holds both).
+	MaxMessageBytesDefault = wire.KafkaMaxMessageBytesDefault
 
 	// ClientIDDefault is the Kafka client id the publisher sets before
 	// KafkaConfig.Configure runs, which may change it.
@@ -754,30 +754,13 @@ func checkMessage(m *relay.Message) error {
 	if m.Topic == "" {
 		return errNoTopic
 	}
-	if !validTopic(m.Topic) {
+	if wire.CheckKafkaTopic(m.Topic) != nil {
 		return relay.Permanent(fmt.Errorf("%w: %q", sarama.ErrInvalidTopic, m.Topic))
 	}
 	if m.Partition != nil && *m.Partition < 0 {
 		return relay.Permanent(fmt.Errorf("%w: %d", sarama.ErrInvalidPartition, *m.Partition))
 	}
 	return nil
-}
-
-// validTopic reports whether Kafka accepts name as a topic name: 1 to 249
-// characters of a-z, A-Z, 0-9, '.', '_' and '-', and neither "." nor "..".
-// A broker answers any other name with INVALID_TOPIC_EXCEPTION, or, for a
-// producer looking up its metadata, as if the topic did not exist.
-func validTopic(name string) bool {
-	if len(name) == 0 || len(name) > 249 || name == "." || name == ".." {
-		return false
-	}
-	for i := 0; i < len(name); i++ {
-		c := name[i]
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
-			return false
-		}
-	}
-	return true
 }
 
 // collect waits for the results of the sent messages and computes the

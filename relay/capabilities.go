@@ -10,6 +10,26 @@ import (
 	"golang.org/x/time/rate"
 )
 
+// parts is what New resolves once and every part of a run shares: the
+// configuration, the store, the publisher and their optional
+// capabilities.
+type parts struct {
+	cfg       Config
+	store     Store
+	publisher Publisher
+	caps      capabilities // optional capabilities or their fallbacks
+	// leaseAware is told of lease changes; nil if the publisher does not
+	// implement LeaseAware.
+	leaseAware LeaseAware
+}
+
+// resolveParts resolves the capabilities of store, publisher and cfg.
+func resolveParts(store Store, publisher Publisher, cfg Config) parts {
+	p := parts{cfg: cfg, store: store, publisher: publisher, caps: resolveCapabilities(store, cfg)}
+	p.leaseAware, _ = publisher.(LeaseAware)
+	return p
+}
+
 // capabilities are the optional capabilities of the store, the failure
 // handler and the configuration, resolved once by New. Each is the real
 // one or a fallback that does what the relay does without it, so the

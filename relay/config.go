@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -33,6 +34,9 @@ const (
 	BackoffMinDefault = 500 * time.Millisecond
 	// BackoffMaxDefault caps the wait after repeated failures.
 	BackoffMaxDefault = 30 * time.Second
+	// ReleaseTimeoutDefault bounds the release of the leases when a relay
+	// stops, and the LeaseAware publisher's LeasesReleased call.
+	ReleaseTimeoutDefault = 5 * time.Second
 	// PublishTimeoutDefault bounds one Publish call. A healthy cluster
 	// answers a batch in milliseconds; the default is far above what its
 	// retries take, so it only ends a publish that no longer makes
@@ -131,6 +135,15 @@ type Config struct {
 	// earlier.
 	PublishTimeout time.Duration
 
+	// ReleaseTimeout bounds the release of the leases when the relay stops
+	// (Store.ReleaseLeases), and each LeasesReleased call of a LeaseAware
+	// publisher. Both run under context.WithoutCancel: an expired Stop
+	// context must not keep the buckets from peers until their leases
+	// expire. A release that times out is logged; peers then take the
+	// buckets over when the leases expire. Default 5s
+	// (ReleaseTimeoutDefault).
+	ReleaseTimeout time.Duration
+
 	// Hints, if set, wakes the relay as soon as messages commit and names
 	// the buckets that received them, so the relay fetches those buckets
 	// directly instead of waiting for PollInterval. *outbox.Notifier
@@ -197,42 +210,19 @@ func (c Config) WithDefaults() Config {
 	if c.RelayID == "" {
 		c.RelayID = NewRelayID()
 	}
-	if c.BucketCount == 0 {
-		c.BucketCount = BucketCountDefault
-	}
-	if c.BatchSize == 0 {
-		c.BatchSize = BatchSizeDefault
-	}
-	if c.Parallelism == 0 {
-		c.Parallelism = ParallelismDefault
-	}
-	if c.PollInterval == 0 {
-		c.PollInterval = PollIntervalDefault
-	}
-	if c.LeaseDuration == 0 {
-		c.LeaseDuration = LeaseDurationDefault
-	}
-	if c.LeaseRenewInterval == 0 {
-		c.LeaseRenewInterval = LeaseRenewIntervalDefault
-	}
-	if c.BackoffMin == 0 {
-		c.BackoffMin = BackoffMinDefault
-	}
-	if c.BackoffMax == 0 {
-		c.BackoffMax = BackoffMaxDefault
-	}
-	if c.PublishTimeout == 0 {
-		c.PublishTimeout = PublishTimeoutDefault
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
-	}
-	if c.Observer == nil {
-		c.Observer = NopObserver{}
-	}
-	if c.ShutdownTimeout == 0 {
-		c.ShutdownTimeout = ShutdownTimeoutDefault
-	}
+	c.BucketCount = cmp.Or(c.BucketCount, BucketCountDefault)
+	c.BatchSize = cmp.Or(c.BatchSize, BatchSizeDefault)
+	c.Parallelism = cmp.Or(c.Parallelism, ParallelismDefault)
+	c.PollInterval = cmp.Or(c.PollInterval, PollIntervalDefault)
+	c.LeaseDuration = cmp.Or(c.LeaseDuration, LeaseDurationDefault)
+	c.LeaseRenewInterval = cmp.Or(c.LeaseRenewInterval, LeaseRenewIntervalDefault)
+	c.BackoffMin = cmp.Or(c.BackoffMin, BackoffMinDefault)
+	c.BackoffMax = cmp.Or(c.BackoffMax, BackoffMaxDefault)
+	c.PublishTimeout = cmp.Or(c.PublishTimeout, PublishTimeoutDefault)
+	c.ReleaseTimeout = cmp.Or(c.ReleaseTimeout, ReleaseTimeoutDefault)
+	c.Logger = cmp.Or(c.Logger, slog.Default())
+	c.Observer = cmp.Or[Observer](c.Observer, NopObserver{})
+	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, ShutdownTimeoutDefault)
 	return c
 }
 
@@ -265,6 +255,8 @@ func (c Config) validate() error {
 		return bad("BackoffMax", c.BackoffMax, fmt.Sprintf("must be at least BackoffMin (%s)", c.BackoffMin))
 	case c.PublishTimeout < 0:
 		return bad("PublishTimeout", c.PublishTimeout, "must be positive")
+	case c.ReleaseTimeout < 0:
+		return bad("ReleaseTimeout", c.ReleaseTimeout, "must be positive")
 	case c.ShutdownTimeout < 0:
 		return bad("ShutdownTimeout", c.ShutdownTimeout, "must be positive")
 	case c.RateLimit < 0 || math.IsNaN(c.RateLimit) || math.IsInf(c.RateLimit, 0):
@@ -366,20 +358,34 @@ type BatchFilter interface {
 	FilterBatch(ctx context.Context, relayID string, lease Lease, msgs []Message) ([]Message, error)
 }
 
+// CheckBucketCount is the one BucketCount agreement check: it returns nil
+// when got, the BucketCount a relay uses, is want, the outbox's, and
+// otherwise a *MisconfigurationError saying both; outbox names the outbox
+// in the reason (for example its messages table). New runs it against a
+// BucketCounter store, and a store runs it on every AcquireRequest and in
+// CheckStart (the GORM store does), so a relay and an outbox that
+// disagree are told apart the same way everywhere.
+func CheckBucketCount(got, want int, outbox string) error {
+	if got == want {
+		return nil
+	}
+	return &MisconfigurationError{Setting: "BucketCount",
+		Reason: fmt.Sprintf("the relay uses %d buckets but %s is configured with %d: every writer and relay must use the same BucketCount, set once on the outbox configuration", got, outbox, want)}
+}
+
 // takeBucketCount fills cfg.BucketCount from a store that knows the
-// outbox's (BucketCounter) and refuses a Config value that disagrees.
+// outbox's (BucketCounter) and refuses a Config value that disagrees,
+// with a *ConfigError wrapping CheckBucketCount's error.
 func takeBucketCount(store Store, cfg *Config) error {
 	bc, ok := store.(BucketCounter)
 	if !ok {
 		return nil
 	}
 	n := bc.BucketCount()
-	switch {
-	case cfg.BucketCount == 0:
-		cfg.BucketCount = n
-	case cfg.BucketCount != n:
+	cfg.BucketCount = cmp.Or(cfg.BucketCount, n)
+	if err := CheckBucketCount(cfg.BucketCount, n, "the store's outbox"); err != nil {
 		return &ConfigError{Field: "BucketCount", Value: cfg.BucketCount,
-			Reason: fmt.Sprintf("the store's outbox has %d buckets (set once, on the outbox configuration); leave relay.Config.BucketCount zero to take it from the store", n)}
+			Reason: "leave relay.Config.BucketCount zero to take it from the store", Err: err}
 	}
 	return nil
 }

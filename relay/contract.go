@@ -4,14 +4,13 @@ import (
 	"context"
 	"errors"
 	"time"
+
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // Header is one Kafka record header. Order is kept and duplicate names are
-// allowed, as in Kafka itself.
-type Header struct {
-	Key   string
-	Value []byte
-}
+// allowed, as in Kafka itself. It is wire.Header, as is outbox.Header.
+type Header = wire.Header
 
 // Message is a pending outbox row as the relay sees it. The relay never
 // interprets Value: it is passed to the Publisher byte for byte.

@@ -31,6 +31,22 @@
 //     one bucket has at most one batch in flight while other buckets'
 //     database round trips and publishes overlap with it.
 //
+// The ties between the parts run one way. The keeper calls only the
+// store and the Observer: it reports what changed (leases ended or
+// gained, an acquisition or a discovery asked for, a misconfiguration
+// met by the renewal) as lease events, collected until taken and
+// signalled on a one-slot channel. The scheduler knows nothing of
+// leases: it is told which buckets are ready and signals when no batch is
+// in flight. Drainers ask the keeper whether a lease is still trusted,
+// tell it of a lease they found lost, and hand buckets back to the
+// scheduler. The control loop is the one place that joins them: it takes
+// the keeper's events and applies them to the scheduler (a bucket whose
+// lease ended is forgotten unless held again, a newly held one starts
+// without backoff), acquires, announces, and turns hints and discovery
+// into ready buckets. A bucket whose lease ends before the loop took the
+// event is still never published under it: a drainer that takes it finds
+// the lease gone and hands it back.
+//
 // Acquisition (which releases surplus leases and claims new ones) does
 // not wait for the batches in flight: the scheduler starts no new batch
 // during the store call, and the call names the buckets in flight
@@ -308,7 +324,8 @@
 // relay in the background; watch Stopped and Err. Stop is synchronous: it
 // stops handing out batches, lets the in-flight batches finish within the
 // context's deadline (cancelling them after), and releases the leases
-// under context.WithoutCancel; it returns at most StopOverrun (5s) after
+// under context.WithoutCancel, bounded by Config.ReleaseTimeout (5s); it
+// returns at most StopOverrun (5s) after
 // its context ended, the relay finishing in the background if a publisher
 // or the database ignores cancellation. Stop tolerates being called before
 // Start and twice. Stopped is closed when the relay has stopped, and Err

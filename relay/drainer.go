@@ -4,47 +4,127 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"sync/atomic"
 	"time"
 )
 
-// drain is one drainer of the pool: it takes a ready bucket from the
-// scheduler, drains one batch of it under its lease, hands it back, and
-// repeats until the scheduler closes. The scheduler never hands one
-// bucket to two drainers, so at most one batch per bucket is in flight.
-func (w *worker) drain(ctx context.Context) {
+// drainers is the relay's pool of Config.Parallelism drainers. Each takes
+// a ready bucket from the scheduler, drains one batch of it under its
+// lease (drainBatch), hands it back, and repeats until the scheduler
+// closes. The scheduler never hands one bucket to two drainers, so at
+// most one batch per bucket is in flight.
+//
+// Drainers read the lease keeper (is this lease still trusted?) and tell
+// it of a lease they found lost (drop); they report the end of each batch
+// to the scheduler (done). What the engine needs of them it reads here:
+// the count published, the failures of a DrainOnce, and a
+// misconfiguration that stops the relay (failed).
+type drainers struct {
+	parts
+	log     *slog.Logger
+	k       *keeper
+	sched   *scheduler
+	oneShot bool // DrainOnce: failures are reported, not retried
+
+	published atomic.Int64
+
+	mu       sync.Mutex
+	fatal    error         // the first misconfiguration a batch met
+	fatalC   chan struct{} // closed with fatal
+	failures []error       // DrainOnce: the buckets whose publish failed
+}
+
+func newDrainers(p parts, k *keeper, sched *scheduler, oneShot bool) *drainers {
+	return &drainers{parts: p, log: p.cfg.Logger, k: k, sched: sched, oneShot: oneShot, fatalC: make(chan struct{})}
+}
+
+// start starts the drainers and returns the function that waits for them
+// to finish their batches once the scheduler closes (or, in one-shot
+// mode, runs out of work). A cancelled ctx closes the scheduler; the
+// batches in flight see the cancellation themselves.
+func (p *drainers) start(ctx context.Context) (wait func()) {
+	n := min(p.cfg.Parallelism, p.cfg.BucketCount)
+	p.sched.start(p.oneShot)
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() { p.drain(ctx) })
+	}
+	unwatch := context.AfterFunc(ctx, p.sched.close)
+	return func() {
+		wg.Wait()
+		unwatch()
+	}
+}
+
+// failed is closed when a batch met a misconfiguration (err).
+func (p *drainers) failed() <-chan struct{} { return p.fatalC }
+
+// err returns the misconfiguration a batch met, if any.
+func (p *drainers) err() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.fatal
+}
+
+// errs returns DrainOnce's failures so far.
+func (p *drainers) errs() []error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.failures)
+}
+
+// drain is one drainer: it takes a ready bucket from the scheduler,
+// drains one batch of it under its lease, and hands it back, until the
+// scheduler closes. A bucket whose lease went away since it was marked
+// is handed back at once, as lost.
+func (p *drainers) drain(ctx context.Context) {
 	for {
-		d, ok := w.sched.next(w.k)
+		d, ok := p.sched.next()
 		if !ok {
 			return
 		}
-		w.finish(d, w.drainBatch(ctx, d))
+		hl, held := p.k.lease(d.bucket)
+		if !held {
+			p.sched.done(d.bucket, d.st.marks, batchResult{out: outLost}, time.Now())
+			continue
+		}
+		p.finish(d, hl, p.drainBatch(ctx, d, hl))
 	}
 }
 
 // finish applies the result of a bucket's batch and hands the bucket back
 // to the scheduler, which backs a failed bucket off and wakes the control
 // loop for a lease announcement that waited for the batch.
-func (w *worker) finish(d drawn, r batchResult) {
+func (p *drainers) finish(d drawn, hl *heldLease, r batchResult) {
 	b := d.bucket
 	switch {
 	case IsMisconfiguration(r.err):
-		w.setFatal(r.err)
-	case r.out == outLost:
-		w.k.drop(d.hl.Lease, r.err)
-		if w.oneShot {
-			w.log.Info("relay: drain lost a bucket; acquiring again", "bucket", b, "err", r.err)
+		p.mu.Lock()
+		if p.fatal == nil {
+			p.fatal = r.err
+			close(p.fatalC)
 		}
-	case r.out == outFailed && w.oneShot:
-		w.mu.Lock()
-		w.drainErrs = append(w.drainErrs, fmt.Errorf("bucket %d: %w", b, r.err))
-		w.mu.Unlock()
+		p.mu.Unlock()
+		p.sched.close()
+	case r.out == outLost:
+		p.k.drop(hl.Lease, r.err)
+		if p.oneShot {
+			p.log.Info("relay: drain lost a bucket; acquiring again", "bucket", b, "err", r.err)
+		}
+	case r.out == outFailed && p.oneShot:
+		p.mu.Lock()
+		p.failures = append(p.failures, fmt.Errorf("bucket %d: %w", b, r.err))
+		p.mu.Unlock()
 	}
-	w.sched.done(b, d.st.marks, r, w.cfg, time.Now())
+	p.sched.done(b, d.st.marks, r, time.Now())
 }
 
 // batchLimit is the largest batch the relay reads.
-func (w *worker) batchLimit() int {
-	return min(w.cfg.BatchSize, w.r.caps.pacer.Burst())
+func (p *drainers) batchLimit() int {
+	return min(p.cfg.BatchSize, p.caps.pacer.Burst())
 }
 
 // batch is one bucket's batch on its way through drainBatch's steps.
@@ -84,30 +164,30 @@ type batch struct {
 //
 // The backoff of a failed bucket and the announcement of lease changes
 // that waited for the batch follow in finish.
-func (w *worker) drainBatch(ctx context.Context, d drawn) batchResult {
-	b := &batch{hl: d.hl}
+func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) batchResult {
+	b := &batch{hl: hl}
 	// Each step says whether the batch ends there, and with what.
-	if r, done := w.read(ctx, b, d.st); done {
+	if r, done := p.read(ctx, b, d.st); done {
 		return r
 	}
-	if r, done := w.filter(ctx, b); done {
+	if r, done := p.filter(ctx, b); done {
 		return r
 	}
-	if r, done := w.admit(ctx, b); done {
+	if r, done := p.admit(ctx, b); done {
 		return r
 	}
-	w.publish(ctx, b)
-	if r, done := w.fenced(b); done {
+	p.publish(ctx, b)
+	if r, done := p.fenced(b); done {
 		return r
 	}
-	if r, done := w.deleteAcked(ctx, b); done {
+	if r, done := p.deleteAcked(ctx, b); done {
 		return r
 	}
-	if r, done := w.leaseEnded(b); done {
+	if r, done := p.leaseEnded(b); done {
 		return r
 	}
 	if b.perr != nil {
-		return w.failurePolicy(ctx, b)
+		return p.failurePolicy(ctx, b)
 	}
 	switch {
 	case b.next != nil && len(b.next) == 0:
@@ -123,21 +203,21 @@ func (w *worker) drainBatch(ctx context.Context, d drawn) batchResult {
 // read takes the bucket's batch: the one read ahead with the previous
 // delete, if it was read under the same term and no failure capped the
 // batch since (st.shrink), else the bucket's oldest rows, afresh.
-func (w *worker) read(ctx context.Context, b *batch, st bucketState) (batchResult, bool) {
+func (p *drainers) read(ctx context.Context, b *batch, st bucketState) (batchResult, bool) {
 	bucket := b.hl.Bucket
-	limit := w.batchLimit()
+	limit := p.batchLimit()
 	if st.shrink > 0 {
 		limit = min(limit, st.shrink) // see failurePolicy
 	}
 	b.msgs = st.next
 	if st.next == nil || st.nextTerm != b.hl.Term || st.shrink > 0 {
 		var err error
-		if b.msgs, err = w.r.store.NextBatch(ctx, bucket, limit); err != nil {
+		if b.msgs, err = p.store.NextBatch(ctx, bucket, limit); err != nil {
 			if isStop(ctx, err) {
 				return batchResult{out: outStopped}, true
 			}
 			if !IsMisconfiguration(err) {
-				w.log.Warn("relay: read batch failed", "bucket", bucket, "err", err)
+				p.log.Warn("relay: read batch failed", "bucket", bucket, "err", err)
 			}
 			return batchResult{out: outFailed, err: err}, true
 		}
@@ -153,8 +233,8 @@ func (w *worker) read(ctx context.Context, b *batch, st bucketState) (batchResul
 }
 
 // filter hands the batch to the failure handler's BatchFilter.
-func (w *worker) filter(ctx context.Context, b *batch) (batchResult, bool) {
-	kept, out, err := w.filterBatch(ctx, b.hl.Lease, b.msgs)
+func (p *drainers) filter(ctx context.Context, b *batch) (batchResult, bool) {
+	kept, out, err := p.filterBatch(ctx, b.hl.Lease, b.msgs)
 	if kept == nil {
 		return batchResult{out: out, err: err}, true
 	}
@@ -165,15 +245,15 @@ func (w *worker) filter(ctx context.Context, b *batch) (batchResult, bool) {
 // admit waits for the pace (Config.RateLimit), then checks that the lease
 // is still trusted, since the read and the wait may have been slow,
 // before anything is handed to the publisher.
-func (w *worker) admit(ctx context.Context, b *batch) (batchResult, bool) {
+func (p *drainers) admit(ctx context.Context, b *batch) (batchResult, bool) {
 	bucket := b.hl.Bucket
-	if err := w.r.caps.pacer.WaitN(b.hl.ctx, len(b.msgs)); err != nil {
+	if err := p.caps.pacer.WaitN(b.hl.ctx, len(b.msgs)); err != nil {
 		if ctx.Err() != nil {
 			return batchResult{out: outStopped}, true
 		}
 		return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d: lease ended while waiting for the rate limit: %w", ErrLeaseLost, bucket, context.Cause(b.hl.ctx))}, true
 	}
-	if !w.k.trusts(b.hl.Lease) {
+	if !p.k.trusts(b.hl.Lease) {
 		return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d: lease no longer trusted", ErrLeaseLost, bucket)}, true
 	}
 	return batchResult{}, false
@@ -182,16 +262,16 @@ func (w *worker) admit(ctx context.Context, b *batch) (batchResult, bool) {
 // publish hands the batch to the publisher under the lease and keeps its
 // acknowledged prefix: a count outside the batch deletes nothing, and a
 // prefix short of the batch without an error is an error.
-func (w *worker) publish(ctx context.Context, b *batch) {
+func (p *drainers) publish(ctx context.Context, b *batch) {
 	start := time.Now()
-	b.acked, b.perr, b.lost = w.publishUnder(ctx, b.hl, b.msgs)
+	b.acked, b.perr, b.lost = p.publishUnder(ctx, b.hl, b.msgs)
 	if b.acked < 0 || b.acked > len(b.msgs) {
-		w.log.Error("relay: publisher reported an acknowledged count outside the batch; deleting nothing",
+		p.log.Error("relay: publisher reported an acknowledged count outside the batch; deleting nothing",
 			"bucket", b.hl.Bucket, "acked", b.acked, "batch", len(b.msgs))
 		b.perr = fmt.Errorf("relay: publisher acknowledged %d of a batch of %d", b.acked, len(b.msgs))
 		b.acked = 0
 	}
-	w.observePublish(ctx, b.hl.Bucket, len(b.msgs), b.acked, b.perr, b.lost, time.Since(start))
+	p.observePublish(ctx, b.hl.Bucket, len(b.msgs), b.acked, b.perr, b.lost, time.Since(start))
 	if b.perr == nil && b.acked < len(b.msgs) {
 		b.perr = fmt.Errorf("relay: publisher acknowledged %d of %d messages without an error", b.acked, len(b.msgs))
 	}
@@ -200,11 +280,11 @@ func (w *worker) publish(ctx context.Context, b *batch) {
 // fenced ends a batch the sink refused because another relay owns the
 // bucket's identity there now: the rows are the new owner's; none is
 // deleted.
-func (w *worker) fenced(b *batch) (batchResult, bool) {
+func (p *drainers) fenced(b *batch) (batchResult, bool) {
 	if !IsFenced(b.perr) {
 		return batchResult{}, false
 	}
-	w.log.Warn("relay: publisher fenced; leaving the bucket to its new owner without deleting anything",
+	p.log.Warn("relay: publisher fenced; leaving the bucket to its new owner without deleting anything",
 		"bucket", b.hl.Bucket, "term", b.hl.Term, "err", b.perr)
 	return batchResult{out: outLost, err: b.perr}, true
 }
@@ -214,7 +294,7 @@ func (w *worker) fenced(b *batch) (batchResult, bool) {
 // only publish them again. After a complete full batch the next one is
 // read in the same call (BatchAdvancer; without one, nothing is read
 // ahead).
-func (w *worker) deleteAcked(ctx context.Context, b *batch) (batchResult, bool) {
+func (p *drainers) deleteAcked(ctx context.Context, b *batch) (batchResult, bool) {
 	if b.acked == 0 {
 		return batchResult{}, false
 	}
@@ -222,30 +302,30 @@ func (w *worker) deleteAcked(ctx context.Context, b *batch) (batchResult, bool) 
 	dctx := context.WithoutCancel(ctx)
 	var err error
 	if b.full && b.acked == len(b.msgs) && b.perr == nil && !b.lost && ctx.Err() == nil {
-		b.next, err = w.r.caps.advancer.MarkPublishedNext(dctx, w.cfg.RelayID, lease, b.msgs, w.batchLimit())
+		b.next, err = p.caps.advancer.MarkPublishedNext(dctx, p.cfg.RelayID, lease, b.msgs, p.batchLimit())
 	} else {
-		err = w.r.store.MarkPublished(dctx, w.cfg.RelayID, lease, b.msgs[:b.acked])
+		err = p.store.MarkPublished(dctx, p.cfg.RelayID, lease, b.msgs[:b.acked])
 	}
 	switch {
 	case err == nil:
-		w.published.Add(int64(b.acked))
+		p.published.Add(int64(b.acked))
 		return batchResult{}, false
 	case errors.Is(err, ErrLeaseLost):
-		w.log.Info("relay: lease lost before delete; the new owner publishes the rows again", "bucket", lease.Bucket, "term", lease.Term, "acked", b.acked)
+		p.log.Info("relay: lease lost before delete; the new owner publishes the rows again", "bucket", lease.Bucket, "term", lease.Term, "acked", b.acked)
 		return batchResult{out: outLost, err: err}, true
 	case !IsMisconfiguration(err):
-		w.log.Warn("relay: delete published messages failed; they will be published again", "bucket", lease.Bucket, "acked", b.acked, "err", err)
+		p.log.Warn("relay: delete published messages failed; they will be published again", "bucket", lease.Bucket, "acked", b.acked, "err", err)
 	}
 	return batchResult{out: outFailed, err: err}, true
 }
 
 // leaseEnded ends a batch whose lease ended during the publish: the rest
 // of the batch is the new owner's.
-func (w *worker) leaseEnded(b *batch) (batchResult, bool) {
+func (p *drainers) leaseEnded(b *batch) (batchResult, bool) {
 	if !b.lost {
 		return batchResult{}, false
 	}
-	w.log.Warn("relay: lease lost during publish; leaving the rest of the batch to the new owner", "bucket", b.hl.Bucket, "term", b.hl.Term, "acked", b.acked)
+	p.log.Warn("relay: lease lost during publish; leaving the rest of the batch to the new owner", "bucket", b.hl.Bucket, "term", b.hl.Term, "acked", b.acked)
 	return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d during publish: %w", ErrLeaseLost, b.hl.Bucket, context.Cause(b.hl.ctx))}, true
 }
 
@@ -255,7 +335,7 @@ func (w *worker) leaseEnded(b *batch) (batchResult, bool) {
 // bucket's next batch is cut short so that the failure policy meets the
 // culprit at the head of the bucket. Otherwise the first unacknowledged
 // message meets the policy (fail).
-func (w *worker) failurePolicy(ctx context.Context, b *batch) batchResult {
+func (p *drainers) failurePolicy(ctx context.Context, b *batch) batchResult {
 	perr, acked, bucket := b.perr, b.acked, b.hl.Bucket
 	switch {
 	case ctx.Err() != nil:
@@ -270,7 +350,7 @@ func (w *worker) failurePolicy(ctx context.Context, b *batch) batchResult {
 		// The publisher names a later message as the cause (a
 		// transactional one aborts the whole batch): publish the messages
 		// before it on their own, at once.
-		w.log.Debug("relay: batch failed at a later message; publishing the messages before it first",
+		p.log.Debug("relay: batch failed at a later message; publishing the messages before it first",
 			"bucket", bucket, "acked", acked, "failed_index", i, "err", perr)
 		return batchResult{out: outRetry, shrink: i - acked}
 	}
@@ -279,11 +359,11 @@ func (w *worker) failurePolicy(ctx context.Context, b *batch) batchResult {
 		// may have caused: publish the first half on its own, at once,
 		// until the refused batch is a single message. Only that message
 		// meets the failure policy.
-		w.log.Info("relay: the sink rejected the batch as a whole; splitting it to find the message that caused it",
+		p.log.Info("relay: the sink rejected the batch as a whole; splitting it to find the message that caused it",
 			"bucket", bucket, "acked", acked, "rejected", rest, "next_batch", rest/2, "err", perr)
 		return batchResult{out: outRetry, shrink: rest / 2}
 	}
-	out, err := w.fail(ctx, b.hl.Lease, b.msgs[acked], acked, perr)
+	out, err := p.fail(ctx, b.hl.Lease, b.msgs[acked], acked, perr)
 	return batchResult{out: out, err: err}
 }
 
@@ -291,8 +371,8 @@ func (w *worker) failurePolicy(ctx context.Context, b *batch) batchResult {
 // returns the messages to publish. A nil result means the batch ends with
 // the returned outcome: the filter failed, or took every message out and
 // the bucket is read again.
-func (w *worker) filterBatch(ctx context.Context, lease Lease, msgs []Message) ([]Message, outcome, error) {
-	kept, err := w.r.caps.filter.FilterBatch(ctx, w.cfg.RelayID, lease, msgs)
+func (p *drainers) filterBatch(ctx context.Context, lease Lease, msgs []Message) ([]Message, outcome, error) {
+	kept, err := p.caps.filter.FilterBatch(ctx, p.cfg.RelayID, lease, msgs)
 	switch {
 	case err == nil:
 	case isStop(ctx, err):
@@ -302,11 +382,11 @@ func (w *worker) filterBatch(ctx context.Context, lease Lease, msgs []Message) (
 	case IsMisconfiguration(err):
 		return nil, outFailed, err
 	default:
-		w.log.Warn("relay: batch filter failed", "bucket", lease.Bucket, "err", err)
+		p.log.Warn("relay: batch filter failed", "bucket", lease.Bucket, "err", err)
 		return nil, outFailed, err
 	}
 	if removed := len(msgs) - len(kept); removed > 0 {
-		w.cfg.Observer.MessagesDeadLettered(removed, true)
+		p.cfg.Observer.MessagesDeadLettered(removed, true)
 	}
 	if len(kept) == 0 {
 		return nil, outRetry, nil
@@ -318,25 +398,25 @@ func (w *worker) filterBatch(ctx context.Context, lease Lease, msgs []Message) (
 // failure that is not about the message (IsUnavailable) only backs off: it
 // is neither recorded against the message nor handed to the failure
 // handler, so an outage of any length dead-letters nothing.
-func (w *worker) fail(ctx context.Context, lease Lease, msg Message, acked int, perr error) (outcome, error) {
+func (p *drainers) fail(ctx context.Context, lease Lease, msg Message, acked int, perr error) (outcome, error) {
 	if IsUnavailable(perr) {
-		w.log.Warn("relay: publish failed: the sink is unavailable; retrying after backoff, not counted against the message",
+		p.log.Warn("relay: publish failed: the sink is unavailable; retrying after backoff, not counted against the message",
 			"bucket", lease.Bucket, "acked", acked, "message_id", msg.MessageID, "err", perr)
 		return outFailed, perr
 	}
-	msg, err := w.record(ctx, lease, msg, perr)
+	msg, err := p.record(ctx, lease, msg, perr)
 	if err != nil {
 		return outLost, err
 	}
-	action, err := w.handle(ctx, Failure{RelayID: w.cfg.RelayID, Lease: lease, Message: msg, Acked: acked, Err: perr})
+	action, err := p.handle(ctx, Failure{RelayID: p.cfg.RelayID, Lease: lease, Message: msg, Acked: acked, Err: perr})
 	if err != nil {
 		return outcomeOf(err), err
 	}
-	w.log.Warn("relay: publish failed", "bucket", lease.Bucket, "acked", acked,
+	p.log.Warn("relay: publish failed", "bucket", lease.Bucket, "acked", acked,
 		"message_id", msg.MessageID, "attempts", msg.Attempts, "permanent", IsPermanent(perr), "err", perr)
 	if action == FailureRetry {
 		// The handler took the message out of the bucket.
-		w.cfg.Observer.MessagesDeadLettered(1, false)
+		p.cfg.Observer.MessagesDeadLettered(1, false)
 		return outRetry, nil
 	}
 	return outFailed, perr
@@ -345,8 +425,8 @@ func (w *worker) fail(ctx context.Context, lease Lease, msg Message, acked int, 
 // record counts the failure on the message (FailureRecorder) and returns
 // the message with its attempts. Only a lost lease is an error: a record
 // that failed otherwise is logged and the policy goes on.
-func (w *worker) record(ctx context.Context, lease Lease, msg Message, perr error) (Message, error) {
-	err := w.r.caps.recorder.RecordFailure(ctx, w.cfg.RelayID, lease, msg, perr)
+func (p *drainers) record(ctx context.Context, lease Lease, msg Message, perr error) (Message, error) {
+	err := p.caps.recorder.RecordFailure(ctx, p.cfg.RelayID, lease, msg, perr)
 	switch {
 	case err == nil:
 		msg.Attempts++
@@ -354,7 +434,7 @@ func (w *worker) record(ctx context.Context, lease Lease, msg Message, perr erro
 		return msg, err
 	case errors.Is(err, errNotRecorded), isStop(ctx, err):
 	default:
-		w.log.Warn("relay: record publish failure failed", "bucket", lease.Bucket, "err", err)
+		p.log.Warn("relay: record publish failure failed", "bucket", lease.Bucket, "err", err)
 	}
 	return msg, nil
 }
@@ -362,15 +442,15 @@ func (w *worker) record(ctx context.Context, lease Lease, msg Message, perr erro
 // handle asks the failure handler what to do with the failed message. It
 // returns an error only for a misconfiguration or a lost lease; any other
 // error of the handler is logged and taken as FailureBackoff.
-func (w *worker) handle(ctx context.Context, f Failure) (FailureAction, error) {
-	a, err := w.r.caps.handler.HandleFailure(ctx, f)
+func (p *drainers) handle(ctx context.Context, f Failure) (FailureAction, error) {
+	a, err := p.caps.handler.HandleFailure(ctx, f)
 	switch {
 	case err == nil:
 		return a, nil
 	case IsMisconfiguration(err), errors.Is(err, ErrLeaseLost):
 		return FailureBackoff, err
 	case !isStop(ctx, err): // a stop cancelling the handler is no failure
-		w.log.Warn("relay: failure handler failed", "bucket", f.Lease.Bucket, "message_id", f.Message.MessageID, "err", err)
+		p.log.Warn("relay: failure handler failed", "bucket", f.Lease.Bucket, "message_id", f.Message.MessageID, "err", err)
 	}
 	return FailureBackoff, nil
 }
@@ -391,18 +471,18 @@ func outcomeOf(err error) outcome {
 // renewal; without a LeaseRenewer that bounds every publish). Renewal goes
 // on meanwhile, on the keeper's own goroutine. No transaction or row lock
 // is held.
-func (w *worker) publishUnder(ctx context.Context, hl *heldLease, msgs []Message) (acked int, err error, lost bool) {
+func (p *drainers) publishUnder(ctx context.Context, hl *heldLease, msgs []Message) (acked int, err error, lost bool) {
 	what := fmt.Sprintf("bucket %d", hl.Bucket)
-	pctx, cancel := w.r.caps.renewal.bound(hl.ctx, w.k, what)
+	pctx, cancel := p.caps.renewal.bound(hl.ctx, p.k, what)
 	defer cancel()
-	tctx, cancelTimeout := context.WithTimeoutCause(pctx, w.cfg.PublishTimeout, errPublishTimedOut)
+	tctx, cancelTimeout := context.WithTimeoutCause(pctx, p.cfg.PublishTimeout, errPublishTimedOut)
 	start := time.Now()
-	acked, err = w.r.publisher.Publish(tctx, msgs)
+	acked, err = p.publisher.Publish(tctx, msgs)
 	timedOut := errors.Is(context.Cause(tctx), errPublishTimedOut) && ctx.Err() == nil
 	cancelTimeout()
 	lost = pctx.Err() != nil && ctx.Err() == nil
 	if lost {
-		w.log.Warn("relay: lease ended during publish; cancelled the publish", "batch", what, "cause", context.Cause(pctx))
+		p.log.Warn("relay: lease ended during publish; cancelled the publish", "batch", what, "cause", context.Cause(pctx))
 	}
 	if timedOut && !lost && (err != nil || acked < len(msgs)) {
 		// Not about the messages: the sink (or the publisher) stopped
@@ -411,4 +491,20 @@ func (w *worker) publishUnder(ctx context.Context, hl *heldLease, msgs []Message
 			ErrPublishTimeout, what, time.Since(start).Round(time.Millisecond), acked, len(msgs)))
 	}
 	return acked, err, lost
+}
+
+// observePublish reports one Publish call. A publish the relay cancelled
+// (stopping, lease lost) is not a failure, unless it completed anyway.
+func (p *drainers) observePublish(ctx context.Context, bucket, n, acked int, err error, lost bool, d time.Duration) {
+	e := PublishEvent{Bucket: bucket, Messages: n, Acked: acked, Duration: d}
+	switch {
+	case err == nil && acked == n:
+	case lost || ctx.Err() != nil || IsFenced(err):
+		e.Cancelled = true
+	case err == nil:
+		e.Err = fmt.Errorf("relay: publisher acknowledged %d of %d messages without an error", acked, n)
+	default:
+		e.Err = err
+	}
+	p.cfg.Observer.Published(e)
 }

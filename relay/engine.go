@@ -7,45 +7,26 @@ import (
 	"math/rand/v2"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	ibackoff "github.com/gorm-outbox/outbox/internal/backoff"
 )
 
-// outcome is what one batch of one bucket came to.
-type outcome int
-
-const (
-	outEmpty   outcome = iota // the bucket had no pending rows
-	outDrained                // a partial batch was published: the bucket is empty as far as we know
-	outFull                   // a full batch was published: more rows are probably waiting
-	outFailed                 // the publish or a store call failed: back off
-	outRetry                  // the failure handler cleared the way: read again at once
-	outLost                   // the lease is gone: leave the rows to the new owner
-	outStopped                // the relay is stopping and the publish was cancelled
-)
-
-// worker is one run of the relay engine (Start) or one DrainOnce. It
-// joins the three parts of the engine: the lease keeper (keeper.go), the
-// scheduler (scheduler.go) and a pool of drainers (drainer.go). Its
-// control loop (run) owns acquisition, announcements to a LeaseAware
-// publisher, hints and discovery.
-type worker struct {
-	r       *Relay
-	cfg     Config
-	log     *slog.Logger
-	oneShot bool // DrainOnce: failures are reported, not retried
-
+// engine is one run of the relay (Start) or one DrainOnce. It builds the
+// three parts of the engine, the lease keeper (keeper.go), the scheduler
+// (scheduler.go) and the drainers (drainer.go), which are tied one way:
+// drainers read the keeper and hand buckets back to the scheduler; the
+// keeper and the scheduler call nobody and report through channels. Its
+// control loop (run) is the only place that joins them: it takes the
+// keeper's lease events and applies them to the scheduler, acquires,
+// announces lease changes to a LeaseAware publisher, and turns hints and
+// discovery into ready buckets.
+type engine struct {
+	parts
+	log   *slog.Logger
 	k     *keeper
 	sched *scheduler
-
-	kickC     chan struct{} // wakes the control loop: a batch ended, a lease was lost
-	published atomic.Int64
-
-	mu        sync.Mutex
-	fatal     error // a misconfiguration a drainer or the renewal met
-	drainErrs []error
+	pool  *drainers
 
 	hintBuf []int
 	// announced is what a LeaseAware publisher was last told the relay
@@ -58,77 +39,40 @@ type worker struct {
 	deferred bool
 }
 
-func newWorker(r *Relay) *worker {
-	w := &worker{
-		r:     r,
-		cfg:   r.cfg,
-		log:   r.cfg.Logger,
-		kickC: make(chan struct{}, 1),
-	}
-	w.sched = newScheduler(r.cfg.BucketCount, w.kick)
-	w.k = newKeeper(w)
-	return w
+// newEngine returns the engine of one run under ctx, the parent of every
+// lease's context.
+func newEngine(ctx context.Context, p parts, oneShot bool) *engine {
+	e := &engine{parts: p, log: p.cfg.Logger}
+	e.k = newKeeper(ctx, p.cfg, p.store, p.leaseAware != nil)
+	e.sched = newScheduler(p.cfg)
+	e.pool = newDrainers(p, e.k, e.sched, oneShot)
+	return e
 }
 
-// kick wakes the control loop.
-func (w *worker) kick() {
-	select {
-	case w.kickC <- struct{}{}:
-	default:
+// applyLeaseEvents takes the keeper's lease events and applies them: the
+// scheduler forgets a bucket whose lease ended (unless the relay holds it
+// again) and starts a newly held one afresh; the loop notes an
+// acquisition or discovery asked for. It returns a misconfiguration the
+// renewal met.
+func (e *engine) applyLeaseEvents(l *loop) error {
+	ev := e.k.take()
+	for _, b := range ev.ended {
+		if !e.k.holds(b) {
+			e.sched.forget(b)
+		}
 	}
-}
-
-// setFatal records the first misconfiguration met off the control loop
-// and stops the drainers.
-func (w *worker) setFatal(err error) {
-	w.mu.Lock()
-	if w.fatal == nil {
-		w.fatal = err
+	for _, b := range ev.gained {
+		e.sched.reset(b)
 	}
-	w.mu.Unlock()
-	w.sched.close()
-	w.kick()
-}
-
-func (w *worker) fatalErr() error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.fatal
-}
-
-// init sets the context the leases' contexts derive from. It runs on the
-// goroutine that acquires, before the first acquisition.
-func (w *worker) init(ctx context.Context) {
-	w.k.base = ctx
-}
-
-// startPool starts the drainers and returns the function that closes the
-// scheduler and waits for them to finish their batches.
-func (w *worker) startPool(ctx context.Context) (wait func(), stop func()) {
-	n := min(w.cfg.Parallelism, w.cfg.BucketCount)
-	w.sched.start(w.oneShot)
-	var wg sync.WaitGroup
-	for range n {
-		wg.Go(func() { w.drain(ctx) })
-	}
-	// A cancelled context stops handing out batches; the drainers' batches
-	// see the cancellation themselves.
-	unwatch := context.AfterFunc(ctx, w.sched.close)
-	wait = func() {
-		wg.Wait()
-		unwatch()
-	}
-	stop = func() {
-		w.sched.close()
-		wait()
-	}
-	return wait, stop
+	l.acquireNow = l.acquireNow || ev.acquire
+	l.discover = l.discover || ev.discover
+	return ev.fatal
 }
 
 // startRenewal starts renewing the leases in the background when the
 // store can (LeaseRenewer), and returns the function that stops it.
-func (w *worker) startRenewal(ctx context.Context) (stop func()) {
-	return w.r.caps.renewal.start(ctx, w.k)
+func (e *engine) startRenewal(ctx context.Context) (stop func()) {
+	return e.caps.renewal.start(ctx, e.k)
 }
 
 // run is the control loop of a started relay. It returns nil when stopped
@@ -136,39 +80,47 @@ func (w *worker) startRenewal(ctx context.Context) (stop func()) {
 // drainers have finished their batches. Each turn maintains the leases,
 // takes hints, starts a discovery when one is due, and sleeps until the
 // next thing to do (see sleep).
-func (w *worker) run(ctx context.Context, stopping <-chan struct{}) error {
-	w.init(ctx)
-	defer w.k.close()
+func (e *engine) run(ctx context.Context, stopping <-chan struct{}) error {
+	defer e.k.close()
 	// Deferred in this order, the drainers finish their batches while the
 	// leases are still being renewed.
-	defer w.startRenewal(ctx)()
-	_, stopPool := w.startPool(ctx)
-	defer stopPool()
+	defer e.startRenewal(ctx)()
+	waitPool := e.pool.start(ctx)
+	defer func() {
+		e.sched.close()
+		waitPool()
+	}()
 	// Discovery runs beside the loop, so that hints are taken while the
 	// store looks for pending rows; deferred last, it ends first.
-	l := &loop{discovered: make(chan error, 1), timer: time.NewTimer(time.Hour), hintsC: w.r.caps.hints.Ready()}
+	l := &loop{discovered: make(chan error, 1), timer: time.NewTimer(time.Hour), hintsC: e.caps.hints.Ready()}
 	defer l.timer.Stop()
 	defer l.discovery.Wait()
 	for {
 		if isStopping(ctx, stopping) {
 			return nil
 		}
-		if err := w.fatalErr(); err != nil {
+		if err := e.pool.err(); err != nil {
+			return err
+		}
+		if err := e.applyLeaseEvents(l); err != nil {
 			return err
 		}
 		now := time.Now()
-		worked, done, err := w.maintainLeases(ctx, l, now)
+		worked, done, err := e.maintainLeases(ctx, l, now)
 		if done {
 			return err
 		}
-		owned := w.k.ownedCount()
-		w.takeHints(l, owned, now)
-		w.startDiscovery(ctx, l, owned, now)
-		retry, retrying := w.sched.promote(time.Now())
-		if worked {
-			w.observeCycle(now)
+		if err := e.applyLeaseEvents(l); err != nil {
+			return err
 		}
-		if done, err := w.sleep(ctx, stopping, l, retry, retrying); done {
+		owned := e.k.ownedCount()
+		e.takeHints(l, owned, now)
+		e.startDiscovery(ctx, l, owned, now)
+		retry, retrying := e.sched.promote(time.Now())
+		if worked {
+			e.cfg.Observer.CycleFinished(time.Since(now))
+		}
+		if done, err := e.sleep(ctx, stopping, l, retry, retrying); done {
 			return err
 		}
 	}
@@ -179,6 +131,7 @@ type loop struct {
 	nextAcquire   time.Time // zero: acquire at once
 	nextPoll      time.Time
 	storeFailures int  // consecutive failed acquisitions
+	acquireNow    bool // a lost lease asks for an acquisition
 	discover      bool // a hint or a gained lease asks for a discovery
 	discovering   bool // a discovery runs; its result comes on discovered
 	discovered    chan error
@@ -190,60 +143,68 @@ type loop struct {
 // maintainLeases acquires when acquisition is due or a lost lease asks
 // for it, and announces lease changes to a LeaseAware publisher. worked
 // says it acquired; done says the loop ends, with err.
-func (w *worker) maintainLeases(ctx context.Context, l *loop, now time.Time) (worked, done bool, err error) {
-	w.k.expireTrust()
-	if now.Before(l.nextAcquire) && !w.k.takeNeedAcquire() {
-		if w.deferred {
+func (e *engine) maintainLeases(ctx context.Context, l *loop, now time.Time) (worked, done bool, err error) {
+	e.k.expireTrust()
+	if err := e.applyLeaseEvents(l); err != nil {
+		return false, true, err
+	}
+	if now.Before(l.nextAcquire) && !l.acquireNow {
+		if e.deferred {
 			// A change met during a bucket's batch, announced once that
 			// batch ended (its drainer woke the loop).
-			err = w.syncLeases(ctx)
+			err = e.syncLeases(ctx)
 		}
 		return false, err != nil, err
 	}
 	// First announce the leases lost since the last acquisition, so a
 	// bucket acquired again under its old term is announced anew.
-	if err := w.syncLeases(ctx); err != nil {
+	if err := e.syncLeases(ctx); err != nil {
 		return true, true, err
 	}
 	// No new batch starts during the store call; the batches in flight go
 	// on, and the store keeps their buckets (Busy), so a surplus lease is
 	// released only between batches of its bucket.
-	err = w.k.acquire(ctx, w.sched.hold())
-	w.sched.resume()
+	l.acquireNow = false
+	err = e.k.acquire(ctx, e.sched.hold())
+	if ferr := e.applyLeaseEvents(l); ferr != nil {
+		e.sched.resume()
+		return true, true, ferr
+	}
+	e.sched.resume()
 	switch {
 	case err == nil:
 		l.storeFailures = 0
-		l.nextAcquire = now.Add(jitter(w.cfg.LeaseRenewInterval))
+		l.nextAcquire = now.Add(jitter(e.cfg.LeaseRenewInterval))
 	case IsMisconfiguration(err):
 		return true, true, err
 	case isStop(ctx, err):
 		return true, true, nil
 	default:
 		l.storeFailures++
-		d := backoff(w.cfg, l.storeFailures)
-		w.log.Warn("relay: acquire leases failed", "err", err, "retry_in", d)
+		d := backoff(e.cfg, l.storeFailures)
+		e.log.Warn("relay: acquire leases failed", "err", err, "retry_in", d)
 		l.nextAcquire = now.Add(d)
 	}
-	w.k.expireTrust()
-	err = w.syncLeases(ctx)
+	e.k.expireTrust()
+	err = e.syncLeases(ctx)
 	return true, err != nil, err
 }
 
 // takeHints marks the hinted buckets the relay holds ready. An
 // unknown-bucket hint asks for a discovery. A relay owning nothing drops
 // its hints.
-func (w *worker) takeHints(l *loop, owned int, now time.Time) {
+func (e *engine) takeHints(l *loop, owned int, now time.Time) {
 	var unknown bool
-	w.hintBuf, unknown = w.r.caps.hints.Take(w.hintBuf[:0])
+	e.hintBuf, unknown = e.caps.hints.Take(e.hintBuf[:0])
 	if owned == 0 {
 		return
 	}
-	for _, b := range w.hintBuf {
-		if b < 0 || b >= w.cfg.BucketCount {
+	for _, b := range e.hintBuf {
+		if b < 0 || b >= e.cfg.BucketCount {
 			continue
 		}
-		if _, ok := w.k.lease(b); ok {
-			w.sched.mark(b, now)
+		if _, ok := e.k.lease(b); ok {
+			e.sched.mark(b, now)
 		}
 	}
 	l.discover = l.discover || unknown
@@ -253,18 +214,15 @@ func (w *worker) takeHints(l *loop, owned int, now time.Time) {
 // for or the poll is due, unless one runs. A hint or a gained lease
 // asking for discovery meanwhile asks for the next one: this one may
 // have read before their rows.
-func (w *worker) startDiscovery(ctx context.Context, l *loop, owned int, now time.Time) {
-	if w.k.takeNeedDiscover() {
-		l.discover = true
-	}
+func (e *engine) startDiscovery(ctx context.Context, l *loop, owned int, now time.Time) {
 	if owned == 0 || l.discovering || (!l.discover && now.Before(l.nextPoll)) {
 		return
 	}
 	l.discover, l.discovering = false, true
 	l.discovery.Go(func() {
 		start := time.Now()
-		err := w.discover(ctx)
-		w.observeCycle(start)
+		err := e.discover(ctx)
+		e.cfg.Observer.CycleFinished(time.Since(start))
 		l.discovered <- err
 	})
 }
@@ -272,9 +230,9 @@ func (w *worker) startDiscovery(ctx context.Context, l *loop, owned int, now tim
 // sleep waits until the next lease refresh, poll or backoff end, a hint,
 // a discovery's end or a drainer's news. A relay owning nothing waits for
 // its next lease refresh only. done says the loop ends, with err.
-func (w *worker) sleep(ctx context.Context, stopping <-chan struct{}, l *loop, retry time.Time, retrying bool) (done bool, err error) {
+func (e *engine) sleep(ctx context.Context, stopping <-chan struct{}, l *loop, retry time.Time, retrying bool) (done bool, err error) {
 	wake := l.nextAcquire
-	if w.k.ownedCount() > 0 {
+	if e.k.ownedCount() > 0 {
 		if !l.discovering {
 			wake = earliest(wake, l.nextPoll)
 		}
@@ -290,26 +248,28 @@ func (w *worker) sleep(ctx context.Context, stopping <-chan struct{}, l *loop, r
 		return true, nil
 	case <-l.timer.C:
 	case <-l.hintsC:
-	case <-w.kickC:
+	case <-e.k.changes():
+	case <-e.sched.wakeups():
+	case <-e.pool.failed():
 	case err := <-l.discovered:
-		return w.discovered(ctx, l, err)
+		return e.discovered(ctx, l, err)
 	}
 	return false, nil
 }
 
 // discovered takes a discovery's result and sets the next poll.
-func (w *worker) discovered(ctx context.Context, l *loop, err error) (done bool, _ error) {
+func (e *engine) discovered(ctx context.Context, l *loop, err error) (done bool, _ error) {
 	l.discovering = false
 	switch {
 	case err == nil:
-		l.nextPoll = time.Now().Add(jitter(w.cfg.PollInterval))
+		l.nextPoll = time.Now().Add(jitter(e.cfg.PollInterval))
 	case IsMisconfiguration(err):
 		return true, err
 	case isStop(ctx, err):
 		return true, nil
 	default:
-		w.log.Warn("relay: find pending buckets failed", "err", err)
-		l.nextPoll = time.Now().Add(backoff(w.cfg, 1))
+		e.log.Warn("relay: find pending buckets failed", "err", err)
+		l.nextPoll = time.Now().Add(backoff(e.cfg, 1))
 	}
 	return false, nil
 }
@@ -323,54 +283,53 @@ const drainRoundsMax = 4
 // drainAll is DrainOnce: acquire, drain every owned bucket until empty or
 // failed, again while buckets with pending rows were lost and progress is
 // made, and report the buckets with pending rows it could not own.
-func (w *worker) drainAll(ctx context.Context) (int, error) {
-	w.init(ctx)
-	defer w.k.close()
-	defer w.startRenewal(ctx)()
-	all := make([]int, w.cfg.BucketCount)
+func (e *engine) drainAll(ctx context.Context) (int, error) {
+	defer e.k.close()
+	defer e.startRenewal(ctx)()
+	all := make([]int, e.cfg.BucketCount)
 	for b := range all {
 		all[b] = b
 	}
-	published := func() int { return int(w.published.Load()) }
+	l := &loop{}
+	var notOwned error
+	published := func() int { return int(e.pool.published.Load()) }
 	joined := func(extra ...error) error {
-		w.mu.Lock()
-		defer w.mu.Unlock()
-		return errors.Join(append(slices.Clone(w.drainErrs), extra...)...)
+		return errors.Join(append(append(e.pool.errs(), notOwned), extra...)...)
 	}
 	for round := 1; ; round++ {
-		if err := w.k.acquire(ctx, nil); err != nil { // no batch in flight between rounds
+		if err := e.k.acquire(ctx, nil); err != nil { // no batch in flight between rounds
 			return published(), err
 		}
-		if err := w.syncLeases(ctx); err != nil {
+		if err := e.syncLeases(ctx); err != nil {
 			return published(), err
 		}
-		w.k.takeNeedDiscover()
-		if err := w.discover(ctx); err != nil {
+		if err := e.applyLeaseEvents(l); err != nil {
+			return published(), err
+		}
+		if err := e.discover(ctx); err != nil {
 			return published(), err
 		}
 		before := published()
-		wait, _ := w.startPool(ctx)
-		wait()
-		if err := w.fatalErr(); err != nil {
+		if err := e.drainRound(ctx, l); err != nil {
 			return published(), err
 		}
 		if err := ctx.Err(); err != nil {
 			return published(), joined(err)
 		}
-		w.k.expireTrust()
-		if err := w.syncLeases(ctx); err != nil {
+		e.k.expireTrust()
+		if err := e.syncLeases(ctx); err != nil {
 			return published(), err
 		}
-		pending, err := w.r.store.PendingBuckets(ctx, all)
+		pending, err := e.store.PendingBuckets(ctx, all)
 		if err != nil {
 			return published(), joined(err)
 		}
 		var unowned []int
 		for _, b := range pending {
-			if w.sched.failedBucket(b) {
+			if e.sched.failedBucket(b) {
 				continue // reported with its error
 			}
-			if _, ok := w.k.lease(b); !ok {
+			if _, ok := e.k.lease(b); !ok {
 				unowned = append(unowned, b)
 			}
 		}
@@ -380,19 +339,45 @@ func (w *worker) drainAll(ctx context.Context) (int, error) {
 		// Stop after a round that acquired again and still made no
 		// progress: peers hold those buckets.
 		if round == drainRoundsMax || (round > 1 && published() == before) {
-			w.mu.Lock()
-			w.drainErrs = append(w.drainErrs, &NotOwnedError{Buckets: unowned})
-			w.mu.Unlock()
+			notOwned = &NotOwnedError{Buckets: unowned}
 			break
 		}
 	}
 	return published(), joined()
 }
 
+// drainRound runs the drainers until every ready bucket is drained or
+// failed, applying the keeper's lease events meanwhile, and returns a
+// misconfiguration a batch or the renewal met, which closes the
+// scheduler at once.
+func (e *engine) drainRound(ctx context.Context, l *loop) error {
+	wait := e.pool.start(ctx)
+	finished := make(chan struct{})
+	go func() {
+		wait()
+		close(finished)
+	}()
+	var fatal error
+	for {
+		select {
+		case <-finished:
+			if fatal != nil {
+				return fatal
+			}
+			return e.pool.err()
+		case <-e.k.changes():
+			if err := e.applyLeaseEvents(l); err != nil && fatal == nil {
+				fatal = err
+				e.sched.close()
+			}
+		}
+	}
+}
+
 // discover asks the store which owned buckets hold pending rows, of those
 // neither ready nor in flight (see scheduler.toProbe).
-func (w *worker) discover(ctx context.Context) error {
-	owned := w.k.trustedLeases()
+func (e *engine) discover(ctx context.Context) error {
+	owned := e.k.trustedLeases()
 	if len(owned) == 0 {
 		return nil
 	}
@@ -402,15 +387,15 @@ func (w *worker) discover(ctx context.Context) error {
 	}
 	// Called even when nothing is left to probe: the store checks for
 	// rows beyond BucketCount at every discovery.
-	buckets = w.sched.toProbe(buckets)
-	pending, err := w.r.store.PendingBuckets(ctx, buckets)
+	buckets = e.sched.toProbe(buckets)
+	pending, err := e.store.PendingBuckets(ctx, buckets)
 	if err != nil {
 		return err
 	}
 	now := time.Now()
 	for _, b := range pending {
-		if _, ok := w.k.lease(b); ok {
-			w.sched.mark(b, now)
+		if _, ok := e.k.lease(b); ok {
+			e.sched.mark(b, now)
 		}
 	}
 	return nil
@@ -419,37 +404,19 @@ func (w *worker) discover(ctx context.Context) error {
 // releaseAll gives up every lease; it runs when the loop ends, after the
 // drainers finished, under context.WithoutCancel so a cancelled or
 // expired stop context still lets peers take over at once.
-func (w *worker) releaseAll(ctx context.Context) {
-	held := w.k.releaseAll()
-	w.cfg.Observer.OwnedBuckets(0)
-	_ = w.syncLeases(context.WithoutCancel(ctx)) // tell the publisher first; never a misconfiguration here
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+func (e *engine) releaseAll(ctx context.Context) {
+	held := e.k.releaseAll()
+	e.cfg.Observer.OwnedBuckets(0)
+	_ = e.syncLeases(context.WithoutCancel(ctx)) // tell the publisher first; never a misconfiguration here
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.ReleaseTimeout)
 	defer cancel()
-	if err := w.r.store.ReleaseLeases(rctx, w.cfg.RelayID, held); err != nil {
-		w.log.Warn("relay: release leases failed; peers take the buckets over when the leases expire", "err", err)
+	if err := e.store.ReleaseLeases(rctx, e.cfg.RelayID, held); err != nil {
+		e.log.Warn("relay: release leases failed; peers take the buckets over when the leases expire", "err", err)
 		return
 	}
 	if len(held) > 0 {
-		w.log.Info("relay: released leases", "buckets", len(held))
+		e.log.Info("relay: released leases", "buckets", len(held))
 	}
-}
-
-// trustedLeases is Relay.Leases.
-func (w *worker) trustedLeases() []Lease {
-	return w.k.trustedLeases()
-}
-
-// lease returns the trusted lease of bucket b.
-func (w *worker) lease(b int) (Lease, bool) {
-	hl, ok := w.k.lease(b)
-	if !ok {
-		return Lease{}, false
-	}
-	return hl.Lease, true
-}
-
-func (w *worker) ownedCount() int {
-	return w.k.ownedCount()
 }
 
 // syncLeases tells a LeaseAware publisher how the held leases changed
@@ -460,23 +427,23 @@ func (w *worker) ownedCount() int {
 // whose batch is in flight: that bucket's change is announced once the
 // batch ends (the scheduler wakes the loop). It returns an error only for
 // a misconfiguration.
-func (w *worker) syncLeases(ctx context.Context) error {
-	la := w.r.leaseAware
+func (e *engine) syncLeases(ctx context.Context) error {
+	la := e.leaseAware
 	if la == nil {
 		return nil
 	}
-	cur := w.k.trustedHeld()
+	cur := e.k.trustedHeld()
 	next := make(map[int]*heldLease, len(cur))
 	var acquired, released []Lease
 	var gained []*heldLease
-	w.deferred = false
+	e.deferred = false
 	for _, hl := range cur {
-		prev, ok := w.announced[hl.Bucket]
+		prev, ok := e.announced[hl.Bucket]
 		switch {
 		case ok && prev == hl:
 			next[hl.Bucket] = hl
-		case w.sched.busyWake(hl.Bucket):
-			w.deferred = true
+		case e.sched.busyWake(hl.Bucket):
+			e.deferred = true
 			if ok {
 				next[hl.Bucket] = prev // still announced as before
 			}
@@ -486,35 +453,35 @@ func (w *worker) syncLeases(ctx context.Context) error {
 			next[hl.Bucket] = hl
 		}
 	}
-	for b, prev := range w.announced {
+	for b, prev := range e.announced {
 		if next[b] == prev {
 			continue
 		}
-		if w.sched.busyWake(b) {
-			w.deferred = true
+		if e.sched.busyWake(b) {
+			e.deferred = true
 			next[b] = prev
 			continue
 		}
 		released = append(released, prev.Lease)
 	}
-	w.announced = next
+	e.announced = next
 	if len(released) > 0 {
 		slices.SortFunc(released, func(a, b Lease) int { return a.Bucket - b.Bucket })
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.ReleaseTimeout)
 		la.LeasesReleased(rctx, released)
 		cancel()
 	}
 	if len(acquired) > 0 {
-		actx, cancel := context.WithDeadline(ctx, w.k.trustDeadline())
+		actx, cancel := context.WithDeadline(ctx, e.k.trustDeadline())
 		err := la.LeasesAcquired(actx, acquired)
 		cancel()
 		if IsMisconfiguration(err) {
 			return err
 		}
 		if err != nil && !isStop(ctx, err) {
-			w.log.Warn("relay: publisher could not prepare for acquired leases", "buckets", len(acquired), "err", err)
+			e.log.Warn("relay: publisher could not prepare for acquired leases", "buckets", len(acquired), "err", err)
 		}
-		w.k.announced(gained)
+		e.k.announced(gained)
 	}
 	return nil
 }
@@ -548,13 +515,6 @@ func jitter(d time.Duration) time.Duration {
 
 func earliest(a, b time.Time) time.Time {
 	if b.Before(a) {
-		return b
-	}
-	return a
-}
-
-func later(a, b time.Time) time.Time {
-	if b.After(a) {
 		return b
 	}
 	return a

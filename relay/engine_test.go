@@ -413,7 +413,21 @@ func TestBucketCountFromStore(t *testing.T) {
 	var ce *relay.ConfigError
 	require.ErrorAs(t, err, &ce)
 	require.Equal(t, "BucketCount", ce.Field)
-	require.Contains(t, err.Error(), "has 16 buckets")
+	require.Contains(t, err.Error(), "configured with 16")
+	var me *relay.MisconfigurationError
+	require.ErrorAs(t, err, &me, "the ConfigError wraps CheckBucketCount's error")
+}
+
+// CheckBucketCount accepts only the outbox's own BucketCount.
+func TestCheckBucketCount(t *testing.T) {
+	t.Parallel()
+	require.NoError(t, relay.CheckBucketCount(8, 8, "the outbox"))
+	err := relay.CheckBucketCount(16, 8, "the outbox (table outbox_messages)")
+	var me *relay.MisconfigurationError
+	require.ErrorAs(t, err, &me)
+	require.Equal(t, "BucketCount", me.Setting)
+	require.ErrorIs(t, err, relay.ErrMisconfigured)
+	require.Contains(t, err.Error(), "the relay uses 16 buckets but the outbox (table outbox_messages) is configured with 8")
 }
 
 // Several relays with several drainers each share one outbox while

@@ -1,8 +1,11 @@
 package relay
 
 import (
+	"context"
 	"errors"
 	"fmt"
+
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // Sentinel errors. Each is returned wrapped; test with errors.Is.
@@ -15,8 +18,9 @@ var (
 	// owner.
 	ErrLeaseLost = errors.New("relay: lease lost")
 
-	// ErrInvalidConfig is wrapped by every *ConfigError.
-	ErrInvalidConfig = errors.New("outbox: invalid configuration")
+	// ErrInvalidConfig is wrapped by every *ConfigError. It is
+	// wire.ErrInvalidConfig.
+	ErrInvalidConfig = wire.ErrInvalidConfig
 
 	// ErrMisconfigured is wrapped by every *MisconfigurationError.
 	ErrMisconfigured = errors.New("relay: misconfigured")
@@ -44,38 +48,11 @@ var (
 )
 
 // ConfigError reports a configuration field that failed validation. It
-// is the one shape of configuration error in the module: package relay
-// returns it from New, and packages outbox (as outbox.ConfigError, the
-// same type), gormrelay, publisher and pgnotify return it from their
-// constructors, each setting Package.
-type ConfigError struct {
-	Package string // the reporting package, e.g. "publisher"; "relay" when empty
-	Field   string // the field, e.g. "LeaseRenewInterval" or "KafkaConfig.Brokers"
-	Value   any    // the offending value
-	Reason  string // what the field must be
-	Err     error  // the underlying error, if any (e.g. a Configure hook's)
-}
-
-func (e *ConfigError) Error() string {
-	pkg := e.Package
-	if pkg == "" {
-		pkg = "relay"
-	}
-	s := fmt.Sprintf("%s: invalid config %s=%v: %s", pkg, e.Field, e.Value, e.Reason)
-	if e.Err != nil {
-		s += ": " + e.Err.Error()
-	}
-	return s
-}
-
-// Unwrap lets errors.Is(err, ErrInvalidConfig) match, and errors.Is and
-// errors.As reach Err.
-func (e *ConfigError) Unwrap() []error {
-	if e.Err == nil {
-		return []error{ErrInvalidConfig}
-	}
-	return []error{ErrInvalidConfig, e.Err}
-}
+// is wire.ConfigError, the one shape of configuration error in the module
+// (outbox.ConfigError is the same type): package relay returns it from
+// New, and packages outbox, gormrelay, publisher and pgnotify return it
+// from their constructors, each setting Package.
+type ConfigError = wire.ConfigError
 
 // MisconfigurationError is a problem that retrying cannot fix: messages in
 // buckets no relay can own (a writer uses a larger BucketCount), relays
@@ -132,3 +109,9 @@ func (e *NotOwnedError) Error() string {
 
 // Unwrap lets errors.Is(err, ErrNotOwned) match.
 func (e *NotOwnedError) Unwrap() error { return ErrNotOwned }
+
+// isStop reports whether err is the relay's own cancellation, not a
+// failure worth logging or counting.
+func isStop(ctx context.Context, err error) bool {
+	return ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ctx.Err()))
+}

@@ -135,8 +135,8 @@ func (s *fakeStore) AcquireLeases(ctx context.Context, req relay.AcquireRequest)
 	if err != nil {
 		return relay.Acquired{}, err
 	}
-	if req.BucketCount != s.buckets {
-		return relay.Acquired{}, &relay.MisconfigurationError{Setting: "BucketCount", Reason: "mismatch"}
+	if err := relay.CheckBucketCount(req.BucketCount, s.buckets, "the fake store"); err != nil {
+		return relay.Acquired{}, err
 	}
 	now := time.Now()
 	s.relays[req.RelayID] = now

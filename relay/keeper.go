@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"sync"
 	"time"
@@ -36,13 +37,25 @@ type heldLease struct {
 // acquire while drainers publish (the scheduler starts no new batch
 // meanwhile, and the store keeps the leases of the buckets in flight); the
 // renewal goroutine calls renew at any time, concurrently with drainers.
+//
+// The keeper calls nothing back: it reports what changed as lease events
+// (leaseEvents), collected until the control loop takes them and
+// signalled on a one-slot channel (changes), like a leadership elector's
+// subscription. Its only outward calls are to the store and the Observer.
 type keeper struct {
-	cfg  Config
-	w    *worker
-	base context.Context // parent of every lease context
+	cfg   Config
+	log   *slog.Logger
+	store Store
+	// announce: a LeaseAware publisher must be told of a lease before a
+	// drainer takes it.
+	announce bool
+	base     context.Context // parent of every lease context
 
-	mu   sync.Mutex
-	held map[int]*heldLease
+	changed chan struct{} // one slot: events wait in pending
+
+	mu      sync.Mutex
+	held    map[int]*heldLease
+	pending leaseEvents // reported, not yet taken
 	// dropped are leases the relay stopped trusting on local evidence (its
 	// trust window ended, a publish under them failed as lost) that the
 	// store may still record as this relay's: released at stop with the
@@ -53,17 +66,55 @@ type keeper struct {
 	trustedUntil time.Time   // local monotonic deadline for trusting leases
 	renewedAt    time.Time   // start of the last successful acquisition or renewal
 	renewTriedAt time.Time   // start of the last attempt
-	needAcquire  bool        // a lease was lost: run the full acquisition soon
-	needDiscover bool        // leases were gained: look for their pending rows
 	trustTimer   *time.Timer // expires the leases at trustedUntil
 	waitingFor   string      // the Acquired.Waiting last logged, to log a change once
 }
 
-func newKeeper(w *worker) *keeper {
-	k := &keeper{cfg: w.cfg, w: w, held: map[int]*heldLease{}, dropped: map[int]int64{}}
+// leaseEvents are the lease changes the keeper reports, accumulated until
+// taken.
+type leaseEvents struct {
+	ended    []int // buckets whose lease ended: forget their state unless held again
+	gained   []int // buckets newly held: start them without backoff
+	acquire  bool  // a lease was lost: run the full acquisition soon
+	discover bool  // leases were gained or announced: look for their pending rows
+	fatal    error // a misconfiguration the renewal met: the relay stops
+}
+
+func newKeeper(ctx context.Context, cfg Config, store Store, announce bool) *keeper {
+	k := &keeper{cfg: cfg, log: cfg.Logger, store: store, announce: announce, base: ctx,
+		changed: make(chan struct{}, 1), held: map[int]*heldLease{}, dropped: map[int]int64{}}
 	k.trustTimer = time.AfterFunc(time.Hour, k.expireTrust)
 	k.trustTimer.Stop()
 	return k
+}
+
+// changes is signalled when lease events wait to be taken.
+func (k *keeper) changes() <-chan struct{} { return k.changed }
+
+// take returns the lease events reported since the last take.
+func (k *keeper) take() leaseEvents {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	ev := k.pending
+	k.pending = leaseEvents{}
+	return ev
+}
+
+// reportLocked adds to the pending events and signals them. k.mu must be
+// held.
+func (k *keeper) reportLocked(ev leaseEvents) {
+	p := &k.pending
+	p.ended = append(p.ended, ev.ended...)
+	p.gained = append(p.gained, ev.gained...)
+	p.acquire = p.acquire || ev.acquire
+	p.discover = p.discover || ev.discover
+	if p.fatal == nil {
+		p.fatal = ev.fatal
+	}
+	select {
+	case k.changed <- struct{}{}:
+	default:
+	}
 }
 
 // close stops the trust timer.
@@ -91,7 +142,7 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 	k.mu.Lock()
 	k.renewTriedAt = start
 	k.mu.Unlock()
-	res, err := k.w.r.store.AcquireLeases(ctx, AcquireRequest{
+	res, err := k.store.AcquireLeases(ctx, AcquireRequest{
 		RelayID:       k.cfg.RelayID,
 		BucketCount:   k.cfg.BucketCount,
 		LeaseDuration: k.cfg.LeaseDuration,
@@ -104,13 +155,12 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 	next := make(map[int]int64, len(res.Leases))
 	for _, l := range res.Leases {
 		if l.Bucket < 0 || l.Bucket >= k.cfg.BucketCount {
-			k.w.log.Error("relay: store returned a lease outside the bucket range; ignoring it", "bucket", l.Bucket)
+			k.log.Error("relay: store returned a lease outside the bucket range; ignoring it", "bucket", l.Bucket)
 			continue
 		}
 		next[l.Bucket] = l.Term
 	}
 	var gained, released []int
-	var fresh []int // gained buckets the relay did not hold at all before
 	k.mu.Lock()
 	for b, hl := range k.held {
 		if t, ok := next[b]; !ok || t != hl.Term {
@@ -128,32 +178,21 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 		}
 		lctx, cancel := context.WithCancelCause(k.base)
 		k.held[b] = &heldLease{Lease: Lease{Bucket: b, Term: t}, ctx: lctx, cancel: cancel,
-			announced: k.w.r.leaseAware == nil}
+			announced: !k.announce}
 		gained = append(gained, b)
-		k.needDiscover = true
 	}
 	k.extendTrust(start)
+	slices.Sort(gained)
+	slices.Sort(released)
+	k.reportLocked(leaseEvents{ended: released, gained: gained, discover: len(gained) > 0})
 	k.mu.Unlock()
 
-	for _, b := range gained {
-		if !slices.Contains(released, b) {
-			fresh = append(fresh, b)
-		}
-	}
-	for _, b := range released {
-		k.w.sched.forget(b)
-	}
-	for _, b := range fresh {
-		k.w.sched.reset(b)
-	}
 	if len(gained) > 0 || len(released) > 0 {
-		slices.Sort(gained)
-		slices.Sort(released)
-		k.w.log.Info("relay: leases changed", "owned", len(next), "acquired", gained, "released", released,
+		k.log.Info("relay: leases changed", "owned", len(next), "acquired", gained, "released", released,
 			"live_relays", res.LiveRelays, "fair_share", res.FairShare)
 	}
 	k.logWaiting(res.Waiting)
-	k.w.observeAcquired(len(gained))
+	k.observe(len(gained), 0)
 	return nil
 }
 
@@ -194,17 +233,13 @@ func (k *keeper) renew(ctx context.Context, lr LeaseRenewer) error {
 	}
 	k.extendTrust(start)
 	if len(lost) > 0 {
-		k.needAcquire = true
+		k.reportLocked(leaseEvents{ended: lost, acquire: true})
 	}
 	k.mu.Unlock()
 	if len(lost) > 0 {
-		k.w.log.Warn("relay: leases lost at renewal", "buckets", lost)
-		for _, b := range lost {
-			k.w.sched.forget(b)
-		}
-		k.w.kick()
+		k.log.Warn("relay: leases lost at renewal", "buckets", lost)
 	}
-	k.w.observeLost(len(lost))
+	k.observe(0, len(lost))
 	return nil
 }
 
@@ -241,10 +276,12 @@ func (k *keeper) renewLoop(ctx context.Context, lr LeaseRenewer) {
 		retryAt = time.Time{}
 		if err != nil {
 			if IsMisconfiguration(err) {
-				k.w.setFatal(err)
+				k.mu.Lock()
+				k.reportLocked(leaseEvents{fatal: err})
+				k.mu.Unlock()
 				return
 			}
-			k.w.log.Warn("relay: renew leases failed", "err", err)
+			k.log.Warn("relay: renew leases failed", "err", err)
 			retryAt = time.Now().Add(k.cfg.LeaseRenewInterval / 4)
 		}
 	}
@@ -263,18 +300,15 @@ func (k *keeper) expireTrust() {
 			dropped = append(dropped, b)
 		}
 		k.held = map[int]*heldLease{}
-		k.needAcquire = true
+		slices.Sort(dropped)
+		k.reportLocked(leaseEvents{ended: dropped, acquire: true})
 	}
 	k.mu.Unlock()
 	if !expired {
 		return
 	}
-	for _, b := range dropped {
-		k.w.sched.forget(b)
-	}
-	k.w.log.Warn("relay: lease deadline passed without a successful renewal; stopped publishing until leases are acquired again", "buckets", len(dropped))
-	k.w.observeLost(len(dropped))
-	k.w.kick()
+	k.log.Warn("relay: lease deadline passed without a successful renewal; stopped publishing until leases are acquired again", "buckets", len(dropped))
+	k.observe(0, len(dropped))
 }
 
 // drop forgets a lease a drainer found lost (a refused delete, a fenced
@@ -289,17 +323,14 @@ func (k *keeper) drop(l Lease, cause error) {
 		delete(k.held, l.Bucket)
 		k.dropped[l.Bucket] = l.Term
 	}
-	k.needAcquire = true
-	if newer {
-		// Acquired again under a new term while the lost batch was in
-		// flight; the scheduler forgot the bucket with that batch.
-		k.needDiscover = true
-	}
+	// Acquired again under a new term while the lost batch was in
+	// flight (newer): the scheduler forgot the bucket with that batch, so
+	// its rows are looked for again.
+	k.reportLocked(leaseEvents{acquire: true, discover: newer})
 	k.mu.Unlock()
 	if held {
-		k.w.observeLost(1)
+		k.observe(0, 1)
 	}
-	k.w.kick()
 }
 
 // releaseAll takes every lease out of the keeper, ending their contexts,
@@ -338,7 +369,9 @@ func (k *keeper) announced(hls []*heldLease) {
 	defer k.mu.Unlock()
 	for _, hl := range hls {
 		hl.announced = true
-		k.needDiscover = true
+	}
+	if len(hls) > 0 {
+		k.reportLocked(leaseEvents{discover: true})
 	}
 }
 
@@ -406,20 +439,24 @@ func (k *keeper) trustDeadline() time.Time {
 	return k.trustedUntil
 }
 
-func (k *keeper) takeNeedAcquire() bool {
+// holds reports whether the relay holds bucket b, trusted or not.
+func (k *keeper) holds(b int) bool {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	v := k.needAcquire
-	k.needAcquire = false
-	return v
+	_, ok := k.held[b]
+	return ok
 }
 
-func (k *keeper) takeNeedDiscover() bool {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	v := k.needDiscover
-	k.needDiscover = false
-	return v
+// observe reports n leases gained and m lost without a release, and the
+// size of the trusted lease set, to the Observer.
+func (k *keeper) observe(gained, lost int) {
+	if gained > 0 {
+		k.cfg.Observer.LeasesAcquired(gained)
+	}
+	if lost > 0 {
+		k.cfg.Observer.LeasesExpired(lost)
+	}
+	k.cfg.Observer.OwnedBuckets(k.ownedCount())
 }
 
 // logWaiting says, once per change, which buckets the relay waits for and
@@ -450,7 +487,7 @@ func (k *keeper) logWaiting(waiting []HeldLease) {
 				until = h.ExpiresAt
 			}
 		}
-		k.w.log.Info("relay: waiting for buckets another relay holds beyond its fair share; "+
+		k.log.Info("relay: waiting for buckets another relay holds beyond its fair share; "+
 			"it releases them at its next renewal, or, if it exited without releasing them, they are taken over when its leases expire",
 			"owner", o, "buckets", bucketsOf(byOwner[o]), "until", until)
 	}
@@ -463,4 +500,12 @@ func bucketsOf(hs []HeldLease) []int {
 	}
 	slices.Sort(bs)
 	return bs
+}
+
+// later returns the later of a and b.
+func later(a, b time.Time) time.Time {
+	if b.After(a) {
+		return b
+	}
+	return a
 }

@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"sync"
@@ -218,14 +219,11 @@ type BacklogObserver interface {
 	BacklogUnavailable(err error)
 }
 
-// withDefaults fills the zero fields of s.
-func (s BacklogSampling) withDefaults() BacklogSampling {
-	if s.Interval == 0 {
-		s.Interval = BacklogSampleIntervalDefault
-	}
-	if s.Timeout <= 0 {
-		s.Timeout = BacklogSampleTimeoutDefault
-	}
+// WithDefaults returns a copy of s with every zero field set to its
+// default (a negative Timeout too). The relay applies it at Start.
+func (s BacklogSampling) WithDefaults() BacklogSampling {
+	s.Interval = cmp.Or(s.Interval, BacklogSampleIntervalDefault)
+	s.Timeout = cmp.Or(max(s.Timeout, 0), BacklogSampleTimeoutDefault)
 	return s
 }
 
@@ -233,7 +231,7 @@ func (s BacklogSampling) withDefaults() BacklogSampling {
 // observer and the store support it, and returns the function that stops
 // it and waits for it; the stop reports the backlog as unavailable, since
 // a stopped relay no longer vouches for any sample.
-func (r *Relay) startSampler(ctx context.Context, w *worker) (stop func()) {
+func (r *Relay) startSampler(ctx context.Context, k *keeper) (stop func()) {
 	obs, ok := r.cfg.Observer.(BacklogObserver)
 	if !ok {
 		return func() {}
@@ -243,13 +241,13 @@ func (r *Relay) startSampler(ctx context.Context, w *worker) (stop func()) {
 		obs.BacklogUnavailable(nil)
 		return func() {}
 	}
-	cfg := obs.BacklogSampling().withDefaults()
+	cfg := obs.BacklogSampling().WithDefaults()
 	if cfg.Interval < 0 {
 		return func() {}
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
-	wg.Go(func() { r.sampleBacklog(ctx, w, obs, sampler, cfg) })
+	wg.Go(func() { r.sampleBacklog(ctx, k, obs, sampler, cfg) })
 	return func() {
 		cancel()
 		wg.Wait()
@@ -259,12 +257,12 @@ func (r *Relay) startSampler(ctx context.Context, w *worker) (stop func()) {
 
 // sampleBacklog runs one sample at a time until ctx ends: the first at
 // once, each next one Interval after the previous completed.
-func (r *Relay) sampleBacklog(ctx context.Context, w *worker, obs BacklogObserver, s BacklogSampler, cfg BacklogSampling) {
+func (r *Relay) sampleBacklog(ctx context.Context, k *keeper, obs BacklogObserver, s BacklogSampler, cfg BacklogSampling) {
 	log := r.cfg.Logger
 	log.Debug("relay: backlog sampler started", "interval", cfg.Interval, "bucket_zero_owner_only", cfg.BucketZeroOwnerOnly)
 	defer log.Debug("relay: backlog sampler stopped")
 	owner := func() bool {
-		_, ok := w.lease(0)
+		_, ok := k.lease(0)
 		return ok || !cfg.BucketZeroOwnerOnly
 	}
 	// A relay that does not own bucket 0 checks again at every lease
@@ -308,46 +306,4 @@ func (r *Relay) sampleBacklog(ctx context.Context, w *worker, obs BacklogObserve
 		}
 		timer.Reset(jitter(cfg.Interval))
 	}
-}
-
-// observeAcquired reports an acquisition that gained n buckets.
-func (w *worker) observeAcquired(n int) {
-	if n > 0 {
-		w.cfg.Observer.LeasesAcquired(n)
-	}
-	w.observeOwned()
-}
-
-// observeLost reports n buckets lost without a release.
-func (w *worker) observeLost(n int) {
-	if n > 0 {
-		w.cfg.Observer.LeasesExpired(n)
-	}
-	w.observeOwned()
-}
-
-// observeOwned reports the size of the trusted lease set.
-func (w *worker) observeOwned() {
-	w.cfg.Observer.OwnedBuckets(w.ownedCount())
-}
-
-// observeCycle reports a loop pass that started at start.
-func (w *worker) observeCycle(start time.Time) {
-	w.cfg.Observer.CycleFinished(time.Since(start))
-}
-
-// observePublish reports one Publish call. A publish the relay cancelled
-// (stopping, lease lost) is not a failure, unless it completed anyway.
-func (w *worker) observePublish(ctx context.Context, bucket, n, acked int, err error, lost bool, d time.Duration) {
-	e := PublishEvent{Bucket: bucket, Messages: n, Acked: acked, Duration: d}
-	switch {
-	case err == nil && acked == n:
-	case lost || ctx.Err() != nil || IsFenced(err):
-		e.Cancelled = true
-	case err == nil:
-		e.Err = fmt.Errorf("relay: publisher acknowledged %d of %d messages without an error", acked, n)
-	default:
-		e.Err = err
-	}
-	w.cfg.Observer.Published(e)
 }

@@ -371,3 +371,13 @@ func TestObserverDeadLetters(t *testing.T) {
 		obs.get(func(o *recObserver) { require.Equal(t, map[bool]int{false: 1}, o.dead) })
 	})
 }
+
+// BacklogSampling.WithDefaults fills the zero fields (and a negative
+// Timeout) and keeps a negative Interval, which disables sampling.
+func TestBacklogSamplingWithDefaults(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, relay.BacklogSampling{Interval: relay.BacklogSampleIntervalDefault, Timeout: relay.BacklogSampleTimeoutDefault},
+		relay.BacklogSampling{}.WithDefaults())
+	require.Equal(t, relay.BacklogSampling{Interval: -1, Timeout: relay.BacklogSampleTimeoutDefault, BucketZeroOwnerOnly: true},
+		relay.BacklogSampling{Interval: -1, Timeout: -time.Second, BucketZeroOwnerOnly: true}.WithDefaults())
+}

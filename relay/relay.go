@@ -2,17 +2,10 @@ package relay
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 )
-
-// releaseTimeout bounds the release of leases when a relay stops. It runs
-// under context.WithoutCancel: an expired Stop context must not keep the
-// buckets locked until their leases expire.
-const releaseTimeout = 5 * time.Second
 
 // StopOverrun is the longest Relay.Stop waits for the relay after its
 // context ended: the bound on Stop overrunning its context.
@@ -34,14 +27,7 @@ const (
 // A Relay runs once: Start, then Stop. DrainOnce is a one-shot alternative
 // to Start for jobs and tests.
 type Relay struct {
-	cfg       Config
-	store     Store
-	publisher Publisher
-	caps      capabilities // optional capabilities or their fallbacks, resolved by New
-
-	// leaseAware is told of lease changes; nil if the publisher does not
-	// implement LeaseAware.
-	leaseAware LeaseAware
+	parts // resolved by New, shared by every run
 	// ready checks the publisher at start; nil if it does not implement
 	// ReadyChecker.
 	ready ReadyChecker
@@ -62,7 +48,7 @@ type Relay struct {
 	cancelHard context.CancelCauseFunc
 	stopped    chan struct{} // closed when the run loop has ended
 	err        error
-	w          *worker // the current loop's state, for Leases
+	eng        *engine // the current run, for Leases
 }
 
 // New returns a relay draining store through publisher. cfg is completed
@@ -87,14 +73,7 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 		return nil, err
 	}
 	cfg.Logger = cfg.Logger.With("relay_id", cfg.RelayID)
-	r := &Relay{
-		cfg:       cfg,
-		store:     store,
-		publisher: publisher,
-		stopped:   make(chan struct{}),
-	}
-	r.caps = resolveCapabilities(store, cfg)
-	r.leaseAware, _ = publisher.(LeaseAware)
+	r := &Relay{parts: resolveParts(store, publisher, cfg), stopped: make(chan struct{})}
 	r.ready, _ = publisher.(ReadyChecker)
 	if cfg.OwnPublisher {
 		svc, ok := publisher.(PublisherService)
@@ -243,8 +222,8 @@ func (r *Relay) launch(ctx, life context.Context) error {
 	r.state = stateRunning
 	r.stopping = make(chan struct{})
 	r.cancelHard = cancel
-	r.w = newWorker(r)
-	go r.run(hard, r.w, r.stopping)
+	r.eng = newEngine(hard, r.parts, false)
+	go r.run(hard, r.eng, r.stopping)
 	return nil
 }
 
@@ -324,13 +303,13 @@ func (r *Relay) stopPublisher() {
 	}
 }
 
-func (r *Relay) run(ctx context.Context, w *worker, stopping <-chan struct{}) {
+func (r *Relay) run(ctx context.Context, e *engine, stopping <-chan struct{}) {
 	log := r.cfg.Logger
 	log.Debug("relay: started")
-	stopSampler := r.startSampler(ctx, w)
-	err := w.run(ctx, stopping)
+	stopSampler := r.startSampler(ctx, e.k)
+	err := e.run(ctx, stopping)
 	stopSampler()
-	w.releaseAll(ctx)
+	e.releaseAll(ctx)
 	if r.owned != nil {
 		// Every publish has returned: flush and close the publisher
 		// before Stopped reports the relay stopped.
@@ -412,12 +391,12 @@ func (r *Relay) Err() error {
 // not a database query.
 func (r *Relay) Leases() []Lease {
 	r.mu.Lock()
-	w := r.w
+	e := r.eng
 	r.mu.Unlock()
-	if w == nil {
+	if e == nil {
 		return nil
 	}
-	return w.trustedLeases()
+	return e.k.trustedLeases()
 }
 
 // DrainOnce acquires the relay's fair share of buckets, drains each owned
@@ -453,9 +432,8 @@ func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
 		return 0, ErrStopped
 	}
 	r.state = stateDraining
-	w := newWorker(r)
-	w.oneShot = true
-	r.w = w
+	e := newEngine(ctx, r.parts, true)
+	r.eng = e
 	r.mu.Unlock()
 	defer func() {
 		r.mu.Lock()
@@ -463,23 +441,7 @@ func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
 		r.mu.Unlock()
 	}()
 
-	n, err := w.drainAll(ctx)
-	w.releaseAll(ctx)
+	n, err := e.drainAll(ctx)
+	e.releaseAll(ctx)
 	return n, err
-}
-
-// sortedLeases returns the leases of a bucket→term map by bucket.
-func sortedLeases(m map[int]int64) []Lease {
-	out := make([]Lease, 0, len(m))
-	for b, t := range m {
-		out = append(out, Lease{Bucket: b, Term: t})
-	}
-	slices.SortFunc(out, func(a, b Lease) int { return a.Bucket - b.Bucket })
-	return out
-}
-
-// isStop reports whether err is the relay's own cancellation, not a
-// failure worth logging or counting.
-func isStop(ctx context.Context, err error) bool {
-	return ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ctx.Err()))
 }

@@ -108,6 +108,7 @@ func TestConfig(t *testing.T) {
 	require.Equal(t, time.Second, c.PollInterval)
 	require.Equal(t, 30*time.Second, c.LeaseDuration)
 	require.Equal(t, 10*time.Second, c.LeaseRenewInterval)
+	require.Equal(t, relay.ReleaseTimeoutDefault, c.ReleaseTimeout)
 	require.NotNil(t, c.Logger)
 	host, _ := os.Hostname()
 	require.True(t, strings.HasPrefix(c.RelayID, host+"-"), c.RelayID)
@@ -129,6 +130,7 @@ func TestConfig(t *testing.T) {
 		{"LeaseDuration", relay.Config{LeaseDuration: time.Millisecond, LeaseRenewInterval: time.Millisecond}},
 		{"BackoffMax", relay.Config{BackoffMin: time.Minute, BackoffMax: time.Second}},
 		{"RelayID", relay.Config{RelayID: strings.Repeat("x", 129)}},
+		{"ReleaseTimeout", relay.Config{ReleaseTimeout: -time.Second}},
 	} {
 		_, err := relay.New(newFakeStore(8), relay.PublisherFunc(nil), tc.cfg)
 		var ce *relay.ConfigError
@@ -140,6 +142,39 @@ func TestConfig(t *testing.T) {
 	require.ErrorIs(t, err, relay.ErrInvalidConfig)
 	_, err = relay.New(newFakeStore(8), nil, relay.Config{})
 	require.ErrorIs(t, err, relay.ErrInvalidConfig)
+}
+
+// hangingRelease is a store whose ReleaseLeases waits for its context to
+// end, and reports how long it waited.
+type hangingRelease struct {
+	*fakeStore
+	waited chan time.Duration
+}
+
+func (h hangingRelease) ReleaseLeases(ctx context.Context, _ string, _ []relay.Lease) error {
+	start := time.Now()
+	<-ctx.Done()
+	h.waited <- time.Since(start)
+	return ctx.Err()
+}
+
+// Config.ReleaseTimeout bounds the release of the leases at stop, even
+// when the store never answers.
+func TestReleaseTimeout(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := hangingRelease{newFakeStore(8), make(chan time.Duration, 1)}
+		cfg := config("a")
+		cfg.ReleaseTimeout = 1500 * time.Millisecond
+		var log pubLog
+		r, err := relay.New(s, log.publisher(nil), cfg)
+		require.NoError(t, err)
+		require.NoError(t, r.Start(t.Context()))
+		synctest.Wait()
+		require.Len(t, r.Leases(), 8)
+		require.NoError(t, r.Stop(t.Context()))
+		require.Equal(t, cfg.ReleaseTimeout, <-s.waited)
+	})
 }
 
 func TestLifecycle(t *testing.T) {

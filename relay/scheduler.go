@@ -3,6 +3,21 @@ package relay
 import (
 	"sync"
 	"time"
+
+	ibackoff "github.com/gorm-outbox/outbox/internal/backoff"
+)
+
+// outcome is what one batch of one bucket came to.
+type outcome int
+
+const (
+	outEmpty   outcome = iota // the bucket had no pending rows
+	outDrained                // a partial batch was published: the bucket is empty as far as we know
+	outFull                   // a full batch was published: more rows are probably waiting
+	outFailed                 // the publish or a store call failed: back off
+	outRetry                  // the failure handler cleared the way: read again at once
+	outLost                   // the lease is gone: leave the rows to the new owner
+	outStopped                // the relay is stopping and the publish was cancelled
 )
 
 // bucketState is the scheduler's state of one bucket.
@@ -36,11 +51,10 @@ type batchResult struct {
 	term   int64
 }
 
-// drawn is a bucket a drainer took from the scheduler: its lease, and its
-// state at the start of the batch.
+// drawn is a bucket a drainer took from the scheduler, with its state at
+// the start of the batch.
 type drawn struct {
 	bucket int
-	hl     *heldLease
 	st     bucketState
 }
 
@@ -50,7 +64,17 @@ type drawn struct {
 // at once. Hints and discovery mark buckets ready; a failed bucket waits
 // out its own backoff outside the queue. While the keeper acquires (hold)
 // no new batch starts; the batches in flight go on.
+//
+// The scheduler knows nothing of leases: the caller marks only buckets it
+// holds, and a drainer hands back at once a bucket whose lease went away
+// (done with outLost). It signals the control loop on a one-slot channel
+// (wakeups) when no batch is left in flight, or when a batch ends that a
+// lease announcement waited for.
 type scheduler struct {
+	backoffMin, backoffMax time.Duration
+
+	wake chan struct{} // one slot
+
 	mu       sync.Mutex
 	cond     *sync.Cond
 	buckets  []bucketState
@@ -59,14 +83,18 @@ type scheduler struct {
 	paused   bool // acquiring: hand out nothing
 	closed   bool // stopping: hand out nothing, drainers exit
 	oneShot  bool // DrainOnce: drainers exit when nothing is ready or in flight
-	idle     func()
 }
 
-func newScheduler(n int, idle func()) *scheduler {
-	s := &scheduler{buckets: make([]bucketState, n), idle: idle}
+func newScheduler(cfg Config) *scheduler {
+	s := &scheduler{buckets: make([]bucketState, cfg.BucketCount),
+		backoffMin: cfg.BackoffMin, backoffMax: cfg.BackoffMax, wake: make(chan struct{}, 1)}
 	s.cond = sync.NewCond(&s.mu)
 	return s
 }
+
+// wakeups is signalled when the control loop has something to look at:
+// no batch is in flight, or a batch ended that an announcement waited for.
+func (s *scheduler) wakeups() <-chan struct{} { return s.wake }
 
 // mark makes bucket b ready (a hint or a discovery found rows). The
 // caller checked that the relay holds it.
@@ -143,7 +171,7 @@ func (s *scheduler) promote(now time.Time) (time.Time, bool) {
 // false when the scheduler is closed, or in one-shot mode when nothing is
 // left to do. The bucket is busy until done takes it back, so it never
 // has two batches in flight.
-func (s *scheduler) next(k *keeper) (drawn, bool) {
+func (s *scheduler) next() (drawn, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for {
@@ -153,10 +181,7 @@ func (s *scheduler) next(k *keeper) (drawn, bool) {
 		if !s.paused && len(s.fifo) > 0 {
 			b := s.fifo[0]
 			s.fifo = s.fifo[1:]
-			if d, held := s.takeLocked(k, b); held {
-				return d, true
-			}
-			continue
+			return s.takeLocked(b), true
 		}
 		if s.oneShot && len(s.fifo) == 0 && s.inFlight == 0 {
 			return drawn{}, false
@@ -166,27 +191,21 @@ func (s *scheduler) next(k *keeper) (drawn, bool) {
 }
 
 // takeLocked marks bucket b, just taken off the FIFO, busy, and returns
-// it with its state for the batch. A bucket the relay no longer holds is
-// forgotten instead.
-func (s *scheduler) takeLocked(k *keeper, b int) (drawn, bool) {
+// it with its state for the batch.
+func (s *scheduler) takeLocked(b int) drawn {
 	cur := &s.buckets[b]
 	cur.queued = false
-	hl, held := k.lease(b)
-	if !held {
-		s.forgetLocked(b)
-		return drawn{}, false
-	}
 	cur.busy = true
 	s.inFlight++
-	d := drawn{bucket: b, hl: hl, st: *cur}
+	d := drawn{bucket: b, st: *cur}
 	cur.shrink = 0
 	cur.next = nil
-	return d, true
+	return d
 }
 
 // done takes back bucket b after a batch drawn with marks and applies its
 // result.
-func (s *scheduler) done(b int, marks uint64, r batchResult, cfg Config, now time.Time) {
+func (s *scheduler) done(b int, marks uint64, r batchResult, now time.Time) {
 	s.mu.Lock()
 	st := &s.buckets[b]
 	st.busy = false
@@ -211,7 +230,7 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, cfg Config, now tim
 			break
 		}
 		st.failures++
-		st.retryAt = now.Add(backoff(cfg, st.failures))
+		st.retryAt = now.Add(ibackoff.Exponential(s.backoffMin, s.backoffMax, st.failures))
 	case outLost:
 		s.forgetLocked(b)
 	case outStopped:
@@ -224,8 +243,11 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, cfg Config, now tim
 	wake := st.wake
 	st.wake = false
 	s.mu.Unlock()
-	if (quiet || wake) && s.idle != nil {
-		s.idle()
+	if quiet || wake {
+		select {
+		case s.wake <- struct{}{}:
+		default:
+		}
 	}
 }
 

@@ -41,6 +41,19 @@ if [ "${CI:-}" = true ] && command -v promtool >/dev/null 2>&1; then
   export OUTBOX_REQUIRE_PROMTOOL=1
 fi
 
+# The network-fault chaos test (test/chaos, TestChaosNetwork) runs relays
+# in network namespaces it builds with ip and tc (Debian package iproute2),
+# as root; under CI=true it fails without them. The PostgreSQL restart
+# test (TestChaosPostgresRestart) runs a server of its own from the
+# PostgreSQL binaries services.sh installed.
+if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "== installing iproute2 (ip, tc)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null) \
+      || echo "warning: could not install iproute2; the network-fault chaos test will fail in CI"
+  fi
+fi
+
 echo "== go vet"
 go vet ./...
 echo "== go test (library)"

@@ -5,12 +5,14 @@
 // root package exporting it.
 package sqlrows
 
+import "github.com/gorm-outbox/outbox/wire"
+
 // InsertColumns are the columns a new message row is inserted with; the
 // id and the failure columns take their defaults.
-const InsertColumns = "(message_id, bucket, topic, msg_key, msg_value, headers, msg_partition, created_at_ms)"
+const InsertColumns = "(" + wire.InsertColumns + ")"
 
 // InsertArgs is the number of values of one row in InsertColumns.
-const InsertArgs = 8
+const InsertArgs = wire.InsertArgs
 
 // InsertChunk bounds the rows of one INSERT: 500 rows of 13 parameters or
 // fewer stay far below every supported database's parameter limit.

@@ -10,7 +10,7 @@ import (
 
 	"go.opentelemetry.io/otel/propagation"
 
-	"github.com/gorm-outbox/outbox/relay"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
 // The W3C Trace Context header names.
@@ -32,12 +32,12 @@ func IsHeader(key string) bool {
 
 // Extract returns ctx with the remote span context carried by headers, or
 // ctx unchanged when they carry none.
-func Extract(ctx context.Context, headers []relay.Header) context.Context {
+func Extract(ctx context.Context, headers []wire.Header) context.Context {
 	return Propagator.Extract(ctx, carrier(headers))
 }
 
 // carrier reads W3C headers from a message's headers.
-type carrier []relay.Header
+type carrier []wire.Header
 
 func (c carrier) Get(key string) string {
 	for _, h := range c {

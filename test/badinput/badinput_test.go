@@ -343,7 +343,7 @@ func bucketMismatch(t *testing.T, e *env) {
 	var ce *relay.ConfigError
 	require.ErrorAs(t, err, &ce, "relay 8 vs store 32: %v", err)
 	require.Equal(t, "BucketCount", ce.Field)
-	require.ErrorContains(t, err, "32 buckets")
+	require.ErrorContains(t, err, "uses 8 buckets but the store's outbox is configured with 32")
 	require.Equal(t, total, e.pending())
 
 	// The right count delivers all, nothing lost.

@@ -27,6 +27,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"gorm.io/gorm"
 
@@ -52,8 +53,12 @@ const (
 
 // params sizes one chaos run.
 type params struct {
-	strict bool
-	soak   bool
+	strict  bool
+	soak    bool
+	network bool // relays in network namespaces, network faults only (TestChaosNetwork)
+	// pgRestart: a PostgreSQL server of the test's own, restarted by the
+	// injector, the only fault (TestChaosPostgresRestart).
+	pgRestart bool
 
 	messages   int
 	keys       int
@@ -156,7 +161,12 @@ func (order) TableName() string { return "chaos_orders" }
 func keyName(k int) string { return fmt.Sprintf("key-%05d", k) }
 
 func runChaos(t *testing.T, p params) {
-	dbtest.Require(t, dbtest.Postgres)
+	var pgc *pgCluster
+	if p.pgRestart {
+		pgc = startPGCluster(t)
+	} else {
+		dbtest.Require(t, dbtest.Postgres)
+	}
 	mode := "default"
 	if p.strict {
 		mode = "strict"
@@ -168,7 +178,12 @@ func runChaos(t *testing.T, p params) {
 	t.Cleanup(cancel)
 
 	// The database: the outbox and the business table in a fresh schema.
-	d := dbtest.Open(t, dbtest.Postgres)
+	var d *dbtest.DB
+	if pgc != nil {
+		d = pgc.open(t)
+	} else {
+		d = dbtest.Open(t, dbtest.Postgres)
+	}
 	plugin, err := outbox.NewPlugin(outbox.Config{BucketCount: p.buckets, Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)
 	require.NoError(t, d.DB.Use(plugin))
@@ -179,13 +194,40 @@ func runChaos(t *testing.T, p params) {
 	sqlDB.SetMaxOpenConns(p.writers + 4)
 	tables := plugin.Config().Tables
 
+	// The network of the network-fault run, and the term guard's audit.
+	var lab *netLab
+	var audit *deleteAudit
+	if p.network {
+		lab = newNetLab(t, p.relays, p.seed)
+	}
+	if p.network || p.pgRestart {
+		audit = installDeleteAudit(t, d.DB, tables.MessagesTable(), tables.LeasesTable())
+	}
+
 	// The cluster: kfake in this process, so that the test can break it
 	// from inside, or the Apache Kafka cluster of scripts/kafka.sh, whose
-	// broker processes it kills, stops and resumes.
-	cluster := kafkatest.Start(t, kafkatest.NumBrokers(p.brokers))
-	topic := cluster.Topic(t, p.partitions)
-	real := newRealBrokers(t, cluster, topic)
-	fake := cluster.Fake()
+	// broker processes it kills, stops and resumes. The network-fault run
+	// has kfake listen on its network's brokers' address.
+	var (
+		brokers func() []string
+		topic   string
+		real    *realBrokers
+		fake    *kfake.Cluster
+	)
+	if lab != nil {
+		topic = "chaos-net-" + d.Namespace
+		var err error
+		fake, err = kfake.NewCluster(kfake.NumBrokers(p.brokers), kfake.ListenFn(lab.listen), kfake.SeedTopics(p.partitions, topic))
+		require.NoError(t, err)
+		t.Cleanup(fake.Close)
+		brokers = fake.ListenAddrs
+	} else {
+		cluster := kafkatest.Start(t, kafkatest.NumBrokers(p.brokers))
+		topic = cluster.Topic(t, p.partitions)
+		real = newRealBrokers(t, cluster, topic)
+		fake = cluster.Fake()
+		brokers = cluster.Brokers
+	}
 	nodeIDs := map[string]int32{}
 	if fake != nil {
 		for i, a := range fake.ListenAddrs() {
@@ -202,7 +244,7 @@ func runChaos(t *testing.T, p params) {
 				p.rate = float64(p.messages) / p.minChaos.Seconds()
 			}
 		}
-		t.Logf("chaos %s: on Apache Kafka (%s), %d nodes; faults for %s at %.0f messages/s", mode, strings.Join(cluster.Brokers(), ","), real.nodes, p.minChaos, p.rate)
+		t.Logf("chaos %s: on Apache Kafka (%s), %d nodes; faults for %s at %.0f messages/s", mode, strings.Join(brokers(), ","), real.nodes, p.minChaos, p.rate)
 	}
 
 	// The relays.
@@ -223,8 +265,9 @@ func runChaos(t *testing.T, p params) {
 			bin:     bin,
 			dsn:     d.DSN,
 			tag:     "chaos-" + d.Namespace,
-			brokers: cluster.Brokers,
+			brokers: brokers,
 			logDir:  logDir,
+			net:     lab,
 			flags: []string{
 				"-mode", mode,
 				"-txn-prefix", "chaos-" + d.Namespace + "-",
@@ -239,6 +282,11 @@ func runChaos(t *testing.T, p params) {
 		},
 		slots: make([]*relayProc, p.relays),
 		log:   events,
+	}
+	if lab != nil {
+		dsnFor, err := lab.dbDSN(d.DSN)
+		require.NoError(t, err)
+		pr.args.dsnFor = dsnFor
 	}
 	t.Cleanup(pr.killAll)
 	for i := range p.relays {
@@ -258,6 +306,12 @@ func runChaos(t *testing.T, p params) {
 		lease:      p.lease,
 		every:      p.faultEvery,
 		nodeIDs:    nodeIDs,
+	}
+	if lab != nil {
+		in.net = &netInjector{lab: lab, active: map[int]string{}}
+	}
+	if pgc != nil {
+		in.pg = &pgRestarter{c: pgc}
 	}
 	stopChaos, chaosDone := make(chan struct{}), make(chan struct{})
 	var stopOnce sync.Once
@@ -281,18 +335,52 @@ func runChaos(t *testing.T, p params) {
 		}
 	}
 	stop()
+	// The last fault, with a backlog the relays cannot drain before it
+	// heals, so that the resumption below is measured: a stale relay's
+	// deletes landing while its buckets' new owners hold them (see
+	// staleRelay), or a crash of the database server right after messages
+	// were written.
+	healStart, atHeal := time.Time{}, int64(-1)
+	switch {
+	case lab != nil:
+		lastFault(t, "a stale relay's statements land under the new owners' leases", events, func() {
+			var n int
+			n, atHeal, healStart = staleRelay(t, lab, d.DB, plugin, topic, tables.LeasesTable(), tables.MessagesTable(), p.lease, p.buckets)
+			written += n
+		})
+	case pgc != nil:
+		lastFault(t, evPGRestartImmediate, events, func() {
+			// The pool's idle connections may have died with an earlier
+			// restart.
+			sqlDB.SetMaxIdleConns(0)
+			sqlDB.SetMaxIdleConns(p.writers + 4)
+			// One transaction, then the crash at once: the relays have no
+			// time to drain it first.
+			written += writeBacklog(t, d.DB, plugin, topic, 5000, 5000, nil)
+			require.NoError(t, pgc.restart("immediate"))
+			// The pool's idle connections died with the server.
+			sqlDB.SetMaxIdleConns(0)
+			sqlDB.SetMaxIdleConns(p.writers + 4)
+		})
+	}
 	chaosTime := time.Since(start)
 
 	// Everything must drain once the faults stop, and the relays must be
 	// live again quickly: progress within the liveness bound.
-	healStart := time.Now()
-	live := waitEmpty(t, d.DB, tables.MessagesTable(), p.drainLimit)
+	if healStart.IsZero() {
+		healStart = time.Now()
+	}
+	live := waitEmpty(t, d.DB, tables.MessagesTable(), p.drainLimit, healStart, atHeal)
 	if real != nil {
 		real.endQuiet() // the other test may break brokers again
 	}
 	remaining := live.remaining
 	drainTime := time.Since(healStart)
-	bound := p.lease + livenessPolls*chaosPoll
+	polls := livenessPolls
+	if p.network || p.pgRestart {
+		polls = networkLivenessPolls
+	}
+	bound := p.lease + time.Duration(polls)*chaosPoll
 	boundNote := ""
 	if real != nil {
 		// After a broker restarted or resumed, a producer may hold requests
@@ -302,7 +390,7 @@ func runChaos(t *testing.T, p params) {
 		boundNote = fmt.Sprintf(" + the producers' metadata refresh %s", chaosMetadataRefresh)
 	}
 	t.Logf("chaos liveness: %d pending when the faults stopped; progress resumed after %s (bound: lease %s + %d polls of %s%s = %s); drained in %s (%.0f messages/s after resuming)",
-		live.atHeal, live.resumed.Round(10*time.Millisecond), p.lease, livenessPolls, chaosPoll, boundNote, bound,
+		live.atHeal, live.resumed.Round(10*time.Millisecond), p.lease, polls, chaosPoll, boundNote, bound,
 		drainTime.Round(10*time.Millisecond), live.rate())
 	stopErrs := pr.stopAll(termTimeout)
 	var dead int64
@@ -319,7 +407,7 @@ func runChaos(t *testing.T, p params) {
 	}
 
 	// What was delivered.
-	got := consume(t, cluster.Brokers(), topic, p.strict, expected, 2*time.Minute)
+	got := consume(t, brokers(), topic, p.strict, expected, 2*time.Minute)
 
 	// Count.
 	var lost []string
@@ -352,6 +440,31 @@ func runChaos(t *testing.T, p params) {
 		writeTime.Round(time.Second), chaosTime.Round(time.Second), drainTime.Round(time.Second),
 		live.resumed.Round(10*time.Millisecond), bound, totalTime.Round(time.Second), p.seed)
 	t.Log(summary)
+	var foreign []string
+	if p.pgRestart {
+		total, byRelays, f := audit.foreignDeletes(t, pr.args.tag)
+		foreign = f
+		t.Logf("chaos postgres summary: mode=%s restarts_fast=%d restarts_immediate=%d (the last one with %d pending)"+
+			" | lost=%d order_violations=%d duplicates=%d (max_copies=%d) | resumed after %s (bound lease %s + %d polls of %s = %s)"+
+			" | rows deleted=%d (by relays %d) deleted in a bucket another relay held=%d lease_lost_before_delete=%d fenced=%d takeovers_during_publish=%d | seed=%d",
+			mode, events.count(evPGRestartFast), events.count(evPGRestartImmediate), live.atHeal,
+			len(lost), len(got.violations), dups, got.maxCopies, live.resumed.Round(10*time.Millisecond), p.lease, polls, chaosPoll, bound,
+			total, byRelays, len(foreign), len(logs.lateDeletes), len(logs.fenced), len(logs.takeovers)+len(logs.explainers), p.seed)
+	}
+	if p.network {
+		total, byRelays, f := audit.foreignDeletes(t, pr.args.tag)
+		foreign = f
+		lapsed := in.net.lapsed
+		t.Logf("chaos network summary: mode=%s partitions_brokers=%d partitions_database=%d delays=%d losses=%d database_partitions_past_the_lease=%d"+
+			" | lost=%d order_violations=%d duplicates=%d (max_copies=%d) | resumed after %s (bound lease %s + %d polls of %s = %s)"+
+			" | rows deleted=%d (by relays %d) deleted in a bucket another relay held=%d lease_lost_before_delete=%d fenced=%d takeovers_during_publish=%d | netem=%v seed=%d",
+			mode, events.count(evNetPartitionBrokers), events.count(evNetPartitionDB), events.count(evNetDelay), events.count(evNetLoss), lapsed,
+			len(lost), len(got.violations), dups, got.maxCopies, live.resumed.Round(10*time.Millisecond), p.lease, polls, chaosPoll, bound,
+			total, byRelays, len(foreign), len(logs.lateDeletes), len(logs.fenced), len(logs.takeovers)+len(logs.explainers), lab.netem, p.seed)
+		if left := lab.qdiscsLeft(); len(left) > 0 {
+			t.Errorf("faults left in place after the heal: %v", left)
+		}
+	}
 	events.mu.Lock()
 	t.Logf("chaos: faults by kind: %v", events.counts)
 	events.mu.Unlock()
@@ -397,6 +510,17 @@ func runChaos(t *testing.T, p params) {
 	if p.strict {
 		require.Empty(t, got.violations, "strict mode keeps per-key order")
 	}
+	if p.network || p.pgRestart {
+		require.Empty(t, got.violations, "no key reordered, in strict mode and with the default publisher's order gate")
+		require.Empty(t, foreign, "no relay deletes rows of a bucket whose lease another relay holds (term guard)")
+		require.Positive(t, live.atHeal, "a backlog was pending when the last fault healed")
+	}
+	if p.network {
+		require.Positive(t, events.count(netFaultKinds...), "network faults were injected")
+	}
+	if p.pgRestart {
+		require.Positive(t, events.count(evPGRestartFast, evPGRestartImmediate), "PostgreSQL was restarted")
+	}
 }
 
 // ref is what a message is: the key and its sequence number.
@@ -433,6 +557,7 @@ func runWriters(ctx context.Context, t *testing.T, db *gorm.DB, plugin *outbox.P
 			rng := rand.New(rand.NewPCG(p.seed, uint64(w)))
 			sent := 0
 			failures := 0
+			var failingSince time.Time
 			for sent < share {
 				if ctx.Err() != nil {
 					return
@@ -471,16 +596,30 @@ func runWriters(ctx context.Context, t *testing.T, db *gorm.DB, plugin *outbox.P
 					return plugin.Enqueue(tx, msgs...)
 				})
 				if err != nil && ctx.Err() == nil {
-					// Did it commit anyway (an error after COMMIT was sent)?
-					var n int64
-					if db.Model(&order{}).Where("msg_id = ?", rows[0].MsgID).Count(&n).Error == nil && n > 0 {
+					// Did it commit anyway (an error after COMMIT was
+					// sent)? Ask until the database answers: while it
+					// restarts, it does not, and a retry of what did commit
+					// would write the same sequence numbers again.
+					committed, cerr := committedAnyway(ctx, db, rows[0].MsgID)
+					if cerr != nil {
+						errMu.Lock()
+						firstErr = fmt.Errorf("writer %d: whether a transaction committed: %w (its error: %v)", w, cerr, err)
+						errMu.Unlock()
+						return
+					}
+					if committed {
 						err = nil
 					}
 				}
 				if err != nil {
 					retries.Add(1)
 					failures++
-					if failures > 50 {
+					if failures == 1 {
+						failingSince = time.Now()
+					}
+					// A database restart fails every transaction for a few
+					// seconds.
+					if failures > 50 && time.Since(failingSince) > time.Minute {
 						errMu.Lock()
 						firstErr = fmt.Errorf("writer %d: %d transactions in a row failed: %w", w, failures, err)
 						errMu.Unlock()
@@ -502,6 +641,23 @@ func runWriters(ctx context.Context, t *testing.T, db *gorm.DB, plugin *outbox.P
 	return int(committed.Load()), int(retries.Load())
 }
 
+// committedAnyway reports whether the message id was committed, asking
+// until the database answers, for up to two minutes.
+func committedAnyway(ctx context.Context, db *gorm.DB, msgID string) (bool, error) {
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		var n int64
+		err := db.WithContext(ctx).Model(&order{}).Where("msg_id = ?", msgID).Count(&n).Error
+		if err == nil {
+			return n > 0, nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return false, err
+		}
+		time.Sleep(100 * time.Millisecond) // until the database is back
+	}
+}
+
 // The relays' poll interval, and how many of them past LeaseDuration the
 // relays may take to publish again after the last fault: a relay that
 // died holding leases is taken over once they expire, and the new owner
@@ -509,6 +665,9 @@ func runWriters(ctx context.Context, t *testing.T, db *gorm.DB, plugin *outbox.P
 const (
 	chaosPoll     = 200 * time.Millisecond
 	livenessPolls = 5
+	// networkLivenessPolls is the same for the network faults: they stop
+	// no relay process, so no relay restarts after the last fault.
+	networkLivenessPolls = 3
 	// chaosMetadataRefresh is chaos-relay's sarama Metadata.RefreshFrequency.
 	chaosMetadataRefresh = 5 * time.Second
 )
@@ -529,17 +688,26 @@ func (l liveness) rate() float64 {
 	return float64(l.atHeal) / l.drained.Seconds()
 }
 
-// waitEmpty waits until the messages table is empty, at most limit, and
-// measures when publishing resumed.
-func waitEmpty(t *testing.T, db *gorm.DB, table string, limit time.Duration) liveness {
+// waitEmpty waits until the messages table is empty, at most limit after
+// start (the heal), and measures when publishing resumed. atHeal is the
+// count at start when the caller took it (the heal takes a while and the
+// relays may drain meanwhile), or -1: then the first count is.
+func waitEmpty(t *testing.T, db *gorm.DB, table string, limit time.Duration, start time.Time, atHeal int64) liveness {
 	q := "SELECT COUNT(*) FROM " + db.Statement.Quote(table)
-	start := time.Now()
 	deadline := start.Add(limit)
 	var l liveness
 	first := true
+	if atHeal >= 0 {
+		l.atHeal, first = atHeal, false
+	}
 	for {
 		var n int64
-		require.NoError(t, db.Raw(q).Scan(&n).Error)
+		if err := db.Raw(q).Scan(&n).Error; err != nil {
+			// A connection the database closed (it restarted) fails once.
+			require.True(t, time.Now().Before(deadline), "count the outbox: %v", err)
+			time.Sleep(50 * time.Millisecond)
+			continue
+		}
 		now := time.Now()
 		if first {
 			l.atHeal, first = n, false

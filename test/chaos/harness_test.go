@@ -193,6 +193,11 @@ type relayArgs struct {
 	brokers func() []string
 	flags   []string
 	logDir  string
+	// With net set, each relay runs in its slot's network namespace and
+	// reaches the database through its slot's link.
+	net *netLab
+	// dsnFor is the DSN of slot, when it is not dsn.
+	dsnFor func(slot int) string
 }
 
 // procs manages the relay slots. All its methods run on one goroutine at
@@ -263,7 +268,12 @@ func (p *procs) start(slot int) *relayProc {
 	require.NoError(p.t, err)
 	flags := append([]string{"-id", rp.id, "-brokers", strings.Join(p.args.brokers(), ",")}, p.args.flags...)
 	cmd := exec.Command(p.args.bin, flags...)
-	cmd.Env = append(os.Environ(), "CHAOS_DSN="+p.args.dsn+" application_name="+p.appName(slot),
+	dsn := p.args.dsn
+	if p.args.net != nil {
+		cmd = p.args.net.command(slot, p.args.bin, flags...)
+		dsn = p.args.dsnFor(slot)
+	}
+	cmd.Env = append(os.Environ(), "CHAOS_DSN="+dsn+" application_name="+p.appName(slot),
 		// Under -race, a race report must not change the exit status: the
 		// test reads the reports from the log and fails on those in this
 		// module's code (see scanRelayLogs).
@@ -532,6 +542,8 @@ type injector struct {
 	procs *procs
 	fake  *kfake.Cluster // nil on Apache Kafka
 	real  *realBrokers   // nil on kfake
+	net   *netInjector   // network faults only, when set
+	pg    *pgRestarter   // PostgreSQL restarts only, when set
 	// partitions of the topic
 	partitions int32
 	db         *gorm.DB // for pg_terminate_backend
@@ -639,7 +651,11 @@ func (in *injector) inject() {
 		{2, in.pause},
 		{3, in.killBackends},
 	}
-	if in.real != nil {
+	if in.net != nil {
+		actions = in.net.actions(in)
+	} else if in.pg != nil {
+		actions = in.pg.actions(in)
+	} else if in.real != nil {
 		actions = append(actions, in.real.actions(in)...)
 	} else {
 		actions = append(actions,
@@ -979,6 +995,9 @@ func (in *injector) heal() {
 	}
 	if in.real != nil {
 		in.real.heal(in)
+	}
+	if in.net != nil {
+		in.net.healAll(in)
 	}
 	for _, rp := range in.procs.slots {
 		if rp.state == procPaused {

@@ -82,6 +82,7 @@ func TestConfigReferenceNamesEveryField(t *testing.T) {
 		{"`outbox.Config`", reflect.TypeFor[outbox.Config]()},
 		{"`outbox.Tables`", reflect.TypeFor[outbox.Tables]()},
 		{"`relay.Config`", reflect.TypeFor[relay.Config]()},
+		{"`gormrelay.StoreConfig`", reflect.TypeFor[gormrelay.StoreConfig]()},
 		{"`gormrelay.FailurePolicyConfig`", reflect.TypeFor[gormrelay.FailurePolicyConfig]()},
 		{"`publisher.KafkaConfig`", reflect.TypeFor[publisher.KafkaConfig]()},
 		{"`publisher.TransactionalConfig`", reflect.TypeFor[publisher.TransactionalConfig]()},

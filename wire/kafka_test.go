@@ -1,4 +1,4 @@
-package recordsize_test
+package wire_test
 
 import (
 	"testing"
@@ -6,12 +6,12 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
 
-	"github.com/gorm-outbox/outbox/internal/recordsize"
+	"github.com/gorm-outbox/outbox/wire"
 )
 
-// Record counts exactly what the producer counts, so a message the write
+// KafkaRecordSize counts exactly what the producer counts, so a message the write
 // side accepts is one the default publisher accepts.
-func TestRecordMatchesTheProducer(t *testing.T) {
+func TestKafkaRecordSizeMatchesTheProducer(t *testing.T) {
 	t.Parallel()
 	id := "0190b2a4-7c1e-7d2f-9a3b-4c5d6e7f8091"
 	for _, c := range []struct {
@@ -35,7 +35,7 @@ func TestRecordMatchesTheProducer(t *testing.T) {
 			headerBytes += len(h.Key) + len(h.Value)
 		}
 		pm.Headers = append(append([]sarama.RecordHeader{}, c.headers...),
-			sarama.RecordHeader{Key: []byte(recordsize.MessageIDHeaderDefault), Value: []byte(id)})
-		require.Equal(t, pm.ByteSize(2), recordsize.Record(len(c.key), len(c.value), headerBytes, len(c.headers), len(id)))
+			sarama.RecordHeader{Key: []byte(wire.KafkaMessageIDHeaderDefault), Value: []byte(id)})
+		require.Equal(t, pm.ByteSize(2), wire.KafkaRecordSize(len(c.key), len(c.value), headerBytes, len(c.headers), len(id)))
 	}
 }

@@ -52,11 +52,20 @@
 //
 // # Kafka: what is guaranteed
 //
-// Start starts one long-lived sarama AsyncProducer; NewKafka enforces, after
-// the caller's KafkaConfig.Configure ran, the settings the guarantees below
-// rest on: acks=all, the idempotent producer with one request in flight per
-// broker connection, at least one retry, Kafka protocol 0.11 or newer, and
-// the partitioner (see KafkaConfig.Configure for the list).
+// Start starts KafkaConfig.Producers (default 4) long-lived sarama
+// AsyncProducers; NewKafka enforces, after the caller's
+// KafkaConfig.Configure ran, the settings the guarantees below rest on:
+// acks=all, the idempotent producer with one request in flight per broker
+// connection, at least one retry, Kafka protocol 0.11 or newer, and the
+// partitioner (see KafkaConfig.Configure for the list).
+//
+// A Publish call goes entirely to one producer, number msgs[0].Bucket mod
+// Producers, so a bucket's batches always travel through the same
+// producer and connections, in order, while other buckets' batches travel
+// at once through the other producers: one producer has one request in
+// flight per broker, and would make every bucket's batch wait for the
+// others'. A replaced producer (below) takes over its predecessor's
+// buckets.
 //
 //   - Acknowledged means written to all in-sync replicas (acks=all): a
 //     message counted in acked survives the loss of the partition leader
@@ -197,7 +206,11 @@
 // which costs a metadata request, FindCoordinator and InitProducerID, and
 // closes it when it gives the bucket up. Each batch adds two coordinator
 // round trips (AddPartitionsToTxn, EndTxn) and the broker writes a marker
-// per partition; see docs/strict-mode.md.
+// per partition; see docs/strict-mode.md. A bucket's next transaction may
+// find the coordinator still writing the previous one's markers
+// (CONCURRENT_TRANSACTIONS); unless TransactionalConfig.Configure chose a
+// Producer.Transaction.Retry backoff, the producer asks again after 2ms,
+// doubling to 100ms, instead of sarama's fixed 20ms or 100ms.
 //
 // # Errors
 //
@@ -244,7 +257,8 @@
 // An idempotent producer can end up out of step with the brokers after
 // broker trouble: its sequence numbers or epoch refused, or every publish
 // failing although the cluster is healthy again. The Kafka publisher
-// replaces it with a new producer (a new producer id): at once when the
+// replaces it (only the one of its producers concerned) with a new
+// producer (a new producer id): at once when the
 // brokers refuse its state, and after KafkaConfig.StallTimeout (default
 // 30s) of publishes that all failed without one acknowledgement. The new
 // producer serves the next Publish; the old one is closed once the

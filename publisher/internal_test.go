@@ -8,6 +8,7 @@ import (
 	"reflect"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/eapache/go-resiliency/breaker"
@@ -214,4 +215,48 @@ func TestPartitioner(t *testing.T) {
 		seen[got] = true
 	}
 	require.Greater(t, len(seen), 1, "keyless messages are spread")
+}
+
+// TestTransactionalProducerDefaults: the transactional producers resend
+// a coordinator request after 2ms, doubling to 100ms, and linger
+// TxnLingerDefault for a transaction's records, unless Configure chose a
+// backoff or a flush threshold of its own.
+func TestTransactionalProducerDefaults(t *testing.T) {
+	t.Parallel()
+	cfg := TransactionalConfig{Brokers: []string{"127.0.0.1:1"}, TransactionalIDPrefix: "p-"}.WithDefaults()
+	sc, err := cfg.saramaConfig("p-0")
+	require.NoError(t, err)
+	require.Equal(t, TxnLingerDefault, sc.Producer.Flush.Frequency)
+	f := sc.Producer.Transaction.Retry.BackoffFunc
+	require.NotNil(t, f)
+	var waits []time.Duration
+	total := time.Duration(0)
+	for r := range sc.Producer.Transaction.Retry.Max {
+		d := f(r, sc.Producer.Transaction.Retry.Max)
+		waits = append(waits, d/time.Millisecond)
+		total += d
+	}
+	require.Equal(t, []time.Duration{2, 4, 8, 16, 32, 64, 100, 100}, waits[:8], "ms")
+	require.Greater(t, total, 4*time.Second, "a coordinator moving is still ridden out")
+
+	cfg.Configure = func(sc *sarama.Config) error {
+		sc.Producer.Transaction.Retry.Backoff = 50 * time.Millisecond
+		sc.Producer.Flush.Messages = 10
+		return nil
+	}
+	sc, err = cfg.saramaConfig("p-0")
+	require.NoError(t, err)
+	require.Zero(t, sc.Producer.Flush.Frequency, "Configure's flush threshold is kept")
+	require.Equal(t, 10, sc.Producer.Flush.Messages)
+	require.Nil(t, sc.Producer.Transaction.Retry.BackoffFunc, "Configure's fixed backoff is kept")
+	require.Equal(t, 50*time.Millisecond, sc.Producer.Transaction.Retry.Backoff)
+
+	own := func(int, int) time.Duration { return time.Second }
+	cfg.Configure = func(sc *sarama.Config) error {
+		sc.Producer.Transaction.Retry.BackoffFunc = own
+		return nil
+	}
+	sc, err = cfg.saramaConfig("p-0")
+	require.NoError(t, err)
+	require.Equal(t, time.Second, sc.Producer.Transaction.Retry.BackoffFunc(0, 50), "Configure's function is kept")
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -41,6 +42,13 @@ const (
 
 	// StallTimeoutDefault is KafkaConfig.StallTimeout's default.
 	StallTimeoutDefault = 30 * time.Second
+
+	// ProducersDefault is KafkaConfig.Producers's default (see BENCHMARKS.md,
+	// "Apache Kafka").
+	ProducersDefault = 4
+
+	// ProducersMax is the largest accepted KafkaConfig.Producers.
+	ProducersMax = 64
 )
 
 // MinKafkaVersion is the lowest protocol version the Kafka publisher runs
@@ -105,6 +113,17 @@ type KafkaConfig struct {
 	// StallTimeoutDefault (30s).
 	StallTimeout time.Duration
 
+	// Producers is how many idempotent sarama producers the publisher
+	// runs, 1 to ProducersMax, each with its own producer id and broker
+	// connections. An idempotent producer has one produce request in
+	// flight per broker, so with one producer the batches of all the
+	// relay's drainers queue behind each other; with several, batches of
+	// different buckets travel at once. A Publish call goes entirely to
+	// producer msgs[0].Bucket mod Producers, so a bucket is always on one
+	// producer (its replacement included) and its batches, and every key's
+	// records, stay in order. Default ProducersDefault.
+	Producers int
+
 	// Observer, if set, is told of every producer replacement.
 	// *metrics.Collector implements it. Default: none.
 	Observer ProducerObserver
@@ -135,6 +154,9 @@ func (c KafkaConfig) WithDefaults() KafkaConfig {
 	if c.StallTimeout == 0 {
 		c.StallTimeout = StallTimeoutDefault
 	}
+	if c.Producers == 0 {
+		c.Producers = ProducersDefault
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -148,6 +170,9 @@ func (c KafkaConfig) validate() error {
 	if c.StallTimeout < 0 {
 		return configError("KafkaConfig.StallTimeout", c.StallTimeout, "must be positive", nil)
 	}
+	if c.Producers < 1 || c.Producers > ProducersMax {
+		return configError("KafkaConfig.Producers", c.Producers, "must be between 1 and "+strconv.Itoa(ProducersMax), nil)
+	}
 	return checkMaxMessageBytes("KafkaConfig", c.MaxMessageBytes)
 }
 
@@ -158,9 +183,10 @@ func (c KafkaConfig) saramaConfig() (*sarama.Config, error) {
 	return guaranteedConfig("KafkaConfig", c.Configure, c.MaxMessageBytes, "", "the Kafka publisher is not transactional")
 }
 
-// Kafka publishes batches to Kafka through a long-lived sarama
-// AsyncProducer, which it replaces when the producer can no longer make
-// progress (see KafkaConfig.StallTimeout). It implements relay.Publisher
+// Kafka publishes batches to Kafka through KafkaConfig.Producers
+// long-lived sarama AsyncProducers, each bucket always through the same
+// one, and replaces a producer when it can no longer make progress (see
+// KafkaConfig.StallTimeout). It implements relay.Publisher
 // and is safe for concurrent use; see the package documentation for its
 // guarantees.
 type Kafka struct {
@@ -171,11 +197,11 @@ type Kafka struct {
 	logger    *slog.Logger
 	stall     time.Duration
 	observer  ProducerObserver
+	producers int // KafkaConfig.Producers
 
 	mu      sync.Mutex
 	closed  bool
-	cur     *producer
-	health  health
+	slots   []slot         // KafkaConfig.Producers of them once started; nil before
 	retired sync.WaitGroup // replacements and retired producers closing
 
 	replacements atomic.Int64
@@ -184,8 +210,17 @@ type Kafka struct {
 	retries atomic.Int64
 }
 
+// slot is one of the publisher's producers: the current one and what the
+// publisher knows about its progress, guarded by Kafka.mu. The buckets
+// mapped to the slot publish through its current producer.
+type slot struct {
+	cur    *producer
+	health health
+}
+
 // producer is one sarama producer and the goroutine routing its results.
 type producer struct {
+	slot       int // index in Kafka.slots
 	sp         sarama.AsyncProducer
 	senders    sync.WaitGroup // Publish calls handing messages to sp
 	dispatched chan struct{}  // closed when dispatch returns
@@ -237,7 +272,7 @@ func (k *Kafka) CheckReady(context.Context) error {
 	switch {
 	case k.closed:
 		return closedAtStart("Kafka publisher")
-	case k.cur == nil:
+	case k.slots == nil:
 		return errKafkaNotStarted
 	}
 	return nil
@@ -263,21 +298,60 @@ func NewKafka(cfg KafkaConfig) (*Kafka, error) {
 		logger:    cfg.Logger.With(slog.String("component", "outbox_publisher")),
 		stall:     cfg.StallTimeout,
 		observer:  cfg.Observer,
-		health:    health{gap: replaceGapMin},
+		producers: cfg.Producers,
 	}
 	k.countRetries()
 	return k, nil
 }
 
-// connect starts the producer, bounded by ctx, and puts it in service.
-// Close waits for it.
+// connect starts the producers, bounded by ctx, and puts them in service.
+// Close waits for them.
 func (k *Kafka) connect(ctx context.Context) error {
-	err := connect(ctx, guard{&k.mu, &k.closed, &k.retired}, k.newProducer,
-		func(p *producer) { k.cur = p }, (*producer).close)
+	err := connect(ctx, guard{&k.mu, &k.closed, &k.retired}, k.newProducers,
+		func(ps []*producer) {
+			k.slots = make([]slot, len(ps))
+			for i, p := range ps {
+				k.slots[i] = slot{cur: p, health: health{gap: replaceGapMin}}
+			}
+		}, closeAll)
 	if err == nil {
-		k.logger.Debug("kafka publisher started", slog.Any("brokers", k.brokers))
+		k.logger.Debug("kafka publisher started", slog.Any("brokers", k.brokers), slog.Int("producers", k.producers))
 	}
 	return err
+}
+
+// newProducers starts KafkaConfig.Producers producers at once; if one
+// fails, it closes the others.
+func (k *Kafka) newProducers() ([]*producer, error) {
+	ps := make([]*producer, k.producers)
+	errs := make([]error, k.producers)
+	var wg sync.WaitGroup
+	for i := range ps {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ps[i], errs[i] = k.newProducer(i)
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		closeAll(slices.DeleteFunc(ps, func(p *producer) bool { return p == nil }))
+		return nil, err
+	}
+	return ps, nil
+}
+
+// closeAll closes ps at once and waits for them.
+func closeAll(ps []*producer) {
+	var wg sync.WaitGroup
+	for _, p := range ps {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p.close()
+		}()
+	}
+	wg.Wait()
 }
 
 // countRetries makes sarama count each retry it starts in k.retries.
@@ -296,19 +370,19 @@ func (k *Kafka) countRetries() {
 }
 
 // newProducer starts a sarama producer (which initialises a new producer
-// id) and its dispatcher.
-func (k *Kafka) newProducer() (*producer, error) {
+// id) and its dispatcher, for slot i.
+func (k *Kafka) newProducer(i int) (*producer, error) {
 	sp, err := sarama.NewAsyncProducer(k.brokers, k.sc)
 	if err != nil {
 		return nil, fmt.Errorf("publisher: start Kafka producer: %w", err)
 	}
-	p := &producer{sp: sp, dispatched: make(chan struct{})}
+	p := &producer{slot: i, sp: sp, dispatched: make(chan struct{})}
 	go p.dispatch(k.logger)
 	return p, nil
 }
 
-// Replacements returns how many times the publisher replaced its producer
-// because it could no longer make progress.
+// Replacements returns how many times the publisher replaced one of its
+// producers because it could no longer make progress.
 func (k *Kafka) Replacements() int64 { return k.replacements.Load() }
 
 // call is one Publish call's share of the producer's output.
@@ -513,11 +587,11 @@ func (k *Kafka) Publish(ctx context.Context, msgs []relay.Message) (int, error) 
 		k.mu.Unlock()
 		return 0, errClosed
 	}
-	p := k.cur
-	if p == nil {
+	if k.slots == nil {
 		k.mu.Unlock()
 		return 0, errKafkaNotStarted
 	}
+	p := k.slots[k.slotOf(msgs)].cur
 	p.senders.Add(1)
 	k.mu.Unlock()
 
@@ -531,6 +605,16 @@ func (k *Kafka) Publish(ctx context.Context, msgs []relay.Message) (int, error) 
 	acked, err := k.collect(ctx, msgs, c, sent, stop)
 	k.observe(p, acked, err)
 	return acked, err
+}
+
+// slotOf is the slot a batch publishes through: its first message's
+// bucket's. k.slots is set.
+func (k *Kafka) slotOf(msgs []relay.Message) int {
+	if len(msgs) == 0 {
+		return 0
+	}
+	n := len(k.slots)
+	return (msgs[0].Bucket%n + n) % n
 }
 
 // send hands msgs to the producer in order, stopping before a message that
@@ -808,10 +892,10 @@ func (k *Kafka) observe(p *producer, acked int, err error) {
 	now := time.Now()
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	h := &k.health
-	if p != k.cur || k.closed {
+	if k.closed || p != k.slots[p.slot].cur {
 		return // a retired producer's result
 	}
+	h := &k.slots[p.slot].health
 	if acked > 0 || err == nil {
 		h.failingSince = time.Time{}
 		h.gap = replaceGapMin
@@ -838,19 +922,19 @@ func (k *Kafka) observe(p *producer, acked int, err error) {
 	h.replacing, h.lastReplace = true, now
 	failingFor := now.Sub(h.failingSince)
 	k.retired.Add(1)
-	go k.replace(reason, err, failingFor)
+	go k.replace(p.slot, reason, err, failingFor)
 }
 
-// replace builds a new producer and puts it in service; the old one is
-// closed once the publishes handing messages to it are done. On failure
-// (the cluster is unreachable) the old one stays, and the next attempt
-// waits twice as long, up to StallTimeout.
-func (k *Kafka) replace(reason string, cause error, failingFor time.Duration) {
+// replace builds a new producer for slot i and puts it in service; the old
+// one is closed once the publishes handing messages to it are done. On
+// failure (the cluster is unreachable) the old one stays, and the next
+// attempt waits twice as long, up to StallTimeout.
+func (k *Kafka) replace(i int, reason string, cause error, failingFor time.Duration) {
 	defer k.retired.Done()
-	np, err := k.newProducer()
+	np, err := k.newProducer(i)
 
 	k.mu.Lock()
-	h := &k.health
+	h := &k.slots[i].health
 	h.replacing = false
 	h.gap = min(2*h.gap, max(k.stall, replaceGapMin))
 	if err != nil {
@@ -865,14 +949,14 @@ func (k *Kafka) replace(reason string, cause error, failingFor time.Duration) {
 		go k.retire(np)
 		return
 	}
-	old := k.cur
-	k.cur = np
+	old := k.slots[i].cur
+	k.slots[i].cur = np
 	h.failingSince = time.Time{}
 	k.mu.Unlock()
 
 	n := k.replacements.Add(1)
 	k.logger.Warn("kafka producer could not make progress; replaced it with a new one (new producer id)",
-		slog.String("reason", reason), slog.Duration("failing_for", failingFor), slog.Int64("replacements", n), slog.Any("cause", cause))
+		slog.String("reason", reason), slog.Int("producer", i), slog.Duration("failing_for", failingFor), slog.Int64("replacements", n), slog.Any("cause", cause))
 	if k.observer != nil {
 		k.observer.ProducerReplaced(reason)
 	}
@@ -934,12 +1018,13 @@ func (k *Kafka) seal() (finish func() error) {
 		}
 	}
 	k.closed = true
-	p := k.cur
+	ps := make([]*producer, len(k.slots))
+	for i := range k.slots {
+		ps[i] = k.slots[i].cur
+	}
 	k.retired.Add(1) // later calls wait for this one too
 	return func() error {
-		if p != nil {
-			p.close()
-		}
+		closeAll(ps)
 		k.retired.Done()
 		k.retired.Wait()
 		k.logger.Debug("kafka publisher closed")

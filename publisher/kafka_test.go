@@ -712,31 +712,13 @@ func TestKafkaConcurrentPublish(t *testing.T) {
 	k := newKafka(t, c)
 
 	const workers, batches, size = 6, 5, 100
-	var wg sync.WaitGroup
-	errs := make(chan error, workers)
-	for w := range workers {
-		wg.Go(func() {
-			for b := range batches {
-				msgs := publishertest.Messages(topic, fmt.Sprintf("w%d-b%d", w, b), size)
-				for i := range msgs {
-					msgs[i].Key = fmt.Appendf(nil, "worker-%d", w)
-				}
-				acked, err := k.Publish(context.Background(), msgs)
-				if err == nil && acked != size {
-					err = fmt.Errorf("worker %d batch %d: acked %d of %d", w, b, acked, size)
-				}
-				if err != nil {
-					errs <- err
-					return
-				}
-			}
-		})
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		require.NoError(t, err)
-	}
+	publishConcurrently(t, k, workers, batches, func(w, b int) []relay.Message {
+		msgs := publishertest.Messages(topic, fmt.Sprintf("w%d-b%d", w, b), size)
+		for i := range msgs {
+			msgs[i].Key = fmt.Appendf(nil, "worker-%d", w)
+		}
+		return msgs
+	})
 
 	const total = workers * batches * size
 	require.Equal(t, int64(total), c.RecordCount(t, topic))
@@ -852,4 +834,11 @@ func TestNewKafkaErrors(t *testing.T) {
 	})
 	require.ErrorContains(t, err, "Transaction.ID")
 
+	for _, n := range []int{-1, publisher.ProducersMax + 1} {
+		_, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: []string{"127.0.0.1:1"}, Producers: n})
+		var ce *relay.ConfigError
+		require.ErrorAs(t, err, &ce, "Producers %d", n)
+		require.Equal(t, "KafkaConfig.Producers", ce.Field)
+	}
+	require.Equal(t, publisher.ProducersDefault, publisher.KafkaConfig{}.WithDefaults().Producers)
 }

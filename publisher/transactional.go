@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/IBM/sarama"
 
@@ -102,8 +103,57 @@ func (c TransactionalConfig) validate() error {
 // An empty txnID builds the configuration Start checks the brokers with.
 // c has its defaults applied.
 func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) {
-	return guaranteedConfig("TransactionalConfig", c.Configure, c.MaxMessageBytes, txnID,
+	sc, err := guaranteedConfig("TransactionalConfig", c.Configure, c.MaxMessageBytes, txnID,
 		"the transactional publisher sets it to TransactionalIDPrefix plus the bucket")
+	if err != nil {
+		return nil, err
+	}
+	retry := &sc.Producer.Transaction.Retry
+	if retry.BackoffFunc == nil && retry.Backoff == sarama.NewConfig().Producer.Transaction.Retry.Backoff {
+		retry.BackoffFunc = txnRetryBackoff
+	}
+	if f := &sc.Producer.Flush; f.Frequency == 0 && f.Messages == 0 && f.Bytes == 0 {
+		f.Frequency = TxnLingerDefault
+	}
+	return sc, nil
+}
+
+// TxnLingerDefault is the transactional producers' sarama
+// Producer.Flush.Frequency unless TransactionalConfig.Configure sets a
+// Producer.Flush threshold: how long a produce request waits for more of
+// the transaction's records. Without it sarama sends the first record of a
+// transaction alone, and every produce request of a transaction that
+// reaches a partition not yet in it costs an AddPartitionsToTxn round
+// trip before it; a millisecond collects the whole batch, handed over in
+// a tight loop, into one AddPartitionsToTxn and one produce request per
+// broker.
+const TxnLingerDefault = time.Millisecond
+
+// Bounds of txnRetryBackoff.
+const (
+	txnRetryBackoffMin = 2 * time.Millisecond
+	txnRetryBackoffMax = 100 * time.Millisecond
+)
+
+// txnRetryBackoff is the transactional producer's wait before it resends a
+// coordinator request (AddPartitionsToTxn, EndTxn, InitProducerID) that
+// failed with a retriable error, unless Configure chose
+// Producer.Transaction.Retry.Backoff or BackoffFunc: 2ms, doubling up to
+// sarama's fixed default of 100ms. The common retriable error is the
+// coordinator's CONCURRENT_TRANSACTIONS for a bucket's next transaction
+// while it still writes the previous one's commit markers, which takes a
+// millisecond or two; sarama's fixed waits (100ms, 20ms for that case)
+// made every batch of a busy bucket wait that long. Over sarama's default
+// 50 retries it still waits about 4.5s in all before giving up, as the
+// fixed 100ms would (5s), so a coordinator moving is ridden out as before.
+func txnRetryBackoff(retries, _ int) time.Duration {
+	if retries < 0 {
+		retries = 0
+	}
+	if retries >= 6 {
+		return txnRetryBackoffMax
+	}
+	return min(txnRetryBackoffMin<<retries, txnRetryBackoffMax)
 }
 
 // Transactional is the strict-mode Kafka publisher: every batch is one Kafka

@@ -44,6 +44,9 @@ type config struct {
 	// Parallelism is the relay's Config.Parallelism; 0 takes the relay's
 	// default.
 	Parallelism int
+	// Producers is the Kafka publisher's KafkaConfig.Producers; 0 takes
+	// the publisher's default.
+	Producers int
 	// MaxIdleConns is the idle (and open) connection limit of every pool
 	// the bench and its relay processes open; negative leaves
 	// database/sql's defaults (2 idle, no open limit).
@@ -127,6 +130,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.Partitions, "partitions", 8, "topic partitions")
 	fs.IntVar(&c.BatchSize, "batch", 500, "relay batch size")
 	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
+	fs.IntVar(&c.Producers, "producers", 0, "Kafka publisher's Producers (0: the publisher's default)")
 	fs.IntVar(&c.MaxIdleConns, "max-idle-conns", 16, "connections each database pool keeps idle, and its open limit (-1: database/sql's defaults, 2 idle and no open limit, as in an application that sets neither, which the GORM store raises itself; -2: the same defaults set explicitly with SetMaxIdleConns(2), which the store keeps: an untuned pool)")
 	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
@@ -243,6 +247,7 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	useExternalBrokers(cfg.Brokers)
+	kafkaProducers = cfg.Producers
 	results, err := run(ctx, cfg, os.Stderr)
 	print(os.Stdout, cfg, results)
 	if err != nil {

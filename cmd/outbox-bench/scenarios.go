@@ -183,9 +183,13 @@ func poll(ctx context.Context, timeout, every time.Duration, done func() (bool, 
 	}
 }
 
+// kafkaProducers is the publishers' KafkaConfig.Producers (-producers; 0:
+// the default).
+var kafkaProducers int
+
 // newPublisher builds and starts a Kafka publisher; ctx's end closes it.
 func newPublisher(ctx context.Context, brokers []string) (*publisher.Kafka, error) {
-	p, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Configure: func(c *sarama.Config) error {
+	p, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Producers: kafkaProducers, Configure: func(c *sarama.Config) error {
 		c.ClientID = "outbox-bench"
 		return nil
 	}})

@@ -392,6 +392,9 @@ type Record struct {
 	Key       []byte
 	Value     []byte
 	Headers   []Header
+	// ProducerID is the id of the idempotent or transactional producer
+	// that wrote the record, -1 for a plain producer's.
+	ProducerID int64
 }
 
 // ReadOption configures ReadAll and ReadLog.
@@ -428,11 +431,12 @@ func (c *Cluster) consumer(t testing.TB, topic string, ro readOptions, extra ...
 
 func toRecord(r *kgo.Record) Record {
 	rec := Record{
-		Topic:     r.Topic,
-		Partition: r.Partition,
-		Offset:    r.Offset,
-		Key:       r.Key,
-		Value:     r.Value,
+		Topic:      r.Topic,
+		Partition:  r.Partition,
+		Offset:     r.Offset,
+		Key:        r.Key,
+		Value:      r.Value,
+		ProducerID: r.ProducerID,
 	}
 	for _, h := range r.Headers {
 		rec.Headers = append(rec.Headers, Header{Key: h.Key, Value: h.Value})

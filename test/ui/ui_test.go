@@ -209,11 +209,16 @@ func click(t *testing.T, ctx context.Context, sel string) int64 {
 	return resp.Status
 }
 
+// text returns the text of the first element sel matches, waiting for one
+// to appear. It finds and reads the element in one evaluation: a page that
+// refreshes itself (the overview) may replace the element between a
+// lookup and a read in two round trips.
 func text(t *testing.T, ctx context.Context, sel string) string {
 	t.Helper()
-	s, err := chromedp.Run(ctx, chromedp.TextContent(chromedp.CSS(sel)))
+	js := `(() => { const e = document.querySelector(` + strconv.Quote(sel) + `); return e ? {Text: e.textContent} : null })()`
+	v, err := chromedp.Run(ctx, chromedp.Poll[struct{ Text string }](js, chromedp.WithPollingInterval(20*time.Millisecond)))
 	require.NoError(t, err, sel)
-	return strings.TrimSpace(s)
+	return strings.TrimSpace(v.Text)
 }
 
 // screenshot takes a PNG of the whole page and writes it to

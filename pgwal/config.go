@@ -78,6 +78,13 @@ type Config struct {
 	// table-mode relay may run while a bridging reader publishes (see
 	// docs/wal-mode.md, Switching modes). Default false.
 	Bridge bool
+	// FailoverSlot creates the slot as a failover slot (PostgreSQL 17+,
+	// CREATE_REPLICATION_SLOT ... (FAILOVER true)) and turns the option
+	// on for an existing slot, so that a standby with
+	// sync_replication_slots = on keeps a synchronized copy that survives
+	// a promotion (docs/wal-mode.md, Failover). On an older server
+	// EnsureSlot and Run fail with a *relay.ConfigError. Default false.
+	FailoverSlot bool
 	// Logger receives the reader's logs. Default slog.Default().
 	Logger *slog.Logger
 }

@@ -2,6 +2,7 @@ package pgwal_test
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"strconv"
 	"strings"
@@ -122,32 +123,12 @@ func (w *switchWriters) halt() {
 func TestSwitchBothWays(t *testing.T) {
 	e := setup(t)
 	ctx := context.Background()
-	name := e.plugin.Config().Name
-	tableDB, err := dbtest.OpenGorm(dbtest.Postgres, e.db.DSN, &gorm.Config{Logger: logger.Discard})
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		if sqlDB, err := tableDB.DB(); err == nil {
-			_ = sqlDB.Close()
-		}
-	})
-	tablePlugin, err := outbox.NewPlugin(outbox.Config{Name: name})
-	require.NoError(t, err)
-	require.NoError(t, tableDB.Use(tablePlugin))
-	require.NoError(t, tablePlugin.AutoMigrate(ctx, tableDB))
-
+	tableDB, tablePlugin := e.tableSide(t)
 	tablePub, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: e.kafka.Brokers(), Logger: dbtest.Logger(t)})
 	require.NoError(t, err)
 	require.NoError(t, tablePub.Start(ctx))
 	t.Cleanup(func() { _ = tablePub.Stop(context.Background()) })
-	startTableRelay := func(id string) *relay.Relay {
-		rl, err := gormrelay.New(tableDB, tablePlugin, tablePub, gormrelay.WithRelayConfig(relay.Config{
-			RelayID: id, BatchSize: 20, PollInterval: 50 * time.Millisecond, LeaseDuration: 2 * time.Second,
-			LeaseRenewInterval: 200 * time.Millisecond, BackoffMin: 10 * time.Millisecond, BackoffMax: 100 * time.Millisecond,
-			Logger: dbtest.Logger(t)}))
-		require.NoError(t, err)
-		require.NoError(t, rl.Start(ctx))
-		return rl
-	}
+	startTableRelay := func(id string) *relay.Relay { return startTableRelay(t, tableDB, tablePlugin, tablePub, id) }
 
 	const keys = 6
 	w := startSwitchWriters(t, keys, e.topic, e.db.DB, tableDB)
@@ -212,6 +193,114 @@ func TestSwitchBothWays(t *testing.T) {
 	}, 30*time.Second, 20*time.Millisecond, "the messages table ends empty")
 }
 
+// tableSide opens a second connection to e's schema with a table-mode
+// plugin of the same outbox: the writers not switched yet.
+func (e *env) tableSide(t *testing.T) (*gorm.DB, *outbox.Plugin) {
+	t.Helper()
+	tableDB, err := dbtest.OpenGorm(dbtest.Postgres, e.db.DSN, &gorm.Config{Logger: logger.Discard})
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		if sqlDB, err := tableDB.DB(); err == nil {
+			_ = sqlDB.Close()
+		}
+	})
+	p, err := outbox.NewPlugin(outbox.Config{Name: e.plugin.Config().Name})
+	require.NoError(t, err)
+	require.NoError(t, tableDB.Use(p))
+	require.NoError(t, p.AutoMigrate(context.Background(), tableDB))
+	return tableDB, p
+}
+
+// startTableRelay starts a table-mode relay with short intervals.
+func startTableRelay(t *testing.T, db *gorm.DB, p *outbox.Plugin, pub relay.Publisher, id string) *relay.Relay {
+	t.Helper()
+	rl, err := gormrelay.New(db, p, pub, gormrelay.WithRelayConfig(relay.Config{
+		RelayID: id, BatchSize: 20, PollInterval: 50 * time.Millisecond, LeaseDuration: 2 * time.Second,
+		LeaseRenewInterval: 200 * time.Millisecond, BackoffMin: 10 * time.Millisecond, BackoffMax: 100 * time.Millisecond,
+		Logger: dbtest.Logger(t)}))
+	require.NoError(t, err)
+	require.NoError(t, rl.Start(context.Background()))
+	return rl
+}
+
+// enqueue commits one message k:v through db.
+func enqueue(t *testing.T, db *gorm.DB, topic, k string, v int) {
+	t.Helper()
+	require.NoError(t, db.Transaction(func(tx *gorm.DB) error {
+		return outbox.Enqueue(tx, &outbox.Message{Topic: topic, Key: []byte(k), Value: []byte(k + ":" + strconv.Itoa(v))})
+	}))
+}
+
+// TestBridgeKeepsTableDeadLetters: a key the table-mode relay
+// dead-lettered before the switch stays parked behind its dead letter
+// when the bridging reader takes over: its later messages, written in
+// either mode, are parked in order (the table rows deleted), the other
+// keys flow.
+func TestBridgeKeepsTableDeadLetters(t *testing.T) {
+	e := setup(t)
+	ctx := context.Background()
+	tableDB, tablePlugin := e.tableSide(t)
+	r := e.reader(t, e.pub, "wal-1", func(c *pgwal.Config) { c.Bridge = true })
+	poison := relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+		for i, m := range msgs {
+			if string(m.Value) == "k0:1" {
+				n, err := e.pub.Publish(ctx, msgs[:i])
+				if err != nil {
+					return n, err
+				}
+				return i, relay.Permanent(errors.New("poison k0:1"))
+			}
+		}
+		return e.pub.Publish(ctx, msgs)
+	})
+	for v := range 3 {
+		enqueue(t, tableDB, e.topic, "k0", v)
+		enqueue(t, tableDB, e.topic, "k1", v)
+	}
+	rl := startTableRelay(t, tableDB, tablePlugin, poison, "table-1")
+	dl := e.plugin.Config().Tables.DeadLettersTable()
+	countDead := func() int64 {
+		var n int64
+		require.NoError(t, e.db.Table(dl).Count(&n).Error)
+		return n
+	}
+	require.Eventually(t, func() bool { return countDead() == 2 }, 30*time.Second, 20*time.Millisecond, "k0:1 failed, k0:2 parked")
+	require.Eventually(t, func() bool { ok, err := r.TableDrained(ctx, 1<<62); return err == nil && ok }, 30*time.Second, 20*time.Millisecond)
+	require.NoError(t, rl.Stop(ctx))
+
+	stop := run(r)
+	t.Cleanup(func() { _ = stop() })
+	enqueue(t, e.db.DB, e.topic, "k0", 3)
+	enqueue(t, tableDB, e.topic, "k0", 4)
+	enqueue(t, e.db.DB, e.topic, "k1", 3)
+	enqueue(t, tableDB, e.topic, "k1", 4)
+	require.Eventually(t, func() bool { return countDead() == 4 }, 30*time.Second, 20*time.Millisecond, "k0:3 and k0:4 parked")
+	var rows []outbox.DeadLetterRow
+	require.NoError(t, e.db.Table(dl).Find(&rows).Error)
+	for _, row := range rows {
+		require.Equal(t, "k0", string(row.Key), "only k0 is dead-lettered")
+	}
+	checkKeysDelivered(t, e, []int64{1, 5})
+	for _, rec := range e.kafka.ReadLog(t, e.topic, 30*time.Second) {
+		require.NotContains(t, []string{"k0:1", "k0:2", "k0:3", "k0:4"}, string(rec.Value), "a parked message reached Kafka")
+	}
+	var left int64
+	require.NoError(t, e.db.Table(e.plugin.Config().Tables.Messages).Count(&left).Error)
+	require.Zero(t, left, "the parked table row left the messages table")
+
+	// EndBridge: the table's rows are not the reader's any more.
+	require.NoError(t, r.EndBridge(ctx))
+	var pubTables int64
+	require.NoError(t, e.db.Raw("SELECT count(*) FROM pg_publication_tables WHERE pubname = ?", r.Config().Slot).Scan(&pubTables).Error)
+	require.Zero(t, pubTables)
+	enqueue(t, tableDB, e.topic, "k1", 5)
+	lsn, err := r.WALMark(ctx)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { ok, err := r.PublishedThrough(ctx, lsn); return err == nil && ok }, 30*time.Second, 20*time.Millisecond)
+	require.NoError(t, e.db.Table(e.plugin.Config().Tables.Messages).Count(&left).Error)
+	require.Equal(t, int64(1), left, "a row written after EndBridge stays for a table relay")
+}
+
 // checkKeysDelivered waits until key k<i> has every value 0..last[i]-1 in
 // Kafka and checks that each key's values first appear in order.
 func checkKeysDelivered(t *testing.T, e *env, last []int64) {
@@ -261,4 +350,35 @@ func checkKeysDelivered(t *testing.T, e *env, last []int64) {
 type kafkaRecord struct {
 	key, value       string
 	offset, producer int64
+}
+
+// TestFailoverSlot: FailoverSlot creates a failover slot on PostgreSQL
+// 17+; on an older server EnsureSlot and Run refuse it with a
+// *relay.ConfigError naming the version, and create nothing.
+func TestFailoverSlot(t *testing.T) {
+	e := setup(t)
+	var version int
+	require.NoError(t, e.db.Raw("SELECT current_setting('server_version_num')::int").Scan(&version).Error)
+	r, err := pgwal.New(e.db.DB, e.plugin, e.pub, pgwal.Config{ReplicationDSN: dbtest.PostgresWALDSN(), Slot: strings.ToLower(dbtest.Name("fo_")),
+		FailoverSlot: true, Logger: dbtest.Logger(t)})
+	require.NoError(t, err)
+	slot := r.Config().Slot
+	t.Cleanup(func() {
+		_ = e.db.Exec("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = ?", slot).Error
+		_ = e.db.Exec("DROP PUBLICATION IF EXISTS " + slot).Error
+	})
+	err = r.EnsureSlot(context.Background())
+	if version < 170000 {
+		var ce *relay.ConfigError
+		require.ErrorAs(t, err, &ce)
+		require.Equal(t, "FailoverSlot", ce.Field)
+		require.Contains(t, err.Error(), "PostgreSQL 17")
+		require.False(t, slotExists(e.db.DB, slot), "no slot created")
+		require.ErrorAs(t, r.Run(context.Background()), &ce, "Run refuses it too")
+		return
+	}
+	require.NoError(t, err)
+	var failover bool
+	require.NoError(t, e.db.Raw("SELECT failover FROM pg_replication_slots WHERE slot_name = ?", slot).Scan(&failover).Error)
+	require.True(t, failover)
 }

@@ -2,6 +2,7 @@ package pgwal
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -87,11 +88,20 @@ func (r *Reader) sess(ctx context.Context) *gorm.DB {
 	return r.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
 }
 
+// ErrTableRelaysRunning is the error of a bridging reader's term while a
+// table-mode relay holds bucket leases: two publishers of the table's
+// rows would not keep commit order, so the reader does not read until the
+// table relays stopped, and Run retries.
+var ErrTableRelaysRunning = errors.New("pgwal: a table-mode relay holds bucket leases; a bridging reader reads once the table relays stopped")
+
 // bridgeOID returns the messages table's oid, 0 when the reader does not
-// bridge.
+// bridge. A bridging reader does not read while a table relay runs.
 func (r *Reader) bridgeOID(ctx context.Context) (uint32, error) {
 	if !r.cfg.Bridge {
 		return 0, nil
+	}
+	if stopped, err := r.TableRelaysStopped(ctx); err != nil || !stopped {
+		return 0, errors.Join(ErrTableRelaysRunning, err)
 	}
 	var oid *int64
 	if err := r.sess(ctx).Raw("SELECT to_regclass(?)::oid::bigint", r.ocfg.Tables.Messages).Scan(&oid).Error; err != nil {

@@ -3,6 +3,7 @@ package pgwal_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"math/rand/v2"
 	"strconv"
 	"strings"
@@ -20,6 +21,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -299,6 +301,46 @@ func TestBridgeKeepsTableDeadLetters(t *testing.T) {
 	require.Eventually(t, func() bool { ok, err := r.PublishedThrough(ctx, lsn); return err == nil && ok }, 30*time.Second, 20*time.Millisecond)
 	require.NoError(t, e.db.Table(e.plugin.Config().Tables.Messages).Count(&left).Error)
 	require.Equal(t, int64(1), left, "a row written after EndBridge stays for a table relay")
+}
+
+// logBuffer collects a logger's lines.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf strings.Builder
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// TestBridgeWaitsForTableRelays: a bridging reader does not read while a
+// table-mode relay holds leases, and reads once it stopped.
+func TestBridgeWaitsForTableRelays(t *testing.T) {
+	e := setup(t)
+	ctx := context.Background()
+	tableDB, tablePlugin := e.tableSide(t)
+	rl := startTableRelay(t, tableDB, tablePlugin, publishertest.StartKafka(t, publisher.KafkaConfig{Brokers: e.kafka.Brokers()}), "table-1")
+	logs := &logBuffer{}
+	r := e.reader(t, e.pub, "wal-1", func(c *pgwal.Config) {
+		c.Bridge = true
+		c.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	})
+	require.Eventually(t, func() bool { ok, err := r.TableRelaysStopped(ctx); return err == nil && !ok }, 30*time.Second, 20*time.Millisecond)
+	stop := run(r)
+	t.Cleanup(func() { _ = stop() })
+	enqueue(t, e.db.DB, e.topic, "k0", 0)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), pgwal.ErrTableRelaysRunning.Error()) }, 30*time.Second, 20*time.Millisecond)
+	require.Zero(t, r.Stats().Received, "nothing read while the table relay runs")
+	require.NoError(t, rl.Stop(ctx))
+	checkKeysDelivered(t, e, []int64{1})
 }
 
 // checkKeysDelivered waits until key k<i> has every value 0..last[i]-1 in

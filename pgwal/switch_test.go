@@ -303,24 +303,6 @@ func TestBridgeKeepsTableDeadLetters(t *testing.T) {
 	require.Equal(t, int64(1), left, "a row written after EndBridge stays for a table relay")
 }
 
-// logBuffer collects a logger's lines.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf strings.Builder
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // TestBridgeWaitsForTableRelays: a bridging reader does not read while a
 // table-mode relay holds leases, and reads once it stopped.
 func TestBridgeWaitsForTableRelays(t *testing.T) {
@@ -328,7 +310,7 @@ func TestBridgeWaitsForTableRelays(t *testing.T) {
 	ctx := context.Background()
 	tableDB, tablePlugin := e.tableSide(t)
 	rl := startTableRelay(t, tableDB, tablePlugin, publishertest.StartKafka(t, publisher.KafkaConfig{Brokers: e.kafka.Brokers()}), "table-1")
-	logs := &logBuffer{}
+	logs := &dbtest.LogBuffer{}
 	r := e.reader(t, e.pub, "wal-1", func(c *pgwal.Config) {
 		c.Bridge = true
 		c.Logger = slog.New(slog.NewTextHandler(logs, nil))

@@ -60,8 +60,9 @@ func (r *Reader) syncBridge(ctx context.Context) error {
 // table.
 func (r *Reader) bridged(ctx context.Context) (bool, error) {
 	var n int64
-	err := r.sess(ctx).Raw("SELECT count(*) FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid"+
-		" WHERE p.pubname = ? AND pr.prrelid = to_regclass(?)", r.cfg.Slot, r.ocfg.Tables.Messages).Scan(&n).Error
+	db := r.sess(ctx)
+	err := db.Raw("SELECT count(*) FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid"+
+		" WHERE p.pubname = ? AND pr.prrelid = to_regclass(?)", r.cfg.Slot, db.Statement.Quote(r.ocfg.Tables.Messages)).Scan(&n).Error
 	if err != nil {
 		return false, fmt.Errorf("pgwal: read publication %s: %w", r.cfg.Slot, err)
 	}
@@ -104,7 +105,8 @@ func (r *Reader) bridgeOID(ctx context.Context) (uint32, error) {
 		return 0, errors.Join(ErrTableRelaysRunning, err)
 	}
 	var oid *int64
-	if err := r.sess(ctx).Raw("SELECT to_regclass(?)::oid::bigint", r.ocfg.Tables.Messages).Scan(&oid).Error; err != nil {
+	db := r.sess(ctx)
+	if err := db.Raw("SELECT to_regclass(?)::oid::bigint", db.Statement.Quote(r.ocfg.Tables.Messages)).Scan(&oid).Error; err != nil {
 		return 0, fmt.Errorf("pgwal: find table %s: %w", r.ocfg.Tables.Messages, err)
 	}
 	if oid == nil {

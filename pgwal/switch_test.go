@@ -325,6 +325,44 @@ func TestBridgeWaitsForTableRelays(t *testing.T) {
 	checkKeysDelivered(t, e, []int64{1})
 }
 
+// TestBridgeKilledMidStream: a bridging reader cancelled mid-stream while
+// writers of both modes write the same keys is replaced by another that
+// replays from the confirmed position: rows the first one deleted are
+// skipped, the others published again; every message arrives, each key
+// in order, and the table ends empty.
+func TestBridgeKilledMidStream(t *testing.T) {
+	e := setup(t)
+	tableDB, _ := e.tableSide(t)
+	slow := relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+		time.Sleep(20 * time.Millisecond) // messages wait in the queues when the reader dies
+		return e.pub.Publish(ctx, msgs)
+	})
+	bridge := func(c *pgwal.Config) { c.Bridge = true; c.BatchSize = 5 }
+	a := e.reader(t, slow, "a", bridge)
+	stopA := run(a)
+	const keys = 6
+	w := startSwitchWriters(t, keys, e.topic, e.db.DB, tableDB)
+	w.switchTo(t, phaseMixed)
+	require.Eventually(t, func() bool { return a.Stats().Published >= 200 }, 60*time.Second, 5*time.Millisecond)
+	require.NoError(t, stopA())
+	require.Less(t, a.Stats().Published, a.Stats().Received, "the reader died with messages queued")
+
+	b := e.reader(t, e.pub, "b", bridge)
+	stopB := run(b)
+	t.Cleanup(func() { _ = stopB() })
+	w.writeMore(t, 200)
+	w.halt()
+	last := make([]int64, keys)
+	for k := range keys {
+		last[k] = w.next[k].Load()
+	}
+	checkKeysDelivered(t, e, last)
+	require.Eventually(t, func() bool {
+		var n int64
+		return e.db.Table(e.plugin.Config().Tables.Messages).Count(&n).Error == nil && n == 0
+	}, 30*time.Second, 20*time.Millisecond, "the messages table ends empty")
+}
+
 // checkKeysDelivered waits until key k<i> has every value 0..last[i]-1 in
 // Kafka and checks that each key's values first appear in order.
 func checkKeysDelivered(t *testing.T, e *env, last []int64) {

@@ -108,6 +108,24 @@ func (w *switchWriters) writeMore(t *testing.T, n int64) {
 	require.Eventually(t, func() bool { return w.wal.Load()+w.table.Load() >= from+n }, 60*time.Second, 10*time.Millisecond)
 }
 
+// written returns each key's count of committed writes.
+func (w *switchWriters) written() []int64 {
+	out := make([]int64, len(w.next))
+	for k := range w.next {
+		out[k] = w.next[k].Load()
+	}
+	return out
+}
+
+// requireTableEmpty waits until the messages table is empty.
+func (e *env) requireTableEmpty(t *testing.T) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		var n int64
+		return e.db.Table(e.plugin.Config().Tables.Messages).Count(&n).Error == nil && n == 0
+	}, 30*time.Second, 20*time.Millisecond, "the messages table ends empty")
+}
+
 func (w *switchWriters) halt() {
 	select {
 	case <-w.stop:
@@ -184,15 +202,8 @@ func TestSwitchBothWays(t *testing.T) {
 	require.Positive(t, st.Published)
 	t.Logf("writes: %d WAL, %d table; reader published %d", w.wal.Load(), w.table.Load(), st.Published)
 
-	last := make([]int64, keys)
-	for k := range keys {
-		last[k] = w.next[k].Load()
-	}
-	checkKeysDelivered(t, e, last)
-	require.Eventually(t, func() bool {
-		var n int64
-		return e.db.Raw("SELECT count(*) FROM "+e.plugin.Config().Tables.Messages).Scan(&n).Error == nil && n == 0
-	}, 30*time.Second, 20*time.Millisecond, "the messages table ends empty")
+	checkKeysDelivered(t, e, w.written())
+	e.requireTableEmpty(t)
 }
 
 // tableSide opens a second connection to e's schema with a table-mode
@@ -352,15 +363,8 @@ func TestBridgeKilledMidStream(t *testing.T) {
 	t.Cleanup(func() { _ = stopB() })
 	w.writeMore(t, 200)
 	w.halt()
-	last := make([]int64, keys)
-	for k := range keys {
-		last[k] = w.next[k].Load()
-	}
-	checkKeysDelivered(t, e, last)
-	require.Eventually(t, func() bool {
-		var n int64
-		return e.db.Table(e.plugin.Config().Tables.Messages).Count(&n).Error == nil && n == 0
-	}, 30*time.Second, 20*time.Millisecond, "the messages table ends empty")
+	checkKeysDelivered(t, e, w.written())
+	e.requireTableEmpty(t)
 }
 
 // checkKeysDelivered waits until key k<i> has every value 0..last[i]-1 in

@@ -115,6 +115,28 @@ func (r *Reader) bridgeOID(ctx context.Context) (uint32, error) {
 	return uint32(*oid), nil
 }
 
+// checkTableRelays ends a bridging term when a table-mode relay took
+// bucket leases while the reader reads: the reader stops publishing (its
+// next term waits for the table relays to stop) and says so loudly, as
+// the relay may publish a key's table row before an earlier WAL message.
+// A failed check is logged and ignored.
+func (s *stream) checkTableRelays(ctx context.Context) error {
+	if s.rel.oid == 0 {
+		return nil
+	}
+	stopped, err := s.r.TableRelaysStopped(ctx)
+	if err != nil {
+		s.r.log.Warn("pgwal: checking for table relays failed", "err", err)
+		return nil
+	}
+	if stopped {
+		return nil
+	}
+	s.r.log.Error("pgwal: a table-mode relay started while the reader bridges the messages table; the reader stops reading until it stopped. " +
+		"Per-key order may be broken for the keys that relay publishes: stop the table relays until the switch is over (docs/wal-mode.md)")
+	return ErrTableRelaysRunning
+}
+
 // decodeRelation notes where the messages table's id and bucket are in
 // its tuples.
 func (s *stream) decodeRelation(m *pglogrepl.RelationMessage) {

@@ -120,6 +120,9 @@ func (s *stream) position() pglogrepl.LSN {
 // status renews the lease, records the position and sends it to the
 // server.
 func (s *stream) status(ctx context.Context) error {
+	if err := s.checkTableRelays(ctx); err != nil {
+		return err
+	}
 	pos := s.position()
 	rctx, cancel := context.WithTimeout(ctx, s.r.cfg.LeaseDuration/3)
 	ok, err := s.r.leases.renew(rctx, s.term, int64(pos))

@@ -367,6 +367,31 @@ func TestBridgeKilledMidStream(t *testing.T) {
 	e.requireTableEmpty(t)
 }
 
+// TestBridgeStopsWhenATableRelayStarts: a table relay that starts while
+// a bridging reader reads makes the reader stop reading and log an error;
+// the reader reads again once the relay stopped.
+func TestBridgeStopsWhenATableRelayStarts(t *testing.T) {
+	e := setup(t)
+	ctx := context.Background()
+	tableDB, tablePlugin := e.tableSide(t)
+	logs := &dbtest.LogBuffer{}
+	r := e.reader(t, e.pub, "wal-1", func(c *pgwal.Config) {
+		c.Bridge = true
+		c.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	})
+	stop := run(r)
+	t.Cleanup(func() { _ = stop() })
+	enqueue(t, e.db.DB, e.topic, "k0", 0)
+	checkKeysDelivered(t, e, []int64{1})
+	rl := startTableRelay(t, tableDB, tablePlugin, publishertest.StartKafka(t, publisher.KafkaConfig{Brokers: e.kafka.Brokers()}), "table-1")
+	require.Eventually(t, func() bool {
+		return strings.Contains(logs.String(), "a table-mode relay started while the reader bridges")
+	}, 30*time.Second, 20*time.Millisecond)
+	require.NoError(t, rl.Stop(ctx))
+	enqueue(t, e.db.DB, e.topic, "k0", 1)
+	checkKeysDelivered(t, e, []int64{2})
+}
+
 // checkKeysDelivered waits until key k<i> has every value 0..last[i]-1 in
 // Kafka and checks that each key's values first appear in order.
 func checkKeysDelivered(t *testing.T, e *env, last []int64) {

@@ -57,6 +57,11 @@ type Config struct {
 	// WALSlot names the replication slot in WAL mode. Default: pgwal's,
 	// "outbox_" followed by the outbox name.
 	WALSlot string
+	// OutboxName is outbox.Config.Name: the metrics label and, in WAL
+	// mode, the prefix of the WAL messages. A slot decodes the messages
+	// of its whole database, so services sharing a database in WAL mode
+	// need distinct names. Default: the messages table name.
+	OutboxName string
 	// ShutdownTimeout bounds each step of the shutdown: the relay's
 	// graceful stop, the producer's flush, the HTTP server's. Default
 	// relay.ShutdownTimeoutDefault (10s).
@@ -146,7 +151,7 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	if a.db, err = openDatabase(cfg.DatabaseURL); err != nil {
 		return nil, err
 	}
-	if a.plugin, err = outbox.NewPlugin(outbox.Config{Mode: mode, Rules: orderRules(cfg.Topic), Logger: a.log}); err != nil {
+	if a.plugin, err = outbox.NewPlugin(outbox.Config{Name: cfg.OutboxName, Mode: mode, Rules: orderRules(cfg.Topic), Logger: a.log}); err != nil {
 		return nil, err
 	}
 	if err = a.db.Use(a.plugin); err != nil {

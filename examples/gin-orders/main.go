@@ -43,6 +43,7 @@ func main() {
 		Consume:      env("CONSUME", "true") == "true",
 		Mode:         env("OUTBOX_MODE", ModeTable),
 		WALSlot:      env("OUTBOX_WAL_SLOT", ""),
+		OutboxName:   env("OUTBOX_NAME", ""),
 	}
 	var shutdownTimeout time.Duration
 	flag.StringVar(&cfg.Addr, "addr", cfg.Addr, "HTTP listen address (env ADDR)")
@@ -52,6 +53,7 @@ func main() {
 	flag.BoolVar(&cfg.Consume, "consume", cfg.Consume, "run the demo consumer that logs each event once (env CONSUME)")
 	flag.StringVar(&cfg.Mode, "outbox-mode", cfg.Mode, "table, or wal: messages in PostgreSQL's WAL, relayed from a replication slot (env OUTBOX_MODE)")
 	flag.StringVar(&cfg.WALSlot, "wal-slot", cfg.WALSlot, "replication slot in wal mode; default outbox_<outbox name> (env OUTBOX_WAL_SLOT)")
+	flag.StringVar(&cfg.OutboxName, "outbox-name", cfg.OutboxName, "the outbox's name: metrics label and WAL message prefix; distinct per service sharing a database in wal mode (env OUTBOX_NAME)")
 	flag.DurationVar(&cfg.HealthMaxAge, "health-max-age", time.Minute, "oldest pending outbox age above which /healthz fails")
 	flag.DurationVar(&shutdownTimeout, "shutdown-timeout", 15*time.Second, "time the shutdown may take after SIGINT or SIGTERM before the process exits anyway")
 	flag.Parse()

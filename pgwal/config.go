@@ -69,6 +69,22 @@ type Config struct {
 	// a lost connection, doubling per consecutive failure. Default 100ms
 	// and 10s.
 	BackoffMin, BackoffMax time.Duration
+	// Bridge makes the reader relay the rows table-mode writers insert
+	// into the messages table too, in commit order with the WAL
+	// messages, and delete them once published: the slot's publication
+	// includes the messages table (inserts only) from EnsureSlot or Run
+	// on. It is what lets writers in table mode and in WAL mode run at
+	// the same time on the same keys while a service switches modes; no
+	// table-mode relay may run while a bridging reader publishes (see
+	// docs/wal-mode.md, Switching modes). Default false.
+	Bridge bool
+	// FailoverSlot creates the slot as a failover slot (PostgreSQL 17+,
+	// CREATE_REPLICATION_SLOT ... (FAILOVER true)) and turns the option
+	// on for an existing slot, so that a standby with
+	// sync_replication_slots = on keeps a synchronized copy that survives
+	// a promotion (docs/wal-mode.md, Failover). On an older server
+	// EnsureSlot and Run fail with a *relay.ConfigError. Default false.
+	FailoverSlot bool
 	// Logger receives the reader's logs. Default slog.Default().
 	Logger *slog.Logger
 }

@@ -31,17 +31,6 @@ func TestMeasureDrain(t *testing.T) {
 		t.Skip("set OUTBOX_MEASURE_DRAIN to the backlog size")
 	}
 	ack := relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil })
-	backlog := func(t *testing.T, db *gorm.DB) {
-		for i := 0; i < n; i += 100 {
-			require.NoError(t, db.Transaction(func(tx *gorm.DB) error {
-				msgs := make([]*outbox.Message, 0, 100)
-				for j := i; j < min(i+100, n); j++ {
-					msgs = append(msgs, &outbox.Message{Topic: "drain", Key: []byte(strconv.Itoa(j % 16)), Value: []byte("value-" + strconv.Itoa(j))})
-				}
-				return outbox.Enqueue(tx, msgs...)
-			}))
-		}
-	}
 
 	// Table mode.
 	tdb := dbtest.OpenWAL(t)
@@ -49,7 +38,7 @@ func TestMeasureDrain(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, tdb.DB.Use(tp))
 	require.NoError(t, tp.AutoMigrate(context.Background(), tdb.DB))
-	backlog(t, tdb.DB)
+	writeBacklog(t, tdb.DB, n)
 	began := time.Now()
 	got, err := gormrelay.DrainOnce(context.Background(), tdb.DB, tp.Config(), ack, relay.Config{})
 	require.NoError(t, err)
@@ -72,7 +61,7 @@ func TestMeasureDrain(t *testing.T) {
 		c.StandbyInterval = time.Second
 		c.LeaseDuration = 10 * time.Second
 	})
-	backlog(t, e.db.DB)
+	writeBacklog(t, e.db.DB, n)
 	began = time.Now()
 	stop := run(r)
 	require.Eventually(t, func() bool { return published.Load() >= int64(n) }, 10*time.Minute, time.Millisecond)

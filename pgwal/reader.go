@@ -151,7 +151,7 @@ func (r *Reader) ensurePublication(ctx context.Context) error {
 		return fmt.Errorf("pgwal: read publications: %w", err)
 	}
 	if n > 0 {
-		return nil
+		return r.prepareSlot(ctx)
 	}
 	// An empty publication: pgoutput needs one, and it decodes no row
 	// change, only the logical decoding messages.
@@ -159,7 +159,7 @@ func (r *Reader) ensurePublication(ctx context.Context) error {
 	if err != nil && !isDuplicate(err) {
 		return fmt.Errorf("pgwal: create publication %s: %w", r.cfg.Slot, err)
 	}
-	return nil
+	return r.prepareSlot(ctx)
 }
 
 func isDuplicate(err error) bool {
@@ -204,6 +204,9 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	s := newStream(r, conn, term, st.Confirmed)
+	if s.rel.oid, err = r.bridgeOID(ctx); err != nil {
+		return err
+	}
 	if err := s.loadQuarantine(ctx); err != nil {
 		return err
 	}
@@ -239,6 +242,9 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 // returns its consistent point: the messages committed after it are in
 // the slot.
 func (r *Reader) createSlot(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.LSN, error) {
+	if r.cfg.FailoverSlot {
+		return r.createFailoverSlot(ctx, conn)
+	}
 	res, err := pglogrepl.CreateReplicationSlot(ctx, conn, r.cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{})
 	if err != nil {
 		return 0, fmt.Errorf("pgwal: create slot %s: %w", r.cfg.Slot, err)

@@ -28,6 +28,11 @@ type entry struct {
 	commit pglogrepl.LSN
 	// attempts counts failed publishes that were not outages.
 	attempts int
+	// bridged marks a row of the messages table (Config.Bridge): msg
+	// holds its id and bucket until loadBridged reads the row.
+	bridged bool
+	// xid is the transaction id of a bridged row's insert.
+	xid uint32
 }
 
 // bucketQ is one bucket's messages in commit order.
@@ -57,10 +62,13 @@ type stream struct {
 	txn       []entry
 	inTxn     bool
 	txnCommit pglogrepl.LSN
+	txnXid    uint32
 	// done is the end of the last transaction handed to the queues, or
 	// the server's WAL end while idle: everything before it is queued.
 	done      pglogrepl.LSN
 	confirmed pglogrepl.LSN
+	// rel is the messages table in the stream when the reader bridges.
+	rel bridgeRelation
 }
 
 func newStream(r *Reader, conn *pgconn.PgConn, term int64, start pglogrepl.LSN) *stream {
@@ -112,6 +120,9 @@ func (s *stream) position() pglogrepl.LSN {
 // status renews the lease, records the position and sends it to the
 // server.
 func (s *stream) status(ctx context.Context) error {
+	if err := s.checkTableRelays(ctx); err != nil {
+		return err
+	}
 	pos := s.position()
 	rctx, cancel := context.WithTimeout(ctx, s.r.cfg.LeaseDuration/3)
 	ok, err := s.r.leases.renew(rctx, s.term, int64(pos))
@@ -213,7 +224,7 @@ func (s *stream) decode(data []byte) error {
 	}
 	switch m := msg.(type) {
 	case *pglogrepl.BeginMessage:
-		s.inTxn, s.txnCommit, s.txn = true, m.FinalLSN, s.txn[:0]
+		s.inTxn, s.txnCommit, s.txnXid, s.txn = true, m.FinalLSN, m.Xid, s.txn[:0]
 	case *pglogrepl.LogicalDecodingMessage:
 		if !m.Transactional || m.Prefix != s.r.prefix {
 			return nil
@@ -236,6 +247,10 @@ func (s *stream) decode(data []byte) error {
 			ID: -int64(m.LSN), MessageID: env.ID, Bucket: env.Bucket, Topic: env.Topic, Key: env.Key, Value: env.Value,
 			Headers: hs, Partition: env.Partition, CreatedAt: time.UnixMilli(env.CreatedAtMs)}})
 		s.r.received.Add(1)
+	case *pglogrepl.RelationMessage:
+		s.decodeRelation(m)
+	case *pglogrepl.InsertMessage:
+		return s.decodeInsert(m)
 	case *pglogrepl.CommitMessage:
 		s.enqueue(s.txn)
 		s.txn, s.inTxn, s.done = s.txn[:0], false, m.TransactionEndLSN
@@ -302,6 +317,14 @@ func (s *stream) publishLoop(ctx context.Context, q *bucketQ) error {
 				continue
 			}
 		}
+		// Rows of the messages table are read when they reach the head.
+		es, ok, err := s.headRows(ctx, q, es, &failures)
+		if err != nil || ctx.Err() != nil {
+			return err
+		}
+		if !ok {
+			continue
+		}
 		// Messages of a quarantined key go behind its dead letter.
 		if n := s.leadingQuarantined(q, es); n > 0 {
 			// A key whose dead letters were requeued (RequeueKey) flows
@@ -335,6 +358,7 @@ func (s *stream) publishLoop(ctx context.Context, q *bucketQ) error {
 		}
 		acked, err := s.r.pub.Publish(ctx, msgs)
 		acked = max(0, min(acked, len(es)))
+		s.deleteBridged(ctx, es[:acked])
 		s.pop(q, acked)
 		s.r.published.Add(uint64(acked))
 		if err == nil {
@@ -445,6 +469,7 @@ func (s *stream) deadLetter(ctx context.Context, q *bucketQ, es []entry, state, 
 	if err := db.Table(s.r.dead).Clauses(clause.OnConflict{DoNothing: true}).Create(&rows).Error; err != nil {
 		return fmt.Errorf("pgwal: write dead letters: %w", err)
 	}
+	s.deleteBridged(ctx, es)
 	for _, e := range es {
 		if e.msg.Key != nil {
 			q.quarantined[string(e.msg.Key)] = struct{}{}

@@ -10,7 +10,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/gin-gonic/gin"
 	"github.com/glebarez/sqlite"
 	"github.com/prometheus/client_golang/prometheus"
@@ -26,6 +25,7 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/metrics"
+	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -48,6 +48,20 @@ type Config struct {
 	HealthMaxAge time.Duration
 	// Consume runs the demo consumer that logs every event once.
 	Consume bool
+	// Mode is the outbox mode: "table" (default) writes messages to the
+	// messages table, relayed by the table relay; "wal" (PostgreSQL 14+
+	// with wal_level=logical, DatabaseURL's role with the REPLICATION
+	// attribute) writes them to the WAL, relayed by a pgwal.Reader from a
+	// replication slot created at start.
+	Mode string
+	// WALSlot names the replication slot in WAL mode. Default: pgwal's,
+	// "outbox_" followed by the outbox name.
+	WALSlot string
+	// OutboxName is outbox.Config.Name: the metrics label and, in WAL
+	// mode, the prefix of the WAL messages. A slot decodes the messages
+	// of its whole database, so services sharing a database in WAL mode
+	// need distinct names. Default: the messages table name.
+	OutboxName string
 	// ShutdownTimeout bounds each step of the shutdown: the relay's
 	// graceful stop, the producer's flush, the HTTP server's. Default
 	// relay.ShutdownTimeoutDefault (10s).
@@ -85,6 +99,8 @@ type App struct {
 	db       *gorm.DB
 	plugin   *outbox.Plugin
 	relay    *relay.Relay
+	reader   *pgwal.Reader    // WAL mode, instead of relay
+	pub      *publisher.Kafka // WAL mode: the reader's producer
 	metrics  *metrics.Collector
 	broker   *kfake.Cluster
 	consumer *Consumer
@@ -128,10 +144,14 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 		}
 	}()
 
+	mode, err := cfg.outboxMode()
+	if err != nil {
+		return nil, err
+	}
 	if a.db, err = openDatabase(cfg.DatabaseURL); err != nil {
 		return nil, err
 	}
-	if a.plugin, err = outbox.NewPlugin(outbox.Config{Rules: orderRules(cfg.Topic), Logger: a.log}); err != nil {
+	if a.plugin, err = outbox.NewPlugin(outbox.Config{Name: cfg.OutboxName, Mode: mode, Rules: orderRules(cfg.Topic), Logger: a.log}); err != nil {
 		return nil, err
 	}
 	if err = a.db.Use(a.plugin); err != nil {
@@ -158,19 +178,17 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	if a.metrics, err = metrics.New(metrics.Config{Outbox: a.plugin.Config().Name}); err != nil {
 		return nil, err
 	}
-	// NewKafka wires the store, the plugin's hints and bucket count, the
-	// store's default failure policy (it dead-letters a message that
-	// keeps failing and parks the later events of its order) and a Kafka
-	// producer that the relay owns: Run starts it before the relay and
-	// stops it after.
-	if a.relay, err = gormrelay.NewKafka(a.db, a.plugin, publisher.KafkaConfig{
-		Brokers: a.brokers,
-		Configure: func(c *sarama.Config) error {
-			c.ClientID = "gin-orders"
-			return nil
-		},
-		Logger: a.log,
-	}, gormrelay.WithRelayConfig(relay.Config{Observer: a.metrics, Logger: a.log, ShutdownTimeout: cfg.ShutdownTimeout})); err != nil {
+	if mode == outbox.ModeWAL {
+		if err = a.startWAL(ctx, a.kafkaConfig()); err != nil {
+			return nil, err
+		}
+	} else if a.relay, err = gormrelay.NewKafka(a.db, a.plugin, a.kafkaConfig(),
+		gormrelay.WithRelayConfig(relay.Config{Observer: a.metrics, Logger: a.log, ShutdownTimeout: cfg.ShutdownTimeout})); err != nil {
+		// NewKafka wires the store, the plugin's hints and bucket count,
+		// the store's default failure policy (it dead-letters a message
+		// that keeps failing and parks the later events of its order) and
+		// a Kafka producer that the relay owns: Run starts it before the
+		// relay and stops it after.
 		return nil, err
 	}
 
@@ -198,6 +216,9 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 func (a *App) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error {
+		if a.reader != nil {
+			return a.runWAL(ctx)
+		}
 		if err := a.relay.Run(ctx); err != nil {
 			return fmt.Errorf("relay: %w", err)
 		}
@@ -242,6 +263,9 @@ func (a *App) routes() http.Handler {
 	// on the service's own registry, with the Go runtime.
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), a.metrics)
+	if a.reader != nil {
+		reg.MustRegister(a.reader.Collector()) // retained WAL, lost slot
+	}
 	r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
 
 	admin := gormrelay.PluginAdmin(a.db, a.plugin)

@@ -158,6 +158,36 @@ func readEvents(t *testing.T, brokers []string, topic string, want int) []event 
 	return out
 }
 
+// runApp runs app until the test ends, then checks that Run returns nil
+// and Close returns, each within processDeadline.
+func runApp(t *testing.T, app *App) {
+	t.Helper()
+	runCtx, stop := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- app.Run(runCtx) }()
+	t.Cleanup(func() {
+		stop()
+		select {
+		case err := <-ran:
+			require.NoError(t, err, "a clean stop at the end of Run's context")
+		case <-time.After(processDeadline):
+			t.Errorf("Run did not return within %v", processDeadline)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		closed := make(chan struct{})
+		go func() {
+			app.Close(ctx)
+			close(closed)
+		}()
+		select {
+		case <-closed:
+		case <-time.After(processDeadline):
+			t.Errorf("Close did not return within %v", processDeadline)
+		}
+	})
+}
+
 func TestOrdersFlowToKafka(t *testing.T) {
 	for _, kind := range []string{"sqlite", "postgres", "mysql"} {
 		t.Run(kind, func(t *testing.T) {
@@ -176,30 +206,7 @@ func TestOrdersFlowToKafka(t *testing.T) {
 				Logger:       slog.New(slog.NewTextHandler(io.Discard, nil)),
 			})
 			require.NoError(t, err)
-			runCtx, stop := context.WithCancel(context.Background())
-			ran := make(chan error, 1)
-			go func() { ran <- app.Run(runCtx) }()
-			t.Cleanup(func() {
-				stop()
-				select {
-				case err := <-ran:
-					require.NoError(t, err, "a clean stop at the end of Run's context")
-				case <-time.After(processDeadline):
-					t.Errorf("Run did not return within %v", processDeadline)
-				}
-				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				defer cancel()
-				closed := make(chan struct{})
-				go func() {
-					app.Close(ctx)
-					close(closed)
-				}()
-				select {
-				case <-closed:
-				case <-time.After(processDeadline):
-					t.Errorf("Close did not return within %v", processDeadline)
-				}
-			})
+			runApp(t, app)
 			c := client{t: t, base: "http://" + app.Addr()}
 
 			const orders = 5
@@ -249,22 +256,12 @@ func TestOrdersFlowToKafka(t *testing.T) {
 				require.Equal(t, "shipped", evs[2].Body["to"])
 			}
 
-			for _, probe := range []string{"/healthz", "/livez", "/readyz"} {
-				resp, err := http.Get("http://" + app.Addr() + probe)
-				require.NoError(t, err)
-				resp.Body.Close()
-				require.Equal(t, http.StatusOK, resp.StatusCode, probe)
-			}
+			requireProbesOK(t, app.Addr(), "/healthz", "/livez", "/readyz")
 			// The relay's metrics count every acknowledged event.
 			ackLine := fmt.Sprintf("outbox_messages_acknowledged_total{outbox=\"outbox_messages\"} %d", want)
 			require.Eventually(t, func() bool {
-				resp, err := http.Get("http://" + app.Addr() + "/metrics")
-				if err != nil {
-					return false
-				}
-				body, _ := io.ReadAll(resp.Body)
-				resp.Body.Close()
-				return strings.Contains(string(body), ackLine)
+				body, ok := metricsText(app.Addr())
+				return ok && strings.Contains(body, ackLine)
 			}, 5*time.Second, 20*time.Millisecond, "metrics show %s", ackLine)
 
 			// The admin API answers read-only requests and refuses mutations.

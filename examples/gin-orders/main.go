@@ -11,6 +11,13 @@
 //
 //	DATABASE_URL=postgres://user:pass@localhost:5432/shop KAFKA_BROKERS=localhost:9092 go run .
 //
+// In WAL mode (PostgreSQL 14+, wal_level=logical, a role with the
+// REPLICATION attribute) the messages go to the write-ahead log and a
+// reader of a replication slot, created at start, relays them instead of
+// the table relay; a lost slot ends the process with status 1:
+//
+//	OUTBOX_MODE=wal DATABASE_URL=postgres://user:pass@localhost:5432/shop go run .
+//
 // SIGINT (Ctrl-C) or SIGTERM shuts the service down in order within
 // -shutdown-timeout and exits 0; a second signal exits at once. A relay
 // that stops on an error (a misconfiguration it cannot retry) ends the
@@ -34,6 +41,9 @@ func main() {
 		KafkaBrokers: env("KAFKA_BROKERS", ""),
 		Topic:        env("TOPIC", "orders"),
 		Consume:      env("CONSUME", "true") == "true",
+		Mode:         env("OUTBOX_MODE", ModeTable),
+		WALSlot:      env("OUTBOX_WAL_SLOT", ""),
+		OutboxName:   env("OUTBOX_NAME", ""),
 	}
 	var shutdownTimeout time.Duration
 	flag.StringVar(&cfg.Addr, "addr", cfg.Addr, "HTTP listen address (env ADDR)")
@@ -41,6 +51,9 @@ func main() {
 	flag.StringVar(&cfg.KafkaBrokers, "kafka-brokers", cfg.KafkaBrokers, "comma-separated Kafka brokers; empty starts an in-process broker (env KAFKA_BROKERS)")
 	flag.StringVar(&cfg.Topic, "topic", cfg.Topic, "topic for order events (env TOPIC)")
 	flag.BoolVar(&cfg.Consume, "consume", cfg.Consume, "run the demo consumer that logs each event once (env CONSUME)")
+	flag.StringVar(&cfg.Mode, "outbox-mode", cfg.Mode, "table, or wal: messages in PostgreSQL's WAL, relayed from a replication slot (env OUTBOX_MODE)")
+	flag.StringVar(&cfg.WALSlot, "wal-slot", cfg.WALSlot, "replication slot in wal mode; default outbox_<outbox name> (env OUTBOX_WAL_SLOT)")
+	flag.StringVar(&cfg.OutboxName, "outbox-name", cfg.OutboxName, "the outbox's name: metrics label and WAL message prefix; distinct per service sharing a database in wal mode (env OUTBOX_NAME)")
 	flag.DurationVar(&cfg.HealthMaxAge, "health-max-age", time.Minute, "oldest pending outbox age above which /healthz fails")
 	flag.DurationVar(&shutdownTimeout, "shutdown-timeout", 15*time.Second, "time the shutdown may take after SIGINT or SIGTERM before the process exits anyway")
 	flag.Parse()

@@ -453,6 +453,7 @@ func TestWALAlertRules(t *testing.T) {
 	require.NoError(t, err)
 	var rules struct {
 		Groups []struct {
+			Name  string `yaml:"name"`
 			Rules []struct {
 				Alert       string            `yaml:"alert"`
 				Expr        string            `yaml:"expr"`

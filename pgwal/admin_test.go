@@ -164,6 +164,8 @@ func TestAdminOperatorSurface(t *testing.T) {
 	require.Contains(t, html, "reader-a")
 	require.Regexp(t, `class="wal-state ">active</td>`, html)
 	require.NotContains(t, html, `action="actions/pause"`, "no per-bucket pause in WAL mode")
+	require.NotContains(t, html, "Lease owner", "bucket leases are table mode's")
+	require.NotContains(t, html, "No relay has a heartbeat", "relays are table mode's")
 
 	// No pause in WAL mode.
 	var bad map[string]string

@@ -518,26 +518,41 @@ func (e *SlotHasMessagesError) Unwrap() error { return ErrSlotHasMessages }
 // next reader (or EnsureSlot) creates it afresh from the current position.
 // It refuses, with a *SlotHasMessagesError saying what would be lost, when
 // the slot holds messages not yet confirmed, unless force; it fails with
-// ErrSlotActive while a reader is connected and ErrSlotMissing when there
-// is no slot. It returns what the slot held.
+// ErrSlotActive while a reader is connected. A slot that is missing
+// (ErrSlotMissing) or invalidated (wal_status lost: its messages cannot
+// be read any more) is refused unless force; with force its publication
+// and lease row are deleted (and an invalidated slot dropped), which
+// acknowledges the loss a *SlotLostError reported. It returns what the
+// slot held, when it could be read.
 func (a *Admin) DropSlot(ctx context.Context, force bool) (Unconfirmed, error) {
-	u, err := a.Unconfirmed(ctx)
-	if err != nil {
-		return u, err
-	}
+	var u Unconfirmed
 	st, err := ReadSlotStatus(ctx, a.db, a.cfg.Slot)
 	if err != nil {
 		return u, fmt.Errorf("pgwal: read slot status: %w", err)
 	}
-	if u.Messages > 0 && !force {
-		return u, &SlotHasMessagesError{Slot: a.cfg.Slot, Unconfirmed: u, RetainedBytes: st.RetainedBytes}
+	switch {
+	case !st.Exists && !force:
+		return u, fmt.Errorf("%w: %s; with force, its publication and lease row are deleted so that the slot is created afresh", ErrSlotMissing, a.cfg.Slot)
+	case st.Active:
+		return u, fmt.Errorf("%w: %s: stop the readers first", ErrSlotActive, a.cfg.Slot)
+	case st.Exists && st.WALStatus == "lost" && !force:
+		return u, fmt.Errorf("pgwal: slot %s was invalidated (wal_status lost): the messages it held cannot be read any more; drop it with force", a.cfg.Slot)
+	case st.Exists && st.WALStatus != "lost":
+		if u, err = a.Unconfirmed(ctx); err != nil {
+			return u, err
+		}
+		if u.Messages > 0 && !force {
+			return u, &SlotHasMessagesError{Slot: a.cfg.Slot, Unconfirmed: u, RetainedBytes: st.RetainedBytes}
+		}
 	}
 	db := a.db.WithContext(ctx)
-	if err := db.Exec("SELECT pg_drop_replication_slot(?)", a.cfg.Slot).Error; err != nil {
-		if strings.Contains(err.Error(), "is active") {
-			return u, fmt.Errorf("%w: %s: %w", ErrSlotActive, a.cfg.Slot, err)
+	if st.Exists {
+		if err := db.Exec("SELECT pg_drop_replication_slot(?)", a.cfg.Slot).Error; err != nil {
+			if strings.Contains(err.Error(), "is active") {
+				return u, fmt.Errorf("%w: %s: %w", ErrSlotActive, a.cfg.Slot, err)
+			}
+			return u, fmt.Errorf("pgwal: drop slot %s: %w", a.cfg.Slot, err)
 		}
-		return u, fmt.Errorf("pgwal: drop slot %s: %w", a.cfg.Slot, err)
 	}
 	if err := db.Exec("DROP PUBLICATION IF EXISTS " + a.cfg.Slot).Error; err != nil {
 		return u, fmt.Errorf("pgwal: drop publication %s: %w", a.cfg.Slot, err)

@@ -350,6 +350,20 @@ func TestAdminHealth(t *testing.T) {
 	code, body = probe(h2, "/readyz")
 	require.Equal(t, http.StatusServiceUnavailable, code)
 	require.Equal(t, "failed", body["status"])
+
+	// Acknowledging the loss: dropping the missing slot needs force, and
+	// then the slot is created afresh instead of being reported lost.
+	_, err = admin.DropSlot(context.Background(), false)
+	require.ErrorIs(t, err, pgwal.ErrSlotMissing)
+	_, err = admin.EnsureSlot(context.Background())
+	require.ErrorIs(t, err, pgwal.ErrSlotLost, "still lost")
+	_, err = admin.DropSlot(context.Background(), true)
+	require.NoError(t, err)
+	created, err := admin.EnsureSlot(context.Background())
+	require.NoError(t, err)
+	require.True(t, created)
+	code, body = probe(unbounded, "/readyz")
+	require.NotEqual(t, "slot_lost", body["reason"], "the new slot is not lost: %v", body)
 }
 
 // TestAdminSlotCreateDrop: DropSlot refuses a slot holding unpublished

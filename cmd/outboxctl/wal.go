@@ -88,6 +88,10 @@ func (g *globals) walCmd(ctx context.Context, fs *flag.FlagSet, args []string) e
 		}
 		return nil
 	case "drop":
+		before, err := g.wal.WALStatus(ctx)
+		if err != nil {
+			return err
+		}
 		u, err := g.wal.DropSlot(ctx, force)
 		var has *pgwal.SlotHasMessagesError
 		if errors.As(err, &has) {
@@ -98,6 +102,10 @@ func (g *globals) walCmd(ctx context.Context, fs *flag.FlagSet, args []string) e
 		}
 		if g.json {
 			return g.printJSON(walSlotJSON{Unconfirmed: &u, Dropped: true})
+		}
+		if !before.Exists {
+			fmt.Fprintf(g.out, "slot %s did not exist; deleted its publication and its lease, so that it is created afresh\n", before.Slot)
+			return nil
 		}
 		fmt.Fprintf(g.out, "dropped slot %s, its publication and its lease", g.wal.WALConfig().Slot)
 		if u.Messages > 0 {

@@ -114,6 +114,12 @@ func TestWALMode(t *testing.T) {
 	require.Contains(t, out, "dropped slot "+slot)
 	require.Contains(t, out, "4 unpublished message(s) of 2 key(s)")
 	require.False(t, slotExists())
+	code, _, errOut = ctl("wal", "slot", "drop")
+	require.Equal(t, exitFail, code)
+	require.Contains(t, errOut, "replication slot does not exist")
+	code, out, errOut = ctl("wal", "slot", "drop", "--force")
+	require.Equal(t, exitOK, code, errOut)
+	require.Equal(t, "slot "+slot+" did not exist; deleted its publication and its lease, so that it is created afresh\n", out)
 
 	code, _, errOut = ctl("--mode", "table", "wal", "slot", "status")
 	require.Equal(t, exitUsage, code)

@@ -184,22 +184,8 @@ func (a *Admin) Watch(ctx context.Context, interval time.Duration) <-chan ops.Sn
 // holds nothing in WAL mode.
 func (a *Admin) OldestPending(ctx context.Context) (time.Duration, int, bool, error) {
 	if a.reader != nil {
-		if s := a.reader.cur.Load(); s != nil {
-			var (
-				oldest time.Time
-				bucket int
-				ok     bool
-			)
-			for _, q := range s.buckets {
-				q.mu.Lock()
-				if len(q.q) > 0 && (!ok || q.q[0].msg.CreatedAt.Before(oldest)) {
-					oldest, bucket, ok = q.q[0].msg.CreatedAt, q.bucket, true
-				}
-				q.mu.Unlock()
-			}
-			if ok {
-				return max(time.Since(oldest), 0), bucket, true, nil
-			}
+		if oldest, bucket, ok := a.reader.oldest(); ok {
+			return max(time.Since(oldest), 0), bucket, true, nil
 		}
 	}
 	return a.Admin.OldestPending(ctx)

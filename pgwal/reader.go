@@ -115,18 +115,25 @@ func (r *Reader) Err() error {
 // oldest message this reader decoded and has not yet published or
 // dead-lettered; ok is false when it holds none or is not reading.
 func (r *Reader) OldestUnpublished() (oldest time.Time, ok bool) {
+	oldest, _, ok = r.oldest()
+	return oldest, ok
+}
+
+// oldest returns the creation time of the oldest message held in the
+// current term's queues, and its bucket.
+func (r *Reader) oldest() (oldest time.Time, bucket int, ok bool) {
 	s := r.cur.Load()
 	if s == nil {
-		return time.Time{}, false
+		return time.Time{}, 0, false
 	}
 	for _, q := range s.buckets {
 		q.mu.Lock()
 		if len(q.q) > 0 && (!ok || q.q[0].msg.CreatedAt.Before(oldest)) {
-			oldest, ok = q.q[0].msg.CreatedAt, true
+			oldest, bucket, ok = q.q[0].msg.CreatedAt, q.bucket, true
 		}
 		q.mu.Unlock()
 	}
-	return oldest, ok
+	return oldest, bucket, ok
 }
 
 // errLeaseLost ends one term of reading.

@@ -82,6 +82,9 @@ type Status struct {
 	Relays []RelayInfo `json:"relays"`
 	// LiveRelays counts the live relays.
 	LiveRelays int `json:"live_relays"`
+	// WAL is the replication slot of an outbox in WAL mode (a
+	// WALOperator's Status); nil in table mode.
+	WAL *WALStatus `json:"wal,omitempty"`
 }
 
 // OldestAge is how long the oldest pending message had waited at

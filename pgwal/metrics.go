@@ -16,6 +16,10 @@ const (
 	NameReceived      = "outbox_wal_received_total"
 	NamePublished     = "outbox_wal_published_total"
 	NameDeadLettered  = "outbox_wal_dead_lettered_total"
+	// NameReading is 1 while this reader holds the slot's lease and reads
+	// it, 0 while it waits or retries: the sum over every reader is 0 when
+	// no reader reads the slot.
+	NameReading = "outbox_wal_reading"
 )
 
 // scrapeTimeout bounds the slot query of one scrape.
@@ -24,6 +28,7 @@ const scrapeTimeout = 5 * time.Second
 type collector struct {
 	r                                                    *Reader
 	retained, lost, confirmed, received, published, dead *prometheus.Desc
+	reading                                              *prometheus.Desc
 }
 
 // Collector returns a Prometheus collector of the reader: its counters,
@@ -42,11 +47,12 @@ func (r *Reader) Collector() prometheus.Collector {
 		received:  d(NameReceived, "Outbox messages decoded from the slot, replays included."),
 		published: d(NamePublished, "Messages the publisher acknowledged."),
 		dead:      d(NameDeadLettered, "Messages written to the dead-letter table, failed and parked."),
+		reading:   d(NameReading, "1 while this reader holds the slot's lease and reads it, else 0."),
 	}
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.retained, c.lost, c.confirmed, c.received, c.published, c.dead} {
+	for _, d := range []*prometheus.Desc{c.retained, c.lost, c.confirmed, c.received, c.published, c.dead, c.reading} {
 		ch <- d
 	}
 }
@@ -57,6 +63,11 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.received, prometheus.CounterValue, float64(s.Received))
 	ch <- prometheus.MustNewConstMetric(c.published, prometheus.CounterValue, float64(s.Published))
 	ch <- prometheus.MustNewConstMetric(c.dead, prometheus.CounterValue, float64(s.DeadLettered))
+	reading := 0.0
+	if c.r.cur.Load() != nil {
+		reading = 1
+	}
+	ch <- prometheus.MustNewConstMetric(c.reading, prometheus.GaugeValue, reading)
 	ctx, cancel := context.WithTimeout(context.Background(), scrapeTimeout)
 	defer cancel()
 	st, err := c.r.SlotStatus(ctx)

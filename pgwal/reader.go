@@ -35,6 +35,13 @@ type Reader struct {
 
 	received, published, deadLettered atomic.Uint64
 	confirmed                         atomic.Uint64
+
+	// cur is the stream of the term being read; nil between terms.
+	cur atomic.Pointer[stream]
+	// done is closed when Run first returns, with its error in runErr.
+	done     chan struct{}
+	doneOnce sync.Once
+	runErr   error
 }
 
 // Stats counts what a Reader did since it was made.
@@ -68,7 +75,7 @@ func New(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, cfg Config) (*
 		return nil, err
 	}
 	r := &Reader{db: db, ocfg: ocfg, cfg: cfg, pub: pub, log: cfg.Logger.With("outbox", ocfg.Name, "slot", cfg.Slot),
-		dead: ocfg.Tables.DeadLettersTable(), prefix: ocfg.WALPrefix()}
+		dead: ocfg.Tables.DeadLettersTable(), prefix: ocfg.WALPrefix(), done: make(chan struct{})}
 	r.leases = leases{db: db, table: cfg.LeaseTable, slot: cfg.Slot, me: cfg.RelayID, dur: cfg.LeaseDuration}
 	return r, nil
 }
@@ -88,6 +95,47 @@ func (r *Reader) SlotStatus(ctx context.Context) (SlotStatus, error) {
 	return ReadSlotStatus(ctx, r.db, r.cfg.Slot)
 }
 
+// Stopped is closed when Run has returned (the first time it is
+// called). With Err it makes the reader an opshttp.Stopper, so a health
+// check reports a reader stopped on an error at once.
+func (r *Reader) Stopped() <-chan struct{} { return r.done }
+
+// Err is the error Run returned; nil while it runs or after it returned
+// nil (its context ended).
+func (r *Reader) Err() error {
+	select {
+	case <-r.done:
+		return r.runErr
+	default:
+		return nil
+	}
+}
+
+// OldestUnpublished returns the creation time (the writer's clock) of the
+// oldest message this reader decoded and has not yet published or
+// dead-lettered; ok is false when it holds none or is not reading.
+func (r *Reader) OldestUnpublished() (oldest time.Time, ok bool) {
+	oldest, _, ok = r.oldest()
+	return oldest, ok
+}
+
+// oldest returns the creation time of the oldest message held in the
+// current term's queues, and its bucket.
+func (r *Reader) oldest() (oldest time.Time, bucket int, ok bool) {
+	s := r.cur.Load()
+	if s == nil {
+		return time.Time{}, 0, false
+	}
+	for _, q := range s.buckets {
+		q.mu.Lock()
+		if len(q.q) > 0 && (!ok || q.q[0].msg.CreatedAt.Before(oldest)) {
+			oldest, bucket, ok = q.q[0].msg.CreatedAt, q.bucket, true
+		}
+		q.mu.Unlock()
+	}
+	return oldest, bucket, ok
+}
+
 // errLeaseLost ends one term of reading.
 var errLeaseLost = errors.New("pgwal: lease lost")
 
@@ -99,7 +147,8 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // Ending ctx abandons the messages in flight: they were not confirmed, so
 // the next reader publishes them again. The lease is not released then:
 // another reader takes over once it lapses (LeaseDuration).
-func (r *Reader) Run(ctx context.Context) error {
+func (r *Reader) Run(ctx context.Context) (err error) {
+	defer r.doneOnce.Do(func() { r.runErr = err; close(r.done) })
 	if err := r.leases.migrate(ctx); err != nil {
 		return fmt.Errorf("pgwal: create lease table %s: %w", r.cfg.LeaseTable, err)
 	}
@@ -145,9 +194,15 @@ func (r *Reader) Run(ctx context.Context) error {
 }
 
 func (r *Reader) ensurePublication(ctx context.Context) error {
-	db := r.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
+	return ensurePublication(ctx, r.db, r.cfg.Slot)
+}
+
+// ensurePublication creates the (empty) publication named slot when it
+// is missing.
+func ensurePublication(ctx context.Context, gdb *gorm.DB, slot string) error {
+	db := gdb.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
 	var n int64
-	if err := db.Raw("SELECT count(*) FROM pg_publication WHERE pubname = ?", r.cfg.Slot).Scan(&n).Error; err != nil {
+	if err := db.Raw("SELECT count(*) FROM pg_publication WHERE pubname = ?", slot).Scan(&n).Error; err != nil {
 		return fmt.Errorf("pgwal: read publications: %w", err)
 	}
 	if n > 0 {
@@ -155,9 +210,9 @@ func (r *Reader) ensurePublication(ctx context.Context) error {
 	}
 	// An empty publication: pgoutput needs one, and it decodes no row
 	// change, only the logical decoding messages.
-	err := db.Exec("CREATE PUBLICATION " + r.cfg.Slot).Error
+	err := db.Exec("CREATE PUBLICATION " + slot).Error
 	if err != nil && !isDuplicate(err) {
-		return fmt.Errorf("pgwal: create publication %s: %w", r.cfg.Slot, err)
+		return fmt.Errorf("pgwal: create publication %s: %w", slot, err)
 	}
 	return r.prepareSlot(ctx)
 }
@@ -210,6 +265,8 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	if err := s.loadQuarantine(ctx); err != nil {
 		return err
 	}
+	r.cur.Store(s)
+	defer r.cur.Store(nil)
 	var wg sync.WaitGroup
 	leases := make([]relay.Lease, r.ocfg.BucketCount)
 	for b := range s.buckets {

@@ -13,6 +13,15 @@
 //	outboxctl [flags] purge --older-than 72h|2024-05-01T00:00:00Z
 //	outboxctl [flags] pause BUCKET
 //	outboxctl [flags] resume BUCKET
+//	outboxctl [flags] --mode wal wal slot status|create|drop [--force]
+//
+// An outbox in WAL mode (outbox.ModeWAL, package pgwal) is operated with
+// --mode wal (or OUTBOX_MODE=wal) and --name (or OUTBOX_NAME, the outbox's
+// Config.Name; default the messages table name), plus --wal-slot and
+// --wal-lease-table when the readers' pgwal.Config sets them: status then
+// shows the replication slot, requeue emits dead letters into the WAL
+// again (pgwal.Admin), and "wal slot" creates, inspects and drops the
+// slot.
 //
 // Connection: --dsn (or OUTBOX_DSN; mysql://user:pass@host:3306/db URLs
 // are accepted) and --driver postgres|mysql|sqlite (or OUTBOX_DRIVER;
@@ -46,6 +55,7 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/ops"
+	"github.com/gorm-outbox/outbox/pgwal"
 )
 
 // Exit statuses.
@@ -77,6 +87,8 @@ type globals struct {
 	messages, leases, relays string
 	deadLetters              string
 	buckets                  int
+	mode, name               string
+	walSlot, walLeases       string
 	json, help               bool
 	timeout, liveWindow      time.Duration
 	connectTimeout           time.Duration
@@ -87,6 +99,7 @@ type globals struct {
 	op          ops.Operator  // the outbox's operator API: every command but schema
 	cfg         outbox.Config // the outbox the operator API works on
 	db          *gorm.DB
+	wal         *pgwal.Admin // set in WAL mode
 	runCtx      context.Context
 	closeDB     func()
 }
@@ -108,6 +121,10 @@ func (g *globals) register(fs *flag.FlagSet) {
 	fs.StringVar(&g.relays, "relays-table", "", "relays table (default <prefix>outbox_relays)")
 	fs.StringVar(&g.deadLetters, "dead-letters-table", "", "dead-letters table (default <prefix>outbox_dead_letters)")
 	fs.IntVar(&g.buckets, "buckets", 0, "the outbox's BucketCount (default $OUTBOX_BUCKETS, else 8)")
+	fs.StringVar(&g.mode, "mode", "", "table or wal: the outbox's outbox.Config.Mode (default $OUTBOX_MODE, else table)")
+	fs.StringVar(&g.name, "name", "", "the outbox's Config.Name, which WAL mode's message prefix and default slot derive from (default $OUTBOX_NAME, else the messages table name)")
+	fs.StringVar(&g.walSlot, "wal-slot", "", "WAL mode: the replication slot (pgwal.Config.Slot; default outbox_<name>)")
+	fs.StringVar(&g.walLeases, "wal-lease-table", "", "WAL mode: the slot's lease table (pgwal.Config.LeaseTable; default <leases-table>_wal)")
 	fs.BoolVar(&g.json, "json", false, "print JSON instead of tables")
 	fs.DurationVar(&g.timeout, "timeout", 60*time.Second, "bound on the whole command")
 	fs.DurationVar(&g.liveWindow, "live-window", 30*time.Second, "a relay is live while its heartbeat is younger than this (its LeaseDuration)")
@@ -128,11 +145,16 @@ Usage:
   outboxctl [flags] purge --older-than DURATION|TIME
   outboxctl [flags] pause BUCKET
   outboxctl [flags] resume BUCKET
+  outboxctl [flags] --mode wal [--name N] [--wal-slot S] wal slot status|create|drop [--force]
   outboxctl --driver postgres|mysql|sqlite [--prefix P] [--schema S] schema [--format sql|golang-migrate|goose] [--out DIR]
 
 Times are RFC 3339 (2024-05-01T00:00:00Z) or a duration meaning that long ago (72h).
 Requeueing a keyed dead letter requeues every dead letter of its key in its bucket,
 in order, followed by the key's pending messages: the key stays blocked otherwise.
+
+In WAL mode (--mode wal) status shows the replication slot, requeue emits the dead
+letters into the WAL again, in order, and pause/resume are refused. "wal slot drop"
+refuses to drop a slot holding unpublished messages unless --force.
 
 Exit status: 0 success, 1 operation failed, 2 usage error.
 
@@ -254,6 +276,8 @@ func (g *globals) dispatch(ctx context.Context, args []string) error {
 		return g.pause(ctx, fs, cmdArgs, cmd == "pause")
 	case "schema":
 		return g.schemaCmd(fs, cmdArgs)
+	case "wal":
+		return g.walCmd(ctx, fs, cmdArgs)
 	case "help":
 		return flag.ErrHelp
 	}
@@ -308,7 +332,20 @@ func (g *globals) connect(ctx context.Context) error {
 			}
 		}
 	}
-	cfg := outbox.Config{Tables: g.tables(), BucketCount: g.buckets}
+	if g.mode == "" {
+		g.mode = g.getenv("OUTBOX_MODE")
+	}
+	if g.name == "" {
+		g.name = g.getenv("OUTBOX_NAME")
+	}
+	cfg := outbox.Config{Tables: g.tables(), BucketCount: g.buckets, Name: g.name}
+	switch g.mode {
+	case "", "table":
+	case "wal":
+		cfg.Mode = outbox.ModeWAL
+	default:
+		return usagef("--mode %q is neither table nor wal", g.mode)
+	}
 
 	db, err := openDB(driver, g.dsn)
 	if err != nil {
@@ -332,12 +369,15 @@ func (g *globals) connect(ctx context.Context) error {
 	if err := sqlDB.PingContext(pctx); err != nil {
 		return fmt.Errorf("connect to the %s database: %w", driver, err)
 	}
+	g.db = db
+	if cfg.Mode == outbox.ModeWAL {
+		return g.connectWAL(db, cfg)
+	}
 	admin, err := gormrelay.NewAdmin(db, cfg)
 	if err != nil {
 		return usageError{err.Error()}
 	}
 	g.op, g.cfg = admin.WithLiveWindow(g.liveWindow), admin.Config()
-	g.db = db
 	return nil
 }
 
@@ -444,6 +484,10 @@ func (g *globals) status(ctx context.Context, fs *flag.FlagSet, args []string) e
 		return g.printJSON(st)
 	}
 	printStatus(g.out, st, g.cfg)
+	if st.WAL != nil {
+		fmt.Fprintln(g.out)
+		printWAL(g.out, *st.WAL, nil)
+	}
 	return nil
 }
 

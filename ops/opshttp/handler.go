@@ -31,7 +31,8 @@ type Options struct {
 // as JSON, for mounting into a service (use http.StripPrefix to mount it
 // under a path):
 //
-//	GET    /status                    Operator.Status
+//	GET    /status                    Operator.Status (in WAL mode with the slot, "wal")
+//	GET    /wal                       ops.WALOperator.WALStatus; 404 in table mode
 //	GET    /dead-letters              Operator.DeadLetters: ?topic= &key= (or key_base64=, or keyless=true)
 //	                                  &state=failed|parked &bucket= &since= &until= &limit= &cursor=
 //	                                  (times are RFC 3339, or a duration meaning that long ago)
@@ -60,6 +61,7 @@ func NewHandler(op ops.Operator, opts Options) http.Handler {
 	}
 	h := &adminHandler{op: op, opts: opts, mux: http.NewServeMux()}
 	h.mux.HandleFunc("GET /status", h.status)
+	h.mux.HandleFunc("GET /wal", h.wal)
 	h.mux.HandleFunc("GET /dead-letters", h.list)
 	h.mux.HandleFunc("GET /dead-letters/count", h.count)
 	h.mux.HandleFunc("GET /dead-letters/{id}", h.show)
@@ -157,6 +159,20 @@ func (h *adminHandler) fail(w http.ResponseWriter, r *http.Request, err error) {
 
 func (h *adminHandler) status(w http.ResponseWriter, r *http.Request) {
 	st, err := h.op.Status(r.Context())
+	if err != nil {
+		h.fail(w, r, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, st)
+}
+
+func (h *adminHandler) wal(w http.ResponseWriter, r *http.Request) {
+	wop, ok := h.op.(ops.WALOperator)
+	if !ok {
+		writeJSON(w, http.StatusNotFound, map[string]string{"error": "outbox admin: the outbox is not in WAL mode"})
+		return
+	}
+	st, err := wop.WALStatus(r.Context())
 	if err != nil {
 		h.fail(w, r, err)
 		return

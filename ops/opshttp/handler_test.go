@@ -79,6 +79,10 @@ func TestHandler(t *testing.T) {
 		require.EqualValues(t, 1, st.Pending)
 		require.Equal(t, ops.DeadLetterCounts{Failed: 2, Parked: 1}, st.DeadLetters)
 		require.Len(t, st.Buckets, 4)
+		require.Nil(t, st.WAL, "table mode has no slot")
+		var notWAL map[string]string
+		require.Equal(t, http.StatusNotFound, ro.do("GET", "/wal", "", &notWAL))
+		require.Contains(t, notWAL["error"], "not in WAL mode")
 
 		var page deadPage
 		page = ro.list("/dead-letters?topic=orders&limit=1")

@@ -3,9 +3,11 @@ package opshttp
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/gorm-outbox/outbox/ops"
@@ -16,7 +18,8 @@ const HealthTimeoutDefault = 5 * time.Second
 
 // healthBody is the health handlers' JSON response.
 type healthBody struct {
-	// Status is "ok"; "unhealthy" (backlog too old), "error" (the outbox
+	// Status is "ok"; "unhealthy" (backlog too old, or in WAL mode the
+	// slot unhealthy: see Reason), "error" (the outbox
 	// could not be read), "failed" (the relay stopped on an error) or
 	// "stopped" (the relay stopped cleanly: the process is shutting down).
 	Status string `json:"status"`
@@ -27,6 +30,13 @@ type healthBody struct {
 	OldestPendingAgeSeconds *float64 `json:"oldest_pending_age_seconds,omitempty"`
 	MaxAgeSeconds           float64  `json:"max_age_seconds,omitempty"`
 	Bucket                  *int     `json:"bucket,omitempty"`
+	// Reason is set for an unhealthy slot in WAL mode: "slot_lost",
+	// "slot_missing", "retained_wal" or "no_reader" (ops.WALUnhealthyError),
+	// with Error saying what was found.
+	Reason string `json:"reason,omitempty"`
+	// WALSlot and WALRetainedBytes describe the slot in WAL mode.
+	WALSlot          string `json:"wal_slot,omitempty"`
+	WALRetainedBytes *int64 `json:"wal_retained_bytes,omitempty"`
 }
 
 // Health answers the probes of a service that runs a relay, split the way
@@ -41,7 +51,11 @@ type healthBody struct {
 //     delivered? 503 when Relay stopped on an error (as Liveness) or
 //     stopped at all, when the oldest pending message has waited longer
 //     than MaxAge, or when the outbox cannot be read within
-//     HealthTimeoutDefault; 200 otherwise.
+//     HealthTimeoutDefault; 200 otherwise. For an outbox in WAL mode (an
+//     Operator that is an ops.WALOperator) also when the replication slot
+//     is lost or missing, retains more WAL than MaxRetainedWALBytes, or
+//     no reader has held its lease for longer than the lease duration
+//     (ops.CheckWAL), with Reason and Error saying which.
 //
 // Bodies are small JSON objects:
 //
@@ -49,6 +63,7 @@ type healthBody struct {
 //	{"status":"unhealthy","oldest_pending_age_seconds":912.5,"max_age_seconds":300,"bucket":5}
 //	{"status":"error","max_age_seconds":300}
 //	{"status":"failed","error":"relay: misconfiguration: BucketCount: table outbox_messages holds messages in bucket 63, ..."}
+//	{"status":"unhealthy","reason":"slot_lost","error":"outbox: WAL slot outbox_orders: the slot is lost: ...","wal_slot":"outbox_orders","wal_retained_bytes":0}
 //
 // Errors reading the outbox are logged on Logger, not written to the
 // response. A relay's error is written: it names tables and settings, not
@@ -57,15 +72,20 @@ type Health struct {
 	// Operator reads the backlog for Readiness (OldestPending). Required
 	// by Readiness and Handler.
 	Operator ops.Operator
-	// Relay is the relay the process runs, if any (a *relay.Relay): its
-	// end is reported at once, without waiting for the backlog to age.
-	// Optional.
+	// Relay is the relay the process runs, if any (a *relay.Relay, or in
+	// WAL mode a *pgwal.Reader): its end is reported at once, without
+	// waiting for the backlog to age. Optional.
 	Relay Stopper
 	// MaxAge is the oldest-pending age above which Readiness fails; it
 	// must be positive (Readiness and Handler panic otherwise). Pick it
 	// from the delivery objective, well above the relays' PollInterval and
 	// BackoffMax.
 	MaxAge time.Duration
+	// MaxRetainedWALBytes is, in WAL mode, the WAL the slot may retain
+	// before Readiness fails (the reader is behind or stopped). Default
+	// ops.WALMaxRetainedBytesDefault (1 GiB); negative disables the
+	// check. Unused in table mode.
+	MaxRetainedWALBytes int64
 	// Logger receives a line when the outbox cannot be read. Default:
 	// slog.Default().
 	Logger *slog.Logger
@@ -118,6 +138,10 @@ func (h Health) Readiness() http.Handler {
 	if logger == nil {
 		logger = slog.Default()
 	}
+	wop, _ := op.(ops.WALOperator)
+	// noReaderSince is when a probe first saw the slot's lease free, in
+	// Unix nanoseconds; 0 while it is held.
+	var noReaderSince atomic.Int64
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body := healthBody{Status: "ok", MaxAgeSeconds: maxAge.Seconds()}
 		code := http.StatusOK
@@ -131,6 +155,33 @@ func (h Health) Readiness() http.Handler {
 		}
 		ctx, cancel := context.WithTimeout(r.Context(), HealthTimeoutDefault)
 		defer cancel()
+		if wop != nil {
+			ws, err := wop.WALStatus(ctx)
+			if err != nil {
+				body.Status, code = "error", http.StatusServiceUnavailable
+				logger.WarnContext(ctx, "outbox: health check could not read the WAL slot", "err", err)
+				writeHealth(w, r, code, body)
+				return
+			}
+			body.WALSlot, body.WALRetainedBytes = ws.Slot, &ws.RetainedBytes
+			now := time.Now()
+			if ws.Reader.Held {
+				noReaderSince.Store(0)
+			} else {
+				noReaderSince.CompareAndSwap(0, now.UnixNano())
+			}
+			wh := ops.WALHealth{MaxRetainedBytes: h.MaxRetainedWALBytes}
+			if ns := noReaderSince.Load(); ns != 0 {
+				wh.NoReaderSince = time.Unix(0, ns)
+			}
+			if err := ops.CheckWAL(ws, wh, now); err != nil {
+				var we *ops.WALUnhealthyError
+				errors.As(err, &we)
+				body.Status, body.Reason, body.Error, code = "unhealthy", we.Reason, err.Error(), http.StatusServiceUnavailable
+				writeHealth(w, r, code, body)
+				return
+			}
+		}
 		age, bucket, ok, err := op.OldestPending(ctx)
 		switch {
 		case err != nil:

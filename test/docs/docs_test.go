@@ -22,6 +22,8 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
+	"github.com/gorm-outbox/outbox/ops/opshttp"
+	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -86,6 +88,8 @@ func TestConfigReferenceNamesEveryField(t *testing.T) {
 		{"`gormrelay.FailurePolicyConfig`", reflect.TypeFor[gormrelay.FailurePolicyConfig]()},
 		{"`publisher.KafkaConfig`", reflect.TypeFor[publisher.KafkaConfig]()},
 		{"`publisher.TransactionalConfig`", reflect.TypeFor[publisher.TransactionalConfig]()},
+		{"`pgwal.Config`", reflect.TypeFor[pgwal.Config]()},
+		{"`opshttp.Health`", reflect.TypeFor[opshttp.Health]()},
 	} {
 		lines := section(t, doc, c.title)
 		n := 0

@@ -1,0 +1,186 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"time"
+
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/ops"
+	"github.com/gorm-outbox/outbox/pgwal"
+)
+
+// connectWAL builds the operator API of an outbox in WAL mode.
+func (g *globals) connectWAL(db *gorm.DB, cfg outbox.Config) error {
+	if db.Dialector.Name() != "postgres" {
+		return usagef("--mode wal needs PostgreSQL (driver %s)", db.Dialector.Name())
+	}
+	p, err := outbox.NewPlugin(cfg)
+	if err != nil {
+		return usageError{err.Error()}
+	}
+	if err := db.Use(p); err != nil {
+		return err
+	}
+	admin, err := pgwal.NewAdmin(db, p, pgwal.Config{Slot: g.walSlot, LeaseTable: g.walLeases})
+	if err != nil {
+		return usageError{err.Error()}
+	}
+	g.op, g.cfg, g.wal = admin, p.Config(), admin
+	return nil
+}
+
+// walSlotJSON is the --json form of "wal slot status" and "wal slot drop".
+type walSlotJSON struct {
+	Slot        *ops.WALStatus     `json:"slot,omitempty"`
+	Unconfirmed *pgwal.Unconfirmed `json:"unconfirmed,omitempty"`
+	Created     *bool              `json:"created,omitempty"`
+	Dropped     bool               `json:"dropped,omitempty"`
+}
+
+func (g *globals) walCmd(ctx context.Context, fs *flag.FlagSet, args []string) error {
+	var force bool
+	fs.BoolVar(&force, "force", false, "wal slot drop: drop even when the slot holds unpublished messages, losing them")
+	ctx, cancel, pos, err := g.startLazy(ctx, fs, args)
+	if err != nil {
+		return err
+	}
+	defer cancel()
+	if len(pos) != 2 || pos[0] != "slot" {
+		return usagef("wal takes: slot status, slot create or slot drop [--force]")
+	}
+	sub := pos[1]
+	switch sub {
+	case "status", "create", "drop":
+	default:
+		return usagef("unknown wal slot command %q: status, create or drop", sub)
+	}
+	if force && sub != "drop" {
+		return usagef("--force is for wal slot drop only")
+	}
+	if g.mode == "" {
+		g.mode = g.getenv("OUTBOX_MODE")
+	}
+	if g.mode != "wal" {
+		return usagef("wal commands need --mode wal (or OUTBOX_MODE=wal)")
+	}
+	if err := g.connect(ctx); err != nil {
+		return err
+	}
+	switch sub {
+	case "create":
+		created, err := g.wal.EnsureSlot(ctx)
+		if err != nil {
+			return err
+		}
+		if g.json {
+			return g.printJSON(walSlotJSON{Created: &created})
+		}
+		if created {
+			fmt.Fprintf(g.out, "created slot %s\n", g.wal.WALConfig().Slot)
+		} else {
+			fmt.Fprintf(g.out, "slot %s exists\n", g.wal.WALConfig().Slot)
+		}
+		return nil
+	case "drop":
+		before, err := g.wal.WALStatus(ctx)
+		if err != nil {
+			return err
+		}
+		u, err := g.wal.DropSlot(ctx, force)
+		var has *pgwal.SlotHasMessagesError
+		if errors.As(err, &has) {
+			return fmt.Errorf("%w (outboxctl wal slot drop --force)", err)
+		}
+		if err != nil {
+			return err
+		}
+		if g.json {
+			return g.printJSON(walSlotJSON{Unconfirmed: &u, Dropped: true})
+		}
+		if !before.Exists {
+			fmt.Fprintf(g.out, "slot %s did not exist; deleted its publication and its lease, so that it is created afresh\n", before.Slot)
+			return nil
+		}
+		fmt.Fprintf(g.out, "dropped slot %s, its publication and its lease", g.wal.WALConfig().Slot)
+		if u.Messages > 0 {
+			fmt.Fprintf(g.out, "; %d unpublished message(s) of %d key(s), written %s to %s, were lost", u.Messages, u.Keys,
+				u.Oldest.UTC().Format(time.RFC3339), u.Newest.UTC().Format(time.RFC3339))
+		}
+		fmt.Fprintln(g.out)
+		return nil
+	}
+	ws, err := g.wal.WALStatus(ctx)
+	if err != nil {
+		return err
+	}
+	var u *pgwal.Unconfirmed
+	if ws.Exists && !ws.Active && !ws.Lost {
+		// No reader: read what the slot holds, without consuming it.
+		got, err := g.wal.Unconfirmed(ctx)
+		switch {
+		case errors.Is(err, pgwal.ErrSlotActive):
+			// A reader connected meanwhile.
+		case err != nil:
+			return err
+		default:
+			u = &got
+			if got.Messages > 0 {
+				ws.Oldest, ws.LagAgeMs, ws.LagSource = got.Oldest, max(time.Since(got.Oldest), 0).Milliseconds(), "slot"
+			} else {
+				ws.LagSource = "slot"
+			}
+		}
+	}
+	if g.json {
+		return g.printJSON(walSlotJSON{Slot: &ws, Unconfirmed: u})
+	}
+	printWAL(g.out, ws, u)
+	return nil
+}
+
+// printWAL prints a WAL slot's status, and what it holds when known.
+func printWAL(w io.Writer, ws ops.WALStatus, u *pgwal.Unconfirmed) {
+	state := "inactive (no reader connected)"
+	switch {
+	case ws.Lost:
+		state = "LOST: " + ws.LostReason
+	case !ws.Exists:
+		state = "MISSING: messages written now are not kept for the readers (outboxctl wal slot create)"
+	case ws.Active:
+		state = "active"
+	}
+	tw := newTable(w)
+	fmt.Fprintf(tw, "SLOT\t%s\n", ws.Slot)
+	fmt.Fprintf(tw, "STATE\t%s\n", state)
+	reader := "none"
+	if ws.Reader.Held {
+		reader = fmt.Sprintf("%s (term %d, lease expires in %s)", ws.Reader.Owner, ws.Reader.Term, age(time.Until(ws.Reader.ExpiresAt)))
+	} else if ws.Reader.Owner != "" {
+		reader = fmt.Sprintf("none (last %s, term %d, lease expired %s ago)", ws.Reader.Owner, ws.Reader.Term, age(time.Since(ws.Reader.ExpiresAt)))
+	}
+	fmt.Fprintf(tw, "READER\t%s\n", reader)
+	confirmed := ws.ConfirmedLSN
+	if confirmed == "" {
+		confirmed = "-"
+	}
+	fmt.Fprintf(tw, "CONFIRMED\t%s (current %s)\n", confirmed, ws.CurrentLSN)
+	fmt.Fprintf(tw, "LAG BYTES\t%d (WAL retained: current - confirmed)\n", ws.RetainedBytes)
+	lag := "unknown: only the process running the reader knows it while the slot is active"
+	switch ws.LagSource {
+	case "reader":
+		lag = age(ws.LagAge()) + " (age of the oldest message the reader has not published)"
+	case "slot":
+		lag = age(ws.LagAge()) + " (age of the oldest unconfirmed message in the slot)"
+	}
+	fmt.Fprintf(tw, "LAG TIME\t%s\n", lag)
+	if u != nil {
+		fmt.Fprintf(tw, "UNCONFIRMED\t%d message(s) of %d key(s)\n", u.Messages, u.Keys)
+	}
+	tw.Flush()
+}

@@ -1,0 +1,130 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
+)
+
+// TestWALMode: outboxctl --mode wal shows the slot, creates it, requeues
+// a WAL dead letter by emitting it into the slot again, refuses pause,
+// refuses to drop a slot holding unpublished messages (saying what they
+// are), and drops it with --force.
+func TestWALMode(t *testing.T) {
+	t.Parallel()
+	dbt := dbtest.OpenWAL(t)
+	name := dbtest.Name("ctl_")
+	p, err := outbox.NewPlugin(outbox.Config{Name: name, Mode: outbox.ModeWAL})
+	require.NoError(t, err)
+	require.NoError(t, dbt.DB.Use(p))
+	require.NoError(t, p.AutoMigrate(context.Background(), dbt.DB))
+	slot := "outbox_" + name
+	t.Cleanup(func() {
+		_ = dbt.Exec("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = ?", slot).Error
+		_ = dbt.Exec("DROP PUBLICATION IF EXISTS " + slot).Error
+	})
+	env := map[string]string{"OUTBOX_DSN": dbt.DSN, "OUTBOX_MODE": "wal", "OUTBOX_NAME": name}
+	ctl := func(args ...string) (int, string, string) {
+		var out, errOut bytes.Buffer
+		code := run(context.Background(), args, &out, &errOut, func(k string) string { return env[k] })
+		return code, out.String(), errOut.String()
+	}
+	slotExists := func() bool {
+		var n int64
+		require.NoError(t, dbt.Raw("SELECT count(*) FROM pg_replication_slots WHERE slot_name = ?", slot).Scan(&n).Error)
+		return n > 0
+	}
+
+	code, out, errOut := ctl("wal", "slot", "status")
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "MISSING")
+	code, out, errOut = ctl("wal", "slot", "create")
+	require.Equal(t, exitOK, code, errOut)
+	require.Equal(t, "created slot "+slot+"\n", out)
+	require.True(t, slotExists())
+	code, out, _ = ctl("wal", "slot", "create")
+	require.Equal(t, exitOK, code)
+	require.Equal(t, "slot "+slot+" exists\n", out)
+
+	require.NoError(t, dbt.Transaction(func(tx *gorm.DB) error {
+		return outbox.Enqueue(tx, &outbox.Message{Topic: "t", Key: []byte("a"), Value: []byte("a0")},
+			&outbox.Message{Topic: "t", Key: []byte("b"), Value: []byte("b0")}, &outbox.Message{Topic: "t", Key: []byte("a"), Value: []byte("a1")})
+	}))
+	code, out, errOut = ctl("wal", "slot", "status")
+	require.Equal(t, exitOK, code, errOut)
+	require.Regexp(t, `SLOT +`+slot+`\n`, out)
+	require.Regexp(t, `STATE +inactive \(no reader connected\)`, out)
+	require.Regexp(t, `READER +none\n`, out)
+	require.Regexp(t, `LAG BYTES +[1-9][0-9]* \(WAL retained`, out)
+	require.Contains(t, out, "(age of the oldest unconfirmed message in the slot)")
+	require.Regexp(t, `UNCONFIRMED +3 message\(s\) of 2 key\(s\)`, out)
+
+	code, out, errOut = ctl("--json", "wal", "slot", "status")
+	require.Equal(t, exitOK, code, errOut)
+	var js walSlotJSON
+	require.NoError(t, json.Unmarshal([]byte(out), &js))
+	require.True(t, js.Slot.Exists)
+	require.Equal(t, slot, js.Slot.Slot)
+	require.Equal(t, "slot", js.Slot.LagSource)
+	require.Equal(t, int64(3), js.Unconfirmed.Messages)
+
+	code, out, errOut = ctl("status")
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "dead letters 0 failed + 0 parked")
+	require.Regexp(t, `SLOT +`+slot+`\n`, out)
+
+	// A WAL mode dead letter (negative id: a negated WAL position),
+	// requeued: emitted into the slot again and gone from the table.
+	now := time.Now().UnixMilli()
+	require.NoError(t, dbt.Table(p.Config().Tables.DeadLettersTable()).Create(&outbox.DeadLetterRow{ID: -12345, MessageID: "m1",
+		Topic: "t", Key: []byte("a"), Value: []byte("a-dead"), CreatedAtMs: now, DeadAtMs: now, State: "failed"}).Error)
+	code, out, errOut = ctl("dead-letters", "list")
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "-12345")
+	code, out, errOut = ctl("requeue", "--key", "a")
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "requeued 1 dead letter(s)")
+	code, out, errOut = ctl("--json", "wal", "slot", "status")
+	require.Equal(t, exitOK, code, errOut)
+	require.NoError(t, json.Unmarshal([]byte(out), &js))
+	require.Equal(t, int64(4), js.Unconfirmed.Messages, "the dead letter is in the slot again")
+	var dead int64
+	require.NoError(t, dbt.Table(p.Config().Tables.DeadLettersTable()).Count(&dead).Error)
+	require.Zero(t, dead)
+
+	code, _, errOut = ctl("pause", "0")
+	require.Equal(t, exitFail, code)
+	require.Contains(t, errOut, "WAL mode has no per-bucket pause")
+
+	code, _, errOut = ctl("wal", "slot", "drop")
+	require.Equal(t, exitFail, code)
+	require.Contains(t, errOut, "refusing to drop slot "+slot+": it holds 4 unpublished message(s) of 2 key(s)")
+	require.Contains(t, errOut, "--force")
+	require.True(t, slotExists(), "refused: still there")
+	code, out, errOut = ctl("wal", "slot", "drop", "--force")
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "dropped slot "+slot)
+	require.Contains(t, out, "4 unpublished message(s) of 2 key(s)")
+	require.False(t, slotExists())
+	code, _, errOut = ctl("wal", "slot", "drop")
+	require.Equal(t, exitFail, code)
+	require.Contains(t, errOut, "replication slot does not exist")
+	code, out, errOut = ctl("wal", "slot", "drop", "--force")
+	require.Equal(t, exitOK, code, errOut)
+	require.Equal(t, "slot "+slot+" did not exist; deleted its publication and its lease, so that it is created afresh\n", out)
+
+	code, _, errOut = ctl("--mode", "table", "wal", "slot", "status")
+	require.Equal(t, exitUsage, code)
+	require.Contains(t, errOut, "need --mode wal")
+	code, _, errOut = ctl("wal", "slot", "frob")
+	require.Equal(t, exitUsage, code)
+	require.Contains(t, errOut, "unknown wal slot command")
+}

@@ -194,7 +194,10 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 }
 
 func (r *Reader) ensurePublication(ctx context.Context) error {
-	return ensurePublication(ctx, r.db, r.cfg.Slot)
+	if err := ensurePublication(ctx, r.db, r.cfg.Slot); err != nil {
+		return err
+	}
+	return r.prepareSlot(ctx)
 }
 
 // ensurePublication creates the (empty) publication named slot when it
@@ -206,7 +209,7 @@ func ensurePublication(ctx context.Context, gdb *gorm.DB, slot string) error {
 		return fmt.Errorf("pgwal: read publications: %w", err)
 	}
 	if n > 0 {
-		return r.prepareSlot(ctx)
+		return nil
 	}
 	// An empty publication: pgoutput needs one, and it decodes no row
 	// change, only the logical decoding messages.
@@ -214,7 +217,7 @@ func ensurePublication(ctx context.Context, gdb *gorm.DB, slot string) error {
 	if err != nil && !isDuplicate(err) {
 		return fmt.Errorf("pgwal: create publication %s: %w", slot, err)
 	}
-	return r.prepareSlot(ctx)
+	return nil
 }
 
 func isDuplicate(err error) bool {

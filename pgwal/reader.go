@@ -188,22 +188,29 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 			return err
 		}
 	}
+	// Start from the position the lease row recorded when the slot's is
+	// behind it: a crash of the server (an immediate shutdown) takes the
+	// slot's confirmed position back to the last checkpoint, and
+	// everything published since would be published again. The recorded
+	// position was safe to confirm (it is recorded before it is sent);
+	// checkSlot refused a slot whose position is beyond it.
+	from := max(st.Confirmed, recorded)
 	// Record where reading starts before anything is confirmed, so a slot
 	// dropped from now on is noticed.
-	if ok, err := r.leases.renew(ctx, term, int64(st.Confirmed)); err != nil || !ok {
+	if ok, err := r.leases.renew(ctx, term, int64(from)); err != nil || !ok {
 		return errors.Join(errLeaseLost, err)
 	}
-	err = pglogrepl.StartReplication(ctx, conn, r.cfg.Slot, 0, pglogrepl.StartReplicationOptions{
+	err = pglogrepl.StartReplication(ctx, conn, r.cfg.Slot, from, pglogrepl.StartReplicationOptions{
 		PluginArgs: []string{"proto_version '1'", "publication_names '" + r.cfg.Slot + "'", "messages 'true'"},
 	})
 	if err != nil {
 		return fmt.Errorf("pgwal: start replication from slot %s: %w", r.cfg.Slot, err)
 	}
-	r.log.Info("pgwal: reading the slot", "term", term, "from", st.Confirmed)
+	r.log.Info("pgwal: reading the slot", "term", term, "from", from, "slot_confirmed", st.Confirmed)
 
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	s := newStream(r, conn, term, st.Confirmed)
+	s := newStream(r, conn, term, from)
 	if err := s.loadQuarantine(ctx); err != nil {
 		return err
 	}

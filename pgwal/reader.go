@@ -2,9 +2,13 @@ package pgwal
 
 import (
 	"context"
+	"database/sql/driver"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -100,10 +104,7 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // the next reader publishes them again. The lease is not released then:
 // another reader takes over once it lapses (LeaseDuration).
 func (r *Reader) Run(ctx context.Context) error {
-	if err := r.leases.migrate(ctx); err != nil {
-		return fmt.Errorf("pgwal: create lease table %s: %w", r.cfg.LeaseTable, err)
-	}
-	if err := r.ensurePublication(ctx); err != nil {
+	if err := r.prepare(ctx); err != nil || ctx.Err() != nil {
 		return err
 	}
 	failures := 0
@@ -142,6 +143,45 @@ func (r *Reader) Run(ctx context.Context) error {
 			return nil
 		}
 	}
+}
+
+// prepare creates the lease table and the publication, retrying with
+// backoff while the database cannot be reached (down, restarting, the
+// session ended) until ctx ends; other errors are returned.
+func (r *Reader) prepare(ctx context.Context) error {
+	for failures := 1; ; failures++ {
+		err := r.leases.migrate(ctx)
+		if err != nil {
+			err = fmt.Errorf("pgwal: create lease table %s: %w", r.cfg.LeaseTable, err)
+		} else {
+			err = r.ensurePublication(ctx)
+		}
+		if err == nil || ctx.Err() != nil {
+			return nil
+		}
+		if !unreachable(err) {
+			return err
+		}
+		r.log.Warn("pgwal: the database cannot be reached, retrying", "err", err, "attempt", failures)
+		if !backoff.Sleep(ctx, backoff.Exponential(r.cfg.BackoffMin, r.cfg.BackoffMax, failures)) {
+			return nil
+		}
+	}
+}
+
+// unreachable reports whether err says the database could not be
+// reached or ended the session (connection errors, SQLSTATE classes 08
+// and 57P, too many connections), which retrying can fix, as opposed to
+// what it cannot (a missing privilege, a bad table name).
+func unreachable(err error) bool {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return strings.HasPrefix(pe.Code, "08") || strings.HasPrefix(pe.Code, "57P") || pe.Code == "53300"
+	}
+	var ce *pgconn.ConnectError
+	var ne net.Error
+	return errors.As(err, &ce) || errors.As(err, &ne) || errors.Is(err, driver.ErrBadConn) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || pgconn.Timeout(err)
 }
 
 func (r *Reader) ensurePublication(ctx context.Context) error {

@@ -42,7 +42,9 @@ const walMaxPending = 2000
 // chaos-relay processes run pgwal readers that compete for the slot's
 // lease, and the injector SIGKILLs, stops and pauses them, terminates
 // their database sessions (the walsender included), restarts the
-// PostgreSQL server (fast and immediate) and makes the kfake brokers fail.
+// PostgreSQL server (fast and immediate) and makes the brokers fail
+// (kfake's request faults; on Apache Kafka, broker processes killed,
+// stopped, leaders moved).
 // The last fault is an immediate restart right after a backlog was
 // written. It asserts: nothing lost, no key reordered (WAL order is commit
 // order: each key's first deliveries follow its sequence numbers), the
@@ -60,9 +62,6 @@ func TestChaosWAL(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			if os.Getenv(kafkatest.EnvBrokers) != "" {
-				t.Skip("WAL mode chaos runs on kfake only, in the kfake pass")
-			}
 			p := loadParams(t, strict)
 			if os.Getenv(EnvMessages) == "" && !p.soak {
 				p.messages = 8000
@@ -79,7 +78,7 @@ func TestChaosWAL(t *testing.T) {
 }
 
 // WAL chaos fault kinds of its own.
-var walBrokerKinds = []string{evNotLeader, evTimeoutAfter, evDelay, evDropConn, evShuffle}
+var walBrokerKinds = []string{evNotLeader, evTimeoutAfter, evDelay, evDropConn, evShuffle, evBrokerKill, evBrokerStop, evLeaderMove}
 
 func runWALChaos(t *testing.T, p params) {
 	pgc := startPGCluster(t, "wal_level = logical", "max_wal_senders = 20", "max_replication_slots = 10")
@@ -112,10 +111,22 @@ func runWALChaos(t *testing.T, p params) {
 
 	cluster := kafkatest.Start(t, kafkatest.NumBrokers(p.brokers))
 	topic := cluster.Topic(t, p.partitions)
+	// kfake's request faults, or on Apache Kafka (KAFKA_BROKERS,
+	// OUTBOX_KAFKA_SCRIPT) its broker processes killed, stopped and
+	// leaders moved.
 	fake := cluster.Fake()
+	real := newRealBrokers(t, cluster, topic)
 	nodeIDs := map[string]int32{}
-	for i, a := range fake.ListenAddrs() {
-		nodeIDs[a] = int32(i)
+	if fake != nil {
+		for i, a := range fake.ListenAddrs() {
+			nodeIDs[a] = int32(i)
+		}
+	} else if p.minChaos < 45*time.Second && !p.soak {
+		// As in runChaos: a real broker fault takes seconds to heal.
+		p.minChaos = 45 * time.Second
+		if os.Getenv(EnvRate) == "" {
+			p.rate = float64(p.messages) / p.minChaos.Seconds()
+		}
 	}
 
 	bin := relayBinary(t)
@@ -153,16 +164,21 @@ func runWALChaos(t *testing.T, p params) {
 	}
 
 	in := &injector{
-		t: t, rng: rand.New(rand.NewPCG(p.seed, p.seed^0x9e3779b97f4a7c15)), procs: pr, fake: fake,
+		t: t, rng: rand.New(rand.NewPCG(p.seed, p.seed^0x9e3779b97f4a7c15)), procs: pr, fake: fake, real: real,
 		partitions: p.partitions, db: d.DB, log: events, lease: p.lease, every: p.faultEvery, nodeIDs: nodeIDs,
 	}
 	pgr := &pgRestarter{c: pgc}
 	in.kinds = func(in *injector) []action {
-		return append(pgr.actions(in),
+		kinds := append(pgr.actions(in),
 			action{3, in.sigkill},
 			action{1, in.sigterm},
 			action{1, in.pause},
 			action{2, in.killBackends},
+		)
+		if real != nil {
+			return append(kinds, real.actions(in)...)
+		}
+		return append(kinds,
 			action{1, in.brokerFault(evNotLeader, kerr.NotLeaderForPartition, 1, 12)},
 			action{1, in.brokerFault(evTimeoutAfter, kerr.RequestTimedOut, 1, 8)},
 			action{1, in.delay},
@@ -207,6 +223,9 @@ func runWALChaos(t *testing.T, p params) {
 	bound := p.lease + 3*p.renew
 	t.Logf("chaos wal liveness: %d WAL bytes unconfirmed at the heal; the slot confirmed progress after %s (bound: lease %s + 3 standby intervals of %s = %s); everything written confirmed after %s",
 		live.behindAtHeal, live.resumed.Round(10*time.Millisecond), p.lease, p.renew, bound, live.caughtUp.Round(10*time.Millisecond))
+	if real != nil {
+		real.endQuiet()
+	}
 	stopErrs := pr.stopAll(termTimeout)
 
 	var rows []order
@@ -322,18 +341,19 @@ func scanWALLogs(paths []string) walLogStats {
 }
 
 // walDuplicateBound bounds the duplicates of a WAL chaos run. A reading
-// term starts at the slot's confirmed position; what the previous term
-// published past it is delivered again. That is at most what was
-// decoded and not confirmed when the term ended: MaxPending messages
-// waiting plus what was published since the last standby update, which
-// the writers' pace over a standby interval and a batch per bucket in
-// flight cover, except after an immediate restart, where the slot goes
-// back to its position at the last checkpoint: everything committed since
-// may be replayed, at most every message written. A failed publish may
-// have been written by the broker: its batch is sent again.
+// term starts from the last position a reader recorded (or the slot's,
+// when further); what earlier terms published past it is delivered
+// again. The position is the oldest message not yet published, recorded
+// every standby interval: past it lie what was published since the last
+// standby update (the writers' pace over an interval covers it; a backlog
+// drains faster, so the batches in flight, one per bucket, are added) and
+// what the other buckets published while one bucket's head waited, which
+// MaxPending bounds in that bucket's queue: at most BucketCount times
+// MaxPending decoded meanwhile. A failed publish may have been written by
+// the broker: its batch is sent again.
 func walDuplicateBound(s walLogStats, p params) int {
-	perTerm := walMaxPending + p.buckets*p.batch + int(p.rate*p.renew.Seconds())
-	return max(0, s.terms-1)*perTerm + s.publishFailed*p.batch + p.messages + 5000
+	perTerm := p.buckets*walMaxPending + p.buckets*p.batch + int(p.rate*p.renew.Seconds())
+	return max(0, s.terms-1)*perTerm + s.publishFailed*p.batch
 }
 
 // walLiveness is how the slot caught up after the last fault.

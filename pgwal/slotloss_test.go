@@ -34,8 +34,10 @@ func runErr(t *testing.T, r *pgwal.Reader) error {
 	return err
 }
 
-// TestReaderStopsOnRecreatedSlot: a slot dropped and created again while
-// no reader ran starts after the messages committed in between. The
+// TestReaderStopsOnRecreatedSlot: a slot dropped while no reader ran is
+// refused by Run and EnsureSlot, and not created again. Then it is
+// created again, as an operator might: it starts after the messages
+// committed in between. The
 // reader finds the new slot's confirmed position beyond the one its lease
 // row recorded and stops with a *SlotLostError naming both positions; it
 // does not read the new slot, so the gap is not skipped silently, and
@@ -54,6 +56,17 @@ func TestReaderStopsOnRecreatedSlot(t *testing.T) {
 		return e.db.Exec("SELECT pg_drop_replication_slot(?)", slot).Error == nil
 	}, 30*time.Second, 50*time.Millisecond)
 	e.write(t, 1, 3, 6) // in no slot: lost
+
+	// Missing while the lease row says the slot existed: refused, not
+	// created again.
+	for _, f := range []func() error{func() error { return runErr(t, r) }, func() error { return r.EnsureSlot(context.Background()) }} {
+		err := f()
+		var lost *pgwal.SlotLostError
+		require.ErrorAs(t, err, &lost)
+		require.Contains(t, err.Error(), "does not exist any more")
+		require.False(t, slotExists(e.db.DB, slot), "the slot is not created again")
+	}
+
 	require.NoError(t, e.db.Exec("SELECT pg_create_logical_replication_slot(?, 'pgoutput')", slot).Error)
 	e.write(t, 1, 6, 9) // in the new slot
 

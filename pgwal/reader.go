@@ -147,8 +147,10 @@ func (r *Reader) Run(ctx context.Context) error {
 
 // prepare creates the lease table and the publication, retrying with
 // backoff while the database cannot be reached (down, restarting, the
-// session ended) until ctx ends; other errors are returned.
+// session ended) until ctx ends, and a few times when another reader
+// created them at the same moment; other errors are returned.
 func (r *Reader) prepare(ctx context.Context) error {
+	races := 0
 	for failures := 1; ; failures++ {
 		err := r.leases.migrate(ctx)
 		if err != nil {
@@ -159,7 +161,10 @@ func (r *Reader) prepare(ctx context.Context) error {
 		if err == nil || ctx.Err() != nil {
 			return nil
 		}
-		if !unreachable(err) {
+		if createRace(err) && races < 5 {
+			// The next attempt finds the winner's objects.
+			races++
+		} else if !unreachable(err) {
 			return err
 		}
 		r.log.Warn("pgwal: the database cannot be reached, retrying", "err", err, "attempt", failures)
@@ -182,6 +187,14 @@ func unreachable(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ce) || errors.As(err, &ne) || errors.Is(err, driver.ErrBadConn) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || pgconn.Timeout(err)
+}
+
+// createRace reports whether err is what PostgreSQL answers a CREATE
+// that raced with the same CREATE in another session: the object, or
+// its row type in the catalog, already exists.
+func createRace(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && (pe.Code == "42P07" || pe.Code == "42710" || pe.Code == "23505")
 }
 
 func (r *Reader) ensurePublication(ctx context.Context) error {

@@ -109,3 +109,54 @@ func TestReaderRetriesSetupWhileDatabaseDown(t *testing.T) {
 	cancel()
 	require.NoError(t, <-done)
 }
+
+// TestReaderConcurrentStart: readers started at once on a fresh outbox
+// race to create the lease table and the publication; the losers see the
+// winner's objects and go on instead of returning.
+func TestReaderConcurrentStart(t *testing.T) {
+	e := setup(t)
+	const n = 8
+	readers := make([]*pgwal.Reader, n)
+	for i := range readers {
+		r, err := pgwal.New(e.db.DB, e.plugin, e.pub, pgwal.Config{
+			ReplicationDSN: dbtest.PostgresWALDSN(), RelayID: "r" + strconv.Itoa(i),
+			LeaseDuration: 1500 * time.Millisecond, StandbyInterval: 200 * time.Millisecond,
+			BackoffMin: 10 * time.Millisecond, BackoffMax: 50 * time.Millisecond, Logger: dbtest.Logger(t),
+		})
+		require.NoError(t, err)
+		readers[i] = r
+	}
+	slot := readers[0].Config().Slot
+	t.Cleanup(func() {
+		require.Eventually(t, func() bool {
+			return e.db.Exec("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = ? AND NOT active", slot).Error == nil &&
+				!slotExists(e.db.DB, slot)
+		}, 30*time.Second, 50*time.Millisecond)
+		_ = e.db.Exec("DROP PUBLICATION IF EXISTS " + slot).Error
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	errs := make(chan error, n)
+	start := make(chan struct{})
+	for _, r := range readers {
+		go func() { <-start; errs <- r.Run(ctx) }()
+	}
+	close(start)
+	require.Eventually(t, func() bool {
+		select {
+		case err := <-errs:
+			require.NoError(t, err, "a reader returned at start")
+		default:
+		}
+		// The slot is created, and reading starts from its consistent
+		// point, once the lease row records a position.
+		var recorded int64
+		_ = e.db.Raw("SELECT confirmed_lsn FROM "+e.plugin.Config().Tables.Leases+"_wal WHERE slot = ?", slot).Scan(&recorded).Error
+		return recorded > 0
+	}, 30*time.Second, 5*time.Millisecond)
+	e.write(t, 2, 0, 5)
+	e.checkDelivered(t, 2, 5)
+	cancel()
+	for range n {
+		require.NoError(t, <-errs)
+	}
+}

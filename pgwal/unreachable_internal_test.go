@@ -26,3 +26,11 @@ func TestUnreachable(t *testing.T) {
 	}
 	require.False(t, unreachable(errors.New("syntax")))
 }
+
+// TestCreateRace: a CREATE that raced with the same CREATE in another
+// session is retried; other refusals are not.
+func TestCreateRace(t *testing.T) {
+	for code, want := range map[string]bool{"42P07": true, "42710": true, "23505": true, "42501": false, "57P01": false} {
+		require.Equal(t, want, createRace(fmt.Errorf("x: %w", &pgconn.PgError{Code: code})), code)
+	}
+}

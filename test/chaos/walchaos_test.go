@@ -64,13 +64,13 @@ func TestChaosWAL(t *testing.T) {
 			t.Parallel()
 			p := loadParams(t, strict)
 			if os.Getenv(EnvMessages) == "" && !p.soak {
-				p.messages = 8000
+				p.messages = 6000
 			}
-			p.minChaos = 25 * time.Second
+			p.minChaos = 20 * time.Second
 			if os.Getenv(EnvRate) == "" {
 				p.rate = float64(p.messages) / p.minChaos.Seconds()
 			}
-			p.faultEvery = 1500 * time.Millisecond
+			p.faultEvery = time.Second
 			p.drainLimit = 2 * time.Minute
 			runWALChaos(t, p)
 		})
@@ -86,8 +86,6 @@ func runWALChaos(t *testing.T, p params) {
 	if p.strict {
 		mode = "strict"
 	}
-	t.Logf("chaos wal %s: seed %d (rerun with %s=%d), %d messages over %d keys at %.0f/s, %d readers, %d brokers, %d buckets, lease %s",
-		mode, p.seed, EnvSeed, p.seed, p.messages, p.keys, p.rate, p.relays, p.brokers, p.buckets, p.lease)
 	start := time.Now()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
@@ -121,14 +119,17 @@ func runWALChaos(t *testing.T, p params) {
 		for i, a := range fake.ListenAddrs() {
 			nodeIDs[a] = int32(i)
 		}
-	} else if p.minChaos < 45*time.Second && !p.soak {
-		// As in runChaos: a real broker fault takes seconds to heal.
-		p.minChaos = 45 * time.Second
+	} else if p.minChaos < 30*time.Second && !p.soak {
+		// A real broker fault takes seconds to heal and the next one
+		// waits for full replication: a longer window than on kfake.
+		p.minChaos = 30 * time.Second
 		if os.Getenv(EnvRate) == "" {
 			p.rate = float64(p.messages) / p.minChaos.Seconds()
 		}
 	}
 
+	t.Logf("chaos wal %s: seed %d (rerun with %s=%d), %d messages over %d keys at %.0f/s, %d readers, %d brokers, %d buckets, lease %s",
+		mode, p.seed, EnvSeed, p.seed, p.messages, p.keys, p.rate, p.relays, p.brokers, p.buckets, p.lease)
 	bin := relayBinary(t)
 	logDir := os.Getenv(EnvLogDir)
 	if logDir == "" {

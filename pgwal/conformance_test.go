@@ -156,3 +156,54 @@ func TestConformanceTakeoverTerms(t *testing.T) {
 	}
 	require.NoError(t, stopB())
 }
+
+// slowFence is a publisher whose LeasesAcquired takes a while, as the
+// strict-mode publisher's fencing does on a cluster that is recovering.
+type slowFence struct {
+	leaseLog
+	wait time.Duration
+}
+
+func (s *slowFence) LeasesAcquired(ctx context.Context, ls []relay.Lease) error {
+	select {
+	case <-time.After(s.wait):
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return s.leaseLog.LeasesAcquired(ctx, ls)
+}
+
+// TestConformanceLeaseKeptWhilePublisherPrepares: the reader keeps its
+// lease while the publisher prepares for longer than the lease lasts:
+// the waiting reader does not take the slot over (it could not stream
+// it anyway while the first holds it), and the first reads under the
+// term it acquired.
+func TestConformanceLeaseKeptWhilePublisherPrepares(t *testing.T) {
+	e := setup(t)
+	slow := &slowFence{leaseLog: leaseLog{Publisher: e.pub}, wait: 4 * time.Second}
+	a := e.reader(t, slow, "a")
+	lb := &leaseLog{Publisher: e.pub}
+	b := e.reader(t, lb, "b")
+	stopA := run(a)
+	require.Eventually(t, func() bool { return a.Stats().Confirmed > 0 || slotActive(e.db.DB, a.Config().Slot) }, 30*time.Second, 10*time.Millisecond)
+	stopB := run(b)
+	e.write(t, 2, 0, 10)
+	e.checkDelivered(t, 2, 10)
+	// Its first standby update succeeds: the lease is still its own.
+	require.Eventually(t, func() bool { return a.Stats().Confirmed > 0 }, 30*time.Second, 10*time.Millisecond)
+	e.write(t, 2, 10, 20)
+	e.checkDelivered(t, 2, 20)
+	acquired, _ := slow.terms()
+	require.Len(t, acquired, e.plugin.Config().BucketCount, "one term: the lease was not lost while the publisher prepared")
+	bAcq, _ := lb.terms()
+	require.Empty(t, bAcq, "the waiting reader never took the lease")
+	require.Zero(t, b.Stats().Received)
+	require.NoError(t, stopB())
+	require.NoError(t, stopA())
+}
+
+func slotActive(db *gorm.DB, slot string) bool {
+	var n int64
+	_ = db.Raw("SELECT count(*) FROM pg_replication_slots WHERE slot_name = ? AND active", slot).Scan(&n).Error
+	return n > 0
+}

@@ -273,8 +273,11 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 		leases[b] = relay.Lease{Bucket: b, Term: term}
 	}
 	if la, ok := r.pub.(relay.LeaseAware); ok {
-		if err := la.LeasesAcquired(sctx, leases); err != nil {
+		if err := r.announce(sctx, la, term, from, leases); err != nil {
 			la.LeasesReleased(context.WithoutCancel(ctx), leases)
+			if errors.Is(err, errLeaseLost) {
+				return err
+			}
 			return fmt.Errorf("pgwal: publisher: %w", err)
 		}
 		defer la.LeasesReleased(context.WithoutCancel(ctx), leases)
@@ -292,6 +295,43 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	if cause := context.Cause(sctx); cause != nil && !errors.Is(cause, context.Canceled) {
 		return cause
 	}
+	return err
+}
+
+// announce hands the term's leases to the publisher, renewing the slot's
+// lease meanwhile: the strict-mode publisher fences the previous owners
+// here, which can take longer than LeaseDuration on a recovering
+// cluster, and a lease left to lapse meanwhile is taken by a waiting
+// reader that cannot stream the slot this reader holds, and that this
+// reader then loses at its first standby update. The publisher's context
+// ends when the lease is lost; announce then returns errLeaseLost.
+func (r *Reader) announce(ctx context.Context, la relay.LeaseAware, term int64, from pglogrepl.LSN, leases []relay.Lease) error {
+	actx, stop := context.WithCancelCause(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		t := time.NewTicker(r.cfg.StandbyInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-actx.Done():
+				return
+			case <-t.C:
+			}
+			rctx, cancel := context.WithTimeout(actx, r.cfg.LeaseDuration/3)
+			ok, err := r.leases.renew(rctx, term, int64(from))
+			cancel()
+			if err == nil && !ok {
+				stop(errLeaseLost)
+				return
+			}
+		}
+	})
+	err := la.LeasesAcquired(actx, leases)
+	if errors.Is(context.Cause(actx), errLeaseLost) {
+		err = errLeaseLost
+	}
+	stop(nil)
+	wg.Wait()
 	return err
 }
 

@@ -2,9 +2,13 @@ package pgwal
 
 import (
 	"context"
+	"database/sql/driver"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -149,10 +153,7 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // another reader takes over once it lapses (LeaseDuration).
 func (r *Reader) Run(ctx context.Context) (err error) {
 	defer r.doneOnce.Do(func() { r.runErr = err; close(r.done) })
-	if err := r.leases.migrate(ctx); err != nil {
-		return fmt.Errorf("pgwal: create lease table %s: %w", r.cfg.LeaseTable, err)
-	}
-	if err := r.ensurePublication(ctx); err != nil {
+	if err := r.prepare(ctx); err != nil || ctx.Err() != nil {
 		return err
 	}
 	failures := 0
@@ -191,6 +192,58 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 			return nil
 		}
 	}
+}
+
+// prepare creates the lease table and the publication, retrying with
+// backoff while the database cannot be reached (down, restarting, the
+// session ended) until ctx ends, and a few times when another reader
+// created them at the same moment; other errors are returned.
+func (r *Reader) prepare(ctx context.Context) error {
+	races := 0
+	for failures := 1; ; failures++ {
+		err := r.leases.migrate(ctx)
+		if err != nil {
+			err = fmt.Errorf("pgwal: create lease table %s: %w", r.cfg.LeaseTable, err)
+		} else {
+			err = r.ensurePublication(ctx)
+		}
+		if err == nil || ctx.Err() != nil {
+			return nil
+		}
+		if createRace(err) && races < 5 {
+			// The next attempt finds the winner's objects.
+			races++
+		} else if !unreachable(err) {
+			return err
+		}
+		r.log.Warn("pgwal: the database cannot be reached, retrying", "err", err, "attempt", failures)
+		if !backoff.Sleep(ctx, backoff.Exponential(r.cfg.BackoffMin, r.cfg.BackoffMax, failures)) {
+			return nil
+		}
+	}
+}
+
+// unreachable reports whether err says the database could not be
+// reached or ended the session (connection errors, SQLSTATE classes 08
+// and 57P, too many connections), which retrying can fix, as opposed to
+// what it cannot (a missing privilege, a bad table name).
+func unreachable(err error) bool {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return strings.HasPrefix(pe.Code, "08") || strings.HasPrefix(pe.Code, "57P") || pe.Code == "53300"
+	}
+	var ce *pgconn.ConnectError
+	var ne net.Error
+	return errors.As(err, &ce) || errors.As(err, &ne) || errors.Is(err, driver.ErrBadConn) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || pgconn.Timeout(err)
+}
+
+// createRace reports whether err is what PostgreSQL answers a CREATE
+// that raced with the same CREATE in another session: the object, or
+// its row type in the catalog, already exists.
+func createRace(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && (pe.Code == "42P07" || pe.Code == "42710" || pe.Code == "23505")
 }
 
 func (r *Reader) ensurePublication(ctx context.Context) error {
@@ -246,22 +299,29 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 			return err
 		}
 	}
+	// Start from the position the lease row recorded when the slot's is
+	// behind it: a crash of the server (an immediate shutdown) takes the
+	// slot's confirmed position back to the last checkpoint, and
+	// everything published since would be published again. The recorded
+	// position was safe to confirm (it is recorded before it is sent);
+	// checkSlot refused a slot whose position is beyond it.
+	from := max(st.Confirmed, recorded)
 	// Record where reading starts before anything is confirmed, so a slot
 	// dropped from now on is noticed.
-	if ok, err := r.leases.renew(ctx, term, int64(st.Confirmed)); err != nil || !ok {
+	if ok, err := r.leases.renew(ctx, term, int64(from)); err != nil || !ok {
 		return errors.Join(errLeaseLost, err)
 	}
-	err = pglogrepl.StartReplication(ctx, conn, r.cfg.Slot, 0, pglogrepl.StartReplicationOptions{
+	err = pglogrepl.StartReplication(ctx, conn, r.cfg.Slot, from, pglogrepl.StartReplicationOptions{
 		PluginArgs: []string{"proto_version '1'", "publication_names '" + r.cfg.Slot + "'", "messages 'true'"},
 	})
 	if err != nil {
 		return fmt.Errorf("pgwal: start replication from slot %s: %w", r.cfg.Slot, err)
 	}
-	r.log.Info("pgwal: reading the slot", "term", term, "from", st.Confirmed)
+	r.log.Info("pgwal: reading the slot", "term", term, "from", from, "slot_confirmed", st.Confirmed)
 
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	s := newStream(r, conn, term, st.Confirmed)
+	s := newStream(r, conn, term, from)
 	if s.rel.oid, err = r.bridgeOID(ctx); err != nil {
 		return err
 	}
@@ -276,8 +336,11 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 		leases[b] = relay.Lease{Bucket: b, Term: term}
 	}
 	if la, ok := r.pub.(relay.LeaseAware); ok {
-		if err := la.LeasesAcquired(sctx, leases); err != nil {
+		if err := r.announce(sctx, la, term, from, leases); err != nil {
 			la.LeasesReleased(context.WithoutCancel(ctx), leases)
+			if errors.Is(err, errLeaseLost) {
+				return err
+			}
 			return fmt.Errorf("pgwal: publisher: %w", err)
 		}
 		defer la.LeasesReleased(context.WithoutCancel(ctx), leases)
@@ -295,6 +358,43 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	if cause := context.Cause(sctx); cause != nil && !errors.Is(cause, context.Canceled) {
 		return cause
 	}
+	return err
+}
+
+// announce hands the term's leases to the publisher, renewing the slot's
+// lease meanwhile: the strict-mode publisher fences the previous owners
+// here, which can take longer than LeaseDuration on a recovering
+// cluster, and a lease left to lapse meanwhile is taken by a waiting
+// reader that cannot stream the slot this reader holds, and that this
+// reader then loses at its first standby update. The publisher's context
+// ends when the lease is lost; announce then returns errLeaseLost.
+func (r *Reader) announce(ctx context.Context, la relay.LeaseAware, term int64, from pglogrepl.LSN, leases []relay.Lease) error {
+	actx, stop := context.WithCancelCause(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		t := time.NewTicker(r.cfg.StandbyInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-actx.Done():
+				return
+			case <-t.C:
+			}
+			rctx, cancel := context.WithTimeout(actx, r.cfg.LeaseDuration/3)
+			ok, err := r.leases.renew(rctx, term, int64(from))
+			cancel()
+			if err == nil && !ok {
+				stop(errLeaseLost)
+				return
+			}
+		}
+	})
+	err := la.LeasesAcquired(actx, leases)
+	if errors.Is(context.Cause(actx), errLeaseLost) {
+		err = errLeaseLost
+	}
+	stop(nil)
+	wg.Wait()
 	return err
 }
 

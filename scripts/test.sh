@@ -44,7 +44,8 @@ fi
 # The network-fault chaos test (test/chaos, TestChaosNetwork) runs relays
 # in network namespaces it builds with ip and tc (Debian package iproute2),
 # as root; under CI=true it fails without them. The PostgreSQL restart
-# test (TestChaosPostgresRestart) runs a server of its own from the
+# test (TestChaosPostgresRestart), the WAL mode chaos test (TestChaosWAL)
+# and the WAL slot tests each run a server of their own from the
 # PostgreSQL binaries services.sh installed.
 if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

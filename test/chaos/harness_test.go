@@ -544,6 +544,8 @@ type injector struct {
 	real  *realBrokers   // nil on kfake
 	net   *netInjector   // network faults only, when set
 	pg    *pgRestarter   // PostgreSQL restarts only, when set
+	// kinds, when set, replaces the fault kinds inject draws from.
+	kinds func(in *injector) []action
 	// partitions of the topic
 	partitions int32
 	db         *gorm.DB // for pg_terminate_backend
@@ -651,7 +653,9 @@ func (in *injector) inject() {
 		{2, in.pause},
 		{3, in.killBackends},
 	}
-	if in.net != nil {
+	if in.kinds != nil {
+		actions = in.kinds(in)
+	} else if in.net != nil {
 		actions = in.net.actions(in)
 	} else if in.pg != nil {
 		actions = in.pg.actions(in)

@@ -85,8 +85,9 @@ func pgBinDir() (string, error) {
 }
 
 // startPGCluster initialises and starts a server on a free loopback port,
-// stopped and removed when the test ends.
-func startPGCluster(t *testing.T) *pgCluster {
+// stopped and removed when the test ends. conf lines are appended to its
+// postgresql.conf (wal_level = logical for WAL mode).
+func startPGCluster(t *testing.T, conf ...string) *pgCluster {
 	t.Helper()
 	fail := t.Skip
 	if dbtest.InCI() {
@@ -120,14 +121,14 @@ func startPGCluster(t *testing.T) *pgCluster {
 	require.NoError(t, err)
 	c.port = ln.Addr().(*net.TCPAddr).Port
 	require.NoError(t, ln.Close())
-	conf := fmt.Sprintf("\nlisten_addresses = '127.0.0.1'\nport = %d\nunix_socket_directories = '%s'\nmax_connections = 200\n"+
+	settings := fmt.Sprintf("\nlisten_addresses = '127.0.0.1'\nport = %d\nunix_socket_directories = '%s'\nmax_connections = 200\n"+
 		// A crash of the server process, not of the machine: what a
 		// restart tests does not depend on fsync, which costs the loaded
 		// machine dearly.
-		"fsync = off\nshared_buffers = 32MB\n", c.port, root)
+		"fsync = off\nshared_buffers = 32MB\n", c.port, root) + strings.Join(conf, "\n") + "\n"
 	f, err := os.OpenFile(filepath.Join(c.dir, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
 	require.NoError(t, err)
-	_, err = f.WriteString(conf)
+	_, err = f.WriteString(settings)
 	require.NoError(t, err)
 	require.NoError(t, f.Close())
 	if out, err := c.ctl("start", "-l", c.log); err != nil {

@@ -11,6 +11,9 @@
 // never shows in a process listing. Set application_name in the DSN: the
 // test finds the relay's database backends by it to terminate them.
 //
+// With -source wal it reads an outbox in outbox.ModeWAL from its logical
+// replication slot (package pgwal) instead of the outbox tables.
+//
 // SIGTERM or SIGINT stops the relay gracefully (relay.Stop, then the
 // publisher's Close) and exits 0. A relay that stops on its own, with a
 // misconfiguration, exits 2. Logs are JSON lines on stderr.
@@ -35,6 +38,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
+	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -62,6 +66,8 @@ type options struct {
 	stopAfter   time.Duration
 	logLevel    string
 	maxConns    int
+	source      string
+	maxPending  int
 }
 
 func main() {
@@ -81,6 +87,8 @@ func main() {
 	flag.DurationVar(&o.stopAfter, "stop-timeout", 10*time.Second, "graceful stop budget")
 	flag.StringVar(&o.logLevel, "log", "info", "log level: debug, info, warn, error")
 	flag.IntVar(&o.maxConns, "max-conns", 4, "database connections")
+	flag.StringVar(&o.source, "source", "table", "what the relay reads: table (the outbox tables, relay.Relay) or wal (the outbox in outbox.ModeWAL, a pgwal.Reader of its logical replication slot; CHAOS_DSN is also the replication DSN)")
+	flag.IntVar(&o.maxPending, "max-pending", 0, "wal: pgwal.Config.MaxPending (0: the default)")
 	flag.Parse()
 	os.Exit(run(o))
 }
@@ -123,7 +131,14 @@ func run(o options) int {
 	defer sqlDB.Close()
 	sqlDB.SetMaxOpenConns(o.maxConns)
 
+	if o.source != "table" && o.source != "wal" {
+		log.Error("chaos-relay: -source must be table or wal", "source", o.source)
+		return exitSetup
+	}
 	ocfg := outbox.Config{BucketCount: o.buckets, Logger: log}
+	if o.source == "wal" {
+		ocfg.Mode = outbox.ModeWAL
+	}
 	store, err := gormrelay.NewStore(db, ocfg)
 	if err != nil {
 		log.Error("chaos-relay: store", "err", err)
@@ -188,6 +203,9 @@ func run(o options) int {
 	// before it is dead-lettered are scaled up as much: a broker outage of
 	// a few seconds must not dead-letter messages here when the defaults
 	// (10 attempts, up to 30 s apart) would ride it out for minutes.
+	if o.source == "wal" {
+		return runWAL(o, log, sig, db, dsn, ocfg, pub)
+	}
 	policy, err := gormrelay.NewFailurePolicy(store, gormrelay.FailurePolicyConfig{MaxAttempts: o.maxAttempts, Logger: log})
 	if err != nil {
 		log.Error("chaos-relay: failure policy", "err", err)
@@ -256,5 +274,49 @@ func retryStart(log *slog.Logger, sig <-chan os.Signal, what string, pause time.
 			return exitOK, false
 		case <-time.After(pause):
 		}
+	}
+}
+
+// runWAL reads the outbox's logical replication slot with a pgwal.Reader
+// until a signal stops it (exit 0) or Run returns by itself (exit 2: a
+// lost slot, a misconfiguration).
+func runWAL(o options, log *slog.Logger, sig <-chan os.Signal, db *gorm.DB, dsn string, ocfg outbox.Config, pub relay.Publisher) int {
+	plugin, err := outbox.NewPlugin(ocfg)
+	if err != nil {
+		log.Error("chaos-relay: plugin", "err", err)
+		return exitSetup
+	}
+	r, err := pgwal.New(db, plugin, pub, pgwal.Config{
+		ReplicationDSN:  dsn,
+		RelayID:         o.relayID,
+		LeaseDuration:   o.lease,
+		StandbyInterval: o.renew,
+		BatchSize:       o.batch,
+		MaxPending:      o.maxPending,
+		MaxAttempts:     o.maxAttempts,
+		BackoffMin:      o.backMin,
+		BackoffMax:      o.backMax,
+		Logger:          log,
+	})
+	if err != nil {
+		log.Error("chaos-relay: wal reader", "err", err)
+		return exitSetup
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	log.Info("chaos-relay: started", "mode", o.mode, "source", o.source)
+	select {
+	case s := <-sig:
+		log.Info("chaos-relay: stopping", "signal", s.String())
+		cancel()
+		<-done
+		log.Info("chaos-relay: stopped", "published", r.Stats().Published)
+		return exitOK
+	case err := <-done:
+		var lost *pgwal.SlotLostError
+		log.Error("chaos-relay: relay stopped by itself", "err", err, "slot_lost", errors.As(err, &lost), "misconfiguration", relay.IsMisconfiguration(err))
+		return exitRelayError
 	}
 }

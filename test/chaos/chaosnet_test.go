@@ -113,9 +113,9 @@ func (n *netInjector) actions(in *injector) []action {
 		{2, func() bool { return n.loss(in) }},
 	}
 	if n.lab.brokerLinks > 0 {
-		acts = append(acts,
+		acts = n.brokerFaultsFirst(in, append(acts,
 			action{3, func() bool { return n.partitionOneBroker(in) }},
-			action{2, func() bool { return n.slowBroker(in) }})
+			action{2, func() bool { return n.slowBroker(in) }}))
 	}
 	return acts
 }

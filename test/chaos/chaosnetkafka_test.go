@@ -172,6 +172,33 @@ func (c *netCluster) leaders(topic string) (map[int]int, error) {
 	return out, nil
 }
 
+// brokerFaultsFirst makes every action inject a fault on the broker links
+// instead while one of those kinds (one broker cut off, every broker cut
+// off, one broker's link slowed) has not been injected yet, so that each
+// run has them all whatever the draw and the slots' availability.
+func (n *netInjector) brokerFaultsFirst(in *injector, acts []action) []action {
+	owed := []struct {
+		kind string
+		fn   func() bool
+	}{
+		{evNetPartitionOneBroker, func() bool { return n.partitionOneBroker(in) }},
+		{evNetPartitionBrokers, func() bool { return n.partition(in, linkBroker) }},
+		{evNetSlowBroker, func() bool { return n.slowBroker(in) }},
+	}
+	for i := range acts {
+		fn := acts[i].fn
+		acts[i].fn = func() bool {
+			for _, o := range owed {
+				if in.log.count(o.kind) == 0 && o.fn() {
+					return true
+				}
+			}
+			return fn()
+		}
+	}
+	return acts
+}
+
 // partitionOneBroker cuts a relay off from one broker, both ways, for half
 // a lease to three leases: a broker that leads some of the topic's
 // partitions (the relay's produce requests to it hang; the other brokers

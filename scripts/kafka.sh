@@ -207,6 +207,7 @@ cmd_start() {
   fi
   rm -rf "$STATE"
   mkdir -p "$STATE"
+  HOSTS=${OUTBOX_KAFKA_HOSTS:-} # a new cluster: not the addresses of the one it replaces
   echo "$n" >"$STATE/nodes"
   [ -z "$HOSTS" ] || echo "$HOSTS" >"$STATE/hosts"
   local id i

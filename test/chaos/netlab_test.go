@@ -52,10 +52,11 @@ import (
 // broker only; the brokers talk to each other in the root namespace:
 //
 //	broker i link 10.A.B.(100+16s+4i+2) <-> 10.A.B.(100+16s+4i+1)
-//	route 10.A.B.(241+i)/32 via 10.A.B.(100+16s+4i+1)
+//	route <broker i's address>/32 via 10.A.B.(100+16s+4i+1)
 //
-// and the brokers' addresses 10.A.B.(241+i) are on the fourth pair's root
-// end. A fault on linkBroker then applies to every broker link.
+// The brokers' addresses, 10.C.D.(241+i), are on the brokers' pair of a
+// network of their own (newBrokerAddrs), which outlives the runs that
+// share the cluster. A fault on linkBroker applies to every broker link.
 
 // Names: every namespace and link of a run carries the test process's
 // pid, so that a sweep can remove what a dead process left behind and

@@ -170,7 +170,7 @@ wait_ready() { # nodes
   for i in $(seq 1 "$n"); do
     until port_in_use "$(broker_port "$i")" "$(host "$i")"; do
       kill -0 "$(cat "$STATE/node-$i/pid")" 2>/dev/null || {
-        tail -30 "$STATE/node-$i/stdout.log" "$STATE/node-$i/server.log" 2>/dev/null >&2
+        tail -30 "$STATE/node-$i/stdout.log" "$STATE/node-$i/server.log" >&2 2>/dev/null || true
         die "node $i exited during start (logs: $STATE/node-$i/)"
       }
       [ $SECONDS -lt $deadline ] || die "node $i did not listen on $(broker_port "$i") within 120 s"

@@ -83,15 +83,9 @@ func (c *netCluster) brokers() []string { return append([]string(nil), c.boot...
 func startNetCluster(t *testing.T, script string, nodes int, seed uint64) *netCluster {
 	t.Helper()
 	addrs := newBrokerAddrs(t, seed, nodes)
-	port := freeKafkaPort(t, addrs.brokerIPs)
 	dir, err := os.MkdirTemp("", "chaos-net-kafka-")
 	require.NoError(t, err)
-	env := append(os.Environ(),
-		"OUTBOX_KAFKA_DIR="+dir,
-		"OUTBOX_KAFKA_PORT="+strconv.Itoa(port),
-		"OUTBOX_KAFKA_HOSTS="+strings.Join(addrs.brokerIPs, ","),
-		"OUTBOX_KAFKA_HEAP=384m",
-	)
+	var env []string
 	run := func(timeout time.Duration, args ...string) (string, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
@@ -113,24 +107,56 @@ func startNetCluster(t *testing.T, script string, nodes int, seed uint64) *netCl
 		}
 		_ = os.RemoveAll(dir)
 	})
-	start := time.Now()
-	out, err := run(4*time.Minute, "start", "--nodes", strconv.Itoa(nodes))
-	require.NoError(t, err, "start the cluster (needs Java 17+ and Maven, as scripts/kafka.sh says)")
+	// A start that fails (a port taken meanwhile by another process's
+	// connection, a node that dies at start on a loaded machine) is
+	// retried once on other ports, after the nodes' errors are logged.
+	var out string
+	port := 39092
+	for attempt := 1; ; attempt++ {
+		port = freeKafkaPort(t, addrs.brokerIPs, port)
+		env = append(os.Environ(),
+			"OUTBOX_KAFKA_DIR="+dir,
+			"OUTBOX_KAFKA_PORT="+strconv.Itoa(port),
+			"OUTBOX_KAFKA_HOSTS="+strings.Join(addrs.brokerIPs, ","),
+			"OUTBOX_KAFKA_HEAP=384m",
+		)
+		start := time.Now()
+		out, err = run(4*time.Minute, "start", "--nodes", strconv.Itoa(nodes))
+		if err == nil {
+			t.Logf("chaos net: Apache Kafka started in %s (state %s)", time.Since(start).Round(100*time.Millisecond), dir)
+			break
+		}
+		for i := 1; i <= nodes; i++ {
+			for _, f := range []string{"server.log", "stdout.log"} {
+				if b, rerr := os.ReadFile(filepath.Join(dir, fmt.Sprintf("node-%d", i), f)); rerr == nil {
+					for _, line := range strings.Split(string(b), "\n") {
+						if strings.Contains(line, "ERROR") || strings.Contains(line, "Exception") {
+							t.Logf("chaos net: node %d %s: %s", i, f, line)
+						}
+					}
+				}
+			}
+		}
+		_, _ = run(2*time.Minute, "stop")
+		require.Less(t, attempt, 2, "start the cluster (needs Java 17+ and Maven, as scripts/kafka.sh says): %v", err)
+		t.Logf("chaos net: start the cluster: %v; once more, on other ports", err)
+		port += 1000
+	}
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	boot := strings.Split(lines[len(lines)-1], ",")
 	require.Len(t, boot, nodes, "bootstrap addresses: %q", out)
 	for i, b := range boot {
 		require.True(t, strings.HasPrefix(b, addrs.brokerIPs[i]+":"), "node %d listens on %s, not on its address %s", i+1, b, addrs.brokerIPs[i])
 	}
-	t.Logf("chaos net: Apache Kafka, %d nodes on %s, started in %s (state %s)", nodes, strings.Join(boot, ","), time.Since(start).Round(100*time.Millisecond), dir)
+	t.Logf("chaos net: Apache Kafka, %d nodes on %s", nodes, strings.Join(boot, ","))
 	return &netCluster{addrs: addrs, boot: boot, cluster: kafkatest.Connect(t, boot)}
 }
 
-// freeKafkaPort returns a base port whose broker and controller ports
-// (base+i, base+100+i) are free on every address.
-func freeKafkaPort(t *testing.T, addrs []string) int {
+// freeKafkaPort returns a base port, from from on, whose broker and
+// controller ports (base+i, base+100+i) are free on every address.
+func freeKafkaPort(t *testing.T, addrs []string, from int) int {
 	t.Helper()
-	for base := 39092; base < 60000; base += 1000 {
+	for base := from; base < 60000; base += 1000 {
 		ok := true
 		var held []net.Listener
 		for i, a := range addrs {

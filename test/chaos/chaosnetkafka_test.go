@@ -41,7 +41,8 @@ const (
 // intervals after the last heal, no delete in a bucket another relay
 // held) and that every fault kind on one broker's link was injected.
 //
-// It runs in the Apache Kafka pass (OUTBOX_KAFKA_SCRIPT set), or with
+// 10,000 messages per mode (OUTBOX_CHAOS_MESSAGES applies) over a 30 s
+// fault window. It runs in the Apache Kafka pass (OUTBOX_KAFKA_SCRIPT set), or with
 // OUTBOX_CHAOS_NET_KAFKA=1; its cluster, state directory and ports are its
 // own, so the pass's cluster is never disturbed.
 func TestChaosNetworkKafka(t *testing.T) {
@@ -60,6 +61,15 @@ func TestChaosNetworkKafka(t *testing.T) {
 	c := startNetCluster(t, script, 3, seed)
 	eachMode(t, func(t *testing.T, strict bool) {
 		p := shortParams(t, strict)
+		// Fewer messages than on kfake: the relays' produce round trips
+		// to a real cluster are slower, and the run must stay short in
+		// CI.
+		if os.Getenv(EnvMessages) == "" && !p.soak {
+			p.messages = 10_000
+			if os.Getenv(EnvRate) == "" {
+				p.rate = float64(p.messages) / p.minChaos.Seconds()
+			}
+		}
 		p.network = true
 		p.netKafka = c
 		p.faultEvery = time.Second

@@ -302,6 +302,10 @@ END $$`,
 	return a
 }
 
+// The term's start is the last change of the bucket's term or owner to
+// what the trigger read, before it read it (a lease released and taken
+// again keeps its term).
+//
 // raceSlack is how long before a delete statement's start a takeover may
 // have begun and still not be in the statement's snapshot: the takeover's
 // commit follows its update by that much at most.
@@ -326,7 +330,8 @@ func (a *deleteAudit) foreignDeletes(t *testing.T, tag string) (total, byRelays 
 		TermFromMs  *int64
 	}
 	require.NoError(t, a.db.Raw("SELECT d.bucket, d.n, d.app, d.owner, d.term, d.expires_at_ms, d.at_ms, d.stmt_ms,"+
-		" (SELECT MAX(lt.at_ms) FROM chaos_lease_terms lt WHERE lt.bucket = d.bucket AND lt.term = d.term) AS term_from_ms"+
+		" (SELECT MAX(lt.at_ms) FROM chaos_lease_terms lt WHERE lt.bucket = d.bucket AND lt.term = d.term"+
+		" AND lt.owner IS NOT DISTINCT FROM d.owner AND lt.at_ms <= d.at_ms) AS term_from_ms"+
 		" FROM "+a.table+" d").Scan(&rows).Error)
 	raced := 0
 	for _, r := range rows {

@@ -19,6 +19,9 @@
 #   OUTBOX_KAFKA_DIR        state: data, logs, pids (default /tmp/gorm-outbox-kafka)
 #   OUTBOX_KAFKA_PORT       first broker port (default 29092; controllers at +100)
 #   OUTBOX_KAFKA_HEAP       JVM heap per node (default 512m)
+#   OUTBOX_KAFKA_HOSTS      comma-separated address per node, each node's broker and
+#                           controller listening and advertised on its own (default:
+#                           every node on 127.0.0.1); kept for later commands
 set -euo pipefail
 
 KAFKA_VERSION=4.4.0
@@ -29,6 +32,7 @@ CACHE=${OUTBOX_KAFKA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gorm-outbox/kafka-$K
 STATE=${OUTBOX_KAFKA_DIR:-/tmp/gorm-outbox-kafka}
 PORT=${OUTBOX_KAFKA_PORT:-29092}
 HEAP=${OUTBOX_KAFKA_HEAP:-512m}
+HOSTS=${OUTBOX_KAFKA_HOSTS:-$(cat "$STATE/hosts" 2>/dev/null || true)}
 
 log() { echo "kafka: $*" >&2; }
 die() { echo "kafka: ERROR: $*" >&2; exit 1; }
@@ -36,10 +40,17 @@ die() { echo "kafka: ERROR: $*" >&2; exit 1; }
 broker_port() { echo $((PORT + $1 - 1)); }
 controller_port() { echo $((PORT + 100 + $1 - 1)); }
 node_count() { cat "$STATE/nodes" 2>/dev/null || echo 0; }
+host() { # node: its address, the N-th of OUTBOX_KAFKA_HOSTS or 127.0.0.1
+  local h
+  [ -n "$HOSTS" ] || { echo 127.0.0.1; return; }
+  h=$(echo "$HOSTS" | cut -d, -f"$1")
+  [ -n "$h" ] || die "OUTBOX_KAFKA_HOSTS ($HOSTS) names no address for node $1"
+  echo "$h"
+}
 bootstrap() {
   local n i out=""
   n=$(node_count)
-  for i in $(seq 1 "$n"); do out="$out${out:+,}127.0.0.1:$(broker_port "$i")"; done
+  for i in $(seq 1 "$n"); do out="$out${out:+,}$(host "$i"):$(broker_port "$i")"; done
   echo "$out"
 }
 
@@ -95,11 +106,11 @@ tool() { # main class, args... (client-side tools)
     -Dkafka.logs.dir="$STATE" -cp "$CACHE/libs/*" "$@"
 }
 
-port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+port_in_use() { (exec 3<>"/dev/tcp/${2:-127.0.0.1}/$1") 2>/dev/null; }
 
 write_config() { # node, nodes
   local i=$1 n=$2 voters="" j rf minisr
-  for j in $(seq 1 "$n"); do voters="$voters${voters:+,}$j@127.0.0.1:$(controller_port "$j")"; done
+  for j in $(seq 1 "$n"); do voters="$voters${voters:+,}$j@$(host "$j"):$(controller_port "$j")"; done
   rf=$n
   minisr=1
   [ "$n" -ge 3 ] && minisr=2
@@ -107,8 +118,8 @@ write_config() { # node, nodes
 process.roles=broker,controller
 node.id=$i
 controller.quorum.voters=$voters
-listeners=PLAINTEXT://127.0.0.1:$(broker_port "$i"),CONTROLLER://127.0.0.1:$(controller_port "$i")
-advertised.listeners=PLAINTEXT://127.0.0.1:$(broker_port "$i")
+listeners=PLAINTEXT://$(host "$i"):$(broker_port "$i"),CONTROLLER://$(host "$i"):$(controller_port "$i")
+advertised.listeners=PLAINTEXT://$(host "$i"):$(broker_port "$i")
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
@@ -143,7 +154,7 @@ start_node() { # node
     return 0
   fi
   for p in "$(broker_port "$i")" "$(controller_port "$i")"; do
-    port_in_use "$p" && die "port $p is in use (node $i): stop what listens there or set OUTBOX_KAFKA_PORT"
+    port_in_use "$p" "$(host "$i")" && die "port $p is in use (node $i): stop what listens there or set OUTBOX_KAFKA_PORT"
   done
   setsid bash -c 'exec "$@" >>"'"$STATE/node-$i/stdout.log"'" 2>&1 </dev/null' _ \
     java -Xms128m -Xmx"$HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError \
@@ -157,9 +168,9 @@ start_node() { # node
 wait_ready() { # nodes
   local n=$1 i deadline=$((SECONDS + 120))
   for i in $(seq 1 "$n"); do
-    until port_in_use "$(broker_port "$i")"; do
+    until port_in_use "$(broker_port "$i")" "$(host "$i")"; do
       kill -0 "$(cat "$STATE/node-$i/pid")" 2>/dev/null || {
-        tail -30 "$STATE/node-$i/stdout.log" "$STATE/node-$i/server.log" 2>/dev/null >&2
+        tail -30 "$STATE/node-$i/stdout.log" "$STATE/node-$i/server.log" >&2 2>/dev/null || true
         die "node $i exited during start (logs: $STATE/node-$i/)"
       }
       [ $SECONDS -lt $deadline ] || die "node $i did not listen on $(broker_port "$i") within 120 s"
@@ -196,7 +207,9 @@ cmd_start() {
   fi
   rm -rf "$STATE"
   mkdir -p "$STATE"
+  HOSTS=${OUTBOX_KAFKA_HOSTS:-} # a new cluster: not the addresses of the one it replaces
   echo "$n" >"$STATE/nodes"
+  [ -z "$HOSTS" ] || echo "$HOSTS" >"$STATE/hosts"
   local id i
   id=$(tool kafka.tools.StorageTool random-uuid 2>/dev/null | tail -1)
   [ -n "$id" ] || die "kafka-storage random-uuid failed"
@@ -267,11 +280,11 @@ case "${1:-}" in
     for i in $(seq 1 "$(node_count)"); do
       p=$(cat "$STATE/node-$i/pid" 2>/dev/null || echo -)
       if [ "$p" != - ] && kill -0 "$p" 2>/dev/null; then s=running; else s=down; fi
-      echo "node $i 127.0.0.1:$(broker_port "$i") pid $p $s"
+      echo "node $i $(host "$i"):$(broker_port "$i") pid $p $s"
     done ;;
   kill) kill -KILL "$(node_pid "$2")"; rm -f "$STATE/node-$2/pid" ;;
   pause) kill -STOP "$(node_pid "$2")" ;;
   resume) kill -CONT "$(node_pid "$2")" ;;
   start-node) start_node "$2" ;;
-  *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -115,7 +115,10 @@ real_kafka_pass() {
 
   echo "== Apache Kafka: three nodes (replication factor 3, min.insync.replicas 2)"
   bootstrap=$(bash "$kafka" start --nodes 3)
-  echo "== chaos suite on Apache Kafka ($bootstrap) with real broker faults"
+  # TestChaosNetworkKafka runs a three-node cluster of its own (its own
+  # state directory, addresses and ports) whose brokers the relays reach
+  # over a network link per broker: this cluster is not disturbed.
+  echo "== chaos suite on Apache Kafka ($bootstrap) with real broker faults; network faults per broker link on a cluster of its own"
   KAFKA_BROKERS=$bootstrap OUTBOX_KAFKA_SCRIPT=$kafka go test -race -count=1 -timeout 20m -v ./test/chaos/... \
     >"$log.2" 2>&1 || { grep -E -- '--- FAIL|^FAIL|panic:|chaos summary' "$log.2" | head -40; tail -80 "$log.2"; return 1; }
   grep -E 'chaos summary|faults by kind' "$log.2" | sed 's/^ *//'

@@ -132,6 +132,16 @@ func Start(t testing.TB, opts ...Option) *Cluster {
 	return c
 }
 
+// Connect returns the cluster of brokers, a real cluster the caller runs
+// (not the one of KAFKA_BROKERS).
+func Connect(t testing.TB, brokers []string) *Cluster {
+	t.Helper()
+	admin, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.RetryTimeout(adminTimeout))
+	require.NoError(t, err, "kafkatest: admin client")
+	t.Cleanup(admin.Close)
+	return &Cluster{brokers: slices.Clone(brokers), admin: admin}
+}
+
 // Brokers returns the addresses to bootstrap a client with. On a kfake
 // cluster they reflect nodes added or removed since Start.
 func (c *Cluster) Brokers() []string {
@@ -746,6 +756,26 @@ func (c *Cluster) NodeHealthy(ctx context.Context, addr string) (ok bool, reason
 		return false, why, nil
 	}
 	return true, "", nil
+}
+
+// Leaders returns the leader (node id) of each of topic's partitions, -1
+// for a partition without one.
+func (c *Cluster) Leaders(ctx context.Context, topic string) (map[int32]int32, error) {
+	req := kmsg.NewPtrMetadataRequest()
+	rt := kmsg.NewMetadataRequestTopic()
+	rt.Topic = &topic
+	req.Topics = append(req.Topics, rt)
+	resp, err := req.RequestWith(ctx, c.admin)
+	if err != nil {
+		return nil, fmt.Errorf("kafkatest: metadata of %s: %w", topic, err)
+	}
+	out := map[int32]int32{}
+	for _, t := range resp.Topics {
+		for _, p := range t.Partitions {
+			out[p.Partition] = p.Leader
+		}
+	}
+	return out, nil
 }
 
 func (c *Cluster) partitionMeta(ctx context.Context, topic string, partition int32) (kmsg.MetadataResponseTopicPartition, error) {

@@ -59,6 +59,10 @@ type params struct {
 	// pgRestart: a PostgreSQL server of the test's own, restarted by the
 	// injector, the only fault (TestChaosPostgresRestart).
 	pgRestart bool
+	// netKafka: with network, an Apache Kafka cluster of the test's own
+	// whose brokers each relay reaches over a link per broker
+	// (TestChaosNetworkKafka).
+	netKafka *netCluster
 
 	messages   int
 	keys       int
@@ -197,7 +201,9 @@ func runChaos(t *testing.T, p params) {
 	// The network of the network-fault run, and the term guard's audit.
 	var lab *netLab
 	var audit *deleteAudit
-	if p.network {
+	if p.network && p.netKafka != nil {
+		lab = newNetLabBrokers(t, p.relays, p.seed, p.netKafka.addrs.brokerIPs)
+	} else if p.network {
 		lab = newNetLab(t, p.relays, p.seed)
 	}
 	if p.network || p.pgRestart {
@@ -214,7 +220,10 @@ func runChaos(t *testing.T, p params) {
 		real    *realBrokers
 		fake    *kfake.Cluster
 	)
-	if lab != nil {
+	if lab != nil && p.netKafka != nil {
+		topic = p.netKafka.cluster.Topic(t, p.partitions)
+		brokers = p.netKafka.brokers
+	} else if lab != nil {
 		topic = "chaos-net-" + d.Namespace
 		var err error
 		fake, err = kfake.NewCluster(kfake.NumBrokers(p.brokers), kfake.ListenFn(lab.listen), kfake.SeedTopics(p.partitions, topic))
@@ -233,7 +242,7 @@ func runChaos(t *testing.T, p params) {
 		for i, a := range fake.ListenAddrs() {
 			nodeIDs[a] = int32(i) // kfake numbers its initial brokers in order
 		}
-	} else {
+	} else if real != nil {
 		p.brokers = real.nodes
 		// A stopped broker is fenced only after the session timeout and a
 		// restarted one takes seconds to rejoin: a longer window lets each
@@ -308,7 +317,7 @@ func runChaos(t *testing.T, p params) {
 		nodeIDs:    nodeIDs,
 	}
 	if lab != nil {
-		in.net = &netInjector{lab: lab, active: map[int]string{}}
+		in.net = &netInjector{lab: lab, active: map[int]string{}, cluster: p.netKafka, topic: topic}
 	}
 	if pgc != nil {
 		in.pg = &pgRestarter{c: pgc}
@@ -517,6 +526,11 @@ func runChaos(t *testing.T, p params) {
 	}
 	if p.network {
 		require.Positive(t, events.count(netFaultKinds...), "network faults were injected")
+	}
+	if p.netKafka != nil {
+		for _, kind := range []string{evNetPartitionOneBroker, evNetPartitionBrokers, evNetSlowBroker} {
+			require.Positive(t, events.count(kind), "%s injected", kind)
+		}
 	}
 	if p.pgRestart {
 		require.Positive(t, events.count(evPGRestartFast, evPGRestartImmediate), "PostgreSQL was restarted")

@@ -45,6 +45,18 @@ import (
 // identification to such a dropping tbf (25%, 12.5%, 6.25% loss; a
 // retransmission carries a new identification, so it is not lost for
 // good). With netem the delay and loss are netem's.
+//
+// With a cluster of several brokers of their own addresses (Apache Kafka,
+// newNetLabBrokers), a relay reaches each broker over a link of its own
+// instead of the one broker link, so that a fault can cut it off from one
+// broker only; the brokers talk to each other in the root namespace:
+//
+//	broker i link 10.A.B.(100+16s+4i+2) <-> 10.A.B.(100+16s+4i+1)
+//	route <broker i's address>/32 via 10.A.B.(100+16s+4i+1)
+//
+// The brokers' addresses, 10.C.D.(241+i), are on the brokers' pair of a
+// network of their own (newBrokerAddrs), which outlives the runs that
+// share the cluster. A fault on linkBroker applies to every broker link.
 
 // Names: every namespace and link of a run carries the test process's
 // pid, so that a sweep can remove what a dead process left behind and
@@ -92,14 +104,23 @@ type linkKind int
 const (
 	linkBroker linkKind = iota
 	linkDB
+	// linkToBroker is the first of the links to one broker each
+	// (newNetLabBrokers): broker i's is linkToBroker + i.
+	linkToBroker
 )
 
 func (k linkKind) String() string {
-	if k == linkBroker {
+	switch {
+	case k == linkBroker:
 		return "brokers"
+	case k == linkDB:
+		return "database"
 	}
-	return "database"
+	return fmt.Sprintf("broker %d", k-linkToBroker+1)
 }
+
+// maxBrokerLinks bounds the links to one broker each per relay.
+const maxBrokerLinks = 4
 
 // netLab is the network of one run.
 type netLab struct {
@@ -109,6 +130,11 @@ type netLab struct {
 	slots int
 	net   [2]byte // 10.A.B.0/24
 	netem bool    // the kernel has sch_netem
+	// brokerLinks is the number of brokers with a link of their own from
+	// each namespace, brokerIPs their addresses; 0: one link to the
+	// brokers' shared address.
+	brokerLinks int
+	brokerIPs   []string
 
 	mu      sync.Mutex
 	faulted map[[2]int]string // (slot, link) -> fault in place
@@ -130,7 +156,7 @@ func (l *netLab) nsName(slot int) string {
 // linkName is the veth end of slot's link on side 'h' (root namespace) or
 // 'n' (the relay's namespace); slot -1 is the brokers' own pair.
 func (l *netLab) linkName(slot int, k linkKind, side byte) string {
-	s, kind := byte('0'+slot), byte("bd"[k])
+	s, kind := byte('0'+slot), byte("bd0123"[k])
 	if slot < 0 {
 		s, kind = 'k', 'k'
 	}
@@ -140,11 +166,34 @@ func (l *netLab) linkName(slot int, k linkKind, side byte) string {
 func (l *netLab) addr(last int) string { return fmt.Sprintf("10.%d.%d.%d", l.net[0], l.net[1], last) }
 
 // hostAddr and nsAddr are the two ends of slot's link.
-func (l *netLab) hostAddr(slot int, k linkKind) string { return l.addr(8*slot + 4*int(k) + 1) }
-func (l *netLab) nsAddr(slot int, k linkKind) string   { return l.addr(8*slot + 4*int(k) + 2) }
+func (l *netLab) hostAddr(slot int, k linkKind) string { return l.addr(l.linkBase(slot, k) + 1) }
+func (l *netLab) nsAddr(slot int, k linkKind) string   { return l.addr(l.linkBase(slot, k) + 2) }
+
+// linkBase is the network address of slot's link k, a /30.
+func (l *netLab) linkBase(slot int, k linkKind) int {
+	if k >= linkToBroker {
+		return 100 + 16*slot + 4*int(k-linkToBroker)
+	}
+	return 8*slot + 4*int(k)
+}
 
 // brokerHost is the address the brokers listen on.
 func (l *netLab) brokerHost() string { return l.addr(250) }
+
+// brokerAddr is broker i's own address (0-based), with brokerLinks set.
+func (l *netLab) brokerAddr(i int) string { return l.brokerIPs[i] }
+
+// kinds are the links of every slot.
+func (l *netLab) kinds() []linkKind {
+	if l.brokerLinks == 0 {
+		return []linkKind{linkBroker, linkDB}
+	}
+	ks := []linkKind{linkDB}
+	for i := range l.brokerLinks {
+		ks = append(ks, linkToBroker+linkKind(i))
+	}
+	return ks
+}
 
 func ipCmd(args ...string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -202,11 +251,48 @@ func sweepNet(t *testing.T) {
 // and removes them when the test ends, whatever its outcome.
 func newNetLab(t *testing.T, slots int, seed uint64) *netLab {
 	t.Helper()
+	return buildNetLab(t, slots, seed, 0, nil)
+}
+
+// newBrokerAddrs puts n addresses, 10.A.B.241 and up, on a veth pair of
+// the root namespace (a network with no relay slot), for brokers to
+// listen on; newNetLabBrokers routes a run's namespaces to them.
+func newBrokerAddrs(t *testing.T, seed uint64, n int) *netLab {
+	t.Helper()
+	if n < 1 || n > maxBrokerLinks {
+		t.Fatalf("chaos net: %d brokers: at most %d", n, maxBrokerLinks)
+	}
+	return buildNetLab(t, 0, seed, n, nil)
+}
+
+// newNetLabBrokers builds the network of a run whose brokers listen on
+// addrs (newBrokerAddrs): every namespace reaches each over a link of its
+// own.
+func newNetLabBrokers(t *testing.T, slots int, seed uint64, addrs []string) *netLab {
+	t.Helper()
+	if len(addrs) < 1 || len(addrs) > maxBrokerLinks || slots > 8 {
+		t.Fatalf("chaos net: %d brokers, %d slots: at most %d brokers and 8 slots", len(addrs), slots, maxBrokerLinks)
+	}
+	return buildNetLab(t, slots, seed, len(addrs), addrs)
+}
+
+// buildNetLab builds a run's network. brokerLinks > 0 gives each slot a
+// link to each broker, whose addresses are addrs, or with addrs nil
+// addresses of this network put on the brokers' pair.
+func buildNetLab(t *testing.T, slots int, seed uint64, brokerLinks int, addrs []string) *netLab {
+	t.Helper()
 	requireNetTools(t)
 	sweepNet(t)
-	l := &netLab{t: t, pid: os.Getpid(), run: int(netRuns.Add(1)), slots: slots, faulted: map[[2]int]string{}}
+	l := &netLab{t: t, pid: os.Getpid(), run: int(netRuns.Add(1)), slots: slots, faulted: map[[2]int]string{}, brokerLinks: brokerLinks}
 	l.pickNet(seed)
 	t.Cleanup(l.teardown)
+	own := brokerLinks > 0 && addrs == nil
+	if own {
+		for i := range brokerLinks {
+			addrs = append(addrs, l.addr(241+i))
+		}
+	}
+	l.brokerIPs = addrs
 
 	// The brokers' pair: both ends in the root namespace, the address on
 	// one of them.
@@ -217,10 +303,15 @@ func newNetLab(t *testing.T, slots int, seed uint64) *netLab {
 		{"ip", "link", "set", kh, "up"},
 		{"ip", "link", "set", kn, "up"},
 	}
+	for i := range brokerLinks {
+		if own {
+			steps = append(steps, []string{"ip", "addr", "add", l.brokerAddr(i) + "/32", "dev", kh})
+		}
+	}
 	for s := range slots {
 		ns := l.nsName(s)
 		steps = append(steps, []string{"ip", "netns", "add", ns}, []string{"ip", "-n", ns, "link", "set", "lo", "up"})
-		for _, k := range []linkKind{linkBroker, linkDB} {
+		for _, k := range l.kinds() {
 			h, n := l.linkName(s, k, 'h'), l.linkName(s, k, 'n')
 			steps = append(steps,
 				[]string{"ip", "link", "add", h, "type", "veth", "peer", "name", n, "netns", ns},
@@ -230,7 +321,12 @@ func newNetLab(t *testing.T, slots int, seed uint64) *netLab {
 				[]string{"ip", "-n", ns, "link", "set", n, "up"},
 			)
 		}
-		steps = append(steps, []string{"ip", "-n", ns, "route", "add", l.brokerHost() + "/32", "via", l.hostAddr(s, linkBroker)})
+		if brokerLinks == 0 {
+			steps = append(steps, []string{"ip", "-n", ns, "route", "add", l.brokerHost() + "/32", "via", l.hostAddr(s, linkBroker)})
+		}
+		for i := range brokerLinks {
+			steps = append(steps, []string{"ip", "-n", ns, "route", "add", l.brokerAddr(i) + "/32", "via", l.hostAddr(s, linkToBroker+linkKind(i))})
+		}
 	}
 	for _, st := range steps {
 		if err := ipCmd(st...); err != nil {
@@ -281,7 +377,7 @@ func (l *netLab) teardown() {
 	}
 	for s := range l.slots {
 		// Deleting the root end deletes the pair; the namespace goes last.
-		for _, k := range []linkKind{linkBroker, linkDB} {
+		for _, k := range l.kinds() {
 			_ = ipCmd("ip", "link", "del", l.linkName(s, k, 'h'))
 		}
 		if err := ipCmd("ip", "netns", "del", l.nsName(s)); err != nil && !strings.Contains(err.Error(), "No such file") {
@@ -343,6 +439,14 @@ func (l *netLab) dbDSN(dsn string) (func(slot int) string, error) {
 // ('h', egress towards the relay) or the namespace's ('n', egress from
 // the relay). spec nil removes it.
 func (l *netLab) qdisc(slot int, k linkKind, side byte, specs ...[]string) error {
+	if k == linkBroker && l.brokerLinks > 0 {
+		for i := range l.brokerLinks {
+			if err := l.qdisc(slot, linkToBroker+linkKind(i), side, specs...); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
 	dev := l.linkName(slot, k, side)
 	tc := []string{"tc"}
 	if side == 'n' {
@@ -419,7 +523,7 @@ func (l *netLab) heal(slot int, k linkKind) error {
 func (l *netLab) qdiscsLeft() []string {
 	var left []string
 	for s := range l.slots {
-		for _, k := range []linkKind{linkBroker, linkDB} {
+		for _, k := range l.kinds() {
 			for _, side := range []byte{'h', 'n'} {
 				args := []string{"tc"}
 				if side == 'n' {

@@ -63,6 +63,7 @@ type options struct {
 	maxAttempts int
 	mode        string
 	txnPrefix   string
+	txnTimeout  time.Duration
 	stopAfter   time.Duration
 	logLevel    string
 	maxConns    int
@@ -84,6 +85,7 @@ func main() {
 	flag.IntVar(&o.maxAttempts, "max-attempts", 300, "failed attempts before a message is dead-lettered (scaled to the compressed backoff)")
 	flag.StringVar(&o.mode, "mode", "default", "publisher: default (idempotent producer) or strict (one Kafka transaction per batch)")
 	flag.StringVar(&o.txnPrefix, "txn-prefix", "chaos-", "strict mode: transactional id prefix, shared by all relays")
+	flag.DurationVar(&o.txnTimeout, "txn-timeout", 10*time.Second, "strict mode: the brokers abort a transaction open longer than this")
 	flag.DurationVar(&o.stopAfter, "stop-timeout", 10*time.Second, "graceful stop budget")
 	flag.StringVar(&o.logLevel, "log", "info", "log level: debug, info, warn, error")
 	flag.IntVar(&o.maxConns, "max-conns", 4, "database connections")
@@ -155,7 +157,7 @@ func run(o options) int {
 		c.Producer.Retry.Backoff = 100 * time.Millisecond
 		c.Producer.Retry.Max = 5
 		c.Producer.Timeout = 5 * time.Second
-		c.Producer.Transaction.Timeout = 10 * time.Second
+		c.Producer.Transaction.Timeout = o.txnTimeout
 		c.Producer.Transaction.Retry.Backoff = 100 * time.Millisecond
 		return nil
 	}

@@ -161,7 +161,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
 	fs.StringVar(&c.Consumer, "consumer", "process", "latency: run the consumer in its own process, or inline in the bench's, sharing its CPU and Go runtime with the writer and the relay")
 	fs.StringVar(&c.Timeline, "timeline", "", "latency: record each message's path through the relay into this directory and summarise the slow ones (costs some speed)")
-	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "drain: write the CPU profile of this process during the relay drain to this file")
+	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "drain: write the CPU profile of this process during the relay drain to this file; wal: during the first WAL mode drain through the acknowledging publisher")
 	fs.StringVar(&c.RelayProfiles, "relay-cpuprofiles", "", "relays: write the CPU profile of each relay process, from its start to its exit, into this directory as relays-K-PID.pprof (K relay processes)")
 	fs.DurationVar(&c.Warmup, "warmup", time.Second, "latency: how long to write before -duration, delivered but not counted (fresh connections run 2-3x slower)")
 	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -409,12 +410,33 @@ func (e *env) startRR(ctx context.Context) (end func(), err error) {
 type countingPub struct {
 	relay.Publisher
 	acked atomic.Int64
+
+	mu sync.Mutex
+	// first is when the first acknowledgement came back, and firstN how
+	// many messages it acknowledged.
+	first  time.Time
+	firstN int64
 }
 
 func (c *countingPub) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
 	n, err := c.Publisher.Publish(ctx, msgs)
+	if n > 0 {
+		c.mu.Lock()
+		if c.first.IsZero() {
+			c.first, c.firstN = time.Now(), int64(n)
+		}
+		c.mu.Unlock()
+	}
 	c.acked.Add(int64(n))
 	return n, err
+}
+
+// streamed returns the rate of the acknowledgements after the first one,
+// up to n at end.
+func (c *countingPub) streamed(n int, end time.Time) float64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return float64(int64(n)-c.firstN) / end.Sub(c.first).Seconds()
 }
 
 // LeasesAcquired and LeasesReleased pass the leases on to a publisher
@@ -460,9 +482,14 @@ func (e *env) readTableStats(ctx context.Context, minDel int64) (tableStats, err
 	return st, err
 }
 
+// drainRates are the rates of one drain: from the relay's start to the
+// last acknowledgement, and from the first acknowledgement to the last
+// (the relay streaming, its start-up left out).
+type drainRates struct{ total, streaming float64 }
+
 // walDrain drains cfg.N messages cfg.Rounds times in each of: table mode
 // and WAL mode through a publisher that acknowledges at once and through
-// the Kafka publisher, and a bare decoding reader of the WAL mode slot
+// the Kafka publisher, and a bare decoding reader of each WAL mode slot
 // before the reader drains it.
 func walDrain(ctx context.Context, cfg config, r *result) error {
 	broker, brokers, err := startBroker(ctx, cfg.Partitions, true)
@@ -472,144 +499,157 @@ func walDrain(ctx context.Context, cfg config, r *result) error {
 	defer broker.stop()
 	n := cfg.N
 	r.Params["drain_messages"], r.Params["keys"], r.Params["value_bytes"], r.Params["batch"] = n, cfg.Keys, cfg.ValueSize, cfg.BatchSize
-	rates := map[string][]float64{}
-	var stats = map[string]tableStats{}
+	r.Params["buckets"], r.Params["partitions"] = cfg.Buckets, cfg.Partitions
+	total, streaming := map[string][]float64{}, map[string][]float64{}
+	stats := map[string]tableStats{}
+	sides := []struct {
+		name  string
+		wal   bool
+		kafka bool
+	}{{"table_ack", false, false}, {"wal_ack", true, false}, {"table_kafka", false, true}, {"wal_kafka", true, true}}
 	for round := 0; round < cfg.Rounds; round++ {
-		for _, side := range []struct {
-			name  string
-			wal   bool
-			kafka bool
-		}{{"table_ack", false, false}, {"wal_ack", true, false}, {"table_kafka", false, true}, {"wal_kafka", true, true}} {
+		for _, side := range sides {
 			var pub relay.Publisher = relay.PublisherFunc(ackAll)
+			var kp *publisher.Kafka
 			if side.kafka {
-				kp, err := newPublisher(ctx, brokers)
-				if err != nil {
+				if kp, err = newPublisher(ctx, brokers); err != nil {
 					return err
 				}
 				pub = kp
 			}
 			c := cfg
 			c.walMode = side.wal
-			rate, ceiling, st, err := drainMode(ctx, c, n, pub)
-			if kp, ok := pub.(*publisher.Kafka); ok {
+			if round == 0 && side.name == "wal_ack" {
+				c.profile = cfg.CPUProfile
+			}
+			rates, ceiling, st, err := drainMode(ctx, c, n, pub)
+			if kp != nil {
 				kp.Close()
 			}
 			if err != nil {
 				return fmt.Errorf("%s: %w", side.name, err)
 			}
-			rates[side.name] = append(rates[side.name], rate)
-			if ceiling > 0 {
-				rates["decode_ceiling"] = append(rates["decode_ceiling"], ceiling)
+			total[side.name] = append(total[side.name], rates.total)
+			streaming[side.name] = append(streaming[side.name], rates.streaming)
+			if side.wal {
+				// The ceiling of this drain's own slot.
+				c := "decode_ceiling_" + strings.TrimPrefix(side.name, "wal_")
+				total[c] = append(total[c], ceiling.total)
+				streaming[c] = append(streaming[c], ceiling.streaming)
 			}
 			stats[side.name] = st
 		}
 	}
-	names := []string{"table_ack", "wal_ack", "table_kafka", "wal_kafka", "decode_ceiling"}
-	addMedians(r, "drain_", names, rates, "msg/s")
-	ratio := func(a, b string) float64 {
+	names := []string{"table_ack", "wal_ack", "decode_ceiling_ack", "table_kafka", "wal_kafka", "decode_ceiling_kafka"}
+	addMedians(r, "drain_", names, total, "msg/s")
+	addMedians(r, "drain_streaming_", names, streaming, "msg/s")
+	ratio := func(series map[string][]float64, a, b string) float64 {
 		var vs []float64
-		for i := range rates[a] {
-			if i < len(rates[b]) {
-				vs = append(vs, rates[a][i]/rates[b][i])
-			}
+		for i := range series[a] {
+			vs = append(vs, series[a][i]/series[b][i])
 		}
 		return median(vs)
 	}
-	r.add("drain_wal_ack/table_ack", ratio("wal_ack", "table_ack"), "ratio")
-	r.add("drain_wal_kafka/table_kafka", ratio("wal_kafka", "table_kafka"), "ratio")
-	// Two ceilings per round (one per WAL drain): compare each drain with
-	// the ceiling measured on its own slot.
-	var ackC, kafkaC []float64
-	for i := range rates["wal_ack"] {
-		ackC = append(ackC, rates["wal_ack"][i]/rates["decode_ceiling"][2*i])
-		kafkaC = append(kafkaC, rates["wal_kafka"][i]/rates["decode_ceiling"][2*i+1])
+	for _, kind := range []string{"ack", "kafka"} {
+		r.add("drain_wal_"+kind+"/table_"+kind, ratio(total, "wal_"+kind, "table_"+kind), "ratio")
+		r.add("drain_wal_"+kind+"/decode_ceiling_"+kind, ratio(total, "wal_"+kind, "decode_ceiling_"+kind), "ratio")
+		r.add("drain_streaming_wal_"+kind+"/table_"+kind, ratio(streaming, "wal_"+kind, "table_"+kind), "ratio")
+		r.add("drain_streaming_wal_"+kind+"/decode_ceiling_"+kind, ratio(streaming, "wal_"+kind, "decode_ceiling_"+kind), "ratio")
 	}
-	r.add("drain_wal_ack/decode_ceiling", median(ackC), "ratio")
-	r.add("drain_wal_kafka/decode_ceiling", median(kafkaC), "ratio")
-	for _, s := range []string{"table_ack", "wal_ack", "table_kafka", "wal_kafka"} {
-		st := stats[s]
+	for _, side := range sides {
+		st := stats[side.name]
 		// The messages table's counters after the last round's drain.
-		r.add("rows_inserted_"+s, float64(st.Ins), "rows")
-		r.add("rows_deleted_"+s, float64(st.Del), "rows")
-		r.add("dead_tuples_"+s, float64(st.Dead), "tuples")
+		r.add("rows_inserted_"+side.name, float64(st.Ins), "rows")
+		r.add("rows_deleted_"+side.name, float64(st.Del), "rows")
+		r.add("dead_tuples_"+side.name, float64(st.Dead), "tuples")
 	}
 	return nil
 }
 
 // drainMode writes n messages in cfg's mode and times their drain through
 // pub: a table mode relay, or a WAL reader after the bare decoding reader
-// of the same slot (whose rate it also returns). It returns the messages
+// of the same slot (whose rates it also returns). It returns the messages
 // table's counters after the drain.
-func drainMode(ctx context.Context, cfg config, n int, pub relay.Publisher) (rate, ceiling float64, st tableStats, err error) {
+func drainMode(ctx context.Context, cfg config, n int, pub relay.Publisher) (rates, ceiling drainRates, st tableStats, err error) {
 	e, err := newEnv(ctx, cfg)
 	if err != nil {
-		return 0, 0, st, err
+		return rates, ceiling, st, err
 	}
 	defer e.close()
 	counted := &countingPub{Publisher: pub}
-	if !cfg.walMode {
-		if err := e.prefill(ctx, n); err != nil {
-			return 0, 0, st, err
+	var rd *pgwal.Reader
+	drop := func() {}
+	if cfg.walMode {
+		if rd, drop, err = newWALReader(e.db, e.dbx.dsn, e.plugin, counted, cfg.BatchSize); err != nil {
+			return rates, ceiling, st, err
 		}
-		start := time.Now()
-		rl, err := e.startRelay(ctx, counted, true, 0)
-		if err != nil {
-			return 0, 0, st, err
+		if err := rd.EnsureSlot(ctx); err != nil {
+			drop()
+			return rates, ceiling, st, err
 		}
-		err = poll(ctx, 10*time.Minute, time.Millisecond, func() (bool, error) { return counted.acked.Load() >= int64(n), nil })
-		elapsed := time.Since(start)
-		stopRelay(rl)
-		if err != nil {
-			return 0, 0, st, err
-		}
-		if err := e.waitEmpty(ctx, time.Minute); err != nil {
-			return 0, 0, st, err
-		}
-		st, err = e.readTableStats(ctx, int64(n))
-		return float64(n) / elapsed.Seconds(), 0, st, err
-	}
-	rd, drop, err := newWALReader(e.db, e.dbx.dsn, e.plugin, counted, cfg.BatchSize)
-	if err != nil {
-		return 0, 0, st, err
-	}
-	if err := rd.EnsureSlot(ctx); err != nil {
-		drop()
-		return 0, 0, st, err
 	}
 	if err := e.prefill(ctx, n); err != nil {
 		drop()
-		return 0, 0, st, err
+		return rates, ceiling, st, err
 	}
-	took, err := decodeSlot(ctx, e.dbx.dsn, rd.Config().Slot, e.plugin.Config().WALPrefix(), n)
-	if err != nil {
-		drop()
-		return 0, 0, st, fmt.Errorf("decoding ceiling: %w", err)
+	if cfg.walMode {
+		if ceiling, err = decodeSlot(ctx, e.dbx.dsn, rd.Config().Slot, e.plugin.Config().WALPrefix(), n); err != nil {
+			drop()
+			return rates, ceiling, st, fmt.Errorf("decoding ceiling: %w", err)
+		}
+	}
+	if cfg.profile != "" {
+		stop, err := startCPUProfile(cfg.profile)
+		if err != nil {
+			drop()
+			return rates, ceiling, st, err
+		}
+		defer stop()
 	}
 	start := time.Now()
-	w, err := e.runWALReader(ctx, rd, drop)
-	if err != nil {
-		return 0, 0, st, err
+	var halt func()
+	if cfg.walMode {
+		w, err := e.runWALReader(ctx, rd, drop)
+		if err != nil {
+			return rates, ceiling, st, err
+		}
+		halt = w.stop
+	} else {
+		rl, err := e.startRelay(ctx, counted, true, 0)
+		if err != nil {
+			return rates, ceiling, st, err
+		}
+		halt = func() { stopRelay(rl) }
 	}
 	err = poll(ctx, 10*time.Minute, time.Millisecond, func() (bool, error) { return counted.acked.Load() >= int64(n), nil })
-	elapsed := time.Since(start)
-	w.stop()
+	end := time.Now()
+	halt()
 	if err != nil {
-		return 0, 0, st, err
+		return rates, ceiling, st, err
 	}
-	st, err = e.readTableStats(ctx, 0)
-	return float64(n) / elapsed.Seconds(), float64(n) / took.Seconds(), st, err
+	rates = drainRates{total: float64(n) / end.Sub(start).Seconds(), streaming: counted.streamed(n, end)}
+	minDel := int64(0)
+	if !cfg.walMode {
+		if err := e.waitEmpty(ctx, time.Minute); err != nil {
+			return rates, ceiling, st, err
+		}
+		minDel = int64(n)
+	}
+	st, err = e.readTableStats(ctx, minDel)
+	return rates, ceiling, st, err
 }
 
 // decodeSlot reads slot from its confirmed position, as pg_recvlogical
 // does, parsing every pgoutput message and decoding the envelope of each
 // outbox message, until n are decoded; it confirms nothing, so a reader
 // started afterwards reads the same messages. It returns the time taken
-// from the connection to the nth message: the decoding ceiling of a
-// reader of this slot on this machine.
-func decodeSlot(ctx context.Context, dsn, slot, prefix string, n int) (time.Duration, error) {
+// from the connection to the nth message, and from the first message to
+// the nth: the decoding ceiling of a reader of this slot on this machine.
+func decodeSlot(ctx context.Context, dsn, slot, prefix string, n int) (drainRates, error) {
+	var rates drainRates
 	pc, err := pgconn.ParseConfig(dsn)
 	if err != nil {
-		return 0, err
+		return rates, err
 	}
 	if pc.RuntimeParams == nil {
 		pc.RuntimeParams = map[string]string{}
@@ -618,27 +658,28 @@ func decodeSlot(ctx context.Context, dsn, slot, prefix string, n int) (time.Dura
 	start := time.Now()
 	conn, err := pgconn.ConnectConfig(ctx, pc)
 	if err != nil {
-		return 0, err
+		return rates, err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
 		PluginArgs: []string{"proto_version '1'", "publication_names '" + slot + "'", "messages 'true'"},
 	})
 	if err != nil {
-		return 0, err
+		return rates, err
 	}
 	rctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
 	defer cancel()
 	got := 0
+	var first time.Time
 	for got < n {
 		raw, err := conn.ReceiveMessage(rctx)
 		if err != nil {
-			return 0, fmt.Errorf("after %d of %d messages: %w", got, n, err)
+			return rates, fmt.Errorf("after %d of %d messages: %w", got, n, err)
 		}
 		cd, ok := raw.(*pgproto3.CopyData)
 		if !ok {
 			if er, ok := raw.(*pgproto3.ErrorResponse); ok {
-				return 0, pgconn.ErrorResponseToPgError(er)
+				return rates, pgconn.ErrorResponseToPgError(er)
 			}
 			continue
 		}
@@ -647,22 +688,30 @@ func decodeSlot(ctx context.Context, dsn, slot, prefix string, n int) (time.Dura
 		}
 		x, err := pglogrepl.ParseXLogData(cd.Data[1:])
 		if err != nil {
-			return 0, err
+			return rates, err
 		}
 		msg, err := pglogrepl.Parse(x.WALData)
 		if err != nil {
-			return 0, err
+			return rates, err
 		}
 		if m, ok := msg.(*pglogrepl.LogicalDecodingMessage); ok && m.Prefix == prefix {
 			env, err := walenv.Decode(m.Content)
 			if err != nil {
-				return 0, err
+				return rates, err
 			}
 			if _, err := outbox.DecodeHeaders(env.Headers); err != nil {
-				return 0, err
+				return rates, err
+			}
+			if got == 0 {
+				first = time.Now()
 			}
 			got++
 		}
 	}
-	return time.Since(start), nil
+	end := time.Now()
+	rates.total = float64(n) / end.Sub(start).Seconds()
+	if n > 1 {
+		rates.streaming = float64(n-1) / end.Sub(first).Seconds()
+	}
+	return rates, nil
 }

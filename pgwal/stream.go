@@ -135,6 +135,8 @@ func (s *stream) status(ctx context.Context) error {
 // receive reads the replication stream until ctx ends or it fails.
 func (s *stream) receive(ctx context.Context) error {
 	next := time.Now().Add(s.r.cfg.StandbyInterval)
+	rctx := deadlineCtx{parent: ctx}
+	defer rctx.stop()
 	for {
 		if !time.Now().Before(next) {
 			if err := s.status(ctx); err != nil {
@@ -155,9 +157,7 @@ func (s *stream) receive(ctx context.Context) error {
 			t.Stop()
 			continue
 		}
-		rctx, cancel := context.WithDeadline(ctx, next)
-		raw, err := s.conn.ReceiveMessage(rctx)
-		cancel()
+		raw, err := s.conn.ReceiveMessage(rctx.until(next))
 		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
@@ -196,6 +196,31 @@ func (s *stream) receive(ctx context.Context) error {
 				}
 			}
 		}
+	}
+}
+
+// deadlineCtx hands out a context of parent with a given deadline, the
+// same one until the deadline moves: one context per received message
+// would cost a timer each.
+type deadlineCtx struct {
+	parent   context.Context
+	ctx      context.Context
+	cancel   context.CancelFunc
+	deadline time.Time
+}
+
+func (d *deadlineCtx) until(t time.Time) context.Context {
+	if d.ctx == nil || !t.Equal(d.deadline) {
+		d.stop()
+		d.ctx, d.cancel = context.WithDeadline(d.parent, t)
+		d.deadline = t
+	}
+	return d.ctx
+}
+
+func (d *deadlineCtx) stop() {
+	if d.cancel != nil {
+		d.cancel()
 	}
 }
 

@@ -109,44 +109,85 @@ func (s *stream) position() pglogrepl.LSN {
 	return max(pos, s.confirmed)
 }
 
-// status renews the lease, records the position and sends it to the
-// server.
-func (s *stream) status(ctx context.Context) error {
+// renewal is the outcome of renewing the lease and recording pos in it.
+type renewal struct {
+	pos pglogrepl.LSN
+	ok  bool
+	err error
+}
+
+// renew renews the lease and records the position safe to confirm, off
+// the receiving goroutine: a commit takes a disk flush, and the stream
+// would stand still meanwhile. The outcome arrives on the returned
+// channel; confirm then sends the position to the server.
+func (s *stream) renew(ctx context.Context) <-chan renewal {
 	pos := s.position()
-	rctx, cancel := context.WithTimeout(ctx, s.r.cfg.LeaseDuration/3)
-	ok, err := s.r.leases.renew(rctx, s.term, int64(pos))
-	cancel()
-	if err != nil {
-		return fmt.Errorf("pgwal: renew lease: %w", err)
+	ch := make(chan renewal, 1)
+	go func() {
+		rctx, cancel := context.WithTimeout(ctx, s.r.cfg.LeaseDuration/3)
+		ok, err := s.r.leases.renew(rctx, s.term, int64(pos))
+		cancel()
+		ch <- renewal{pos: pos, ok: ok, err: err}
+	}()
+	return ch
+}
+
+// confirm sends the position a renewal recorded in the lease to the
+// server: the lease always records a position before the server has it.
+func (s *stream) confirm(ctx context.Context, r renewal) error {
+	if r.err != nil {
+		return fmt.Errorf("pgwal: renew lease: %w", r.err)
 	}
-	if !ok {
+	if !r.ok {
 		return errLeaseLost
 	}
-	err = pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
-		WALWritePosition: pos, WALFlushPosition: pos, WALApplyPosition: pos, ClientTime: time.Now()})
+	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
+		WALWritePosition: r.pos, WALFlushPosition: r.pos, WALApplyPosition: r.pos, ClientTime: time.Now()})
 	if err != nil {
 		return fmt.Errorf("pgwal: send standby status: %w", err)
 	}
-	s.confirmed = pos
-	s.r.confirmed.Store(uint64(pos))
+	s.confirmed = r.pos
+	s.r.confirmed.Store(uint64(r.pos))
 	return nil
 }
+
+// renewPoll is how long the stream waits for a message at a time while a
+// renewal runs, so that its position reaches the server soon after.
+const renewPoll = 5 * time.Millisecond
 
 // receive reads the replication stream until ctx ends or it fails.
 func (s *stream) receive(ctx context.Context) error {
 	next := time.Now().Add(s.r.cfg.StandbyInterval)
 	rctx := deadlineCtx{parent: ctx}
 	defer rctx.stop()
+	var renewing <-chan renewal // non-nil while a renewal runs
+	defer func() {
+		if renewing != nil {
+			<-renewing // bounded by its timeout
+		}
+	}()
 	for {
-		if !time.Now().Before(next) {
-			if err := s.status(ctx); err != nil {
-				return err
-			}
+		if renewing == nil && !time.Now().Before(next) {
+			renewing = s.renew(ctx)
 			next = time.Now().Add(s.r.cfg.StandbyInterval)
+		}
+		if renewing != nil {
+			select {
+			case r := <-renewing:
+				renewing = nil
+				if err := s.confirm(ctx, r); err != nil {
+					return err
+				}
+			default:
+			}
+		}
+		until := next
+		if renewing != nil {
+			until = time.Now().Add(renewPoll)
 		}
 		if s.full() {
 			// Backpressure: stop reading, keep the lease and status going.
-			t := time.NewTimer(time.Until(next))
+			t := time.NewTimer(time.Until(until))
 			select {
 			case <-ctx.Done():
 				t.Stop()
@@ -157,7 +198,7 @@ func (s *stream) receive(ctx context.Context) error {
 			t.Stop()
 			continue
 		}
-		raw, err := s.conn.ReceiveMessage(rctx.until(next))
+		raw, err := s.conn.ReceiveMessage(rctx.until(until))
 		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()

@@ -73,6 +73,9 @@ func walScenario(ctx context.Context, cfg config, r *result) error {
 		}
 	}()
 	for _, part := range cfg.WALParts {
+		if la, err := os.ReadFile("/proc/loadavg"); err == nil {
+			r.Notes = append(r.Notes, "load average before "+part+": "+strings.TrimSpace(string(la)))
+		}
 		var err error
 		switch part {
 		case "write":
@@ -105,13 +108,21 @@ func median(vs []float64) float64 {
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
-// addMedians adds the median of each series of rounds, in names' order.
+// addMedians adds the median of each series of rounds, in names' order,
+// and the rounds' values to the parameters (JSON output).
 func addMedians(r *result, prefix string, names []string, series map[string][]float64, unit string) {
 	for _, n := range names {
 		if vs, ok := series[n]; ok {
-			r.add(prefix+n, median(vs), unit)
+			addMedian(r, prefix+n, vs, unit)
 		}
 	}
+}
+
+// addMedian adds the median of the rounds' values vs as figure name, and
+// vs to the parameters as name's rounds.
+func addMedian(r *result, name string, vs []float64, unit string) {
+	r.add(name, median(vs), unit)
+	r.Params["rounds:"+name] = vs
 }
 
 // roundTrips counts the statements a pgx connection sends (Exec, Query,
@@ -264,9 +275,9 @@ func walWrite(ctx context.Context, cfg config, r *result) error {
 	names := []string{"none", "table", "wal"}
 	addMedians(r, "write_us_per_tx_", names, usPerTx, "µs")
 	addMedians(r, "write_round_trips_per_tx_", names, rtPerTx, "round trips")
-	r.add("write_select1_us", median(select1), "µs")
+	addMedian(r, "write_select1_us", select1, "µs")
 	addMedians(r, "write_", []string{"table/none", "wal/none", "wal/table"}, ratios, "ratio")
-	r.add("write_floor_one_round_trip", median(ratios["floor"]), "ratio")
+	addMedian(r, "write_floor_one_round_trip", ratios["floor"], "ratio")
 	var msgs int64
 	if err := sides[1].db.Raw("SELECT count(*) FROM " + sides[1].db.Statement.Quote(outbox.Config{}.WithDefaults().Tables.MessagesTable())).Scan(&msgs).Error; err != nil {
 		return err
@@ -369,15 +380,15 @@ func walLatency(ctx context.Context, cfg config, r *result, backlog int) error {
 		}
 	}
 	for _, n := range names {
-		r.add(part+n+"_p50", median(p50[n]), "ms")
-		r.add(part+n+"_p99", median(p99[n]), "ms")
-		r.add(part+n+"_p99.9", median(p999[n]), "ms")
+		addMedian(r, part+n+"_p50", p50[n], "ms")
+		addMedian(r, part+n+"_p99", p99[n], "ms")
+		addMedian(r, part+n+"_p99.9", p999[n], "ms")
 	}
 	var ratio []float64
 	for i := range p99["wal"] {
 		ratio = append(ratio, p99["wal"][i]/p99["table"][i])
 	}
-	r.add(part+"wal_p99/table_p99", median(ratio), "ratio")
+	addMedian(r, part+"wal_p99/table_p99", ratio, "ratio")
 	return nil
 }
 
@@ -543,18 +554,18 @@ func walDrain(ctx context.Context, cfg config, r *result) error {
 	names := []string{"table_ack", "wal_ack", "decode_ceiling_ack", "table_kafka", "wal_kafka", "decode_ceiling_kafka"}
 	addMedians(r, "drain_", names, total, "msg/s")
 	addMedians(r, "drain_streaming_", names, streaming, "msg/s")
-	ratio := func(series map[string][]float64, a, b string) float64 {
+	ratio := func(name string, series map[string][]float64, a, b string) {
 		var vs []float64
 		for i := range series[a] {
 			vs = append(vs, series[a][i]/series[b][i])
 		}
-		return median(vs)
+		addMedian(r, name, vs, "ratio")
 	}
 	for _, kind := range []string{"ack", "kafka"} {
-		r.add("drain_wal_"+kind+"/table_"+kind, ratio(total, "wal_"+kind, "table_"+kind), "ratio")
-		r.add("drain_wal_"+kind+"/decode_ceiling_"+kind, ratio(total, "wal_"+kind, "decode_ceiling_"+kind), "ratio")
-		r.add("drain_streaming_wal_"+kind+"/table_"+kind, ratio(streaming, "wal_"+kind, "table_"+kind), "ratio")
-		r.add("drain_streaming_wal_"+kind+"/decode_ceiling_"+kind, ratio(streaming, "wal_"+kind, "decode_ceiling_"+kind), "ratio")
+		ratio("drain_wal_"+kind+"/table_"+kind, total, "wal_"+kind, "table_"+kind)
+		ratio("drain_wal_"+kind+"/decode_ceiling_"+kind, total, "wal_"+kind, "decode_ceiling_"+kind)
+		ratio("drain_streaming_wal_"+kind+"/table_"+kind, streaming, "wal_"+kind, "table_"+kind)
+		ratio("drain_streaming_wal_"+kind+"/decode_ceiling_"+kind, streaming, "wal_"+kind, "decode_ceiling_"+kind)
 	}
 	for _, side := range sides {
 		st := stats[side.name]

@@ -235,7 +235,10 @@ func walWrite(ctx context.Context, cfg config, r *result) error {
 	ratios := map[string][]float64{}
 	var select1 []float64
 	for round := 0; round < cfg.Rounds; round++ {
+		// The sides take turns every writeChunk transactions, so that a
+		// change in the machine's load falls on all three alike.
 		took := map[string]float64{}
+		trips := map[string]int64{}
 		for _, s := range sides {
 			// Warm the statement caches, so prepares are not counted.
 			for i := 0; i < 10; i++ {
@@ -243,16 +246,23 @@ func walWrite(ctx context.Context, cfg config, r *result) error {
 					return err
 				}
 			}
-			before := s.rt.n.Load()
-			start := time.Now()
-			for i := 0; i < per; i++ {
-				if err := s.db.WithContext(ctx).Create(&BenchOrder{Status: "new", Total: int64(i)}).Error; err != nil {
-					return err
+		}
+		for done := 0; done < per; done += writeChunk {
+			for _, s := range sides {
+				before := s.rt.n.Load()
+				start := time.Now()
+				for i := done; i < min(done+writeChunk, per); i++ {
+					if err := s.db.WithContext(ctx).Create(&BenchOrder{Status: "new", Total: int64(i)}).Error; err != nil {
+						return err
+					}
 				}
+				took[s.name] += time.Since(start).Seconds()
+				trips[s.name] += s.rt.n.Load() - before
 			}
-			took[s.name] = time.Since(start).Seconds()
+		}
+		for _, s := range sides {
 			usPerTx[s.name] = append(usPerTx[s.name], took[s.name]/float64(per)*1e6)
-			rtPerTx[s.name] = append(rtPerTx[s.name], float64(s.rt.n.Load()-before)/float64(per))
+			rtPerTx[s.name] = append(rtPerTx[s.name], float64(trips[s.name])/float64(per))
 		}
 		// A bare round trip on the same pool, in the same round.
 		sqlDB, err := sides[0].db.DB()
@@ -287,6 +297,10 @@ func walWrite(ctx context.Context, cfg config, r *result) error {
 	}
 	return nil
 }
+
+// writeChunk is how many transactions one side of the write part runs
+// before the next side's turn.
+const writeChunk = 100
 
 func ackAll(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil }
 

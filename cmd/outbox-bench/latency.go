@@ -222,8 +222,13 @@ func startLatencyRelay(ctx context.Context, e *env, cfg config, brokers []string
 	if err != nil {
 		return latencyRelay{}, err
 	}
+	// The relay's publisher is wrapped only to count a backlog.
 	counted := &countingPub{Publisher: pub}
-	rl, err := e.startRelay(ctx, counted, mode.hints, mode.poll)
+	var relayPub relay.Publisher = pub
+	if mode.rrBacklog > 0 {
+		relayPub = counted
+	}
+	rl, err := e.startRelay(ctx, relayPub, mode.hints, mode.poll)
 	if err != nil {
 		pub.Close()
 		return latencyRelay{}, err

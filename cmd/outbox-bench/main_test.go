@@ -150,7 +150,7 @@ func TestSmokeWAL(t *testing.T) {
 	for _, f := range []string{
 		"write_round_trips_per_tx_none", "write_round_trips_per_tx_table", "write_round_trips_per_tx_wal", "write_select1_us", "write_wal/none",
 		"latency_table_p99", "latency_wal_p99", "latency_wal_p99/table_p99", "rr_table_p99", "rr_wal_p99",
-		"drain_table_ack", "drain_wal_ack", "drain_table_kafka", "drain_wal_kafka", "drain_decode_ceiling", "drain_wal_ack/decode_ceiling",
+		"drain_table_ack", "drain_wal_ack", "drain_table_kafka", "drain_wal_kafka", "drain_decode_ceiling_ack", "drain_decode_ceiling_kafka", "drain_wal_ack/decode_ceiling_ack", "drain_streaming_wal_ack",
 	} {
 		require.Contains(t, r.Values, f)
 		require.Positive(t, r.Values[f], f)

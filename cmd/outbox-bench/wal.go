@@ -473,6 +473,15 @@ func (c *countingPub) LeasesAcquired(ctx context.Context, ls []relay.Lease) erro
 	return nil
 }
 
+// CheckReady passes the relay's start check on to a publisher that has
+// one (the Kafka publishers).
+func (c *countingPub) CheckReady(ctx context.Context) error {
+	if rc, ok := c.Publisher.(relay.ReadyChecker); ok {
+		return rc.CheckReady(ctx)
+	}
+	return nil
+}
+
 func (c *countingPub) LeasesReleased(ctx context.Context, ls []relay.Lease) {
 	if la, ok := c.Publisher.(relay.LeaseAware); ok {
 		la.LeasesReleased(ctx, ls)

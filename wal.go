@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	"gorm.io/gorm"
@@ -97,8 +99,47 @@ func (p *Plugin) checkWAL(db *gorm.DB) error {
 // order, and never if the transaction rolls back.
 const emitSQL = "SELECT pg_logical_emit_message(true, $1, $2::bytea)"
 
-// emit writes validated msgs into the WAL in tx, one statement per
-// message so their order in the log is the order given.
+// emitChunk bounds the messages of one emitting statement (and so its
+// placeholders); statementBytes bounds its payload.
+const emitChunk = 500
+
+// emitManySQL returns the statement that writes n > 1 messages, $2 to
+// $n+1, in one round trip: the aggregate consumes the VALUES rows one by
+// one, in the order listed, so the messages enter the log in that order.
+// The texts are built once per n and kept, so the statement cache of the
+// driver sees the same text again.
+func emitManySQL(n int) string {
+	if n < len(emitManyCache) {
+		if q := emitManyCache[n].Load(); q != nil {
+			return *q
+		}
+	}
+	var b strings.Builder
+	b.WriteString("SELECT count(pg_logical_emit_message(true, $1, m)) FROM (VALUES ")
+	for i := range n {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString("($")
+		b.WriteString(strconv.Itoa(i + 2))
+		if i == 0 {
+			b.WriteString("::bytea")
+		}
+		b.WriteString(")")
+	}
+	b.WriteString(") AS v(m)")
+	q := b.String()
+	if n < len(emitManyCache) {
+		emitManyCache[n].Store(&q)
+	}
+	return q
+}
+
+var emitManyCache [emitChunk + 1]atomic.Pointer[string]
+
+// emit writes validated msgs into the WAL in tx, in the order given: one
+// statement for up to emitChunk messages, so a write costs one round
+// trip whatever number of messages its rules build.
 func (p *Plugin) emit(tx *gorm.DB, msgs []*Message) error {
 	now := time.Now().UnixMilli()
 	conn := p.findTx(tx.Statement.ConnPool)
@@ -106,26 +147,46 @@ func (p *Plugin) emit(tx *gorm.DB, msgs []*Message) error {
 	if conn != nil {
 		exec = conn
 	}
-	prefix := p.cfg.WALPrefix()
 	ctx := tx.Statement.Context
-	var buf []byte
-	for _, m := range msgs {
-		bucket, err := p.identify(m)
-		if err != nil {
-			return err
+	args := make([]any, 1, 1+min(len(msgs), emitChunk))
+	args[0] = p.cfg.WALPrefix()
+	for start := 0; start < len(msgs); {
+		args = args[:1]
+		bytes := 0
+		end := start
+		for end < len(msgs) && end-start < emitChunk {
+			m := msgs[end]
+			size := m.Size() + rowOverhead
+			if end > start && bytes+size > statementBytes {
+				break
+			}
+			bytes += size
+			bucket, err := p.identify(m)
+			if err != nil {
+				return err
+			}
+			env := walenv.Envelope{ID: m.ID, Bucket: bucket, Topic: m.Topic, Key: m.Key, Value: m.Value,
+				Partition: m.Partition, CreatedAtMs: now, Headers: EncodeHeaders(m.Headers)}
+			args = append(args, walenv.Encode(make([]byte, 0, walenv.Size(&env)), &env))
+			if conn != nil {
+				conn.record(bucket)
+			}
+			end++
 		}
-		env := walenv.Envelope{ID: m.ID, Bucket: bucket, Topic: m.Topic, Key: m.Key, Value: m.Value,
-			Partition: m.Partition, CreatedAtMs: now, Headers: EncodeHeaders(m.Headers)}
-		buf = walenv.Encode(buf[:0], &env)
+		q := emitSQL
+		if n := end - start; n > 1 {
+			q = emitManySQL(n)
+		}
 		begin := time.Now()
-		_, err = exec.ExecContext(ctx, emitSQL, prefix, buf)
-		tx.Logger.Trace(ctx, begin, func() (string, int64) { return emitSQL, 1 }, err)
+		_, err := exec.ExecContext(ctx, q, args...)
+		tx.Logger.Trace(ctx, begin, func() (string, int64) { return q, int64(end - start) }, err)
 		if err != nil {
-			return fmt.Errorf("outbox: write message %s to the WAL: %w", m.ID, err)
+			if end-start == 1 {
+				return fmt.Errorf("outbox: write message %s to the WAL: %w", msgs[start].ID, err)
+			}
+			return fmt.Errorf("outbox: write %d messages to the WAL: %w", end-start, err)
 		}
-		if conn != nil {
-			conn.record(bucket)
-		}
+		start = end
 	}
 	return nil
 }

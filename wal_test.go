@@ -3,10 +3,15 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"strconv"
+	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
@@ -129,4 +134,51 @@ func TestWALModeValidatesAsTableMode(t *testing.T) {
 		require.ErrorIs(t, err, outbox.ErrInvalidMessage)
 	}
 	require.Empty(t, slot.Messages(t, prefix))
+}
+
+// emitCounter counts the statements that emit messages.
+type emitCounter struct {
+	logger.Interface
+	statements, messages atomic.Int64
+}
+
+func (c *emitCounter) Trace(ctx context.Context, begin time.Time, fc func() (string, int64), err error) {
+	if q, n := fc(); strings.Contains(q, "pg_logical_emit_message") {
+		c.statements.Add(1)
+		c.messages.Add(n)
+	}
+}
+
+// TestWALModeEmitsAWriteInOneStatement: the messages of one write go
+// into the WAL in one statement (one round trip), up to 500 per
+// statement, in the order given; a rolled-back savepoint drops its own.
+func TestWALModeEmitsAWriteInOneStatement(t *testing.T) {
+	b, slot, prefix := walWriter(t)
+	count := &emitCounter{Interface: logger.Discard}
+	db := b.db.Session(&gorm.Session{Logger: count})
+	msgs := func(from, n int) []*outbox.Message {
+		out := make([]*outbox.Message, n)
+		for i := range out {
+			out[i] = &outbox.Message{Topic: "seq", Key: []byte(strconv.Itoa((from + i) % 7)), Value: []byte(strconv.Itoa(from + i))}
+		}
+		return out
+	}
+	require.NoError(t, db.Transaction(func(tx *gorm.DB) error {
+		if err := outbox.Enqueue(tx, msgs(0, 3)...); err != nil {
+			return err
+		}
+		require.Error(t, tx.Transaction(func(tx *gorm.DB) error {
+			require.NoError(t, outbox.Enqueue(tx, msgs(-100, 2)...))
+			return errors.New("roll back the savepoint")
+		}))
+		return outbox.Enqueue(tx, msgs(3, 700)...)
+	}))
+	require.Equal(t, int64(1+1+2), count.statements.Load(), "3 messages, 2, then 700 as 500 and 200")
+	require.Equal(t, int64(705), count.messages.Load())
+	envs := decodeAll(t, slot.Messages(t, prefix))
+	require.Len(t, envs, 703)
+	for i, e := range envs {
+		require.Equal(t, strconv.Itoa(i), string(e.Value), "message %d out of order", i)
+		require.Equal(t, []byte(strconv.Itoa(i%7)), e.Key)
+	}
 }

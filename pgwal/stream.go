@@ -117,45 +117,94 @@ func (s *stream) position() pglogrepl.LSN {
 	return max(pos, s.confirmed)
 }
 
-// status renews the lease, records the position and sends it to the
-// server.
-func (s *stream) status(ctx context.Context) error {
-	if err := s.checkTableRelays(ctx); err != nil {
-		return err
-	}
+// renewal is the outcome of renewing the lease and recording pos in it.
+type renewal struct {
+	pos  pglogrepl.LSN
+	ok   bool
+	err  error
+	halt error // the term must end (a table relay started while bridging)
+}
+
+// renew renews the lease and records the position safe to confirm, off
+// the receiving goroutine: a commit takes a disk flush, and the stream
+// would stand still meanwhile. The outcome arrives on the returned
+// channel; confirm then sends the position to the server. A bridging
+// reader first checks that no table relay started (checkTableRelays).
+func (s *stream) renew(ctx context.Context) <-chan renewal {
 	pos := s.position()
-	rctx, cancel := context.WithTimeout(ctx, s.r.cfg.LeaseDuration/3)
-	ok, err := s.r.leases.renew(rctx, s.term, int64(pos))
-	cancel()
-	if err != nil {
-		return fmt.Errorf("pgwal: renew lease: %w", err)
+	ch := make(chan renewal, 1)
+	go func() {
+		if err := s.checkTableRelays(ctx); err != nil {
+			ch <- renewal{halt: err}
+			return
+		}
+		rctx, cancel := context.WithTimeout(ctx, s.r.cfg.LeaseDuration/3)
+		ok, err := s.r.leases.renew(rctx, s.term, int64(pos))
+		cancel()
+		ch <- renewal{pos: pos, ok: ok, err: err}
+	}()
+	return ch
+}
+
+// confirm sends the position a renewal recorded in the lease to the
+// server: the lease always records a position before the server has it.
+func (s *stream) confirm(ctx context.Context, r renewal) error {
+	if r.halt != nil {
+		return r.halt
 	}
-	if !ok {
+	if r.err != nil {
+		return fmt.Errorf("pgwal: renew lease: %w", r.err)
+	}
+	if !r.ok {
 		return errLeaseLost
 	}
-	err = pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
-		WALWritePosition: pos, WALFlushPosition: pos, WALApplyPosition: pos, ClientTime: time.Now()})
+	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
+		WALWritePosition: r.pos, WALFlushPosition: r.pos, WALApplyPosition: r.pos, ClientTime: time.Now()})
 	if err != nil {
 		return fmt.Errorf("pgwal: send standby status: %w", err)
 	}
-	s.confirmed = pos
-	s.r.confirmed.Store(uint64(pos))
+	s.confirmed = r.pos
+	s.r.confirmed.Store(uint64(r.pos))
 	return nil
 }
+
+// renewPoll is how long the stream waits for a message at a time while a
+// renewal runs, so that its position reaches the server soon after.
+const renewPoll = 5 * time.Millisecond
 
 // receive reads the replication stream until ctx ends or it fails.
 func (s *stream) receive(ctx context.Context) error {
 	next := time.Now().Add(s.r.cfg.StandbyInterval)
+	rctx := deadlineCtx{parent: ctx}
+	defer rctx.stop()
+	var renewing <-chan renewal // non-nil while a renewal runs
+	defer func() {
+		if renewing != nil {
+			<-renewing // bounded by its timeout
+		}
+	}()
 	for {
-		if !time.Now().Before(next) {
-			if err := s.status(ctx); err != nil {
-				return err
-			}
+		if renewing == nil && !time.Now().Before(next) {
+			renewing = s.renew(ctx)
 			next = time.Now().Add(s.r.cfg.StandbyInterval)
+		}
+		if renewing != nil {
+			select {
+			case r := <-renewing:
+				renewing = nil
+				if err := s.confirm(ctx, r); err != nil {
+					return err
+				}
+			default:
+			}
+		}
+		until := next
+		if renewing != nil {
+			until = time.Now().Add(renewPoll)
 		}
 		if s.full() {
 			// Backpressure: stop reading, keep the lease and status going.
-			t := time.NewTimer(time.Until(next))
+			t := time.NewTimer(time.Until(until))
 			select {
 			case <-ctx.Done():
 				t.Stop()
@@ -166,9 +215,7 @@ func (s *stream) receive(ctx context.Context) error {
 			t.Stop()
 			continue
 		}
-		rctx, cancel := context.WithDeadline(ctx, next)
-		raw, err := s.conn.ReceiveMessage(rctx)
-		cancel()
+		raw, err := s.conn.ReceiveMessage(rctx.until(until))
 		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
@@ -207,6 +254,31 @@ func (s *stream) receive(ctx context.Context) error {
 				}
 			}
 		}
+	}
+}
+
+// deadlineCtx hands out a context of parent with a given deadline, the
+// same one until the deadline moves: one context per received message
+// would cost a timer each.
+type deadlineCtx struct {
+	parent   context.Context
+	ctx      context.Context
+	cancel   context.CancelFunc
+	deadline time.Time
+}
+
+func (d *deadlineCtx) until(t time.Time) context.Context {
+	if d.ctx == nil || !t.Equal(d.deadline) {
+		d.stop()
+		d.ctx, d.cancel = context.WithDeadline(d.parent, t)
+		d.deadline = t
+	}
+	return d.ctx
+}
+
+func (d *deadlineCtx) stop() {
+	if d.cancel != nil {
+		d.cancel()
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/signal"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -43,6 +44,13 @@ type latencyMode struct {
 	// write an outbox replaces: the floor of commit → receipt on this
 	// machine, the same run's baseline for the relay's figures.
 	direct bool
+	// wal: the outbox writes in WAL mode and a pgwal reader relays
+	// (PostgreSQL with wal_level = logical; the wal scenario).
+	wal bool
+	// rrBacklog: before the writes, a backlog of this many messages is
+	// written and relayed while a REPEATABLE READ transaction, begun
+	// before the relay starts, stays open until the mode ends.
+	rrBacklog int
 }
 
 // latencyModes are the latency scenario's modes, in the order they run.
@@ -58,7 +66,7 @@ var latencyModes = []latencyMode{
 // latencyTopics are the topics of the latency scenario's modes.
 func latencyTopics() []string {
 	var out []string
-	for _, m := range latencyModes {
+	for _, m := range append(slices.Clone(latencyModes), walLatencyModes...) {
 		out = append(out, benchTopic+"-latency-"+m.name)
 	}
 	return out
@@ -83,14 +91,10 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 			continue
 		}
 		var idleClosed int64
-		lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, &r.Notes, &idleClosed)
+		lat, err := measureAll(ctx, cfg, brokers, mode, &r.Notes, &idleClosed)
 		if err != nil {
-			return fmt.Errorf("%s: %w", mode.name, err)
+			return err
 		}
-		if lost > 0 {
-			return fmt.Errorf("%s: %d messages never arrived", mode.name, lost)
-		}
-		ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 		p99[mode.name] = ms(percentile(lat, 0.99))
 		r.add(mode.name+"_p50", ms(percentile(lat, 0.50)), "ms")
 		r.add(mode.name+"_p99", p99[mode.name], "ms")
@@ -119,6 +123,22 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 	return nil
 }
 
+// measureAll is measureLatency on mode's topic, failing unless every
+// message arrived.
+func measureAll(ctx context.Context, cfg config, brokers []string, mode latencyMode, notes *[]string, idleClosed *int64) ([]time.Duration, error) {
+	lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, notes, idleClosed)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", mode.name, err)
+	}
+	if lost > 0 {
+		return nil, fmt.Errorf("%s: %d messages never arrived", mode.name, lost)
+	}
+	return lat, nil
+}
+
+// ms is d in milliseconds.
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
 // LatencyOrder is the business row of the latency scenario's rules8
 // mode; its publish rule sends Token as the message value.
 type LatencyOrder struct {
@@ -134,9 +154,17 @@ type latencyRelay struct {
 	child *child
 	// channel is the NOTIFY channel of the child's relay.
 	channel string
+	// wal is the WAL reader of the wal mode.
+	wal *walRun
+	// acked counts the messages its publisher acknowledged.
+	acked *countingPub
 }
 
 func (l latencyRelay) stop() {
+	if l.wal != nil {
+		l.wal.stop()
+		l.pub.Close()
+	}
 	if l.local != nil {
 		stopRelay(l.local)
 		l.pub.Close()
@@ -147,9 +175,44 @@ func (l latencyRelay) stop() {
 }
 
 // startLatencyRelay starts mode's relay and returns once it owns every
-// bucket (and, for listen, listens), so that the first measured commit
-// does not wait for the relay's start.
-func startLatencyRelay(ctx context.Context, e *env, cfg config, brokers []string, mode latencyMode) (latencyRelay, error) {
+// bucket (and, for listen, listens; for wal, streams the slot), so that
+// the first measured commit does not wait for the relay's start. A
+// non-nil before runs just before the relay starts (for wal, once its
+// slot exists).
+func startLatencyRelay(ctx context.Context, e *env, cfg config, brokers []string, mode latencyMode, before func() error) (latencyRelay, error) {
+	if before == nil {
+		before = func() error { return nil }
+	}
+	if mode.wal {
+		pub, err := newPublisher(ctx, brokers)
+		if err != nil {
+			return latencyRelay{}, err
+		}
+		counted := &countingPub{Publisher: pub}
+		rd, drop, err := newWALReader(e.db, e.dbx.dsn, e.plugin, counted, cfg.BatchSize)
+		if err == nil {
+			if err = rd.EnsureSlot(ctx); err != nil {
+				drop()
+			}
+		}
+		if err == nil {
+			if err = before(); err != nil {
+				drop()
+			}
+		}
+		var w *walRun
+		if err == nil {
+			w, err = e.runWALReader(ctx, rd, drop)
+		}
+		if err != nil {
+			pub.Close()
+			return latencyRelay{}, err
+		}
+		return latencyRelay{wal: w, pub: pub, acked: counted}, nil
+	}
+	if err := before(); err != nil {
+		return latencyRelay{}, err
+	}
 	if mode.listen {
 		channel := "outbox_bench_" + randomSuffix()
 		c, err := startChild(ctx, "relay", append(relayEnv(cfg, e, brokers), "OUTBOX_BENCH_LISTEN_CHANNEL="+channel), "READY")
@@ -159,7 +222,13 @@ func startLatencyRelay(ctx context.Context, e *env, cfg config, brokers []string
 	if err != nil {
 		return latencyRelay{}, err
 	}
-	rl, err := e.startRelay(ctx, pub, mode.hints, mode.poll)
+	// The relay's publisher is wrapped only to count a backlog.
+	counted := &countingPub{Publisher: pub}
+	var relayPub relay.Publisher = pub
+	if mode.rrBacklog > 0 {
+		relayPub = counted
+	}
+	rl, err := e.startRelay(ctx, relayPub, mode.hints, mode.poll)
 	if err != nil {
 		pub.Close()
 		return latencyRelay{}, err
@@ -169,7 +238,7 @@ func startLatencyRelay(ctx context.Context, e *env, cfg config, brokers []string
 		pub.Close()
 		return latencyRelay{}, err
 	}
-	return latencyRelay{local: rl, pub: pub}, nil
+	return latencyRelay{local: rl, pub: pub, acked: counted}, nil
 }
 
 // waitOwnsAll polls until rl trusts leases on all n buckets.
@@ -227,7 +296,9 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 			return &outbox.Message{Topic: topic, Key: []byte("k" + strings.SplitN(c.Entity.Token[1:], "-", 2)[0]), Value: []byte(c.Entity.Token)}, nil
 		}))
 	}
-	e, err := newEnv(ctx, cfg, rules...)
+	ecfg := cfg
+	ecfg.walMode = mode.wal
+	e, err := newEnv(ctx, ecfg, rules...)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -277,10 +348,32 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 			return err
 		}
 	} else {
-		if rl, err = startLatencyRelay(ctx, e, cfg, brokers, mode); err != nil {
+		var before func() error
+		endRR := func() {}
+		if mode.rrBacklog > 0 {
+			before = func() error {
+				if err := e.prefill(ctx, mode.rrBacklog); err != nil {
+					return err
+				}
+				end, err := e.startRR(ctx)
+				if err == nil {
+					endRR = end
+				}
+				return err
+			}
+		}
+		rl, err = startLatencyRelay(ctx, e, cfg, brokers, mode, before)
+		defer endRR() // after the relay stops
+		if err != nil {
 			return nil, 0, err
 		}
 		defer rl.stop()
+		if mode.rrBacklog > 0 {
+			err := poll(ctx, 10*time.Minute, 20*time.Millisecond, func() (bool, error) { return rl.acked.acked.Load() >= int64(mode.rrBacklog), nil })
+			if err != nil {
+				return nil, 0, fmt.Errorf("backlog of %d not relayed: %w", mode.rrBacklog, err)
+			}
+		}
 	}
 	if mode.listen {
 		stopSender, err := startNotifySender(ctx, e, rl.channel)

@@ -20,6 +20,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -79,9 +80,32 @@ type config struct {
 	// Brokers is an Apache Kafka cluster to run against instead of the
 	// Kafka-protocol broker the harness starts in its own process.
 	Brokers []string
+	// WALDSN is the PostgreSQL server with wal_level = logical of the wal
+	// scenario, which runs both modes there.
+	WALDSN string
+	// WALParts are the parts of the wal scenario to run.
+	WALParts []string
+	// Rounds is how many interleaved rounds the wal scenario runs; it
+	// reports their medians.
+	Rounds int
+	// RRBacklog is the backlog of the wal scenario's rr part.
+	RRBacklog int
+	// walMode makes newEnv's outbox write in outbox.ModeWAL.
+	walMode bool
 }
 
 var allScenarios = []string{"drain", "latency", "write", "growth", "relays", "strict"}
+
+// extraScenarios run only when named: they need more than the default
+// servers.
+var extraScenarios = []string{"wal"}
+
+func defaultWALDSN() string {
+	if v := os.Getenv("OUTBOX_TEST_POSTGRES_WAL_DSN"); v != "" {
+		return v
+	}
+	return "host=127.0.0.1 port=5434 user=postgres dbname=test sslmode=disable"
+}
 
 func defaultDSN(driver string) string {
 	switch driver {
@@ -137,7 +161,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
 	fs.StringVar(&c.Consumer, "consumer", "process", "latency: run the consumer in its own process, or inline in the bench's, sharing its CPU and Go runtime with the writer and the relay")
 	fs.StringVar(&c.Timeline, "timeline", "", "latency: record each message's path through the relay into this directory and summarise the slow ones (costs some speed)")
-	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "drain: write the CPU profile of this process during the relay drain to this file")
+	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "drain: write the CPU profile of this process during the relay drain to this file; wal: during the first WAL mode drain through the acknowledging publisher")
 	fs.StringVar(&c.RelayProfiles, "relay-cpuprofiles", "", "relays: write the CPU profile of each relay process, from its start to its exit, into this directory as relays-K-PID.pprof (K relay processes)")
 	fs.DurationVar(&c.Warmup, "warmup", time.Second, "latency: how long to write before -duration, delivered but not counted (fresh connections run 2-3x slower)")
 	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")
@@ -145,6 +169,11 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&relays, "relays", "1,2,4", "relays: relay process counts")
 	fs.BoolVar(&c.JSON, "json", false, "print one JSON object per scenario instead of a table")
 	fs.BoolVar(&smoke, "smoke", false, "tiny sizes: check every scenario runs (CI), measure nothing")
+	var parts string
+	fs.StringVar(&c.WALDSN, "wal-dsn", defaultWALDSN(), "wal: PostgreSQL server with wal_level = logical; the wal scenario runs table mode and WAL mode there (env OUTBOX_TEST_POSTGRES_WAL_DSN)")
+	fs.StringVar(&parts, "wal-parts", strings.Join(allWALParts, ","), "wal: comma-separated parts: "+strings.Join(allWALParts, ", "))
+	fs.IntVar(&c.Rounds, "rounds", 3, "wal: interleaved rounds, whose medians are reported")
+	fs.IntVar(&c.RRBacklog, "rr-backlog", 400_000, "wal: backlog relayed while the rr part's REPEATABLE READ transaction stays open")
 	var brokers string
 	fs.StringVar(&brokers, "brokers", os.Getenv("KAFKA_BROKERS"), "comma-separated brokers of a real Kafka cluster (env KAFKA_BROKERS); empty starts a kfake broker process")
 	if err := fs.Parse(args); err != nil {
@@ -166,18 +195,27 @@ func parseFlags(args []string) (config, error) {
 		c.N, c.Keys, c.Rate, c.Duration, c.WriteOps = 2000, 100, 200, time.Second, 100
 		c.Warmup = 200 * time.Millisecond
 		c.Growth, c.Relays = []int{500, 2000}, []int{1, 2}
+		c.Rounds, c.RRBacklog = 1, 2000
+	}
+	for _, p := range strings.Split(parts, ",") {
+		if p = strings.TrimSpace(p); p == "" {
+			continue
+		}
+		if !slices.Contains(allWALParts, p) {
+			return c, fmt.Errorf("unknown -wal-parts part %q (known: %s)", p, strings.Join(allWALParts, ", "))
+		}
+		c.WALParts = append(c.WALParts, p)
+	}
+	if c.Rounds < 1 || c.RRBacklog < 1 {
+		return c, fmt.Errorf("-rounds and -rr-backlog must be positive")
 	}
 	for _, s := range strings.Split(scenarios, ",") {
 		s = strings.TrimSpace(s)
 		if s == "" {
 			continue
 		}
-		known := false
-		for _, a := range allScenarios {
-			known = known || a == s
-		}
-		if !known {
-			return c, fmt.Errorf("unknown scenario %q (known: %s)", s, strings.Join(allScenarios, ", "))
+		if !slices.Contains(allScenarios, s) && !slices.Contains(extraScenarios, s) {
+			return c, fmt.Errorf("unknown scenario %q (known: %s)", s, strings.Join(append(slices.Clone(allScenarios), extraScenarios...), ", "))
 		}
 		c.Scenarios = append(c.Scenarios, s)
 	}
@@ -294,6 +332,7 @@ var scenarios = map[string]func(context.Context, config, *result) error{
 	"growth":  growthScenario,
 	"relays":  relaysScenario,
 	"strict":  strictScenario,
+	"wal":     walScenario,
 }
 
 func print(w io.Writer, cfg config, results []*result) {

@@ -132,3 +132,51 @@ func TestParseFlags(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []int{1000, 2000}, c.Growth)
 }
+
+// TestSmokeWAL runs the wal scenario at a tiny size on the WAL mode
+// server: every part runs, every message arrives, every figure is
+// reported, and WAL mode leaves the messages table untouched while table
+// mode's drain leaves dead tuples. It asserts no timing.
+func TestSmokeWAL(t *testing.T) {
+	dbtest.RequireWAL(t)
+	cfg, err := parseFlags([]string{"-smoke", "-scenarios", "wal", "-wal-dsn", dbtest.PostgresWALDSN()})
+	require.NoError(t, err)
+	cfg.TmpDir = t.TempDir()
+	results, err := run(context.Background(), cfg, io.Discard)
+	require.NoError(t, err)
+	require.Len(t, results, 1)
+	r := results[0]
+	require.Empty(t, r.Err)
+	for _, f := range []string{
+		"write_round_trips_per_tx_none", "write_round_trips_per_tx_table", "write_round_trips_per_tx_wal", "write_select1_us", "write_wal/none",
+		"latency_table_p99", "latency_wal_p99", "latency_wal_p99/table_p99", "rr_table_p99", "rr_wal_p99",
+		"drain_table_ack", "drain_wal_ack", "drain_table_kafka", "drain_wal_kafka", "drain_decode_ceiling_ack", "drain_decode_ceiling_kafka", "drain_wal_ack/decode_ceiling_ack", "drain_streaming_wal_ack",
+	} {
+		require.Contains(t, r.Values, f)
+		require.Positive(t, r.Values[f], f)
+	}
+	// GORM's Create in its own transaction: BEGIN, INSERT, COMMIT; a
+	// rule's message adds one statement in either mode.
+	require.Equal(t, 3.0, r.Values["write_round_trips_per_tx_none"])
+	require.Equal(t, 4.0, r.Values["write_round_trips_per_tx_wal"])
+	for _, side := range []string{"wal_ack", "wal_kafka"} {
+		for _, f := range []string{"rows_inserted_", "rows_deleted_", "dead_tuples_"} {
+			require.Contains(t, r.Values, f+side)
+			require.Zero(t, r.Values[f+side], f+side)
+		}
+	}
+	for _, side := range []string{"table_ack", "table_kafka"} {
+		require.Equal(t, float64(cfg.N), r.Values["rows_deleted_"+side], side)
+	}
+}
+
+func TestParseFlagsWAL(t *testing.T) {
+	_, err := parseFlags([]string{"-scenarios", "wal", "-wal-parts", "write,nope"})
+	require.ErrorContains(t, err, `unknown -wal-parts part "nope"`)
+	c, err := parseFlags([]string{"-scenarios", "wal", "-wal-parts", "drain", "-rounds", "5"})
+	require.NoError(t, err)
+	require.Equal(t, []string{"drain"}, c.WALParts)
+	require.Equal(t, 5, c.Rounds)
+	_, err = parseFlags([]string{"-rounds", "0"})
+	require.Error(t, err)
+}

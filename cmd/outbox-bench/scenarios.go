@@ -55,7 +55,11 @@ func newEnv(ctx context.Context, cfg config, rules ...outbox.Rule) (*env, error)
 		dbx.drop()
 		return nil, err
 	}
-	p, err := outbox.NewPlugin(outbox.Config{BucketCount: cfg.Buckets, Rules: rules, Logger: quiet})
+	oc := outbox.Config{BucketCount: cfg.Buckets, Rules: rules, Logger: quiet}
+	if cfg.walMode {
+		oc.Mode = outbox.ModeWAL
+	}
+	p, err := outbox.NewPlugin(oc)
 	if err == nil {
 		err = db.Use(p)
 	}

@@ -18,6 +18,7 @@ import (
 const (
 	LeaseDurationDefault   = 10 * time.Second
 	StandbyIntervalDefault = 2 * time.Second
+	ConfirmIntervalDefault = 250 * time.Millisecond
 	BatchSizeDefault       = 100
 	MaxPendingDefault      = 10_000
 	MaxAttemptsDefault     = 10
@@ -54,6 +55,12 @@ type Config struct {
 	// server; the server's requests for a reply are answered at once.
 	// Default 2s; less than LeaseDuration/2.
 	StandbyInterval time.Duration
+	// ConfirmInterval is how soon after the last renewal the reader
+	// renews again, recording and confirming its position, when messages
+	// were published since: a reader that dies publishes again only what
+	// it published in this interval before, not a whole StandbyInterval.
+	// Default 250ms (at most StandbyInterval).
+	ConfirmInterval time.Duration
 	// BatchSize is the most messages of one bucket handed to one Publish
 	// call. Default 100.
 	BatchSize int
@@ -126,6 +133,9 @@ func (c Config) withDefaults(oc outbox.Config) Config {
 	if c.StandbyInterval == 0 {
 		c.StandbyInterval = min(StandbyIntervalDefault, c.LeaseDuration/3)
 	}
+	if c.ConfirmInterval == 0 {
+		c.ConfirmInterval = min(ConfirmIntervalDefault, c.StandbyInterval)
+	}
 	if c.BatchSize == 0 {
 		c.BatchSize = BatchSizeDefault
 	}
@@ -158,6 +168,8 @@ func (c Config) validate() error {
 		return bad("Slot", fmt.Sprintf("%q", c.Slot), "must match [a-z0-9_]{1,63}")
 	case c.LeaseDuration < 3*c.StandbyInterval || c.StandbyInterval <= 0:
 		return bad("StandbyInterval", c.StandbyInterval, fmt.Sprintf("must be positive and at most a third of LeaseDuration (%s)", c.LeaseDuration))
+	case c.ConfirmInterval <= 0 || c.ConfirmInterval > c.StandbyInterval:
+		return bad("ConfirmInterval", c.ConfirmInterval, fmt.Sprintf("must be positive and at most StandbyInterval (%s)", c.StandbyInterval))
 	case c.BatchSize < 1:
 		return bad("BatchSize", c.BatchSize, "must be positive")
 	case c.MaxPending < c.BatchSize:

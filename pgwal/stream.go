@@ -183,10 +183,22 @@ func (s *stream) receive(ctx context.Context) error {
 			<-renewing // bounded by its timeout
 		}
 	}()
+	// progress is when to look whether messages were published since the
+	// last renewal, which then renews early (ConfirmInterval).
+	progress := time.Now().Add(s.r.cfg.ConfirmInterval)
 	for {
-		if renewing == nil && !time.Now().Before(next) {
-			renewing = s.renew(ctx)
-			next = time.Now().Add(s.r.cfg.StandbyInterval)
+		if now := time.Now(); renewing == nil {
+			due := !now.Before(next)
+			if !due && !now.Before(progress) {
+				if due = s.position() > s.confirmed; !due {
+					progress = now.Add(s.r.cfg.ConfirmInterval)
+				}
+			}
+			if due {
+				renewing = s.renew(ctx)
+				next = now.Add(s.r.cfg.StandbyInterval)
+				progress = now.Add(s.r.cfg.ConfirmInterval)
+			}
 		}
 		if renewing != nil {
 			select {
@@ -199,6 +211,9 @@ func (s *stream) receive(ctx context.Context) error {
 			}
 		}
 		until := next
+		if progress.Before(until) {
+			until = progress
+		}
 		if renewing != nil {
 			until = time.Now().Add(renewPoll)
 		}

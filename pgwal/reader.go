@@ -32,6 +32,7 @@ type Reader struct {
 	ocfg   outbox.Config
 	cfg    Config
 	pub    relay.Publisher
+	owned  relay.PublisherService // NewKafka's publisher, started and stopped by Run
 	log    *slog.Logger
 	leases leases
 	dead   string
@@ -150,9 +151,16 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // outbox's BucketCount. Connection failures are retried with backoff.
 // Ending ctx abandons the messages in flight: they were not confirmed, so
 // the next reader publishes them again. The lease is not released then:
-// another reader takes over once it lapses (LeaseDuration).
+// another reader takes over once it lapses (LeaseDuration). A reader
+// made by NewKafka or NewKafkaTransactional starts its publisher first
+// (its error is returned at once) and stops it before returning.
 func (r *Reader) Run(ctx context.Context) (err error) {
 	defer r.doneOnce.Do(func() { r.runErr = err; close(r.done) })
+	stopOwned, err := r.startOwned(ctx)
+	if err != nil {
+		return err
+	}
+	defer stopOwned()
 	if err := r.prepare(ctx); err != nil || ctx.Err() != nil {
 		return err
 	}

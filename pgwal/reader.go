@@ -19,6 +19,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/backoff"
+	"github.com/gorm-outbox/outbox/internal/gormlog"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -79,6 +80,7 @@ func New(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, cfg Config) (*
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	db = gormlog.Session(db) // the reader's statements log only when they fail
 	r := &Reader{db: db, ocfg: ocfg, cfg: cfg, pub: pub, log: cfg.Logger.With("outbox", ocfg.Name, "slot", cfg.Slot),
 		dead: ocfg.Tables.DeadLettersTable(), prefix: ocfg.WALPrefix(), done: make(chan struct{})}
 	r.leases = leases{db: db, table: cfg.LeaseTable, slot: cfg.Slot, me: cfg.RelayID, dur: cfg.LeaseDuration}

@@ -157,7 +157,9 @@ in order, followed by the key's pending messages: the key stays blocked otherwis
 
 In WAL mode (--mode wal) status shows the replication slot, requeue emits the dead
 letters into the WAL again, in order, and pause/resume are refused. "wal slot drop"
-refuses to drop a slot holding unpublished messages unless --force.
+refuses to drop a slot holding unpublished messages unless --force. WAL mode's
+dead-letter ids are negative (negated WAL positions): an argument of negative
+ids is an id, not a flag (dead-letters show -8939315240).
 
 Exit status: 0 success, 1 operation failed, 2 usage error.
 

@@ -14,6 +14,7 @@ import (
 	"gorm.io/gorm/clause"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/gormlog"
 	"github.com/gorm-outbox/outbox/ops"
 	"github.com/gorm-outbox/outbox/relay"
 	"github.com/gorm-outbox/outbox/wire"
@@ -55,14 +56,14 @@ func NewAdmin(db *gorm.DB, cfg outbox.Config) (*Admin, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	return &Admin{db: db.Session(&gorm.Session{NewDB: true, SkipHooks: true}), cfg: cfg, liveWindow: relay.LeaseDurationDefault}, nil
+	return &Admin{db: db.Session(&gorm.Session{NewDB: true, SkipHooks: true, Logger: gormlog.OnlyFailures(db.Logger)}), cfg: cfg, liveWindow: relay.LeaseDurationDefault}, nil
 }
 
 // PluginAdmin returns the operational API of the plugin's outbox on db. A
 // requeue through it also wakes the relays of this process that wait on
 // the plugin's Notifier.
 func PluginAdmin(db *gorm.DB, p *outbox.Plugin) *Admin {
-	return &Admin{db: db.Session(&gorm.Session{NewDB: true, SkipHooks: true}), cfg: p.Config(),
+	return &Admin{db: db.Session(&gorm.Session{NewDB: true, SkipHooks: true, Logger: gormlog.OnlyFailures(db.Logger)}), cfg: p.Config(),
 		notify: p.Notifier().Notify, liveWindow: relay.LeaseDurationDefault}
 }
 

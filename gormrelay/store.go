@@ -21,6 +21,7 @@ import (
 	"gorm.io/gorm/clause"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/gormlog"
 	"github.com/gorm-outbox/outbox/relay"
 	"github.com/gorm-outbox/outbox/wire"
 )
@@ -165,7 +166,7 @@ func NewStore(db *gorm.DB, cfg outbox.Config, storeCfg ...StoreConfig) (*Store, 
 	if err := sc.validate(); err != nil {
 		return nil, err
 	}
-	sess := db.Session(&gorm.Session{NewDB: true, SkipHooks: true, SkipDefaultTransaction: true})
+	sess := db.Session(&gorm.Session{NewDB: true, SkipHooks: true, SkipDefaultTransaction: true, Logger: gormlog.OnlyFailures(db.Logger)})
 	s := &Store{
 		db:       sess,
 		tables:   cfg.Tables,

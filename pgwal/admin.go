@@ -14,6 +14,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
+	"github.com/gorm-outbox/outbox/internal/gormlog"
 	"github.com/gorm-outbox/outbox/internal/walenv"
 	"github.com/gorm-outbox/outbox/ops"
 )
@@ -63,7 +64,7 @@ func NewAdmin(db *gorm.DB, plugin *outbox.Plugin, cfg Config) (*Admin, error) {
 	if err := v.validate(); err != nil {
 		return nil, err
 	}
-	return &Admin{Admin: gormrelay.PluginAdmin(db, plugin), db: db.Session(&gorm.Session{NewDB: true, SkipHooks: true}), plugin: plugin, cfg: cfg}, nil
+	return &Admin{Admin: gormrelay.PluginAdmin(db, plugin), db: db.Session(&gorm.Session{NewDB: true, SkipHooks: true, Logger: gormlog.OnlyFailures(db.Logger)}), plugin: plugin, cfg: cfg}, nil
 }
 
 // Admin returns the operator API of the reader's outbox. Its WALStatus

@@ -19,6 +19,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/backoff"
+	"github.com/gorm-outbox/outbox/internal/gormlog"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -32,6 +33,7 @@ type Reader struct {
 	ocfg   outbox.Config
 	cfg    Config
 	pub    relay.Publisher
+	owned  relay.PublisherService // NewKafka's publisher, started and stopped by Run
 	log    *slog.Logger
 	leases leases
 	dead   string
@@ -78,6 +80,7 @@ func New(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, cfg Config) (*
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	db = gormlog.Session(db) // the reader's statements log only when they fail
 	r := &Reader{db: db, ocfg: ocfg, cfg: cfg, pub: pub, log: cfg.Logger.With("outbox", ocfg.Name, "slot", cfg.Slot),
 		dead: ocfg.Tables.DeadLettersTable(), prefix: ocfg.WALPrefix(), done: make(chan struct{})}
 	r.leases = leases{db: db, table: cfg.LeaseTable, slot: cfg.Slot, me: cfg.RelayID, dur: cfg.LeaseDuration}
@@ -150,9 +153,16 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // outbox's BucketCount. Connection failures are retried with backoff.
 // Ending ctx abandons the messages in flight: they were not confirmed, so
 // the next reader publishes them again. The lease is not released then:
-// another reader takes over once it lapses (LeaseDuration).
+// another reader takes over once it lapses (LeaseDuration). A reader
+// made by NewKafka or NewKafkaTransactional starts its publisher first
+// (its error is returned at once) and stops it before returning.
 func (r *Reader) Run(ctx context.Context) (err error) {
 	defer r.doneOnce.Do(func() { r.runErr = err; close(r.done) })
+	stopOwned, err := r.startOwned(ctx)
+	if err != nil {
+		return err
+	}
+	defer stopOwned()
 	if err := r.prepare(ctx); err != nil || ctx.Err() != nil {
 		return err
 	}

@@ -1,6 +1,10 @@
 // Command kfake-broker runs a Kafka-protocol broker (franz-go's kfake) on
 // a loopback port until it is interrupted. It is a development and
 // benchmark aid, not a Kafka server: it keeps everything in memory.
+// Besides the -topics it creates at start, it creates a topic the first
+// time a client asks for it in a metadata request that allows
+// auto-creation (sarama's producer, and so the publisher, sends those),
+// with -partitions partitions; outboxtest.NewBroker creates only the topics it is given.
 //
 //	go run ./cmd/kfake-broker -port 9092 -topics orders -partitions 8
 package main

@@ -21,7 +21,9 @@
 // --wal-lease-table when the readers' pgwal.Config sets them: status then
 // shows the replication slot, requeue emits dead letters into the WAL
 // again (pgwal.Admin), and "wal slot" creates, inspects and drops the
-// slot.
+// slot. Its dead-letter ids are negated WAL positions (-8939315240): an
+// argument of negative ids is an id, not a flag ("dead-letters show
+// -8939315240", "requeue -1,-2"); "--" before the ids works as well.
 //
 // Connection: --dsn (or OUTBOX_DSN; mysql://user:pass@host:3306/db URLs
 // are accepted) and --driver postgres|mysql|sqlite (or OUTBOX_DRIVER;
@@ -45,6 +47,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"regexp"
 	"strconv"
 	"strings"
 	"syscall"
@@ -154,7 +157,9 @@ in order, followed by the key's pending messages: the key stays blocked otherwis
 
 In WAL mode (--mode wal) status shows the replication slot, requeue emits the dead
 letters into the WAL again, in order, and pause/resume are refused. "wal slot drop"
-refuses to drop a slot holding unpublished messages unless --force.
+refuses to drop a slot holding unpublished messages unless --force. WAL mode's
+dead-letter ids are negative (negated WAL positions): an argument of negative
+ids is an id, not a flag (dead-letters show -8939315240).
 
 Exit status: 0 success, 1 operation failed, 2 usage error.
 
@@ -208,10 +213,40 @@ func (g *globals) printErr(err error) {
 	fmt.Fprintln(g.errOut, "outboxctl: "+msg)
 }
 
+// negativeIDs matches an argument of negative dead-letter ids (WAL mode's
+// ids are negated WAL positions), one or a comma-separated list: it is a
+// positional argument, not a flag.
+var negativeIDs = regexp.MustCompile(`^-[0-9]+(,-?[0-9]+)*,?$`)
+
 // parse parses flags anywhere among the arguments and returns the
-// positional ones.
+// positional ones. An argument of negative ids (negativeIDs) is
+// positional unless it is the value of the flag before it.
 func parse(fs *flag.FlagSet, args []string) ([]string, error) {
 	fs.SetOutput(io.Discard)
+	var pos []string
+	for i := 0; i < len(args); i++ {
+		if args[i] == "--" {
+			break
+		}
+		if !negativeIDs.MatchString(args[i]) || (i > 0 && takesValue(fs, args[i-1])) {
+			continue
+		}
+		more, err := parseFlags(fs, args[:i])
+		if err != nil {
+			return nil, err
+		}
+		pos = append(append(pos, more...), args[i])
+		args, i = args[i+1:], -1
+	}
+	more, err := parseFlags(fs, args)
+	if err != nil {
+		return nil, err
+	}
+	return append(pos, more...), nil
+}
+
+// parseFlags is parse without negative ids.
+func parseFlags(fs *flag.FlagSet, args []string) ([]string, error) {
 	var pos []string
 	for {
 		if err := fs.Parse(args); err != nil {
@@ -483,11 +518,11 @@ func (g *globals) status(ctx context.Context, fs *flag.FlagSet, args []string) e
 	if g.json {
 		return g.printJSON(st)
 	}
-	printStatus(g.out, st, g.cfg)
 	if st.WAL != nil {
-		fmt.Fprintln(g.out)
-		printWAL(g.out, *st.WAL, nil)
+		printWALStatus(g.out, st, g.cfg)
+		return nil
 	}
+	printStatus(g.out, st, g.cfg)
 	return nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"net/url"
 	"os"
@@ -510,4 +511,37 @@ func utcTimes(ds ...gormrelay.DeadLetter) []gormrelay.DeadLetter {
 		ds[i].CreatedAt, ds[i].DeadAt = ds[i].CreatedAt.UTC(), ds[i].DeadAt.UTC()
 	}
 	return ds
+}
+
+// TestParseNegativeIDs: an argument of negative ids is positional (WAL
+// mode's dead-letter ids), unless it is the value of the flag before it;
+// "--" still ends the flags; other dashed arguments are still flags.
+func TestParseNegativeIDs(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		args  []string
+		pos   []string
+		limit int
+		err   string
+	}{
+		{args: []string{"show", "-8939315240"}, pos: []string{"show", "-8939315240"}},
+		{args: []string{"-1,-2", "--limit", "3", "-4"}, pos: []string{"-1,-2", "-4"}, limit: 3},
+		{args: []string{"--limit", "-5", "x"}, pos: []string{"x"}, limit: -5},
+		{args: []string{"--limit=2", "a", "-7", "b"}, pos: []string{"a", "-7", "b"}, limit: 2},
+		{args: []string{"--", "-7", "--limit"}, pos: []string{"-7", "--limit"}},
+		{args: []string{"-9", "--", "--limit"}, pos: []string{"-9", "--limit"}},
+		{args: []string{"-9x"}, err: "flag provided but not defined: -9x"},
+		{args: []string{"-5", "--nope"}, err: "flag provided but not defined: -nope"},
+	} {
+		fs := flag.NewFlagSet("t", flag.ContinueOnError)
+		limit := fs.Int("limit", 0, "")
+		pos, err := parse(fs, tc.args)
+		if tc.err != "" {
+			require.ErrorContains(t, err, tc.err, tc.args)
+			continue
+		}
+		require.NoError(t, err, tc.args)
+		require.Equal(t, tc.pos, pos, tc.args)
+		require.Equal(t, tc.limit, *limit, tc.args)
+	}
 }

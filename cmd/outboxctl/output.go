@@ -81,6 +81,22 @@ func printStatus(w io.Writer, st ops.Status, cfg outbox.Config) {
 	tw.Flush()
 }
 
+// printWALStatus prints the status of an outbox in WAL mode: its name,
+// the dead letters and the slot. The table-mode view (buckets, bucket
+// leases, relay heartbeats) does not apply: one reader holds the slot's
+// lease. Rows in the messages table are printed only when there are any
+// (table-mode writers, relayed by a bridging reader).
+func printWALStatus(w io.Writer, st ops.Status, cfg outbox.Config) {
+	fmt.Fprintf(w, "outbox %s (WAL mode): dead letters %d failed + %d parked", cfg.Name, st.DeadLetters.Failed, st.DeadLetters.Parked)
+	if st.Pending > 0 {
+		fmt.Fprintf(w, ", %d row(s) in the messages table %s (table-mode writes; a bridging reader relays them), oldest %s old",
+			st.Pending, cfg.Tables.MessagesTable(), age(st.OldestAge()))
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w)
+	printWAL(w, *st.WAL, nil)
+}
+
 // printable returns b as text when it is printable UTF-8, else as
 // base64:... Keyless is "(none)", the empty key "(empty)".
 func printable(b []byte, max int) string {

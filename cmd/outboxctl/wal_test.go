@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"strings"
 	"testing"
 	"time"
 
@@ -76,10 +77,14 @@ func TestWALMode(t *testing.T) {
 	require.Equal(t, "slot", js.Slot.LagSource)
 	require.Equal(t, int64(3), js.Unconfirmed.Messages)
 
+	// status: the outbox and its slot, not the table-mode view.
 	code, out, errOut = ctl("status")
 	require.Equal(t, exitOK, code, errOut)
-	require.Contains(t, out, "dead letters 0 failed + 0 parked")
+	require.True(t, strings.HasPrefix(out, "outbox "+name+" (WAL mode): dead letters 0 failed + 0 parked\n\n"), out)
 	require.Regexp(t, `SLOT +`+slot+`\n`, out)
+	for _, tableMode := range []string{p.Config().Tables.MessagesTable(), "buckets", "pending", "BUCKET", "OWNER", "relay"} {
+		require.NotContains(t, out, tableMode)
+	}
 
 	// A WAL mode dead letter (negative id: a negated WAL position),
 	// requeued: emitted into the slot again and gone from the table.
@@ -89,6 +94,21 @@ func TestWALMode(t *testing.T) {
 	code, out, errOut = ctl("dead-letters", "list")
 	require.Equal(t, exitOK, code, errOut)
 	require.Contains(t, out, "-12345")
+	// Negative ids are ids, not flags, alone, in lists, after flags and
+	// after "--".
+	for _, args := range [][]string{{"dead-letters", "show", "-12345"}, {"dead-letters", "show", "--json", "-12345"},
+		{"--json", "dead-letters", "show", "--", "-12345"}} {
+		code, out, errOut = ctl(args...)
+		require.Equal(t, exitOK, code, "%v: %s", args, errOut)
+		require.Contains(t, out, "12345", args)
+		require.Contains(t, out, "m1", args)
+	}
+	code, _, errOut = ctl("requeue", "-99999,-99998")
+	require.Equal(t, exitFail, code, errOut)
+	require.Contains(t, errOut, "none of the ids is a dead letter")
+	code, _, errOut = ctl("dead-letters", "show", "-1x")
+	require.Equal(t, exitUsage, code)
+	require.Contains(t, errOut, "flag provided but not defined: -1x")
 	code, out, errOut = ctl("requeue", "--key", "a")
 	require.Equal(t, exitOK, code, errOut)
 	require.Contains(t, out, "requeued 1 dead letter(s)")

@@ -1,0 +1,108 @@
+package pgwal
+
+import (
+	"context"
+	"fmt"
+
+	"gorm.io/gorm"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// OwnedPublisherStopTimeout bounds the stop of a publisher the reader
+// owns (NewKafka, NewKafkaTransactional), once Run has stopped reading.
+const OwnedPublisherStopTimeout = relay.ShutdownTimeoutDefault
+
+// NewKafka returns a reader of the outbox of plugin on db that publishes
+// to Kafka through a publisher.Kafka built from kcfg, and owns it: Run
+// starts the publisher before it reads and returns its error at once when
+// no broker answers; the publisher is stopped, bounded by
+// OwnedPublisherStopTimeout, once the reader has stopped reading, before
+// Stopped is closed. Everything else is New's. The whole wiring, from
+// gorm.Open:
+//
+//	db, err := gorm.Open(postgres.Open(dsn), &gorm.Config{})
+//	if err != nil { return err }
+//	p, err := outbox.NewPlugin(outbox.Config{Mode: outbox.ModeWAL, Rules: rules})
+//	if err != nil { return err }
+//	if err := db.Use(p); err != nil { return err }
+//	if err := p.AutoMigrate(ctx, db); err != nil { return err }
+//	r, err := pgwal.NewKafka(db, p, publisher.KafkaConfig{Brokers: brokers}, pgwal.Config{ReplicationDSN: dsn})
+//	if err != nil { return err }
+//	if err := r.EnsureSlot(ctx); err != nil { return err }
+//	return r.Run(ctx)
+//
+// kcfg.Logger defaults to cfg.Logger. An invalid kcfg is refused with
+// the *relay.ConfigError of publisher.NewKafka. Run a reader made here
+// once: its publisher is stopped when Run returns. To share or wrap a
+// publisher, build it yourself, start and stop it, and use New.
+func NewKafka(db *gorm.DB, plugin *outbox.Plugin, kcfg publisher.KafkaConfig, cfg Config) (*Reader, error) {
+	if kcfg.Logger == nil {
+		kcfg.Logger = cfg.Logger
+	}
+	k, err := publisher.NewKafka(kcfg)
+	if err != nil {
+		return nil, err
+	}
+	return owning(New(db, plugin, k, cfg))
+}
+
+// NewKafkaTransactional is NewKafka with the strict-mode publisher,
+// publisher.Transactional built from tcfg (Kafka transactions, one
+// transactional id per bucket; the reader announces its buckets under its
+// lease term, see relay.LeaseAware), owned by the reader the same way.
+func NewKafkaTransactional(db *gorm.DB, plugin *outbox.Plugin, tcfg publisher.TransactionalConfig, cfg Config) (*Reader, error) {
+	if tcfg.Logger == nil {
+		tcfg.Logger = cfg.Logger
+	}
+	t, err := publisher.NewTransactional(tcfg)
+	if err != nil {
+		return nil, err
+	}
+	return owning(New(db, plugin, t, cfg))
+}
+
+// owning hands the reader's publisher to the reader.
+func owning(r *Reader, err error) (*Reader, error) {
+	if err != nil {
+		return nil, err
+	}
+	r.owned = r.pub.(relay.PublisherService)
+	return r, nil
+}
+
+// Publisher returns the publisher the reader publishes through.
+func (r *Reader) Publisher() relay.Publisher { return r.pub }
+
+// startOwned starts the publisher the reader owns, if any, bounded by
+// ctx; its life is not ctx's: the returned stop stops it, bounded by
+// OwnedPublisherStopTimeout, after the reader's last publish.
+func (r *Reader) startOwned(ctx context.Context) (stop func(), err error) {
+	if r.owned == nil {
+		return func() {}, nil
+	}
+	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	done := make(chan error, 1)
+	go func() { done <- r.owned.Start(life) }()
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		cancel() // ends the connect; the publisher stays unstarted
+		<-done
+		err = ctx.Err()
+	}
+	if err != nil {
+		cancel()
+		return nil, fmt.Errorf("pgwal: start the publisher: %w", err)
+	}
+	return func() {
+		sctx, scancel := context.WithTimeout(context.Background(), OwnedPublisherStopTimeout)
+		defer scancel()
+		if err := r.owned.Stop(sctx); err != nil {
+			r.log.Warn("pgwal: the publisher did not stop cleanly", "err", err)
+		}
+		cancel()
+	}, nil
+}

@@ -49,6 +49,7 @@ type options struct {
 	numBrokers int
 	seeds      []seed
 	blackhole  bool
+	inProcess  bool
 }
 
 type seed struct {
@@ -60,6 +61,13 @@ type seed struct {
 // has no effect on a real cluster.
 func NumBrokers(n int) Option {
 	return func(o *options) { o.numBrokers = n }
+}
+
+// InProcess starts a kfake cluster even when KAFKA_BROKERS names a real
+// one: for tests whose subject is not the broker (the database, the WAL
+// slot), which must not share a real cluster other tests fault.
+func InProcess() Option {
+	return func(o *options) { o.inProcess = true }
 }
 
 // BlackholeProduce makes the kfake cluster acknowledge produce requests
@@ -94,7 +102,7 @@ func Start(t testing.TB, opts ...Option) *Cluster {
 	}
 
 	c := &Cluster{}
-	if env := os.Getenv(EnvBrokers); env != "" {
+	if env := os.Getenv(EnvBrokers); env != "" && !o.inProcess {
 		for _, b := range strings.Split(env, ",") {
 			if b = strings.TrimSpace(b); b != "" {
 				c.brokers = append(c.brokers, b)

@@ -52,7 +52,9 @@ func newWALSlotEnv(t *testing.T, conf ...string) *walSlotEnv {
 	require.NoError(t, err)
 	require.NoError(t, e.d.DB.Use(e.plugin))
 	require.NoError(t, e.plugin.AutoMigrate(context.Background(), e.d.DB))
-	e.kafka = kafkatest.Start(t)
+	// The slot is the subject, not the broker: an in-process one, also in
+	// the Apache Kafka pass, whose brokers the chaos tests kill meanwhile.
+	e.kafka = kafkatest.Start(t, kafkatest.InProcess())
 	e.topic = e.kafka.Topic(t, 2)
 	e.pub, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: e.kafka.Brokers(), Logger: dbtest.Logger(t)})
 	require.NoError(t, err)

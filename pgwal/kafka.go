@@ -7,6 +7,7 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/startstop"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -83,18 +84,8 @@ func (r *Reader) startOwned(ctx context.Context) (stop func(), err error) {
 	if r.owned == nil {
 		return func() {}, nil
 	}
-	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	done := make(chan error, 1)
-	go func() { done <- r.owned.Start(life) }()
-	select {
-	case err = <-done:
-	case <-ctx.Done():
-		cancel() // ends the connect; the publisher stays unstarted
-		<-done
-		err = ctx.Err()
-	}
+	end, err := startstop.StartOwned(ctx, r.owned.Start)
 	if err != nil {
-		cancel()
 		return nil, fmt.Errorf("pgwal: start the publisher: %w", err)
 	}
 	return func() {
@@ -103,6 +94,6 @@ func (r *Reader) startOwned(ctx context.Context) (stop func(), err error) {
 		if err := r.owned.Stop(sctx); err != nil {
 			r.log.Warn("pgwal: the publisher did not stop cleanly", "err", err)
 		}
-		cancel()
+		end()
 	}, nil
 }

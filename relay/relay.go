@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"sync"
 	"time"
+
+	"github.com/gorm-outbox/outbox/internal/startstop"
 )
 
 // StopOverrun is the longest Relay.Stop waits for the relay after its
@@ -270,22 +272,11 @@ func (r *Relay) checkReady(ctx context.Context) error {
 // context of its own that ends only once the relay stopped it: the end of
 // ctx must not close the publisher of a relay that stops gracefully.
 func (r *Relay) startPublisher(ctx context.Context) error {
-	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	done := make(chan error, 1)
-	go func() { done <- r.owned.Start(life) }()
-	var err error
-	select {
-	case err = <-done:
-	case <-ctx.Done():
-		cancel() // ends the connect; the publisher stays unstarted
-		<-done
-		err = ctx.Err()
-	}
+	end, err := startstop.StartOwned(ctx, r.owned.Start)
 	if err != nil {
-		cancel()
 		return fmt.Errorf("relay: start the publisher: %w", err)
 	}
-	r.pubLife = cancel
+	r.pubLife = end
 	return nil
 }
 

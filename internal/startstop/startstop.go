@@ -102,3 +102,28 @@ func (s *Service) Err() error {
 	defer s.mu.Unlock()
 	return s.err
 }
+
+// StartOwned starts a service its owner stops later (an owned
+// publisher): start runs under a context of its own, detached from ctx
+// so that the end of ctx does not close a service its owner still stops
+// gracefully, while the wait for start is bounded by ctx (its end cancels
+// the start, leaving the service unstarted, and is returned). On success
+// it returns the cancel of that context, for the owner to call once it
+// stopped the service.
+func StartOwned(ctx context.Context, start func(context.Context) error) (end context.CancelFunc, err error) {
+	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	done := make(chan error, 1)
+	go func() { done <- start(life) }()
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		cancel() // ends the connect; the service stays unstarted
+		<-done
+		err = ctx.Err()
+	}
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	return cancel, nil
+}

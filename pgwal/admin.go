@@ -306,6 +306,9 @@ func emitDead(tx *gorm.DB, plugin *outbox.Plugin, key []byte, ids []int64) (map[
 	table := plugin.Config().Tables.DeadLettersTable()
 	q := tx.Table(table).Clauses(lockingClause())
 	if key != nil {
+		if err := lockKey(tx, table, key); err != nil {
+			return nil, err
+		}
 		q = q.Where("msg_key = ?", key)
 	} else {
 		q = q.Where("msg_key IS NULL AND id IN ?", ids)

@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -74,16 +73,7 @@ func TestAdminOperatorSurface(t *testing.T) {
 		if blocked.Load() {
 			return 0, relay.Unavailable(errors.New("broker down"))
 		}
-		for i, m := range msgs {
-			if poison.Load() && string(m.Value) == "k0:3" {
-				n, err := e.pub.Publish(ctx, msgs[:i])
-				if err != nil {
-					return n, err
-				}
-				return i, relay.Permanent(fmt.Errorf("poison %s", m.Value))
-			}
-		}
-		return e.pub.Publish(ctx, msgs)
+		return e.publishPoisoned(ctx, msgs, poison.Load())
 	})
 	r := e.reader(t, pub, "reader-a")
 	admin, err := r.Admin(e.plugin)
@@ -520,4 +510,69 @@ func TestWALAlertRules(t *testing.T) {
 		out, err := cmd.CombinedOutput()
 		require.NoError(t, err, "promtool %s:\n%s", strings.Join(args, " "), out)
 	}
+}
+
+// TestRequeueRacesParking: a message of a quarantined key that the reader
+// is about to park while a requeue of the key commits is not parked
+// behind dead letters that are gone; the requeued messages are published
+// after it, and the key flows again. (Parking checks the key's dead
+// letters under the same per-key lock the requeue takes; without it the
+// message lands in the dead-letter table after the requeue, and the
+// requeued copies are parked behind it.)
+func TestRequeueRacesParking(t *testing.T) {
+	e := setup(t)
+	var poison atomic.Bool
+	poison.Store(true)
+	pub := relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
+		return e.publishPoisoned(ctx, msgs, poison.Load())
+	})
+	r := e.reader(t, pub, "r")
+	stop := run(r)
+	e.write(t, 1, 0, 10)
+	dl := e.plugin.Config().Tables.DeadLettersTable()
+	count := func(where string, args ...any) int64 {
+		var n int64
+		require.NoError(t, e.db.Table(dl).Where(where, args...).Count(&n).Error)
+		return n
+	}
+	require.Eventually(t, func() bool { return count("msg_key = ?", []byte("k0")) == 7 }, 30*time.Second, 20*time.Millisecond,
+		"k0:3 failed, k0:4..9 parked")
+	poison.Store(false)
+
+	// The requeue runs inside a transaction the test commits later.
+	tx := e.db.Begin()
+	t.Cleanup(func() { tx.Rollback() })
+	n, err := pgwal.RequeueKey(context.Background(), tx, e.plugin, []byte("k0"))
+	require.NoError(t, err)
+	require.Equal(t, 7, n)
+	// k0:20 commits meanwhile; the reader finds k0 quarantined and parks
+	// it: it waits for the requeue's lock, or (without the lock) writes
+	// it to the dead-letter table at once.
+	e.write(t, 1, 20, 21)
+	require.Eventually(t, func() bool {
+		var waiting int64
+		require.NoError(t, e.db.Raw("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted").Scan(&waiting).Error)
+		return waiting > 0 || count("msg_key = ? AND msg_value = ?", []byte("k0"), []byte("k0:20")) > 0
+	}, 30*time.Second, 10*time.Millisecond, "the reader tries to park k0:20")
+	require.NoError(t, tx.Commit().Error)
+
+	want := []string{"k0:0", "k0:1", "k0:2", "k0:20"}
+	for i := 3; i < 10; i++ {
+		want = append(want, "k0:"+strconv.Itoa(i))
+	}
+	var k0 []string
+	require.Eventually(t, func() bool {
+		k0 = k0[:0]
+		seen := map[string]bool{}
+		for _, rec := range e.kafka.ReadLog(t, e.topic, 30*time.Second) {
+			if v := string(rec.Value); !seen[v] {
+				seen[v] = true
+				k0 = append(k0, v)
+			}
+		}
+		return len(k0) >= len(want)
+	}, 30*time.Second, 50*time.Millisecond, "k0 in Kafka: %v; dead letters of k0: %d", &k0, count("msg_key = ?", []byte("k0")))
+	require.Equal(t, want, k0, "k0:20 first, then the requeued messages in order")
+	require.Zero(t, count("1 = 1"), "no dead letter left")
+	require.NoError(t, stop())
 }

@@ -66,6 +66,9 @@ func (e *env) reader(t *testing.T, pub relay.Publisher, id string, tune ...func(
 	require.NoError(t, r.EnsureSlot(context.Background()), "the slot exists before anything is written")
 	slot := r.Config().Slot
 	t.Cleanup(func() {
+		if stop, ok := running.LoadAndDelete(r); ok {
+			_ = stop.(func() error)()
+		}
 		// The slot is dropped once no reader holds it.
 		require.Eventually(t, func() bool {
 			return e.db.Exec("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = ? AND NOT active", slot).Error == nil &&
@@ -87,7 +90,30 @@ func run(r *pgwal.Reader) (stop func() error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
-	return func() error { cancel(); return <-done }
+	stop = sync.OnceValue(func() error { cancel(); return <-done })
+	running.Store(r, stop)
+	return stop
+}
+
+// running holds the stop of each reader run started, so that the cleanup
+// of a failed test stops its reader before dropping the slot: a slot
+// left active cannot be dropped, and leaked slots fill the server's
+// max_replication_slots for every later test.
+var running sync.Map // *pgwal.Reader -> func() error
+
+// publishPoisoned publishes msgs to Kafka, and when poisoned fails
+// permanently at k0:3 after publishing the messages before it.
+func (e *env) publishPoisoned(ctx context.Context, msgs []relay.Message, poisoned bool) (int, error) {
+	for i, m := range msgs {
+		if poisoned && string(m.Value) == "k0:3" {
+			n, err := e.pub.Publish(ctx, msgs[:i])
+			if err != nil {
+				return n, err
+			}
+			return i, relay.Permanent(fmt.Errorf("poison %s", m.Value))
+		}
+	}
+	return e.pub.Publish(ctx, msgs)
 }
 
 // write commits n messages of key k with values "k:from".. in
@@ -252,16 +278,7 @@ func TestReaderFailures(t *testing.T) {
 		mu.Lock()
 		poisoned := poison
 		mu.Unlock()
-		for i, m := range msgs {
-			if poisoned && string(m.Value) == "k0:3" {
-				n, err := e.pub.Publish(ctx, msgs[:i])
-				if err != nil {
-					return n, err
-				}
-				return i, relay.Permanent(fmt.Errorf("poison %s", m.Value))
-			}
-		}
-		return e.pub.Publish(ctx, msgs)
+		return e.publishPoisoned(ctx, msgs, poisoned)
 	})
 	r := e.reader(t, pub, "a")
 	stop := run(r)

@@ -3,6 +3,7 @@ package pgwal
 import (
 	"context"
 	"fmt"
+	"hash/fnv"
 
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
@@ -26,40 +27,34 @@ func RequeueKey(ctx context.Context, db *gorm.DB, plugin *outbox.Plugin, key []b
 	if cfg.Mode != outbox.ModeWAL {
 		return 0, &outbox.ConfigError{Package: "pgwal", Field: "outbox.Config.Mode", Value: cfg.Mode, Reason: "the outbox must be in ModeWAL"}
 	}
-	n := 0
+	var groups map[int]int64
 	err := db.WithContext(ctx).Transaction(func(tx *gorm.DB) error {
-		var rows []outbox.DeadLetterRow
-		// Ids are negated WAL positions: descending id is commit order.
-		if err := tx.Table(cfg.Tables.DeadLettersTable()).Where("msg_key = ? AND id < 0", key).
-			Order("id DESC").Clauses(lockingClause()).Find(&rows).Error; err != nil {
-			return err
-		}
-		if len(rows) == 0 {
-			return nil
-		}
-		msgs := make([]*outbox.Message, len(rows))
-		ids := make([]int64, len(rows))
-		for i, r := range rows {
-			hs, err := outbox.DecodeHeaders(r.Headers)
-			if err != nil {
-				return err
-			}
-			msgs[i] = &outbox.Message{ID: r.MessageID, Topic: r.Topic, Key: r.Key, Value: r.Value, Headers: hs, Partition: r.Partition}
-			ids[i] = r.ID
-		}
-		if err := plugin.Enqueue(tx, msgs...); err != nil {
-			return err
-		}
-		if err := tx.Exec("DELETE FROM "+tx.Statement.Quote(cfg.Tables.DeadLettersTable())+" WHERE id IN ?", ids).Error; err != nil {
-			return err
-		}
-		n = len(rows)
-		return nil
+		var err error
+		groups, err = emitDead(tx, plugin, key, nil)
+		return err
 	})
 	if err != nil {
 		return 0, fmt.Errorf("pgwal: requeue key: %w", err)
+	}
+	n := 0
+	for _, c := range groups {
+		n += int(c)
 	}
 	return n, nil
 }
 
 func lockingClause() clause.Locking { return clause.Locking{Strength: clause.LockingStrengthUpdate} }
+
+// lockKey takes, in tx, the transaction-scoped advisory lock of key in
+// the dead-letter table: a requeue of the key and the reader's parking of
+// its messages take it first, so the reader never parks a message behind
+// dead letters a requeue has just emitted again (it would park the
+// requeued copies too, and the key would stay quarantined with nothing
+// failing).
+func lockKey(tx *gorm.DB, table string, key []byte) error {
+	h := fnv.New64a()
+	h.Write([]byte(table))
+	h.Write([]byte{0})
+	h.Write(key)
+	return tx.Exec("SELECT pg_advisory_xact_lock(?)", int64(h.Sum64())).Error
+}

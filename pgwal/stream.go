@@ -2,6 +2,7 @@ package pgwal
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -424,6 +425,10 @@ func (s *stream) publishLoop(ctx context.Context, q *bucketQ) error {
 			if err == nil {
 				err = s.deadLetter(ctx, q, es[:n], string(gormrelay.DeadLetterParked), "")
 			}
+			if errors.Is(err, errRequeued) {
+				delete(q.quarantined, string(es[0].msg.Key))
+				continue
+			}
 			if err != nil {
 				if ctx.Err() != nil {
 					return nil
@@ -536,9 +541,15 @@ func (s *stream) firstQuarantined(q *bucketQ, es []entry) int {
 	return 0
 }
 
-// deadLetter writes es, the leading entries of q, to the dead-letter
-// table in state, quarantines their keys and removes them from q. A
-// replayed message already there is left as it is.
+// errRequeued reports that the key of messages to park has no dead
+// letters left: a requeue took them.
+var errRequeued = errors.New("pgwal: the key's dead letters were requeued")
+
+// deadLetter writes es, the leading entries of q (of one key when state
+// is parked), to the dead-letter table in state, quarantines their keys
+// and removes them from q. A replayed message already there is left as
+// it is. Parking returns errRequeued, and writes nothing, when the key
+// has no dead letter left.
 func (s *stream) deadLetter(ctx context.Context, q *bucketQ, es []entry, state, lastError string) error {
 	now := time.Now().UnixMilli()
 	rows := make([]outbox.DeadLetterRow, len(es))
@@ -553,7 +564,29 @@ func (s *stream) deadLetter(ctx context.Context, q *bucketQ, es []entry, state, 
 		}
 	}
 	db := s.r.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
-	if err := db.Table(s.r.dead).Clauses(clause.OnConflict{DoNothing: true}).Create(&rows).Error; err != nil {
+	err := db.Transaction(func(tx *gorm.DB) error {
+		if key := es[0].msg.Key; key != nil {
+			if err := lockKey(tx, s.r.dead, key); err != nil {
+				return err
+			}
+			if state == string(gormrelay.DeadLetterParked) {
+				// Under the key's lock: a requeue that committed since
+				// the key was found quarantined took its dead letters.
+				var n int64
+				if err := tx.Raw("SELECT count(*) FROM (SELECT 1 FROM "+tx.Statement.Quote(s.r.dead)+" WHERE msg_key = ? LIMIT 1) d", key).Scan(&n).Error; err != nil {
+					return err
+				}
+				if n == 0 {
+					return errRequeued
+				}
+			}
+		}
+		return tx.Table(s.r.dead).Clauses(clause.OnConflict{DoNothing: true}).Create(&rows).Error
+	})
+	if errors.Is(err, errRequeued) {
+		return err
+	}
+	if err != nil {
 		return fmt.Errorf("pgwal: write dead letters: %w", err)
 	}
 	s.deleteBridged(ctx, es)

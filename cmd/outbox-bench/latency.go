@@ -123,6 +123,11 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 	return nil
 }
 
+// arrivalStall is how long the latency scenario waits, after the writers
+// finished, for a next message to arrive before it counts the missing
+// ones as never arrived.
+const arrivalStall = 60 * time.Second
+
 // measureAll is measureLatency on mode's topic, failing unless every
 // message arrived.
 func measureAll(ctx context.Context, cfg config, brokers []string, mode latencyMode, notes *[]string, idleClosed *int64) ([]time.Duration, error) {
@@ -406,12 +411,21 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	if err, _ := werr.Load().(error); err != nil {
 		return nil, 0, err
 	}
-	deadline := time.Now().Add(30 * time.Second)
+	// Wait for every message while they keep arriving: a relay that
+	// delivers nothing for arrivalStall has lost them (or is stuck).
+	// Progress, not a total deadline, so a busy machine's slow relay is
+	// measured rather than reported as losing messages.
+	last, stalled := -1, time.Now()
 	for {
 		mu.Lock()
 		n := len(recv)
 		mu.Unlock()
-		if n >= total || time.Now().After(deadline) {
+		if n >= total || ctx.Err() != nil {
+			break
+		}
+		if n != last {
+			last, stalled = n, time.Now()
+		} else if time.Since(stalled) > arrivalStall {
 			break
 		}
 		time.Sleep(10 * time.Millisecond)

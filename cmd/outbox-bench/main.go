@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"os/signal"
 	"slices"
@@ -308,11 +309,20 @@ func run(ctx context.Context, cfg config, log io.Writer) ([]*result, error) {
 	}
 	defer os.RemoveAll(tmp)
 	cfg.TmpDir = tmp
+	var cluster map[string]any
+	if len(externalBrokers) > 0 {
+		if cluster, err = clusterParams(externalBrokers); err != nil {
+			return nil, err
+		}
+	}
 	var results []*result
 	for _, s := range cfg.Scenarios {
 		fmt.Fprintf(log, "outbox-bench: %s on %s...\n", s, cfg.Driver)
 		start := time.Now()
-		r := &result{Scenario: s, Driver: cfg.Driver, Params: map[string]any{}}
+		r := &result{Scenario: s, Driver: cfg.Driver, Params: maps.Clone(cluster)}
+		if r.Params == nil {
+			r.Params = map[string]any{}
+		}
 		if err := scenarios[s](ctx, cfg, r); err != nil {
 			r.Err = err.Error()
 		}

@@ -229,7 +229,8 @@ func startBroker(ctx context.Context, partitions int, blackhole bool) (*child, [
 // min.insync.replicas its topics get (the run's topics take the defaults).
 func clusterParams(brokers []string) (map[string]any, error) {
 	sc := sarama.NewConfig()
-	sc.Version = publisher.MinKafkaVersion
+	// DescribeConfigs v1 or later: Apache Kafka 4 no longer answers v0.
+	sc.Version = sarama.V2_1_0_0
 	admin, err := sarama.NewClusterAdmin(brokers, sc)
 	if err != nil {
 		return nil, fmt.Errorf("connect to %v: %w", brokers, err)

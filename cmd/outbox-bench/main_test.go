@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -131,6 +132,11 @@ func TestParseFlags(t *testing.T) {
 	c, err := parseFlags([]string{"-growth", "1_000,2000", "-driver", "sqlite"})
 	require.NoError(t, err)
 	require.Equal(t, []int{1000, 2000}, c.Growth)
+	_, err = parseFlags([]string{"-flush-frequency", "-1ms"})
+	require.ErrorContains(t, err, "-flush-frequency must not be negative")
+	c, err = parseFlags([]string{"-flush-frequency", "1ms"})
+	require.NoError(t, err)
+	require.Equal(t, time.Millisecond, c.FlushFrequency)
 }
 
 // TestSmokeWAL runs the wal scenario at a tiny size on the WAL mode

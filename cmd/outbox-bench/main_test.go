@@ -41,6 +41,10 @@ func TestSmoke(t *testing.T) {
 			cfg, err := parseFlags([]string{"-smoke", "-driver", driver})
 			require.NoError(t, err)
 			cfg.TmpDir = t.TempDir()
+			// KAFKA_BROKERS (scripts/test.sh's Apache Kafka pass): the
+			// scenarios run on that cluster, as the command's -brokers.
+			useExternalBrokers(cfg.Brokers)
+			t.Cleanup(func() { externalBrokers = nil })
 			if driver == dbtest.SQLite {
 				// One driver runs the latency modes with -timeline and the
 				// consumer inline.
@@ -53,6 +57,9 @@ func TestSmoke(t *testing.T) {
 			for _, r := range results {
 				require.Empty(t, r.Err, "%s: %s", r.Scenario, r.Err)
 				require.NotEmpty(t, r.Figures, r.Scenario)
+				if len(cfg.Brokers) > 0 {
+					require.Positive(t, r.Params["kafka_brokers"], "%s ran on %v", r.Scenario, cfg.Brokers)
+				}
 				if r.Scenario == "latency" {
 					requireLatencyModes(t, cfg, r)
 				}

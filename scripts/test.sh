@@ -3,7 +3,8 @@
 # tests every module of the repository with the race detector on kfake (the
 # in-process Kafka-protocol broker), then runs every Kafka-facing test again
 # on Apache Kafka (scripts/kafka.sh: one node, then the chaos suite on
-# three) when Java and Maven are present. In CI (CI=true) a real broker that
+# three, then the bench's three-node mode on a cluster of its own) when
+# Java and Maven are present. In CI (CI=true) a real broker that
 # cannot start fails the run; OUTBOX_REAL_KAFKA=0 skips that pass outside CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -134,12 +135,17 @@ real_kafka_pass() {
     >"$log.2" 2>&1 || { grep -E -- '--- FAIL|^FAIL|panic:|chaos summary' "$log.2" | head -40; tail -80 "$log.2"; return 1; }
   grep -E 'chaos summary|faults by kind' "$log.2" | sed 's/^ *//'
   bash "$kafka" stop
+  # The ports are free again: the bench's three-node mode starts, uses and
+  # stops a cluster of its own (scripts/bench-kafka.sh --nodes 3).
+  echo "== the bench's three-node mode (scripts/bench-kafka.sh)"
+  OUTBOX_KAFKA_SCRIPT=$kafka go test -count=1 -timeout 10m -v -run '^TestBenchKafkaThreeNodes$' ./cmd/outbox-bench/ \
+    >"$log.3" 2>&1 || { grep -E -- '--- FAIL|^FAIL|panic:' "$log.3" | head -40; tail -80 "$log.3"; return 1; }
   rm -rf "$OUTBOX_KAFKA_DIR"
   trap - EXIT
 
-  pass=$(cat "$log.1" "$log.2" | grep -cE -- '--- PASS' || true)
-  fail=$(cat "$log.1" "$log.2" | grep -cE -- '--- FAIL' || true)
-  skip=$(cat "$log.1" "$log.2" | grep -cE -- '--- SKIP' || true)
+  pass=$(cat "$log.1" "$log.2" "$log.3" | grep -cE -- '--- PASS' || true)
+  fail=$(cat "$log.1" "$log.2" "$log.3" | grep -cE -- '--- FAIL' || true)
+  skip=$(cat "$log.1" "$log.2" "$log.3" | grep -cE -- '--- SKIP' || true)
   echo "== Apache Kafka pass: tests (and subtests) run against the real broker; skipped ones inject faults only kfake offers and ran in the kfake pass above"
   grep -E -- '--- SKIP' "$log.1" "$log.2" | sed 's/^[^:]*: *//' | sort | uniq | head -40
   echo "apache-kafka: $pass passed, $fail failed, $skip skipped"

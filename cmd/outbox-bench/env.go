@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -221,6 +222,43 @@ func startBroker(ctx context.Context, partitions int, blackhole bool) (*child, [
 		return nil, nil, err
 	}
 	return c, strings.Split(c.line, ","), nil
+}
+
+// clusterParams describes the real cluster in brokers for the results:
+// how many brokers it has, and the replication factor and
+// min.insync.replicas its topics get (the run's topics take the defaults).
+func clusterParams(brokers []string) (map[string]any, error) {
+	sc := sarama.NewConfig()
+	// DescribeConfigs v1 or later: Apache Kafka 4 no longer answers v0.
+	sc.Version = sarama.V2_1_0_0
+	admin, err := sarama.NewClusterAdmin(brokers, sc)
+	if err != nil {
+		return nil, fmt.Errorf("connect to %v: %w", brokers, err)
+	}
+	defer admin.Close()
+	nodes, _, err := admin.DescribeCluster()
+	if err != nil {
+		return nil, fmt.Errorf("describe cluster %v: %w", brokers, err)
+	}
+	if len(nodes) == 0 {
+		return nil, fmt.Errorf("describe cluster %v: no brokers", brokers)
+	}
+	entries, err := admin.DescribeConfig(sarama.ConfigResource{
+		Type: sarama.BrokerResource, Name: strconv.Itoa(int(nodes[0].ID())),
+		ConfigNames: []string{"default.replication.factor", "min.insync.replicas"},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("describe broker %d's configuration: %w", nodes[0].ID(), err)
+	}
+	p := map[string]any{"kafka_brokers": len(nodes)}
+	for _, e := range entries {
+		n, err := strconv.Atoi(e.Value)
+		if err != nil {
+			return nil, fmt.Errorf("broker %d's %s is %q, not a number", nodes[0].ID(), e.Name, e.Value)
+		}
+		p["kafka_"+strings.ReplaceAll(e.Name, ".", "_")] = n
+	}
+	return p, nil
 }
 
 // createTopics creates the topics that do not exist yet, each with

@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"os/signal"
 	"slices"
@@ -48,6 +49,9 @@ type config struct {
 	// Producers is the Kafka publisher's KafkaConfig.Producers; 0 takes
 	// the publisher's default.
 	Producers int
+	// FlushFrequency is the Kafka publisher's sarama
+	// Producer.Flush.Frequency; 0 leaves sarama's default.
+	FlushFrequency time.Duration
 	// MaxIdleConns is the idle (and open) connection limit of every pool
 	// the bench and its relay processes open; negative leaves
 	// database/sql's defaults (2 idle, no open limit).
@@ -155,6 +159,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.BatchSize, "batch", 500, "relay batch size")
 	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
 	fs.IntVar(&c.Producers, "producers", 0, "Kafka publisher's Producers (0: the publisher's default)")
+	fs.DurationVar(&c.FlushFrequency, "flush-frequency", 0, "Kafka publisher's sarama Producer.Flush.Frequency, how long a producer gathers records before a request (0: sarama's default, a request as soon as the connection is free)")
 	fs.IntVar(&c.MaxIdleConns, "max-idle-conns", 16, "connections each database pool keeps idle, and its open limit (-1: database/sql's defaults, 2 idle and no open limit, as in an application that sets neither, which the GORM store raises itself; -2: the same defaults set explicitly with SetMaxIdleConns(2), which the store keeps: an untuned pool)")
 	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
@@ -234,6 +239,9 @@ func parseFlags(args []string) (config, error) {
 	if c.Consumer != "process" && c.Consumer != "inline" {
 		return c, fmt.Errorf("-consumer must be process or inline, not %q", c.Consumer)
 	}
+	if c.FlushFrequency < 0 {
+		return c, fmt.Errorf("-flush-frequency must not be negative")
+	}
 	if c.Warmup < 0 {
 		return c, fmt.Errorf("-warmup must not be negative")
 	}
@@ -286,6 +294,7 @@ func main() {
 	defer stop()
 	useExternalBrokers(cfg.Brokers)
 	kafkaProducers = cfg.Producers
+	kafkaFlushFrequency = cfg.FlushFrequency
 	results, err := run(ctx, cfg, os.Stderr)
 	print(os.Stdout, cfg, results)
 	if err != nil {
@@ -308,11 +317,20 @@ func run(ctx context.Context, cfg config, log io.Writer) ([]*result, error) {
 	}
 	defer os.RemoveAll(tmp)
 	cfg.TmpDir = tmp
+	var cluster map[string]any
+	if len(externalBrokers) > 0 {
+		if cluster, err = clusterParams(externalBrokers); err != nil {
+			return nil, err
+		}
+	}
 	var results []*result
 	for _, s := range cfg.Scenarios {
 		fmt.Fprintf(log, "outbox-bench: %s on %s...\n", s, cfg.Driver)
 		start := time.Now()
-		r := &result{Scenario: s, Driver: cfg.Driver, Params: map[string]any{}}
+		r := &result{Scenario: s, Driver: cfg.Driver, Params: maps.Clone(cluster)}
+		if r.Params == nil {
+			r.Params = map[string]any{}
+		}
 		if err := scenarios[s](ctx, cfg, r); err != nil {
 			r.Err = err.Error()
 		}

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -40,6 +41,10 @@ func TestSmoke(t *testing.T) {
 			cfg, err := parseFlags([]string{"-smoke", "-driver", driver})
 			require.NoError(t, err)
 			cfg.TmpDir = t.TempDir()
+			// KAFKA_BROKERS (scripts/test.sh's Apache Kafka pass): the
+			// scenarios run on that cluster, as the command's -brokers.
+			useExternalBrokers(cfg.Brokers)
+			t.Cleanup(func() { externalBrokers = nil })
 			if driver == dbtest.SQLite {
 				// One driver runs the latency modes with -timeline and the
 				// consumer inline.
@@ -52,6 +57,9 @@ func TestSmoke(t *testing.T) {
 			for _, r := range results {
 				require.Empty(t, r.Err, "%s: %s", r.Scenario, r.Err)
 				require.NotEmpty(t, r.Figures, r.Scenario)
+				if len(cfg.Brokers) > 0 {
+					require.Positive(t, r.Params["kafka_brokers"], "%s ran on %v", r.Scenario, cfg.Brokers)
+				}
 				if r.Scenario == "latency" {
 					requireLatencyModes(t, cfg, r)
 				}
@@ -131,6 +139,11 @@ func TestParseFlags(t *testing.T) {
 	c, err := parseFlags([]string{"-growth", "1_000,2000", "-driver", "sqlite"})
 	require.NoError(t, err)
 	require.Equal(t, []int{1000, 2000}, c.Growth)
+	_, err = parseFlags([]string{"-flush-frequency", "-1ms"})
+	require.ErrorContains(t, err, "-flush-frequency must not be negative")
+	c, err = parseFlags([]string{"-flush-frequency", "1ms"})
+	require.NoError(t, err)
+	require.Equal(t, time.Millisecond, c.FlushFrequency)
 }
 
 // TestSmokeWAL runs the wal scenario at a tiny size on the WAL mode

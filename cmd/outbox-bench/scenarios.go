@@ -191,10 +191,16 @@ func poll(ctx context.Context, timeout, every time.Duration, done func() (bool, 
 // the default).
 var kafkaProducers int
 
+// kafkaFlushFrequency is the publishers' sarama Producer.Flush.Frequency
+// (-flush-frequency; 0: sarama's default, a request as soon as the
+// connection is free).
+var kafkaFlushFrequency time.Duration
+
 // newPublisher builds and starts a Kafka publisher; ctx's end closes it.
 func newPublisher(ctx context.Context, brokers []string) (*publisher.Kafka, error) {
 	p, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Producers: kafkaProducers, Configure: func(c *sarama.Config) error {
 		c.ClientID = "outbox-bench"
+		c.Producer.Flush.Frequency = kafkaFlushFrequency
 		return nil
 	}})
 	if err != nil {

@@ -25,9 +25,11 @@ import (
 
 // Reader relays the messages an outbox in WAL mode (outbox.ModeWAL)
 // writes: it reads them from a logical replication slot in commit order
-// and publishes them through a relay.Publisher, per bucket in order and
-// buckets in parallel. One reader per slot reads at a time, elected by a
-// lease; the others wait and take over when its lease lapses.
+// and publishes them through a relay.Publisher with the relay engine
+// (package relay), per bucket in order and buckets in parallel, with
+// table mode's retries and failure policy. One reader per slot reads at
+// a time, elected by a lease; the others wait and take over when its
+// lease lapses.
 type Reader struct {
 	db     *gorm.DB
 	ocfg   outbox.Config

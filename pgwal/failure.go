@@ -3,6 +3,7 @@ package pgwal
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"gorm.io/gorm"
@@ -64,6 +65,9 @@ func (p policy) FilterBatch(ctx context.Context, _ string, lease relay.Lease, ms
 		return nil, err
 	}
 	s := p.src.s
+	if err := s.awaitQuarantined(ctx, q, msgs); err != nil {
+		return nil, err
+	}
 	var checked map[string]bool // key: still dead-lettered
 	var park []relay.Message
 	keep := msgs[:0:0]
@@ -106,6 +110,50 @@ func (q *bucketQ) isQuarantined(m *relay.Message) bool {
 	}
 	_, ok := q.quarantined[string(m.Key)]
 	return ok
+}
+
+// awaitQuarantined waits until the transactions of the messages of msgs
+// whose key is quarantined are visible to new snapshots. A commit record
+// is decoded a moment before its transaction becomes visible: a
+// RequeueKey transaction, which emits a key's dead letters again and
+// deletes them, would otherwise find its own dead letters still there
+// and park the messages it requeued.
+func (s *stream) awaitQuarantined(ctx context.Context, q *bucketQ, msgs []relay.Message) error {
+	var ids map[int64]struct{}
+	for i := range msgs {
+		if q.isQuarantined(&msgs[i]) {
+			if ids == nil {
+				ids = map[int64]struct{}{}
+			}
+			ids[msgs[i].ID] = struct{}{}
+		}
+	}
+	if ids == nil {
+		return nil
+	}
+	var xids []uint32
+	q.mu.Lock()
+	for _, e := range q.q {
+		if _, ok := ids[e.msg.ID]; ok && !slices.Contains(xids, e.xid) {
+			xids = append(xids, e.xid)
+		}
+	}
+	q.mu.Unlock()
+	for _, xid := range xids {
+		for {
+			ok, err := s.visible(ctx, xid)
+			if err != nil || ok {
+				if err != nil {
+					return err
+				}
+				break
+			}
+			if err := pause(ctx, headPoll); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // hasDeadLetters reports whether key has rows in the dead-letter table.

@@ -102,6 +102,18 @@ func (src source) PendingBuckets(_ context.Context, buckets []int) ([]int, error
 // transaction is decoded but not visible yet.
 const headPoll = time.Millisecond
 
+// pause waits d, or until ctx ends, with its cause.
+func pause(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	case <-t.C:
+		return nil
+	}
+}
+
 // NextBatch implements relay.Store: up to limit leading entries of the
 // bucket's queue, left in it. Bridged rows of the messages table are read
 // when they reach the head; a head row that is gone (a table-mode relay
@@ -126,12 +138,8 @@ func (src source) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Mes
 			continue
 		case len(es) == 0:
 			// The head row's transaction is decoded but not visible yet.
-			t := time.NewTimer(headPoll)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return nil, context.Cause(ctx)
-			case <-t.C:
+			if err := pause(ctx, headPoll); err != nil {
+				return nil, err
 			}
 			continue
 		}

@@ -28,7 +28,8 @@ type entry struct {
 	// bridged marks a row of the messages table (Config.Bridge): msg
 	// holds its id and bucket until loadBridged reads the row.
 	bridged bool
-	// xid is the transaction id of a bridged row's insert.
+	// xid is the id of the message's transaction (of a bridged row's
+	// insert).
 	xid uint32
 }
 
@@ -363,7 +364,7 @@ func (s *stream) decode(data []byte) error {
 		if err != nil {
 			return &relay.MisconfigurationError{Setting: "outbox.Config.Mode", Reason: fmt.Sprintf("message %s at %s: %v", env.ID, m.LSN, err), Err: err}
 		}
-		s.txn = append(s.txn, entry{commit: s.txnCommit, msg: relay.Message{
+		s.txn = append(s.txn, entry{commit: s.txnCommit, xid: s.txnXid, msg: relay.Message{
 			// The negated LSN of the message's own record: unique, and
 			// never a messages table id, so dead letters keep a unique id.
 			ID: -int64(m.LSN), MessageID: env.ID, Bucket: env.Bucket, Topic: env.Topic, Key: env.Key, Value: env.Value,

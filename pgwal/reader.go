@@ -418,8 +418,18 @@ func (r *Reader) engineConfig(s *stream) relay.Config {
 // fences the previous owners.
 type publisherOnly struct{ pub relay.Publisher }
 
+// Publish publishes through the reader's publisher. A fenced publish
+// (relay.IsFenced: another producer took a bucket's transactional id
+// over) is handed to the engine as an outage: every bucket's lease is
+// the slot's, which the stream renews and gives up itself when another
+// reader took it, while the engine would drop the bucket and take it
+// again at once under the same term.
 func (p publisherOnly) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
-	return p.pub.Publish(ctx, msgs)
+	n, err := p.pub.Publish(ctx, msgs)
+	if relay.IsFenced(err) {
+		err = relay.Unavailable(fmt.Errorf("pgwal: publisher fenced; retrying while the reader holds the slot: %v", err))
+	}
+	return n, err
 }
 
 // CheckReady forwards the publisher's relay.ReadyChecker, if it has one.

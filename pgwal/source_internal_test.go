@@ -83,3 +83,16 @@ func TestSourceLeaseLapses(t *testing.T) {
 	require.NoError(t, source{s}.MarkPublished(context.Background(), "r", relay.Lease{Bucket: 0, Term: 7}, []relay.Message{{ID: -101}}))
 	require.Len(t, s.buckets[0].q, 2)
 }
+
+// TestPublisherFencedIsAnOutage: a fenced publish reaches the engine as
+// an outage (backoff, the bucket kept), not as a lost bucket lease.
+func TestPublisherFencedIsAnOutage(t *testing.T) {
+	p := publisherOnly{relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) {
+		return 0, relay.Fenced(errors.New("producer fenced"))
+	})}
+	_, err := p.Publish(context.Background(), []relay.Message{{ID: -1}})
+	require.True(t, relay.IsUnavailable(err), "%v", err)
+	require.False(t, relay.IsFenced(err))
+	require.NotErrorIs(t, err, relay.ErrLeaseLost)
+	require.Contains(t, err.Error(), "producer fenced")
+}

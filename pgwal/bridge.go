@@ -11,7 +11,6 @@ import (
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
-	"github.com/gorm-outbox/outbox/internal/backoff"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -176,33 +175,6 @@ func (s *stream) decodeInsert(m *pglogrepl.InsertMessage) error {
 	s.txn = append(s.txn, entry{commit: s.txnCommit, bridged: true, xid: s.txnXid, msg: relay.Message{ID: id, Bucket: bucket}})
 	s.r.received.Add(1)
 	return nil
-}
-
-// headRows gives publishLoop the leading entries es of q with their
-// bridged rows read. ok is false when there is nothing to publish yet
-// (rows gone and dropped, a transaction not visible yet, a failed read
-// after its pause): the loop starts again. err is what stops the reader.
-func (s *stream) headRows(ctx context.Context, q *bucketQ, es []entry, failures *int) (_ []entry, ok bool, err error) {
-	es, gone, err := s.loadBridged(ctx, q, es)
-	switch {
-	case err != nil && ctx.Err() != nil:
-		return nil, false, nil
-	case relay.IsMisconfiguration(err):
-		return nil, false, err
-	case err != nil:
-		*failures++
-		s.r.log.Warn("pgwal: reading bridged rows failed, retrying", "bucket", q.bucket, "err", err)
-		backoff.Sleep(ctx, backoff.Exponential(s.r.cfg.BackoffMin, s.r.cfg.BackoffMax, *failures))
-		return nil, false, nil
-	case gone > 0:
-		s.pop(q, gone)
-		return nil, false, nil
-	case len(es) == 0:
-		// The head row's transaction is decoded but not visible yet.
-		backoff.Sleep(ctx, time.Millisecond)
-		return nil, false, nil
-	}
-	return es, true, nil
 }
 
 // loadBridged reads the rows of the bridged placeholders in es, the

@@ -62,18 +62,26 @@ type Config struct {
 	// Default 250ms (at most StandbyInterval).
 	ConfirmInterval time.Duration
 	// BatchSize is the most messages of one bucket handed to one Publish
-	// call. Default 100.
+	// call (the relay engine's relay.Config.BatchSize). Default 100.
 	BatchSize int
+	// Parallelism is how many buckets publish at once (the relay engine's
+	// relay.Config.Parallelism): each bucket's messages are published in
+	// order, one batch at a time. Default: the outbox's BucketCount, at
+	// most relay.ParallelismMax (256).
+	Parallelism int
 	// MaxPending bounds the messages decoded but not yet published; the
 	// reader stops reading the stream while it is reached. Default 10,000.
 	MaxPending int
 	// MaxAttempts is how many failed publishes with an error that is
 	// neither permanent nor an outage (relay.IsUnavailable) a message gets
-	// before it is dead-lettered. Permanent errors dead-letter at once;
+	// before it is dead-lettered, and the later messages of its key parked
+	// behind it (the failure policy of table mode's
+	// gormrelay.FailurePolicy). Permanent errors dead-letter at once;
 	// outages are retried for as long as they last. Default 10.
 	MaxAttempts int
-	// BackoffMin and BackoffMax bound the pause after a failed publish or
-	// a lost connection, doubling per consecutive failure. Default 100ms
+	// BackoffMin and BackoffMax bound the pause after a failed publish
+	// (the relay engine's relay.Config.BackoffMin and BackoffMax) or a
+	// lost connection, doubling per consecutive failure. Default 100ms
 	// and 10s.
 	BackoffMin, BackoffMax time.Duration
 	// Bridge makes the reader relay the rows table-mode writers insert
@@ -92,6 +100,10 @@ type Config struct {
 	// a promotion (docs/wal-mode.md, Failover). On an older server
 	// EnsureSlot and Run fail with a *relay.ConfigError. Default false.
 	FailoverSlot bool
+	// Observer receives the relay engine's instrumentation events
+	// (publishes, dead letters, owned buckets) as in table mode;
+	// *metrics.Collector implements it. Default: relay.NopObserver.
+	Observer relay.Observer
 	// Logger receives the reader's logs. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -139,6 +151,9 @@ func (c Config) withDefaults(oc outbox.Config) Config {
 	if c.BatchSize == 0 {
 		c.BatchSize = BatchSizeDefault
 	}
+	if c.Parallelism == 0 {
+		c.Parallelism = min(max(oc.BucketCount, 1), relay.ParallelismMax)
+	}
 	if c.MaxPending == 0 {
 		c.MaxPending = MaxPendingDefault
 	}
@@ -153,6 +168,9 @@ func (c Config) withDefaults(oc outbox.Config) Config {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	if c.Observer == nil {
+		c.Observer = relay.NopObserver{}
 	}
 	return c
 }
@@ -172,6 +190,10 @@ func (c Config) validate() error {
 		return bad("ConfirmInterval", c.ConfirmInterval, fmt.Sprintf("must be positive and at most StandbyInterval (%s)", c.StandbyInterval))
 	case c.BatchSize < 1:
 		return bad("BatchSize", c.BatchSize, "must be positive")
+	case c.BatchSize > relay.BatchSizeMax:
+		return bad("BatchSize", c.BatchSize, fmt.Sprintf("at most %d", relay.BatchSizeMax))
+	case c.Parallelism < 1 || c.Parallelism > relay.ParallelismMax:
+		return bad("Parallelism", c.Parallelism, fmt.Sprintf("must be between 1 and %d", relay.ParallelismMax))
 	case c.MaxPending < c.BatchSize:
 		return bad("MaxPending", c.MaxPending, "must be at least BatchSize")
 	case c.MaxAttempts < 1:

@@ -1,35 +1,42 @@
 package pgwal_test
 
 // The WAL source's conformance to what the relay's store contract
-// (relay/storetest) checks, where it applies. pgwal is not a relay.Store:
-// it has no NextBatch or MarkPublished by id, one lease for the whole
-// slot instead of one per bucket, and the slot's confirmed position
-// instead of deletes. What carries over, and where it is tested:
+// (relay/storetest) checks, where it applies. The reader publishes
+// through the relay engine over a relay.Store of its own (source.go):
+// the buckets are the decoded messages' in-memory queues, and the one
+// lease of the slot stands for every bucket's lease under the reader's
+// term. What carries over, and where it is tested:
 //
 //   - oldest first per bucket, no message skipped: per key in commit
-//     order (TestConformanceCommitOrderPerKey, TestReaderPublishesInOrder);
-//   - a guarded acknowledgement (MarkPublishedGuard): the position is
+//     order (TestConformanceCommitOrderPerKey, TestReaderPublishesInOrder,
+//     TestEngineBucketsInParallel);
+//   - a guarded acknowledgement (MarkPublishedGuard): MarkPublished under
+//     a stale term, or after the stream ended or its lease lapsed, takes
+//     nothing out of the queues and moves no position
+//     (TestSourceTermGuard, TestSourceLeaseLapses); the position is
 //     confirmed only up to the first message neither published nor
-//     dead-lettered (TestReaderBackpressure, TestReaderKilledMidStreamLosesNothing);
+//     dead-lettered (TestReaderBackpressure,
+//     TestReaderKilledMidStreamLosesNothing);
 //   - at least once across a reader's death (ExpiredLeaseTakenOver):
 //     TestReaderKilledMidStreamLosesNothing, and in test/chaos
 //     TestChaosWAL;
 //   - terms that grow on every acquisition, the lease waited for while
 //     held, taken over once it lapsed: TestConformanceTakeoverTerms,
 //     TestReaderSecondReaderWaits;
-//   - the failure recorder's dead letters, a key parked behind its dead
-//     letter, requeue in order (FailureRecorder, RunOperator's
-//     RequeueKeyKeepsOrder): TestReaderFailures.
+//   - the failure recorder's attempts and the failure policy's dead
+//     letters, a key parked behind its dead letter, requeue in order
+//     (FailureRecorder, RunOperator's RequeueKeyKeepsOrder):
+//     TestReaderFailures, with the engine's observer events;
+//   - hints (relay.Hints) wake the engine for a bucket without a poll:
+//     TestEngineHintsPublishWithoutPoll.
 //
 // What does not apply: FairShare and FairShareKeepsBusy (one reader reads
-// the slot; buckets are not shared among readers), PendingBuckets,
-// LargeBatches and NextBatch's limit (the server streams; BatchSize
-// bounds a Publish call, MaxPending the messages waiting:
-// TestReaderBackpressure), BatchAdvancer, BucketCounter and StartChecker
-// (capabilities of a table store), BucketCountMismatch (a message in a
-// bucket beyond BucketCount stops the reader with a
-// *relay.MisconfigurationError when it is decoded; there is no stored
-// bucket count to compare at start).
+// the slot and owns every bucket), LargeBatches (the server streams;
+// MaxPending bounds the messages waiting: TestReaderBackpressure),
+// BatchAdvancer and StartChecker (capabilities of a table store),
+// BucketCountMismatch at start (a message in a bucket beyond BucketCount
+// stops the reader with a *relay.MisconfigurationError when it is
+// decoded; there is no stored bucket count to compare at start).
 
 import (
 	"context"

@@ -25,9 +25,11 @@ import (
 
 // Reader relays the messages an outbox in WAL mode (outbox.ModeWAL)
 // writes: it reads them from a logical replication slot in commit order
-// and publishes them through a relay.Publisher, per bucket in order and
-// buckets in parallel. One reader per slot reads at a time, elected by a
-// lease; the others wait and take over when its lease lapses.
+// and publishes them through a relay.Publisher with the relay engine
+// (package relay), per bucket in order and buckets in parallel, with
+// table mode's retries and failure policy. One reader per slot reads at
+// a time, elected by a lease; the others wait and take over when its
+// lease lapses.
 type Reader struct {
 	db     *gorm.DB
 	ocfg   outbox.Config
@@ -318,6 +320,7 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	from := max(st.Confirmed, recorded)
 	// Record where reading starts before anything is confirmed, so a slot
 	// dropped from now on is noticed.
+	renewed := time.Now()
 	if ok, err := r.leases.renew(ctx, term, int64(from)); err != nil || !ok {
 		return errors.Join(errLeaseLost, err)
 	}
@@ -331,7 +334,8 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	s := newStream(r, conn, term, from)
+	s := newStream(r, conn, term, from, renewed)
+	defer s.end()
 	if s.rel.oid, err = r.bridgeOID(ctx); err != nil {
 		return err
 	}
@@ -340,7 +344,6 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	}
 	r.cur.Store(s)
 	defer r.cur.Store(nil)
-	var wg sync.WaitGroup
 	leases := make([]relay.Lease, r.ocfg.BucketCount)
 	for b := range s.buckets {
 		leases[b] = relay.Lease{Bucket: b, Term: term}
@@ -355,20 +358,86 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 		}
 		defer la.LeasesReleased(context.WithoutCancel(ctx), leases)
 	}
-	for _, q := range s.buckets {
-		wg.Go(func() {
-			if err := s.publishLoop(sctx, q); err != nil {
-				cancel(err)
-			}
-		})
+	eng, err := relay.New(source{s}, publisherOnly{r.pub}, r.engineConfig(s))
+	if err != nil {
+		return err
 	}
+	if err := eng.Start(sctx); err != nil {
+		return err
+	}
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		select {
+		case <-eng.Stopped():
+			// The engine stops on its own only on a misconfiguration.
+			cancel(eng.Err())
+		case <-sctx.Done():
+		}
+	}()
 	err = s.receive(sctx)
+	// The buckets' leases end with the stream, before the engine's
+	// publishes are cancelled: nothing more leaves the queues.
+	s.end()
 	cancel(err)
-	wg.Wait()
+	<-eng.Stopped()
+	<-stopped
+	if err := eng.Err(); err != nil {
+		return err
+	}
 	if cause := context.Cause(sctx); cause != nil && !errors.Is(cause, context.Canceled) {
 		return cause
 	}
 	return err
+}
+
+// engineConfig is the relay engine's configuration for the term of s:
+// the Config fields that configure publishing, its failure policy, and
+// the stream's hints.
+func (r *Reader) engineConfig(s *stream) relay.Config {
+	return relay.Config{
+		RelayID:            r.cfg.RelayID,
+		BucketCount:        r.ocfg.BucketCount,
+		BatchSize:          r.cfg.BatchSize,
+		Parallelism:        r.cfg.Parallelism,
+		PollInterval:       r.cfg.StandbyInterval,
+		LeaseDuration:      r.cfg.LeaseDuration,
+		LeaseRenewInterval: r.cfg.StandbyInterval,
+		BackoffMin:         r.cfg.BackoffMin,
+		BackoffMax:         r.cfg.BackoffMax,
+		Hints:              s.hints,
+		FailureHandler:     policy{source{s}},
+		Logger:             r.log,
+		Observer:           r.cfg.Observer,
+	}
+}
+
+// publisherOnly hands the engine the reader's publisher without its
+// LeaseAware side: the reader announces the term's leases itself
+// (announce), renewing the slot's lease while a strict-mode publisher
+// fences the previous owners.
+type publisherOnly struct{ pub relay.Publisher }
+
+// Publish publishes through the reader's publisher. A fenced publish
+// (relay.IsFenced: another producer took a bucket's transactional id
+// over) is handed to the engine as an outage: every bucket's lease is
+// the slot's, which the stream renews and gives up itself when another
+// reader took it, while the engine would drop the bucket and take it
+// again at once under the same term.
+func (p publisherOnly) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
+	n, err := p.pub.Publish(ctx, msgs)
+	if relay.IsFenced(err) {
+		err = relay.Unavailable(fmt.Errorf("pgwal: publisher fenced; retrying while the reader holds the slot: %v", err))
+	}
+	return n, err
+}
+
+// CheckReady forwards the publisher's relay.ReadyChecker, if it has one.
+func (p publisherOnly) CheckReady(ctx context.Context) error {
+	if rc, ok := p.pub.(relay.ReadyChecker); ok {
+		return rc.CheckReady(ctx)
+	}
+	return nil
 }
 
 // announce hands the term's leases to the publisher, renewing the slot's

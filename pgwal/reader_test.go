@@ -280,7 +280,8 @@ func TestReaderFailures(t *testing.T) {
 		mu.Unlock()
 		return e.publishPoisoned(ctx, msgs, poisoned)
 	})
-	r := e.reader(t, pub, "a")
+	obs := &recorder{}
+	r := e.reader(t, pub, "a", func(c *pgwal.Config) { c.Observer = obs })
 	stop := run(r)
 	e.write(t, 3, 0, 10)
 	dl := e.plugin.Config().Tables.DeadLettersTable()
@@ -308,6 +309,13 @@ func TestReaderFailures(t *testing.T) {
 	mu.Lock()
 	require.Zero(t, outage, "the outage was retried through")
 	mu.Unlock()
+	// The engine's observer events, as in table mode.
+	got := obs.snapshot()
+	require.GreaterOrEqual(t, got.deadFailed, 1, "the failed message reported dead-lettered")
+	require.GreaterOrEqual(t, got.parked, 6, "the key's later messages reported parked")
+	require.GreaterOrEqual(t, got.acked, 23, "the publishes reported")
+	require.GreaterOrEqual(t, got.publishErr, 5, "the outage's and the poison's failed publishes reported")
+	require.Equal(t, e.plugin.Config().BucketCount, got.owned, "the reader owns every bucket")
 	require.Eventually(t, func() bool {
 		st, err := r.SlotStatus(context.Background())
 		return err == nil && st.Confirmed > 0 && r.Stats().Confirmed >= st.Confirmed && st.Confirmed == r.Stats().Confirmed

@@ -2,7 +2,6 @@ package pgwal
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -11,11 +10,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"gorm.io/gorm"
-	"gorm.io/gorm/clause"
 
 	"github.com/gorm-outbox/outbox"
-	"github.com/gorm-outbox/outbox/gormrelay"
-	"github.com/gorm-outbox/outbox/internal/backoff"
 	"github.com/gorm-outbox/outbox/internal/walenv"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -32,7 +28,8 @@ type entry struct {
 	// bridged marks a row of the messages table (Config.Bridge): msg
 	// holds its id and bucket until loadBridged reads the row.
 	bridged bool
-	// xid is the transaction id of a bridged row's insert.
+	// xid is the id of the message's transaction (of a bridged row's
+	// insert).
 	xid uint32
 }
 
@@ -41,7 +38,6 @@ type bucketQ struct {
 	bucket int
 	mu     sync.Mutex
 	q      []entry
-	wake   chan struct{}
 	// quarantined holds the keys of this bucket with a dead letter: their
 	// later messages are parked behind it.
 	quarantined map[string]struct{}
@@ -55,9 +51,18 @@ type stream struct {
 	term    int64
 	buckets []*bucketQ
 
+	// hints wake the relay engine for the buckets that received
+	// messages.
+	hints *hints
+
 	mu      sync.Mutex
 	pending int
 	drained chan struct{} // signalled when pending drops
+	// heldUntil is when the slot's lease, last renewed, runs out; ended
+	// says the stream stopped reading. Either ends the term's leases of
+	// the buckets (source.guard).
+	heldUntil time.Time
+	ended     bool
 
 	// Receiver state, touched by the receiving goroutine only.
 	txn       []entry
@@ -72,13 +77,40 @@ type stream struct {
 	rel bridgeRelation
 }
 
-func newStream(r *Reader, conn *pgconn.PgConn, term int64, start pglogrepl.LSN) *stream {
-	s := &stream{r: r, conn: conn, term: term, done: start, confirmed: start, drained: make(chan struct{}, 1)}
+// newStream returns the stream of term, whose lease was last renewed by
+// a call that started at renewed.
+func newStream(r *Reader, conn *pgconn.PgConn, term int64, start pglogrepl.LSN, renewed time.Time) *stream {
+	s := &stream{r: r, conn: conn, term: term, done: start, confirmed: start, drained: make(chan struct{}, 1),
+		hints: newHints(r.ocfg.BucketCount), heldUntil: renewed.Add(r.cfg.LeaseDuration)}
 	s.buckets = make([]*bucketQ, r.ocfg.BucketCount)
 	for b := range s.buckets {
-		s.buckets[b] = &bucketQ{bucket: b, wake: make(chan struct{}, 1), quarantined: map[string]struct{}{}}
+		s.buckets[b] = &bucketQ{bucket: b, quarantined: map[string]struct{}{}}
 	}
 	return s
+}
+
+// holds reports whether the stream still reads under the slot's lease.
+func (s *stream) holds() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return !s.ended && time.Now().Before(s.heldUntil)
+}
+
+// end marks the stream as no longer reading: its term's leases of the
+// buckets end.
+func (s *stream) end() {
+	s.mu.Lock()
+	s.ended = true
+	s.mu.Unlock()
+}
+
+// extend records a renewal of the slot's lease that started at renewed.
+func (s *stream) extend(renewed time.Time) {
+	s.mu.Lock()
+	if t := renewed.Add(s.r.cfg.LeaseDuration); t.After(s.heldUntil) {
+		s.heldUntil = t
+	}
+	s.mu.Unlock()
 }
 
 // loadQuarantine reads the keys that have dead letters: their messages
@@ -120,10 +152,11 @@ func (s *stream) position() pglogrepl.LSN {
 
 // renewal is the outcome of renewing the lease and recording pos in it.
 type renewal struct {
-	pos  pglogrepl.LSN
-	ok   bool
-	err  error
-	halt error // the term must end (a table relay started while bridging)
+	pos     pglogrepl.LSN
+	started time.Time
+	ok      bool
+	err     error
+	halt    error // the term must end (a table relay started while bridging)
 }
 
 // renew renews the lease and records the position safe to confirm, off
@@ -139,10 +172,11 @@ func (s *stream) renew(ctx context.Context) <-chan renewal {
 			ch <- renewal{halt: err}
 			return
 		}
+		started := time.Now()
 		rctx, cancel := context.WithTimeout(ctx, s.r.cfg.LeaseDuration/3)
 		ok, err := s.r.leases.renew(rctx, s.term, int64(pos))
 		cancel()
-		ch <- renewal{pos: pos, ok: ok, err: err}
+		ch <- renewal{pos: pos, started: started, ok: ok, err: err}
 	}()
 	return ch
 }
@@ -159,6 +193,7 @@ func (s *stream) confirm(ctx context.Context, r renewal) error {
 	if !r.ok {
 		return errLeaseLost
 	}
+	s.extend(r.started)
 	err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: r.pos, WALFlushPosition: r.pos, WALApplyPosition: r.pos, ClientTime: time.Now()})
 	if err != nil {
@@ -329,7 +364,7 @@ func (s *stream) decode(data []byte) error {
 		if err != nil {
 			return &relay.MisconfigurationError{Setting: "outbox.Config.Mode", Reason: fmt.Sprintf("message %s at %s: %v", env.ID, m.LSN, err), Err: err}
 		}
-		s.txn = append(s.txn, entry{commit: s.txnCommit, msg: relay.Message{
+		s.txn = append(s.txn, entry{commit: s.txnCommit, xid: s.txnXid, msg: relay.Message{
 			// The negated LSN of the message's own record: unique, and
 			// never a messages table id, so dead letters keep a unique id.
 			ID: -int64(m.LSN), MessageID: env.ID, Bucket: env.Bucket, Topic: env.Topic, Key: env.Key, Value: env.Value,
@@ -359,27 +394,7 @@ func (s *stream) enqueue(es []entry) {
 		q.mu.Lock()
 		q.q = append(q.q, e)
 		q.mu.Unlock()
-		select {
-		case q.wake <- struct{}{}:
-		default:
-		}
-	}
-}
-
-// pop removes the first n entries of q.
-func (s *stream) pop(q *bucketQ, n int) {
-	if n == 0 {
-		return
-	}
-	q.mu.Lock()
-	q.q = q.q[n:]
-	q.mu.Unlock()
-	s.mu.Lock()
-	s.pending -= n
-	s.mu.Unlock()
-	select {
-	case s.drained <- struct{}{}:
-	default:
+		s.hints.add(e.msg.Bucket)
 	}
 }
 
@@ -388,215 +403,4 @@ func (q *bucketQ) batch(limit int) []entry {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return append([]entry(nil), q.q[:min(limit, len(q.q))]...)
-}
-
-// publishLoop publishes q's messages in order until ctx ends. It returns
-// an error only for what stops the reader.
-func (s *stream) publishLoop(ctx context.Context, q *bucketQ) error {
-	failures := 0
-	limit := s.r.cfg.BatchSize
-	for {
-		es := q.batch(limit)
-		if len(es) == 0 {
-			select {
-			case <-ctx.Done():
-				return nil
-			case <-q.wake:
-				continue
-			}
-		}
-		// Rows of the messages table are read when they reach the head.
-		es, ok, err := s.headRows(ctx, q, es, &failures)
-		if err != nil || ctx.Err() != nil {
-			return err
-		}
-		if !ok {
-			continue
-		}
-		// Messages of a quarantined key go behind its dead letter.
-		if n := s.leadingQuarantined(q, es); n > 0 {
-			// A key whose dead letters were requeued (RequeueKey) flows
-			// again.
-			dead, err := s.hasDeadLetters(ctx, es[0].msg.Key)
-			if err == nil && !dead {
-				delete(q.quarantined, string(es[0].msg.Key))
-				continue
-			}
-			if err == nil {
-				err = s.deadLetter(ctx, q, es[:n], string(gormrelay.DeadLetterParked), "")
-			}
-			if errors.Is(err, errRequeued) {
-				delete(q.quarantined, string(es[0].msg.Key))
-				continue
-			}
-			if err != nil {
-				if ctx.Err() != nil {
-					return nil
-				}
-				failures++
-				s.r.log.Warn("pgwal: writing parked messages failed, retrying", "bucket", q.bucket, "err", err)
-				if !backoff.Sleep(ctx, backoff.Exponential(s.r.cfg.BackoffMin, s.r.cfg.BackoffMax, failures)) {
-					return nil
-				}
-			}
-			continue
-		}
-		if n := s.firstQuarantined(q, es); n > 0 {
-			es = es[:n]
-		}
-		msgs := make([]relay.Message, len(es))
-		for i, e := range es {
-			msgs[i] = e.msg
-		}
-		acked, err := s.r.pub.Publish(ctx, msgs)
-		acked = max(0, min(acked, len(es)))
-		s.deleteBridged(ctx, es[:acked])
-		s.pop(q, acked)
-		s.r.published.Add(uint64(acked))
-		if err == nil {
-			failures, limit = 0, s.r.cfg.BatchSize
-			continue
-		}
-		if ctx.Err() != nil {
-			return nil
-		}
-		if relay.IsMisconfiguration(err) {
-			return err
-		}
-		failed := acked
-		if i, ok := relay.FailedIndex(err); ok && i > acked && i < len(es) {
-			// A transactional publisher acknowledged nothing: publish the
-			// messages before the culprit on their own first.
-			limit = i - acked
-			continue
-		}
-		if relay.IsBatchRejected(err) && len(es)-acked > 1 {
-			limit = max(1, (len(es)-acked)/2)
-			continue
-		}
-		culprit := es[failed]
-		unavailable := relay.IsUnavailable(err) || relay.IsFenced(err)
-		if !unavailable {
-			q.mu.Lock()
-			if len(q.q) > 0 {
-				q.q[0].attempts++
-				culprit.attempts = q.q[0].attempts
-			}
-			q.mu.Unlock()
-		}
-		if !unavailable && (relay.IsPermanent(err) || culprit.attempts >= s.r.cfg.MaxAttempts) {
-			if err := s.deadLetter(ctx, q, []entry{culprit}, string(gormrelay.DeadLetterFailed), err.Error()); err != nil && ctx.Err() == nil {
-				s.r.log.Warn("pgwal: writing a dead letter failed, retrying", "bucket", q.bucket, "err", err)
-			} else {
-				failures, limit = 0, s.r.cfg.BatchSize
-				continue
-			}
-		}
-		failures++
-		d := backoff.Exponential(s.r.cfg.BackoffMin, s.r.cfg.BackoffMax, failures)
-		s.r.log.Warn("pgwal: publish failed, retrying", "bucket", q.bucket, "err", err, "unavailable", unavailable, "retry_in", d)
-		if !backoff.Sleep(ctx, d) {
-			return nil
-		}
-	}
-}
-
-func (q *bucketQ) isQuarantined(m *relay.Message) bool {
-	if m.Key == nil {
-		return false
-	}
-	_, ok := q.quarantined[string(m.Key)]
-	return ok
-}
-
-// leadingQuarantined counts the leading entries of es of the first
-// one's key when that key is quarantined.
-func (s *stream) leadingQuarantined(q *bucketQ, es []entry) int {
-	if !q.isQuarantined(&es[0].msg) {
-		return 0
-	}
-	n := 1
-	for n < len(es) && es[n].msg.Key != nil && string(es[n].msg.Key) == string(es[0].msg.Key) {
-		n++
-	}
-	return n
-}
-
-// hasDeadLetters reports whether key has rows in the dead-letter table.
-func (s *stream) hasDeadLetters(ctx context.Context, key []byte) (bool, error) {
-	var n int64
-	db := s.r.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
-	err := db.Raw("SELECT count(*) FROM (SELECT 1 FROM "+db.Statement.Quote(s.r.dead)+" WHERE msg_key = ? LIMIT 1) d", key).Scan(&n).Error
-	return n > 0, err
-}
-
-// firstQuarantined returns the index of the first entry of es whose key
-// is quarantined, 0 for none.
-func (s *stream) firstQuarantined(q *bucketQ, es []entry) int {
-	for i := range es {
-		if q.isQuarantined(&es[i].msg) {
-			return i
-		}
-	}
-	return 0
-}
-
-// errRequeued reports that the key of messages to park has no dead
-// letters left: a requeue took them.
-var errRequeued = errors.New("pgwal: the key's dead letters were requeued")
-
-// deadLetter writes es, the leading entries of q (of one key when state
-// is parked), to the dead-letter table in state, quarantines their keys
-// and removes them from q. A replayed message already there is left as
-// it is. Parking returns errRequeued, and writes nothing, when the key
-// has no dead letter left.
-func (s *stream) deadLetter(ctx context.Context, q *bucketQ, es []entry, state, lastError string) error {
-	now := time.Now().UnixMilli()
-	rows := make([]outbox.DeadLetterRow, len(es))
-	for i, e := range es {
-		m := e.msg
-		rows[i] = outbox.DeadLetterRow{ID: m.ID, MessageID: m.MessageID, Bucket: int32(m.Bucket), Topic: m.Topic, Key: m.Key, Value: m.Value,
-			Headers: outbox.EncodeHeaders(m.Headers), Partition: m.Partition, CreatedAtMs: m.CreatedAt.UnixMilli(),
-			Attempts: int32(e.attempts), DeadAtMs: now, State: state}
-		if lastError != "" {
-			le := lastError
-			rows[i].LastError = &le
-		}
-	}
-	db := s.r.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
-	err := db.Transaction(func(tx *gorm.DB) error {
-		if key := es[0].msg.Key; key != nil {
-			if err := lockKey(tx, s.r.dead, key); err != nil {
-				return err
-			}
-			if state == string(gormrelay.DeadLetterParked) {
-				// Under the key's lock: a requeue that committed since
-				// the key was found quarantined took its dead letters.
-				var n int64
-				if err := tx.Raw("SELECT count(*) FROM (SELECT 1 FROM "+tx.Statement.Quote(s.r.dead)+" WHERE msg_key = ? LIMIT 1) d", key).Scan(&n).Error; err != nil {
-					return err
-				}
-				if n == 0 {
-					return errRequeued
-				}
-			}
-		}
-		return tx.Table(s.r.dead).Clauses(clause.OnConflict{DoNothing: true}).Create(&rows).Error
-	})
-	if errors.Is(err, errRequeued) {
-		return err
-	}
-	if err != nil {
-		return fmt.Errorf("pgwal: write dead letters: %w", err)
-	}
-	s.deleteBridged(ctx, es)
-	for _, e := range es {
-		if e.msg.Key != nil {
-			q.quarantined[string(e.msg.Key)] = struct{}{}
-		}
-	}
-	s.pop(q, len(es))
-	s.r.deadLettered.Add(uint64(len(es)))
-	s.r.log.Warn("pgwal: messages dead-lettered", "bucket", q.bucket, "count", len(es), "state", state, "err", lastError)
-	return nil
 }

@@ -6,6 +6,15 @@
 // package gormrelay (gormrelay.NewStore). It is the relay step of write →
 // table → relay → publisher.
 //
+// WAL mode publishes through the same engine: a pgwal.Reader runs one
+// relay per term of reading the slot, over a Store of its own whose
+// buckets are the decoded messages queued in memory (all of them leased
+// under the reader's term while it holds the slot's lease), woken by
+// Hints from the stream, with a FailureHandler and BatchFilter of table
+// mode's semantics (see pgwal and docs/wal-mode.md). What follows holds
+// for both modes, with "row" read as "queued message" and "delete" as
+// "take out of the queue" in WAL mode.
+//
 //	store, _ := gormrelay.NewStore(db, cfg)
 //	r, _ := relay.New(store, publisher, relay.Config{Hints: notifier})
 //	_ = r.Start(ctx)

@@ -2,6 +2,7 @@ package pgwal_test
 
 import (
 	"context"
+	"log/slog"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -38,7 +39,10 @@ func TestReaderStatementsLogOnlyFailures(t *testing.T) {
 		return len(msgs), nil
 	})
 	e := &env{db: &dbtest.DB{DB: db}}
-	r, err := pgwal.New(db, p, pub, ownedConfig(t, "quiet"))
+	var logs dbtest.LogBuffer
+	cfg := ownedConfig(t, "quiet")
+	cfg.Logger = slog.New(slog.NewTextHandler(&logs, nil)) // Info
+	r, err := pgwal.New(db, p, pub, cfg)
 	require.NoError(t, err)
 	require.NoError(t, r.EnsureSlot(context.Background()))
 	e.dropSlotAtEnd(t, r)
@@ -65,4 +69,9 @@ func TestReaderStatementsLogOnlyFailures(t *testing.T) {
 	}
 	require.NoError(t, stop())
 	require.Empty(t, buf.Take(), "the reader logs none of its statements")
+	// The reader's own log names its term; the relay engine's lease
+	// records, the same term again, are debug.
+	require.Contains(t, logs.String(), "pgwal: reading the slot")
+	require.NotContains(t, logs.String(), "relay: leases changed")
+	require.NotContains(t, logs.String(), "relay: released leases")
 }

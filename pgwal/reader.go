@@ -407,10 +407,32 @@ func (r *Reader) engineConfig(s *stream) relay.Config {
 		BackoffMax:         r.cfg.BackoffMax,
 		Hints:              s.hints,
 		FailureHandler:     policy{source{s}},
-		Logger:             r.log,
+		Logger:             slog.New(engineLogs{r.log.Handler()}),
 		Observer:           r.cfg.Observer,
 	}
 }
+
+// engineLogs is the engine's log handler: the engine's lease records
+// ("relay: leases changed", "relay: released leases") are the slot's
+// term, which the reader logs itself ("pgwal: reading the slot"), so they
+// are demoted to debug; a reader's log shows no table relay at work.
+type engineLogs struct{ slog.Handler }
+
+func (h engineLogs) Handle(ctx context.Context, rec slog.Record) error {
+	if rec.Level == slog.LevelInfo && (rec.Message == "relay: leases changed" || rec.Message == "relay: released leases") {
+		if !h.Handler.Enabled(ctx, slog.LevelDebug) {
+			return nil
+		}
+		rec.Level = slog.LevelDebug
+	}
+	return h.Handler.Handle(ctx, rec)
+}
+
+func (h engineLogs) WithAttrs(attrs []slog.Attr) slog.Handler {
+	return engineLogs{h.Handler.WithAttrs(attrs)}
+}
+
+func (h engineLogs) WithGroup(name string) slog.Handler { return engineLogs{h.Handler.WithGroup(name)} }
 
 // publisherOnly hands the engine the reader's publisher without its
 // LeaseAware side: the reader announces the term's leases itself

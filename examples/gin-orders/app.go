@@ -25,6 +25,9 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/metrics"
+	"github.com/gorm-outbox/outbox/ops"
+	"github.com/gorm-outbox/outbox/ops/opshttp"
+	"github.com/gorm-outbox/outbox/ops/opsui"
 	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
@@ -201,7 +204,11 @@ func Start(ctx context.Context, cfg Config) (_ *App, err error) {
 	if a.listener, err = net.Listen("tcp", cfg.Addr); err != nil {
 		return nil, err
 	}
-	a.server = &http.Server{Handler: a.routes(), ReadHeaderTimeout: 10 * time.Second}
+	handler, err := a.routes()
+	if err != nil {
+		return nil, err
+	}
+	a.server = &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second}
 	return a, nil
 }
 
@@ -253,7 +260,7 @@ func (a *App) Addr() string { return a.listener.Addr().String() }
 // Brokers are the Kafka brokers the service publishes to.
 func (a *App) Brokers() []string { return a.brokers }
 
-func (a *App) routes() http.Handler {
+func (a *App) routes() (http.Handler, error) {
 	gin.SetMode(gin.ReleaseMode)
 	r := gin.New()
 	r.Use(gin.Recovery())
@@ -268,25 +275,42 @@ func (a *App) routes() http.Handler {
 	}
 	r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
 
-	admin := gormrelay.PluginAdmin(a.db, a.plugin)
-	// Kubernetes probes. Liveness: 503 once the relay stopped on an
-	// error. Readiness (and /healthz): 503 then too, and while the oldest
-	// pending event is older than HealthMaxAge or the database does not
-	// answer.
-	health := gormrelay.Health{Admin: admin, Relay: a.relay, MaxAge: a.cfg.HealthMaxAge}
+	// The outbox's operator: table mode's Admin, or in WAL mode the
+	// slot's (its reader, lag, retained WAL and dead letters); and the
+	// relay or WAL reader whose end the probes report.
+	var (
+		admin ops.Operator = gormrelay.PluginAdmin(a.db, a.plugin)
+		runs  opshttp.Stopper
+	)
+	if a.relay != nil {
+		runs = a.relay
+	}
+	if a.reader != nil {
+		wal, err := a.reader.Admin(a.plugin)
+		if err != nil {
+			return nil, err
+		}
+		admin, runs = wal, a.reader
+	}
+	// Kubernetes probes. Liveness: 503 once the relay (or WAL reader)
+	// stopped on an error. Readiness (and /healthz): 503 then too, and
+	// while the oldest pending event is older than HealthMaxAge or the
+	// database does not answer; in WAL mode also while the slot is lost,
+	// missing, has no reader or retains too much WAL.
+	health := opshttp.Health{Operator: admin, Relay: runs, MaxAge: a.cfg.HealthMaxAge, Logger: a.log}
 	r.GET("/livez", gin.WrapH(health.Liveness()))
 	r.GET("/readyz", gin.WrapH(health.Readiness()))
 	r.GET("/healthz", gin.WrapH(health.Readiness()))
 	// The operational API, read-only: it must sit behind the service's own
 	// authentication before AllowMutations is ever turned on.
-	adminAPI := http.StripPrefix("/admin/outbox", gormrelay.NewAdminHandler(admin, gormrelay.AdminHandlerOptions{Logger: a.log}))
+	adminAPI := http.StripPrefix("/admin/outbox", opshttp.NewHandler(admin, opshttp.Options{Logger: a.log}))
 	r.Any("/admin/outbox/*path", gin.WrapH(adminAPI))
 	// The operator web UI on the same Admin, read-only like the API, with
 	// the relay's acknowledged count for its throughput figure.
-	ui := http.StripPrefix("/admin/outbox-ui", gormrelay.NewUI(admin, gormrelay.UIOptions{
+	ui := http.StripPrefix("/admin/outbox-ui", opsui.New(admin, opsui.Options{
 		Logger: a.log, Published: a.metrics.Acknowledged}))
 	r.Any("/admin/outbox-ui/*path", gin.WrapH(ui))
-	return r
+	return r, nil
 }
 
 // Close releases what Start opened, once Run returned (or if it never

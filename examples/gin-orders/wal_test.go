@@ -111,6 +111,15 @@ func TestOrdersFlowInWALMode(t *testing.T) {
 	require.Equal(t, []string{"OrderPlaced", "OrderStatusChanged", "OrderStatusChanged", "OrderCancelled"}, types, "%+v", events)
 
 	requireProbesOK(t, app.Addr(), "/livez", "/readyz")
+	// The admin API is the slot's: its reader holds the lease and has
+	// confirmed a position.
+	var wal map[string]any
+	require.Eventually(t, func() bool {
+		wal = c.do("GET", "/admin/outbox/wal", nil, http.StatusOK)
+		reader, _ := wal["reader"].(map[string]any)
+		lsn, _ := wal["confirmed_lsn"].(string)
+		return wal["slot"] == slot && reader["held"] == true && lsn != ""
+	}, 30*time.Second, 20*time.Millisecond, "/admin/outbox/wal: %v", &wal)
 	// At least 4: a reader term restarted under load publishes again.
 	publishedRE := regexp.MustCompile(`(?m)^outbox_wal_published_total\{outbox="` + slot + `",slot="` + slot + `"\} (\d+)$`)
 	var metrics string

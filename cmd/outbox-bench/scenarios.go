@@ -811,6 +811,8 @@ func relayEnv(cfg config, e *env, brokers []string) []string {
 		"OUTBOX_BENCH_BUCKETS=" + strconv.Itoa(cfg.Buckets), "OUTBOX_BENCH_BATCH=" + strconv.Itoa(cfg.BatchSize),
 		"OUTBOX_BENCH_PARALLELISM=" + strconv.Itoa(cfg.Parallelism),
 		"OUTBOX_BENCH_MAX_IDLE_CONNS=" + strconv.Itoa(cfg.MaxIdleConns),
+		"OUTBOX_BENCH_PRODUCERS=" + strconv.Itoa(cfg.Producers),
+		"OUTBOX_BENCH_FLUSH_FREQUENCY=" + cfg.FlushFrequency.String(),
 	}
 }
 
@@ -835,6 +837,14 @@ func runRelayRole() int {
 	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))
 	parallelism, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_PARALLELISM"))
 	maxIdle, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_MAX_IDLE_CONNS"))
+	// The relay process's publisher is the parent's: -producers and
+	// -flush-frequency.
+	kafkaProducers, _ = strconv.Atoi(os.Getenv("OUTBOX_BENCH_PRODUCERS"))
+	flush, err := time.ParseDuration(os.Getenv("OUTBOX_BENCH_FLUSH_FREQUENCY"))
+	if err != nil {
+		return fail(fmt.Errorf("OUTBOX_BENCH_FLUSH_FREQUENCY: %w", err))
+	}
+	kafkaFlushFrequency = flush
 	db, err := openGorm(os.Getenv("OUTBOX_BENCH_DRIVER"), os.Getenv("OUTBOX_BENCH_DSN"), maxIdle)
 	if err != nil {
 		return fail(err)

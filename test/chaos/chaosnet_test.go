@@ -466,7 +466,12 @@ func staleRelay(t *testing.T, lab *netLab, db *gorm.DB, plugin *outbox.Plugin, t
 		}
 	}
 	if len(names) == 0 {
-		t.Logf("chaos: relay 0 holds no lease at the last fault; its keys are any")
+		// Relay 0 would be a healthy relay once its database link heals
+		// and drain the whole backlog before the heal: cut its brokers
+		// too, so that a backlog is pending at the heal and the
+		// resumption is measured.
+		t.Logf("chaos: relay 0 holds no lease at the last fault; its keys are any, and its brokers are cut too")
+		require.NoError(t, lab.partition(0, linkBroker))
 	}
 	n := writeBacklog(t, db, plugin, topic, 3000, 100, func(done int) {
 		if done == 1500 {

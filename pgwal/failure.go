@@ -70,46 +70,22 @@ func (p policy) FilterBatch(ctx context.Context, _ string, lease relay.Lease, ms
 	if err := s.awaitQuarantined(ctx, q, msgs); err != nil {
 		return nil, err
 	}
-	var checked map[string]bool // key: still dead-lettered
 	var park []relay.Message
-	keep := msgs[:0:0]
 	for _, m := range msgs {
-		if !q.isQuarantined(&m) {
-			keep = append(keep, m)
-			continue
+		if q.isQuarantined(&m) {
+			park = append(park, m)
 		}
-		dead, ok := checked[string(m.Key)]
-		if !ok {
-			if dead, err = s.hasDeadLetters(ctx, m.Key); err != nil {
-				return nil, fmt.Errorf("pgwal: read dead letters: %w", err)
-			}
-			if checked == nil {
-				checked = map[string]bool{}
-			}
-			checked[string(m.Key)] = dead
-			if !dead {
-				delete(q.quarantined, string(m.Key))
-			}
-		}
-		if !dead {
-			keep = append(keep, m)
-			continue
-		}
-		park = append(park, m)
 	}
 	if len(park) == 0 {
 		return msgs, nil
 	}
-	requeued, err := s.park(ctx, q, park)
-	if err != nil {
+	// park checks each key's dead letters under the key's lock and takes
+	// a key whose dead letters were requeued out of quarantine: its
+	// messages are kept, in the batch's order.
+	if err := s.park(ctx, q, park); err != nil {
 		return nil, err
 	}
-	if !requeued {
-		return keep, nil
-	}
-	// Keys requeued since they were checked flow again: keep their
-	// messages, in the batch's order.
-	keep = keep[:0]
+	keep := msgs[:0:0]
 	for _, m := range msgs {
 		if !q.isQuarantined(&m) {
 			keep = append(keep, m)
@@ -121,9 +97,8 @@ func (p policy) FilterBatch(ctx context.Context, _ string, lease relay.Lease, ms
 // park dead-letters msgs, messages of quarantined keys, in state parked,
 // one key at a time under the key's lock (lockKey), which a requeue of
 // the key also takes: a key whose dead letters a requeue took meanwhile
-// is not parked but taken out of quarantine. It reports whether that
-// happened to any key.
-func (s *stream) park(ctx context.Context, q *bucketQ, msgs []relay.Message) (requeued bool, err error) {
+// is not parked but taken out of quarantine.
+func (s *stream) park(ctx context.Context, q *bucketQ, msgs []relay.Message) error {
 	var order []string
 	byKey := map[string][]relay.Message{}
 	for _, m := range msgs {
@@ -137,14 +112,13 @@ func (s *stream) park(ctx context.Context, q *bucketQ, msgs []relay.Message) (re
 		err := s.deadLetter(ctx, q, byKey[k], gormrelay.DeadLetterParked, "")
 		if errors.Is(err, errRequeued) {
 			delete(q.quarantined, k)
-			requeued = true
 			continue
 		}
 		if err != nil {
-			return false, err
+			return err
 		}
 	}
-	return requeued, nil
+	return nil
 }
 
 func (q *bucketQ) isQuarantined(m *relay.Message) bool {
@@ -197,11 +171,6 @@ func (s *stream) awaitQuarantined(ctx context.Context, q *bucketQ, msgs []relay.
 		}
 	}
 	return nil
-}
-
-// hasDeadLetters reports whether key has rows in the dead-letter table.
-func (s *stream) hasDeadLetters(ctx context.Context, key []byte) (bool, error) {
-	return hasDeadLetters(s.r.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true}), s.r.dead, key)
 }
 
 // hasDeadLetters reports whether key has rows in the dead-letter table

@@ -89,8 +89,8 @@ type config struct {
 	WALDSN string
 	// WALParts are the parts of the wal scenario to run.
 	WALParts []string
-	// Rounds is how many interleaved rounds the wal scenario runs; it
-	// reports their medians.
+	// Rounds is how many interleaved rounds the wal and strict scenarios
+	// run; they report their medians.
 	Rounds int
 	// RRBacklog is the backlog of the wal scenario's rr part.
 	RRBacklog int
@@ -177,7 +177,7 @@ func parseFlags(args []string) (config, error) {
 	var parts string
 	fs.StringVar(&c.WALDSN, "wal-dsn", defaultWALDSN(), "wal: PostgreSQL server with wal_level = logical; the wal scenario runs table mode and WAL mode there (env OUTBOX_TEST_POSTGRES_WAL_DSN)")
 	fs.StringVar(&parts, "wal-parts", strings.Join(allWALParts, ","), "wal: comma-separated parts: "+strings.Join(allWALParts, ", "))
-	fs.IntVar(&c.Rounds, "rounds", 3, "wal: interleaved rounds, whose medians are reported")
+	fs.IntVar(&c.Rounds, "rounds", 3, "wal, strict: interleaved rounds, whose medians are reported")
 	fs.IntVar(&c.RRBacklog, "rr-backlog", 400_000, "wal: backlog relayed while the rr part's REPEATABLE READ transaction stays open")
 	var brokers string
 	fs.StringVar(&brokers, "brokers", os.Getenv("KAFKA_BROKERS"), "comma-separated brokers of a real Kafka cluster (env KAFKA_BROKERS); empty starts a kfake broker process")

@@ -63,6 +63,14 @@ func TestSmoke(t *testing.T) {
 				if r.Scenario == "latency" {
 					requireLatencyModes(t, cfg, r)
 				}
+				if r.Scenario == "strict" {
+					// Both modes timed from their first acknowledgement too,
+					// in cfg.Rounds interleaved rounds.
+					for _, f := range []string{"strict/default", "strict/default_streaming", "strict_streaming", "default_streaming"} {
+						require.Positive(t, r.Values[f], f)
+						require.Len(t, r.Params["rounds:"+f], cfg.Rounds, f)
+					}
+				}
 			}
 			if cfg.RelayProfiles != "" {
 				requireRelayProfiles(t, cfg)

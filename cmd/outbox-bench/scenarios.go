@@ -257,17 +257,36 @@ func relayDrain(ctx context.Context, cfg config, brokers []string, n int, rss bo
 // the publisher newPub builds; with rss it also returns the peak resident
 // set size of the drain.
 func drainWith(ctx context.Context, cfg config, n int, rss bool, newPub func() (relay.Publisher, func(), error)) (rate float64, peakRSS int64, err error) {
+	d, err := drainTimed(ctx, cfg, n, rss, newPub)
+	return d.rate, d.peakRSS, err
+}
+
+// drain is what drainTimed measured.
+type drain struct {
+	// rate is n over the time from the relay's start (leases, producers)
+	// to the table found empty.
+	rate float64
+	// streaming is the messages acknowledged after the first
+	// acknowledgement over the time from it to the last: the steady rate,
+	// without the relay's start.
+	streaming float64
+	peakRSS   int64
+}
+
+// drainTimed is drainWith, also timing the drain from its first
+// acknowledgement.
+func drainTimed(ctx context.Context, cfg config, n int, rss bool, newPub func() (relay.Publisher, func(), error)) (d drain, err error) {
 	e, err := newEnv(ctx, cfg)
 	if err != nil {
-		return 0, 0, err
+		return d, err
 	}
 	defer e.close()
 	if err := e.prefill(ctx, n); err != nil {
-		return 0, 0, err
+		return d, err
 	}
 	pub, closePub, err := newPub()
 	if err != nil {
-		return 0, 0, err
+		return d, err
 	}
 	defer closePub()
 	if rss {
@@ -284,14 +303,14 @@ func drainWith(ctx context.Context, cfg config, n int, rss bool, newPub func() (
 	if cfg.profile != "" {
 		stop, err := startCPUProfile(cfg.profile)
 		if err != nil {
-			return 0, 0, err
+			return d, err
 		}
 		defer stop()
 	}
 	start := time.Now()
 	r, err := e.startRelay(ctx, pub, true, 0)
 	if err != nil {
-		return 0, 0, err
+		return d, err
 	}
 	select {
 	case <-acks.done:
@@ -301,13 +320,17 @@ func drainWith(ctx context.Context, cfg config, n int, rss bool, newPub func() (
 	err = e.waitEmpty(ctx, 10*time.Minute)
 	elapsed := time.Since(start)
 	if rss {
-		peakRSS = readPeakRSS()
+		d.peakRSS = readPeakRSS()
 	}
 	stopRelay(r)
 	if err != nil {
-		return 0, 0, err
+		return d, err
 	}
-	return float64(n) / elapsed.Seconds(), peakRSS, nil
+	d.rate = float64(n) / elapsed.Seconds()
+	if first, last, firstN := acks.span(); last.After(first) {
+		d.streaming = float64(int64(n)-firstN) / last.Sub(first).Seconds()
+	}
+	return d, nil
 }
 
 // ackCounter is a relay Observer that closes done once the relay has
@@ -318,6 +341,10 @@ type ackCounter struct {
 	got  atomic.Int64
 	once sync.Once
 	done chan struct{}
+
+	mu          sync.Mutex
+	first, last time.Time
+	firstAcked  int64
 }
 
 func newAckCounter(n int) *ackCounter {
@@ -325,9 +352,28 @@ func newAckCounter(n int) *ackCounter {
 }
 
 func (a *ackCounter) Published(ev relay.PublishEvent) {
+	if ev.Acked > 0 {
+		now := time.Now()
+		a.mu.Lock()
+		if a.first.IsZero() {
+			a.first, a.firstAcked = now, int64(ev.Acked)
+		}
+		if now.After(a.last) {
+			a.last = now
+		}
+		a.mu.Unlock()
+	}
 	if a.got.Add(int64(ev.Acked)) >= a.n {
 		a.once.Do(func() { close(a.done) })
 	}
+}
+
+// span returns when the first and the last acknowledgement arrived and
+// how many messages the first acknowledged.
+func (a *ackCounter) span() (first, last time.Time, firstAcked int64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.first, a.last, a.firstAcked
 }
 
 // dbCeiling prefills n messages and drains them with plain SQL: the
@@ -919,11 +965,8 @@ func strictScenario(ctx context.Context, cfg config, r *result) error {
 	}
 	defer broker.stop()
 	r.Params["messages"] = cfg.N
-	def, _, err := relayDrain(ctx, cfg, brokers, cfg.N, false)
-	if err != nil {
-		return fmt.Errorf("default mode: %w", err)
-	}
-	strict, _, err := drainWith(ctx, cfg, cfg.N, false, func() (relay.Publisher, func(), error) {
+	r.Params["rounds"] = cfg.Rounds
+	newStrict := func() (relay.Publisher, func(), error) {
 		p, err := publisher.NewTransactional(publisher.TransactionalConfig{
 			Brokers: brokers, TransactionalIDPrefix: "outbox-bench-" + randomSuffix() + ".", Logger: quiet,
 		})
@@ -935,12 +978,41 @@ func strictScenario(ctx context.Context, cfg config, r *result) error {
 			return nil, nil, err
 		}
 		return p, func() { p.Close() }, nil
-	})
-	if err != nil {
-		return fmt.Errorf("strict mode: %w", err)
 	}
-	r.add("default", def, "msg/s")
-	r.add("strict", strict, "msg/s")
-	r.add("strict/default", strict/def, "ratio")
+	newDefault := func() (relay.Publisher, func(), error) {
+		p, err := newPublisher(ctx, brokers)
+		if err != nil {
+			return nil, nil, err
+		}
+		return p, func() { p.Close() }, nil
+	}
+	// Rounds alternate the modes, so that a broker warming up (its first
+	// transactions create the transaction state topic) or a machine
+	// growing busy weighs on both. A strict relay starts each bucket's
+	// transactional producer when it takes the bucket's lease, inside the
+	// timed drain, while the default publisher's producers start before
+	// it: the streaming figures, from the first acknowledgement to the
+	// last, compare the modes without their starts.
+	series := map[string][]float64{}
+	for round := range cfg.Rounds {
+		def, err := drainTimed(ctx, cfg, cfg.N, false, newDefault)
+		if err != nil {
+			return fmt.Errorf("default mode, round %d: %w", round+1, err)
+		}
+		strict, err := drainTimed(ctx, cfg, cfg.N, false, newStrict)
+		if err != nil {
+			return fmt.Errorf("strict mode, round %d: %w", round+1, err)
+		}
+		series["default"] = append(series["default"], def.rate)
+		series["strict"] = append(series["strict"], strict.rate)
+		series["default_streaming"] = append(series["default_streaming"], def.streaming)
+		series["strict_streaming"] = append(series["strict_streaming"], strict.streaming)
+		series["strict/default"] = append(series["strict/default"], strict.rate/def.rate)
+		if def.streaming > 0 {
+			series["strict/default_streaming"] = append(series["strict/default_streaming"], strict.streaming/def.streaming)
+		}
+	}
+	addMedians(r, "", []string{"default", "strict", "default_streaming", "strict_streaming"}, series, "msg/s")
+	addMedians(r, "", []string{"strict/default", "strict/default_streaming"}, series, "ratio")
 	return nil
 }

@@ -322,14 +322,7 @@ func runChaos(t *testing.T, p params) {
 	if pgc != nil {
 		in.pg = &pgRestarter{c: pgc}
 	}
-	stopChaos, chaosDone := make(chan struct{}), make(chan struct{})
-	var stopOnce sync.Once
-	stop := func() { stopOnce.Do(func() { close(stopChaos) }); <-chaosDone }
-	go func() {
-		defer close(chaosDone)
-		in.run(stopChaos)
-	}()
-	t.Cleanup(stop) // runs before killAll
+	stop := startFaults(t, in)
 
 	// The writers.
 	written, writeErrs := runWriters(ctx, t, d.DB, plugin, topic, p)
@@ -337,12 +330,7 @@ func runChaos(t *testing.T, p params) {
 	t.Logf("chaos: %d messages written in %s (%d transaction retries)", written, writeTime.Round(time.Millisecond), writeErrs)
 
 	// Keep the faults going for the rest of the chaos window, then heal.
-	if rest := p.minChaos - time.Since(start); rest > 0 {
-		select {
-		case <-time.After(rest):
-		case <-ctx.Done():
-		}
-	}
+	sleepUntil(ctx, start, p.minChaos)
 	stop()
 	// The last fault, with a backlog the relays cannot drain before it
 	// heals, so that the resumption below is measured: a stale relay's
@@ -359,17 +347,8 @@ func runChaos(t *testing.T, p params) {
 		})
 	case pgc != nil:
 		lastFault(t, evPGRestartImmediate, events, func() {
-			// The pool's idle connections may have died with an earlier
-			// restart.
-			sqlDB.SetMaxIdleConns(0)
-			sqlDB.SetMaxIdleConns(p.writers + 4)
-			// One transaction, then the crash at once: the relays have no
-			// time to drain it first.
-			written += writeBacklog(t, d.DB, plugin, topic, 5000, 5000, nil)
-			require.NoError(t, pgc.restart("immediate"))
-			// The pool's idle connections died with the server.
-			sqlDB.SetMaxIdleConns(0)
-			sqlDB.SetMaxIdleConns(p.writers + 4)
+			// One transaction, then the crash at once.
+			written += crashWithBacklog(t, d.DB, sqlDB, p.writers+4, plugin, topic, pgc, 5000, 5000)
 		})
 	}
 	chaosTime := time.Since(start)
@@ -389,15 +368,7 @@ func runChaos(t *testing.T, p params) {
 	if p.network || p.pgRestart {
 		polls = networkLivenessPolls
 	}
-	bound := p.lease + time.Duration(polls)*chaosPoll
-	boundNote := ""
-	if real != nil {
-		// After a broker restarted or resumed, a producer may hold requests
-		// for the old leaders until its next metadata refresh (5 s in
-		// chaos-relay) before its retries find the new ones.
-		bound += chaosMetadataRefresh
-		boundNote = fmt.Sprintf(" + the producers' metadata refresh %s", chaosMetadataRefresh)
-	}
+	bound, boundNote := withMetadataRefresh(p.lease+time.Duration(polls)*chaosPoll, real)
 	t.Logf("chaos liveness: %d pending when the faults stopped; progress resumed after %s (bound: lease %s + %d polls of %s%s = %s); drained in %s (%.0f messages/s after resuming)",
 		live.atHeal, live.resumed.Round(10*time.Millisecond), p.lease, polls, chaosPoll, boundNote, bound,
 		drainTime.Round(10*time.Millisecond), live.rate())
@@ -406,25 +377,13 @@ func runChaos(t *testing.T, p params) {
 	require.NoError(t, d.DB.Raw("SELECT COUNT(*) FROM "+d.DB.Statement.Quote(tables.DeadLettersTable())).Scan(&dead).Error)
 
 	// What was committed: the business table is the truth.
-	var rows []order
-	require.NoError(t, d.DB.Select("k", "seq", "msg_id").Find(&rows).Error)
-	expected := make(map[string]ref, len(rows))
-	perKey := map[string]int32{}
-	for _, r := range rows {
-		expected[r.MsgID] = ref{key: r.K, seq: r.Seq}
-		perKey[r.K] = max(perKey[r.K], r.Seq+1)
-	}
+	expected, perKey := committed(t, d.DB)
 
 	// What was delivered.
 	got := consume(t, brokers(), topic, p.strict, expected, 2*time.Minute)
 
 	// Count.
-	var lost []string
-	for id := range expected {
-		if got.seen[id] == 0 {
-			lost = append(lost, id)
-		}
-	}
+	lost := lostOf(expected, got)
 	logs := scanRelayLogs(pr.logs())
 	explained, byTakeover, kinds := explain(got.violations, events.snapshot(), logs, p.lease)
 	slowExits, longestExit := pr.exitStats()
@@ -509,13 +468,7 @@ func runChaos(t *testing.T, p params) {
 	require.Zero(t, dead, "no message is dead-lettered by transient faults")
 	require.Empty(t, got.unknown, "every delivered message belongs to a committed business transaction")
 	require.Empty(t, got.corrupt, "every delivered record carries its id, key and sequence intact")
-	if len(lost) > 0 {
-		slices.Sort(lost)
-		require.Empty(t, lost[:min(len(lost), 20)], "%d messages lost", len(lost))
-	}
-	for k, n := range perKey {
-		require.Equal(t, n, got.delivered[k], "key %s: every sequence number delivered", k)
-	}
+	requireAllDelivered(t, lost, perKey, got)
 	if p.strict {
 		require.Empty(t, got.violations, "strict mode keeps per-key order")
 	}

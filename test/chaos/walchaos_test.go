@@ -9,10 +9,8 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
-	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -187,49 +185,24 @@ func runWALChaos(t *testing.T, p params) {
 			action{1, in.shuffleLeaders},
 		)
 	}
-	stopChaos, chaosDone := make(chan struct{}), make(chan struct{})
-	var stopOnce sync.Once
-	stop := func() { stopOnce.Do(func() { close(stopChaos) }); <-chaosDone }
-	go func() {
-		defer close(chaosDone)
-		in.run(stopChaos)
-	}()
-	t.Cleanup(stop)
+	stop := startFaults(t, in)
 
 	written, writeErrs := runWriters(ctx, t, d.DB, plugin, topic, p)
 	writeTime := time.Since(start)
 	t.Logf("chaos wal: %d messages written in %s (%d transaction retries)", written, writeTime.Round(time.Millisecond), writeErrs)
-	if rest := p.minChaos - time.Since(start); rest > 0 {
-		select {
-		case <-time.After(rest):
-		case <-ctx.Done():
-		}
-	}
+	sleepUntil(ctx, start, p.minChaos)
 	stop()
 
 	// The last fault: a backlog, then a crash of the server at once.
 	var healAt time.Time
 	lastFault(t, evPGRestartImmediate, events, func() {
-		sqlDB.SetMaxIdleConns(0)
-		sqlDB.SetMaxIdleConns(p.writers + 4)
-		written += writeBacklog(t, d.DB, plugin, topic, 5000, 500, nil)
-		require.NoError(t, pgc.restart("immediate"))
-		sqlDB.SetMaxIdleConns(0)
-		sqlDB.SetMaxIdleConns(p.writers + 4)
+		written += crashWithBacklog(t, d.DB, sqlDB, p.writers+4, plugin, topic, pgc, 5000, 500)
 		healAt = time.Now()
 	})
 	live := waitSlotConfirms(t, d.DB, slot, p.drainLimit, healAt)
 	// The readers confirm once per standby interval (-renew); a reader
 	// whose walsender died with the server reconnects after its backoff.
-	bound := p.lease + 3*p.renew
-	boundNote := ""
-	if real != nil {
-		// As in runChaos: after a broker restarted or resumed, a producer
-		// may hold requests for the old leaders (a strict-mode term's
-		// fencing included) until its next metadata refresh.
-		bound += chaosMetadataRefresh
-		boundNote = fmt.Sprintf(" + the producers' metadata refresh %s", chaosMetadataRefresh)
-	}
+	bound, boundNote := withMetadataRefresh(p.lease+3*p.renew, real)
 	t.Logf("chaos wal liveness: %d WAL bytes unconfirmed at the heal; the slot confirmed progress after %s (bound: lease %s + 3 standby intervals of %s%s = %s); everything written confirmed after %s",
 		live.behindAtHeal, live.resumed.Round(10*time.Millisecond), p.lease, p.renew, boundNote, bound, live.caughtUp.Round(10*time.Millisecond))
 	if real != nil {
@@ -237,23 +210,11 @@ func runWALChaos(t *testing.T, p params) {
 	}
 	stopErrs := pr.stopAll(termTimeout)
 
-	var rows []order
-	require.NoError(t, d.DB.Select("k", "seq", "msg_id").Find(&rows).Error)
-	expected := make(map[string]ref, len(rows))
-	perKey := map[string]int32{}
-	for _, r := range rows {
-		expected[r.MsgID] = ref{key: r.K, seq: r.Seq}
-		perKey[r.K] = max(perKey[r.K], r.Seq+1)
-	}
+	expected, perKey := committed(t, d.DB)
 	var dead int64
 	require.NoError(t, d.DB.Raw("SELECT COUNT(*) FROM "+d.DB.Statement.Quote(plugin.Config().Tables.DeadLettersTable())).Scan(&dead).Error)
 	got := consume(t, cluster.Brokers(), topic, p.strict, expected, 2*time.Minute)
-	var lost []string
-	for id := range expected {
-		if got.seen[id] == 0 {
-			lost = append(lost, id)
-		}
-	}
+	lost := lostOf(expected, got)
 	logs := scanRelayLogs(pr.logs())
 	wl := scanWALLogs(pr.logs())
 	dups := got.records - len(got.seen)
@@ -297,13 +258,7 @@ func runWALChaos(t *testing.T, p params) {
 	require.Zero(t, dead, "no message is dead-lettered by transient faults")
 	require.Empty(t, got.unknown, "every delivered message belongs to a committed business transaction")
 	require.Empty(t, got.corrupt, "every delivered record carries its id, key and sequence intact")
-	if len(lost) > 0 {
-		slices.Sort(lost)
-		require.Empty(t, lost[:min(len(lost), 20)], "%d messages lost", len(lost))
-	}
-	for k, n := range perKey {
-		require.Equal(t, n, got.delivered[k], "key %s: every sequence number delivered", k)
-	}
+	requireAllDelivered(t, lost, perKey, got)
 	require.Empty(t, got.violations, "each key's first deliveries follow its commit order")
 	require.LessOrEqual(t, got.maxCopies, wl.terms+wl.publishFailed, "a message is delivered again only by a new reading term or a failed publish's retry")
 	require.LessOrEqual(t, dups, dupBound, "duplicates are bounded by the replays the faults caused")

@@ -278,10 +278,10 @@ func TestWALReaderResumesWhenServerAnswers(t *testing.T) {
 	t.Parallel()
 	e := newWALSlotEnv(t)
 	const backoffMin, backoffMax = 50 * time.Millisecond, 10 * time.Second
-	att := &attemptLog{Handler: dbtest.Logger(t).Handler(), c: make(chan failedAttempt, 1000)}
+	log, failed := dbtest.WatchLog(t, "pgwal: reading the slot failed, retrying")
 	r, err := pgwal.New(e.d.DB, e.plugin, e.pub, pgwal.Config{
 		ReplicationDSN: e.d.DSN, LeaseDuration: 1500 * time.Millisecond, StandbyInterval: 200 * time.Millisecond,
-		BackoffMin: backoffMin, BackoffMax: backoffMax, Logger: slog.New(att),
+		BackoffMin: backoffMin, BackoffMax: backoffMax, Logger: log,
 	})
 	require.NoError(t, err)
 	require.NoError(t, r.EnsureSlot(context.Background()))
@@ -303,12 +303,15 @@ func TestWALReaderResumesWhenServerAnswers(t *testing.T) {
 		}
 		return min(d, backoffMax) / 2
 	}
-	var last failedAttempt
-	for floor(last.n) < backoffMax/2 {
+	var last slog.Record
+	n := 0
+	for floor(n) < backoffMax/2 {
 		select {
-		case last = <-att.c:
+		case last = <-failed:
+			v, _ := dbtest.Attr(last, "attempt")
+			n = int(v.Int64())
 		case <-time.After(2 * time.Minute):
-			t.Fatalf("no failed attempt logged for 2 minutes while the server was down (last: %d)", last.n)
+			t.Fatalf("no failed attempt logged for 2 minutes while the server was down (last: %d)", n)
 		}
 	}
 	require.NoError(t, e.c.start())
@@ -323,56 +326,14 @@ func TestWALReaderResumesWhenServerAnswers(t *testing.T) {
 	written := time.Now()
 	require.Eventually(t, func() bool { return r.Stats().Published >= 11 }, 2*time.Minute, time.Millisecond)
 	published := time.Now()
-	wouldRetry := last.at.Add(floor(last.n))
+	wouldRetry := last.Time.Add(floor(n))
 	t.Logf("resume: server down %s, attempt %d failed %s before it accepted connections again; written %s and published %s after that; the plain backoff would have retried %s after it at the earliest",
-		last.at.Sub(stopped).Round(time.Millisecond), last.n, ready.Sub(last.at).Round(time.Millisecond),
+		last.Time.Sub(stopped).Round(time.Millisecond), n, ready.Sub(last.Time).Round(time.Millisecond),
 		written.Sub(ready).Round(time.Millisecond), published.Sub(ready).Round(time.Millisecond), wouldRetry.Sub(ready).Round(time.Millisecond))
 	require.True(t, published.Before(wouldRetry),
 		"the reader published the message written after the restart (%s after the server answered) before its plain backoff (at least %s after attempt %d) would have ended (%s after the server answered)",
-		published.Sub(ready), floor(last.n), last.n, wouldRetry.Sub(ready))
+		published.Sub(ready), floor(n), n, wouldRetry.Sub(ready))
 	e.delivered(t) // every message, the first ten again if the crash took their confirmation
 	cancel()
 	require.NoError(t, <-done)
-}
-
-// failedAttempt is a reader's "reading the slot failed" record.
-type failedAttempt struct {
-	at time.Time
-	n  int
-}
-
-// attemptLog forwards a reader's logs to Handler and sends each failed
-// attempt's record to c.
-type attemptLog struct {
-	slog.Handler
-	c chan failedAttempt
-}
-
-func (h *attemptLog) Handle(ctx context.Context, rec slog.Record) error {
-	if rec.Message == "pgwal: reading the slot failed, retrying" {
-		rec.Attrs(func(a slog.Attr) bool {
-			if a.Key == "attempt" {
-				select {
-				case h.c <- failedAttempt{at: rec.Time, n: int(a.Value.Int64())}:
-				default:
-				}
-				return false
-			}
-			return true
-		})
-	}
-	if !h.Handler.Enabled(ctx, rec.Level) {
-		return nil
-	}
-	return h.Handler.Handle(ctx, rec)
-}
-
-func (h *attemptLog) Enabled(context.Context, slog.Level) bool { return true }
-
-func (h *attemptLog) WithAttrs(attrs []slog.Attr) slog.Handler {
-	return &attemptLog{Handler: h.Handler.WithAttrs(attrs), c: h.c}
-}
-
-func (h *attemptLog) WithGroup(name string) slog.Handler {
-	return &attemptLog{Handler: h.Handler.WithGroup(name), c: h.c}
 }

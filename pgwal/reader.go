@@ -153,7 +153,8 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // the slot and publishes until ctx ends, then returns nil. It returns an
 // error for what retrying cannot fix: a *SlotLostError, a
 // *relay.MisconfigurationError from the publisher, a bucket beyond the
-// outbox's BucketCount. Connection failures are retried with backoff.
+// outbox's BucketCount. Connection failures are retried with backoff,
+// cut short when the database answers again (probed every BackoffMin).
 // Ending ctx abandons the messages in flight: they were not confirmed, so
 // the next reader publishes them again. The lease is not released then:
 // another reader takes over once it lapses (LeaseDuration). A reader

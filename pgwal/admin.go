@@ -140,6 +140,14 @@ func (a *Admin) WALStatus(ctx context.Context) (ops.WALStatus, error) {
 			ws.LagSource = "reader"
 		}
 	}
+	if ws.LagSource == "" && ws.Reader.Held && lease.LagAtMs > 0 {
+		// Another process reads the slot: its last renewal's sample.
+		ws.LagSource = "lease"
+		if lease.LagOldestMs > 0 {
+			ws.Oldest = time.UnixMilli(lease.LagOldestMs)
+			ws.LagAgeMs = max(now.Sub(ws.Oldest), 0).Milliseconds()
+		}
+	}
 	return ws, nil
 }
 

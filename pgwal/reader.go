@@ -136,6 +136,12 @@ func (r *Reader) oldest() (oldest time.Time, bucket int, ok bool) {
 	if s == nil {
 		return time.Time{}, 0, false
 	}
+	return s.oldest()
+}
+
+// oldest returns the creation time of the oldest message held in the
+// stream's queues, and its bucket.
+func (s *stream) oldest() (oldest time.Time, bucket int, ok bool) {
 	for _, q := range s.buckets {
 		q.mu.Lock()
 		if len(q.q) > 0 && (!ok || q.q[0].msg.CreatedAt.Before(oldest)) {
@@ -426,7 +432,7 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	// Record where reading starts before anything is confirmed, so a slot
 	// dropped from now on is noticed.
 	renewed := time.Now()
-	if ok, err := r.leases.renew(ctx, term, int64(from)); err != nil || !ok {
+	if ok, err := r.leases.renew(ctx, term, int64(from), lagSample{}); err != nil || !ok {
 		return errors.Join(errLeaseLost, err)
 	}
 	err = pglogrepl.StartReplication(ctx, conn, r.cfg.Slot, from, pglogrepl.StartReplicationOptions{
@@ -440,6 +446,9 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	s := newStream(r, conn, term, from, renewed)
+	// The WAL written before the term began: until it is read, an empty
+	// queue does not mean nothing is pending.
+	s.backlogEnd = st.Confirmed + pglogrepl.LSN(max(st.RetainedBytes, 0))
 	defer s.end()
 	if s.rel.oid, err = r.bridgeOID(ctx); err != nil {
 		return err
@@ -587,7 +596,7 @@ func (r *Reader) announce(ctx context.Context, la relay.LeaseAware, term int64, 
 			case <-t.C:
 			}
 			rctx, cancel := context.WithTimeout(actx, r.cfg.LeaseDuration/3)
-			ok, err := r.leases.renew(rctx, term, int64(from))
+			ok, err := r.leases.renew(rctx, term, int64(from), lagSample{})
 			cancel()
 			if err == nil && !ok {
 				stop(errLeaseLost)

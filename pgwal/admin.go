@@ -69,7 +69,7 @@ func NewAdmin(db *gorm.DB, plugin *outbox.Plugin, cfg Config) (*Admin, error) {
 
 // Admin returns the operator API of the reader's outbox. Its WALStatus
 // reports the lag in time from this reader's queues (LagSource
-// "reader").
+// "reader") while it reads the slot.
 func (r *Reader) Admin(plugin *outbox.Plugin) (*Admin, error) {
 	a, err := NewAdmin(r.db, plugin, r.cfg)
 	if err != nil {
@@ -87,8 +87,10 @@ func (a *Admin) leases() *leases {
 	return &leases{db: a.db, table: a.cfg.LeaseTable, slot: a.cfg.Slot, me: a.cfg.RelayID, dur: a.cfg.LeaseDuration}
 }
 
-// WALStatus reads the slot, its lease and, with a reader in this
-// process, the age of the oldest message it has not published.
+// WALStatus reads the slot, its lease and the age of the oldest message
+// the reader has not published: from the queues of a reader in this
+// process that reads the slot (LagSource "reader"), otherwise from the
+// lease row's last renewal while the lease is held (LagSource "lease").
 func (a *Admin) WALStatus(ctx context.Context) (ops.WALStatus, error) {
 	ctx, cancel := context.WithTimeout(ctx, gormrelay.AdminTimeoutDefault)
 	defer cancel()

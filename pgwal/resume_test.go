@@ -69,21 +69,26 @@ func TestReaderResumesWhenDatabaseAnswers(t *testing.T) {
 	e.write(t, 2, 0, 10)
 	e.checkDelivered(t, 2, 10)
 
-	g.shut()
-	// The failed attempt after which the backoff lasts at least hi/2.
-	var last slog.Record
-	for n := 0; backoffFloor(lo, hi, n) < hi/2; {
-		select {
-		case last = <-logs:
-			require.Equal(t, logFailed, last.Message, "no outage's end while the database is unreachable")
-			v, _ := dbtest.Attr(last, "attempt")
-			n = int(v.Int64())
-		case <-time.After(time.Minute):
-			t.Fatalf("no failed attempt logged for a minute while the database was unreachable (last: %d)", n)
+	// outage waits for the failed attempt after which the backoff lasts
+	// at least hi/2, and returns its record and number.
+	outage := func() (slog.Record, int) {
+		var last slog.Record
+		n := 0
+		for backoffFloor(lo, hi, n) < hi/2 {
+			select {
+			case last = <-logs:
+				require.Equal(t, logFailed, last.Message, "no outage's end while the database is unreachable")
+				v, _ := dbtest.Attr(last, "attempt")
+				n = int(v.Int64())
+			case <-time.After(time.Minute):
+				t.Fatalf("no failed attempt logged for a minute while the database was unreachable (last: %d)", n)
+			}
 		}
+		return last, n
 	}
-	v, _ := dbtest.Attr(last, "attempt")
-	lastN := int(v.Int64())
+
+	g.shut()
+	last, lastN := outage()
 	e.write(t, 2, 10, 20) // directly, not through the gate
 	g.open.Store(true)
 	answered := time.Now()
@@ -103,7 +108,13 @@ func TestReaderResumesWhenDatabaseAnswers(t *testing.T) {
 		}
 	}
 	require.Equal(t, 1, ends, "the outage's end is logged once")
+
+	// Stopping while the reader waits out a long backoff returns before
+	// the backoff would have ended.
+	g.shut()
+	last, lastN = outage()
 	require.NoError(t, stop())
+	require.True(t, time.Now().Before(last.Time.Add(backoffFloor(lo, hi, lastN))), "Run returned before the backoff of attempt %d ended", lastN)
 }
 
 // netDown is the error a dial to brokers that are down returns.

@@ -189,14 +189,27 @@ func (a *Admin) Watch(ctx context.Context, interval time.Duration) <-chan ops.Sn
 	return ops.Watch(ctx, a, interval)
 }
 
-// OldestPending returns, with a reader in this process, the age of the
-// oldest message it decoded and has not published, and its bucket;
-// otherwise the messages table's (gormrelay.Admin.OldestPending), which
-// holds nothing in WAL mode.
+// OldestPending returns the age of the oldest message the reader decoded
+// and has not published, and its bucket: from the queues of a reader in
+// this process that reads the slot, otherwise from the lease row's last
+// renewal while the lease is held (as WALStatus's LagSource "lease");
+// failing both, the messages table's (gormrelay.Admin.OldestPending),
+// which holds only bridged rows in WAL mode.
 func (a *Admin) OldestPending(ctx context.Context) (time.Duration, int, bool, error) {
-	if a.reader != nil {
+	if a.reader != nil && a.reader.cur.Load() != nil {
 		if oldest, bucket, ok := a.reader.oldest(); ok {
 			return max(time.Since(oldest), 0), bucket, true, nil
+		}
+	} else {
+		lctx, cancel := context.WithTimeout(ctx, gormrelay.AdminTimeoutDefault)
+		lease, ok, err := a.lease(a.db.WithContext(lctx))
+		cancel()
+		if err != nil {
+			return 0, 0, false, err
+		}
+		now := time.Now()
+		if ok && lease.LagOldestMs > 0 && lease.Owner != nil && lease.ExpiresAtMs > now.UnixMilli() {
+			return max(now.Sub(time.UnixMilli(lease.LagOldestMs)), 0), lease.LagBucket, true, nil
 		}
 	}
 	return a.Admin.OldestPending(ctx)

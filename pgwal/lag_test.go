@@ -17,6 +17,7 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/ops"
+	"github.com/gorm-outbox/outbox/ops/opshttp"
 	"github.com/gorm-outbox/outbox/ops/opsui"
 	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/relay"
@@ -73,6 +74,12 @@ func TestAdminLagFromAnotherProcess(t *testing.T) {
 	require.Eventually(t, func() bool { ws = status(); return ws.LagAgeMs >= 300 }, 30*time.Second, 10*time.Millisecond,
 		"the lag grows while the broker is down: %+v", &ws)
 	require.Equal(t, "lease", ws.LagSource)
+	// Readiness in that process reads the held message's age.
+	ready := opshttp.Health{Operator: admin, MaxAge: 100 * time.Millisecond, MaxRetainedWALBytes: -1}.Handler()
+	rec := httptest.NewRecorder()
+	ready.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	require.Equal(t, http.StatusServiceUnavailable, rec.Code, rec.Body.String())
+	require.Contains(t, rec.Body.String(), `"status":"unhealthy"`)
 	// The UI's overview in that process shows it.
 	ui := httptest.NewServer(opsui.New(admin, opsui.Options{}))
 	defer ui.Close()
@@ -88,6 +95,9 @@ func TestAdminLagFromAnotherProcess(t *testing.T) {
 	require.Eventually(t, func() bool { ws = status(); return ws.LagSource == "lease" && ws.Oldest.IsZero() }, 30*time.Second, 10*time.Millisecond,
 		"caught up: %+v", &ws)
 	require.Zero(t, ws.LagAgeMs)
+	rec = httptest.NewRecorder()
+	ready.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	require.Equal(t, http.StatusOK, rec.Code, rec.Body.String())
 
 	require.NoError(t, stop()) // the lease is left to lapse
 	require.Eventually(t, func() bool { ws = status(); return !ws.Reader.Held }, 30*time.Second, 10*time.Millisecond)

@@ -158,8 +158,8 @@ func (s *stream) position() pglogrepl.LSN {
 // stream read the WAL written before the term began; unknown before.
 func (s *stream) lag() lagSample {
 	now := time.Now().UnixMilli()
-	if oldest, _, ok := s.oldest(); ok {
-		return lagSample{oldestMs: max(oldest.UnixMilli(), 1), atMs: now}
+	if oldest, bucket, ok := s.oldest(); ok {
+		return lagSample{oldestMs: max(oldest.UnixMilli(), 1), atMs: now, bucket: bucket}
 	}
 	if s.done < s.backlogEnd {
 		return lagSample{}

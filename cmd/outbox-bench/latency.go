@@ -494,6 +494,13 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	ids := make([]string, total)
 	var werr atomic.Value
 	closedAtStart := maxIdleClosed(e.db)
+	if cfg.CPUProfile != "" {
+		stop, err := startCPUProfile(cfg.CPUProfile + "." + mode.label())
+		if err != nil {
+			return nil, 0, err
+		}
+		defer stop()
+	}
 	if mode.rules8 {
 		writeRules8(ctx, e, cfg, total, committed, ids, &werr)
 	} else {

@@ -50,6 +50,7 @@ func TestSmoke(t *testing.T) {
 				// consumer inline.
 				cfg.Timeline, cfg.Consumer = t.TempDir(), "inline"
 				cfg.RelayProfiles = t.TempDir()
+				cfg.CPUProfile = filepath.Join(t.TempDir(), "cpu")
 			}
 			results, err := run(context.Background(), cfg, io.Discard)
 			require.NoError(t, err)
@@ -66,6 +67,15 @@ func TestSmoke(t *testing.T) {
 			}
 			if cfg.RelayProfiles != "" {
 				requireRelayProfiles(t, cfg)
+			}
+			if cfg.CPUProfile != "" {
+				// The drain's profile, and one per latency mode run.
+				files := []string{cfg.CPUProfile, cfg.CPUProfile + ".notify", cfg.CPUProfile + ".direct.1", cfg.CPUProfile + ".direct.2"}
+				for _, f := range files {
+					st, err := os.Stat(f)
+					require.NoError(t, err)
+					require.NotZero(t, st.Size(), f)
+				}
 			}
 		})
 	}

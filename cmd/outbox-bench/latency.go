@@ -135,6 +135,7 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 	r.Params["consumer"] = cfg.Consumer
 	r.Params["parallelism"] = cfg.Parallelism
 	r.Params["max_idle_conns"] = cfg.MaxIdleConns
+	cfg.latencyProfile = cfg.CPUProfile
 	runs := map[string]int{}
 	for _, name := range cfg.LatencyModes {
 		runs[name]++
@@ -494,8 +495,8 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	ids := make([]string, total)
 	var werr atomic.Value
 	closedAtStart := maxIdleClosed(e.db)
-	if cfg.CPUProfile != "" {
-		stop, err := startCPUProfile(cfg.CPUProfile + "." + mode.label())
+	if cfg.latencyProfile != "" {
+		stop, err := startCPUProfile(cfg.latencyProfile + "." + mode.label())
 		if err != nil {
 			return nil, 0, err
 		}

@@ -76,6 +76,9 @@ type config struct {
 	// relay drain (at the configured Parallelism); empty takes none.
 	CPUProfile string
 	profile    string // the one run CPUProfile applies to
+	// latencyProfile is the prefix of the latency scenario's profiles,
+	// one per mode run (CPUProfile, in that scenario only).
+	latencyProfile string
 	// RelayProfiles is a directory where each relay process of the relays
 	// scenario writes its CPU profile, relays-K-PID.pprof for a drain by K
 	// processes; empty takes none.

@@ -141,8 +141,9 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 		runs[name]++
 	}
 	pooled := map[string][]time.Duration{}
-	closed := map[string]int64{} // summed over a mode's runs
-	var order []string           // the modes' first runs, in order
+	lags := map[string][]time.Duration{} // the writers' lag behind their schedule
+	closed := map[string]int64{}         // summed over a mode's runs
+	var order []string                   // the modes' first runs, in order
 	seen := map[string]int{}
 	for _, name := range cfg.LatencyModes {
 		mode := latencyModeNamed(name)
@@ -160,12 +161,16 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 		if runs[name] > 1 {
 			mode.run = seen[name]
 		}
-		var idleClosed int64
-		lat, err := measureAll(ctx, cfg, brokers, mode, &r.Notes, &idleClosed)
+		var (
+			idleClosed int64
+			lag        []time.Duration
+		)
+		lat, err := measureAll(ctx, cfg, brokers, mode, &r.Notes, &idleClosed, &lag)
 		if err != nil {
 			return err
 		}
 		pooled[name] = append(pooled[name], lat...)
+		lags[name] = append(lags[name], lag...)
 		if runs[name] > 1 {
 			// Each run of a repeated mode on its own; the mode's figures
 			// below pool them.
@@ -186,6 +191,10 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 		r.add(name+"_max", ms(lat[len(lat)-1]), "ms")
 		r.add(name+"_messages", float64(len(lat)), "msgs")
 		r.add(name+"_max_idle_closed", float64(closed[name]), "conns")
+		lag := lags[name]
+		sortDurations(lag)
+		r.add(name+"_write_lag_p50", ms(percentile(lag, 0.50)), "ms")
+		r.add(name+"_write_lag_p99", ms(percentile(lag, 0.99)), "ms")
 	}
 	r.Params["latency_modes"] = strings.Join(cfg.LatencyModes, ",")
 	// A hint-driven relay should have no worse a tail than a relay polling
@@ -215,8 +224,8 @@ const arrivalStall = 60 * time.Second
 
 // measureAll is measureLatency on mode's topic, failing unless every
 // message arrived.
-func measureAll(ctx context.Context, cfg config, brokers []string, mode latencyMode, notes *[]string, idleClosed *int64) ([]time.Duration, error) {
-	lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, notes, idleClosed)
+func measureAll(ctx context.Context, cfg config, brokers []string, mode latencyMode, notes *[]string, idleClosed *int64, lag *[]time.Duration) ([]time.Duration, error) {
+	lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, notes, idleClosed, lag)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", mode.name, err)
 	}
@@ -377,10 +386,14 @@ func startNotifySender(ctx context.Context, e *env, channel string) (stop func()
 // writer's publish), writes it there and appends a summary of the slowest
 // messages to notes.
 //
+// A non-nil lag receives, sorted, how far behind its schedule each counted
+// message's commit returned: the time a message waited to be written
+// because the writers were busy, which commit → receipt does not count.
+//
 // idleClosed receives how many connections the bench process's pool (the
 // writer's and, but for listen, the relay's) closed at its idle limit
 // while the messages were written and delivered (sql.DBStats.MaxIdleClosed).
-func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string, idleClosed *int64) ([]time.Duration, int, error) {
+func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string, idleClosed *int64, lag *[]time.Duration) ([]time.Duration, int, error) {
 	var rules []outbox.Rule
 	if mode.rules8 {
 		rules = append(rules, outbox.OnCreate(func(c outbox.Change[*LatencyOrder]) (*outbox.Message, error) {
@@ -492,6 +505,7 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	warm := int(float64(cfg.Rate) * cfg.Warmup.Seconds())
 	total := warm + int(float64(cfg.Rate)*cfg.Duration.Seconds())
 	committed := make([]time.Time, total)
+	scheduled := make([]time.Time, total)
 	ids := make([]string, total)
 	var werr atomic.Value
 	closedAtStart := maxIdleClosed(e.db)
@@ -503,9 +517,9 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 		defer stop()
 	}
 	if mode.rules8 {
-		writeRules8(ctx, e, cfg, total, committed, ids, &werr)
+		writeRules8(ctx, e, cfg, total, scheduled, committed, ids, &werr)
 	} else {
-		writePaced(ctx, e, cfg, topic, total, committed, ids, after, &werr)
+		writePaced(ctx, e, cfg, topic, total, scheduled, committed, ids, after, &werr)
 	}
 	if err, _ := werr.Load().(error); err != nil {
 		return nil, 0, err
@@ -553,6 +567,15 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	if len(lat) == 0 {
 		return nil, lost, errors.New("no message arrived")
 	}
+	if lag != nil {
+		for i := warm; i < total; i++ {
+			if committed[i].IsZero() {
+				continue // its transaction failed: werr
+			}
+			*lag = append(*lag, max(0, committed[i].Sub(scheduled[i])))
+		}
+		sortDurations(*lag)
+	}
 	if e.tl != nil {
 		msgs := e.tl.trace(ids[warm:], committed[warm:], recv)
 		*notes = append(*notes, mode.label()+" timeline: "+e.tl.summary(msgs, percentile(lat, 0.99)))
@@ -565,9 +588,11 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 
 // writePaced enqueues total one-message transactions at cfg.Rate from
 // one schedule, handed to a pool of 8 connections so that a slow commit
-// does not delay the next one, recording each commit's return. A non-nil
-// after runs with each message once its transaction committed.
-func writePaced(ctx context.Context, e *env, cfg config, topic string, total int, committed []time.Time, ids []string, after func(*outbox.Message) error, werr *atomic.Value) {
+// does not delay the next one, recording each transaction's time in the
+// schedule and its commit's return. A non-nil after runs with each
+// message once its transaction committed, on the same connection's
+// goroutine: a slow after holds the next transactions back.
+func writePaced(ctx context.Context, e *env, cfg config, topic string, total int, scheduled, committed []time.Time, ids []string, after func(*outbox.Message) error, werr *atomic.Value) {
 	jobs := make(chan int, total)
 	var wg sync.WaitGroup
 	for w := 0; w < 8; w++ {
@@ -593,7 +618,8 @@ func writePaced(ctx context.Context, e *env, cfg config, topic string, total int
 	interval := time.Second / time.Duration(cfg.Rate)
 	start := time.Now()
 	for i := 0; i < total; i++ {
-		if d := time.Until(start.Add(time.Duration(i) * interval)); d > 0 {
+		scheduled[i] = start.Add(time.Duration(i) * interval)
+		if d := time.Until(scheduled[i]); d > 0 {
 			time.Sleep(d) // pacing the writer, not synchronization
 		}
 		jobs <- i
@@ -606,7 +632,7 @@ func writePaced(ctx context.Context, e *env, cfg config, topic string, total int
 // eighth of cfg.Rate from a random phase, each creating one LatencyOrder
 // per transaction whose publish rule emits the message: what a service
 // with concurrent requests does.
-func writeRules8(ctx context.Context, e *env, cfg config, total int, committed []time.Time, ids []string, werr *atomic.Value) {
+func writeRules8(ctx context.Context, e *env, cfg config, total int, scheduled, committed []time.Time, ids []string, werr *atomic.Value) {
 	const writers = 8
 	interval := writers * time.Second / time.Duration(cfg.Rate)
 	start := time.Now()
@@ -615,7 +641,8 @@ func writeRules8(ctx context.Context, e *env, cfg config, total int, committed [
 		phase := time.Duration(rand.Int64N(int64(interval)))
 		wg.Go(func() {
 			for n, i := 0, w; i < total; n, i = n+1, i+writers {
-				if d := time.Until(start.Add(phase + time.Duration(n)*interval)); d > 0 {
+				scheduled[i] = start.Add(phase + time.Duration(n)*interval)
+				if d := time.Until(scheduled[i]); d > 0 {
 					time.Sleep(d) // pacing the writer, not synchronization
 				}
 				token := "t" + strconv.Itoa(i%cfg.Keys) + "-" + strconv.Itoa(i)

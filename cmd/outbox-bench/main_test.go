@@ -115,7 +115,7 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 		}
 		// A mode run more than once pools its runs' messages.
 		require.Equal(t, float64(runs[m.name])*written, r.Values[m.name+"_messages"], m.name)
-		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max"} {
+		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max", "_write_lag_p50", "_write_lag_p99"} {
 			require.Contains(t, r.Values, m.name+f)
 		}
 		for k := 1; runs[m.name] > 1 && k <= runs[m.name]; k++ {

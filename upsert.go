@@ -34,10 +34,15 @@ import (
 // upsertPlan is what beforeCreate learned of an upsert's entities.
 type upsertPlan struct {
 	existed   []bool          // per entity, in entities order
+	keys      []string        // per entity, its conflict key's keyString; "" for a key the database generates
 	fields    []*schema.Field // the conflict key
 	doNothing bool
 	inserts   int
 	updates   int
+	// before holds, for DO NOTHING, a copy of each entity as it was
+	// before the INSERT: GORM may write RETURNING values onto the wrong
+	// entities (see fixReturned).
+	before []reflect.Value
 }
 
 // planUpsert reads which conflict keys of the statement's entities exist.
@@ -67,6 +72,11 @@ func (p *Plugin) planUpsert(db *gorm.DB, oc clause.OnConflict) (*upsertPlan, err
 	var lookup [][]any // distinct keys to look up
 	seen := map[string]bool{}
 	_ = entities(db, func(ptr reflect.Value) error {
+		if oc.DoNothing {
+			cp := reflect.New(ptr.Elem().Type()).Elem()
+			cp.Set(ptr.Elem())
+			plan.before = append(plan.before, cp)
+		}
 		vals := make([]any, len(fields))
 		generated := false
 		for i, f := range fields {
@@ -99,21 +109,68 @@ func (p *Plugin) planUpsert(db *gorm.DB, oc clause.OnConflict) (*upsertPlan, err
 			existing[k] = true
 		}
 	}
+	plan.keys = keys
 	plan.existed = make([]bool, len(keys))
+	newKeys := map[string]bool{}
 	for i, k := range keys {
 		plan.existed[i] = k != "" && existing[k]
 		if plan.existed[i] {
 			plan.updates++
-		} else {
-			plan.inserts++
+			continue
 		}
+		plan.inserts++
+		if k == "" {
+			continue
+		}
+		if newKeys[k] {
+			// The database inserts one of the two and skips (DO NOTHING)
+			// or updates (SQLite, MySQL) it with the other: which entity
+			// describes the row cannot be told.
+			return nil, fmt.Errorf("%w: %s: upsert of two entities with the same key %s, which does not exist yet: one is inserted and the other skipped or applied over it, and which entity the row holds cannot be known; drop the duplicate or write them in separate statements",
+				ErrUnsupportedWrite, s.Name, describeKey(fields, k))
+		}
+		newKeys[k] = true
 	}
 	return plan, nil
+}
+
+// describeKey formats a keyString of fields for an error message.
+func describeKey(fields []*schema.Field, k string) string {
+	vals := strings.Split(k, "\x00")
+	parts := make([]string, len(fields))
+	for i, f := range fields {
+		v := ""
+		if i < len(vals) {
+			v = vals[i]
+		}
+		parts[i] = f.DBName + "=" + v
+	}
+	return "(" + strings.Join(parts, ", ") + ")"
 }
 
 // existingKeys returns, as keyString values, which of keys exist in the
 // statement's table, soft-deleted rows included (they conflict too).
 func (p *Plugin) existingKeys(db *gorm.DB, fields []*schema.Field, keys [][]any, lock bool, extra ...clause.Expression) ([]string, error) {
+	rows, err := p.keyRows(db, fields, keys, lock, false, extra...)
+	if err != nil {
+		return nil, err
+	}
+	ctx := db.Statement.Context
+	out := make([]string, 0, rows.Len())
+	for i := 0; i < rows.Len(); i++ {
+		vals := make([]any, len(fields))
+		for j, f := range fields {
+			vals[j], _ = f.ValueOf(ctx, rows.Index(i))
+		}
+		out = append(out, keyString(vals))
+	}
+	return out, nil
+}
+
+// keyRows reads the rows of the statement's table with the given keys
+// (and meeting extra), soft-deleted rows included, as a slice of the
+// model: the key columns only, or every column with all.
+func (p *Plugin) keyRows(db *gorm.DB, fields []*schema.Field, keys [][]any, lock, all bool, extra ...clause.Expression) (reflect.Value, error) {
 	s := db.Statement.Schema
 	cols := make([]string, len(fields))
 	for i, f := range fields {
@@ -137,7 +194,10 @@ func (p *Plugin) existingKeys(db *gorm.DB, fields []*schema.Field, keys [][]any,
 		}
 		cond = clause.Or(ors...)
 	}
-	q := db.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Unscoped().Table(db.Statement.Table).Select(cols).Where(cond)
+	q := db.Session(&gorm.Session{NewDB: true, SkipHooks: true}).Unscoped().Table(db.Statement.Table).Where(cond)
+	if !all {
+		q = q.Select(cols)
+	}
 	for _, e := range extra {
 		q = q.Where(e)
 	}
@@ -150,19 +210,9 @@ func (p *Plugin) existingKeys(db *gorm.DB, fields []*schema.Field, keys [][]any,
 	}
 	found := reflect.New(reflect.SliceOf(s.ModelType))
 	if err := q.Find(found.Interface()).Error; err != nil {
-		return nil, fmt.Errorf("outbox: %s: read which keys of the upsert exist: %w", s.Name, err)
+		return reflect.Value{}, fmt.Errorf("outbox: %s: read which keys of the upsert exist: %w", s.Name, err)
 	}
-	ctx := db.Statement.Context
-	rows := found.Elem()
-	out := make([]string, 0, rows.Len())
-	for i := 0; i < rows.Len(); i++ {
-		vals := make([]any, len(fields))
-		for j, f := range fields {
-			vals[j], _ = f.ValueOf(ctx, rows.Index(i))
-		}
-		out = append(out, keyString(vals))
-	}
-	return out, nil
+	return found.Elem(), nil
 }
 
 // keyString is a comparable form of a key's field values.
@@ -251,22 +301,174 @@ func (p *Plugin) countKeys(db *gorm.DB, plan *upsertPlan, keys [][]any, extra ..
 	return n, nil
 }
 
-// checkInserted checks, after an ON CONFLICT DO NOTHING, that every
-// entity planned as an insert was: a generated key was returned for it,
-// and a row with its known key now exists. A conflict on another unique
-// key than the one checked would leave either unmet.
+// checkInserted checks, after an ON CONFLICT DO NOTHING on PostgreSQL or
+// SQLite, that every entity planned as an insert was inserted by this
+// statement, and gives each entity the values the database generated for
+// its own row (fixReturned). A conflict on another unique key than the
+// one checked, or a concurrent transaction that inserted the same new
+// key, leaves a planned insert without its row and refuses the write.
 func (p *Plugin) checkInserted(db *gorm.DB, plan *upsertPlan) error {
-	keys, missing := plannedInserts(db, plan)
-	found := 0
-	if missing == 0 {
-		var err error
-		if found, err = p.countKeys(db, plan, keys); err != nil {
+	s := db.Statement.Schema
+	ctx := db.Statement.Context
+	var ptrs []reflect.Value
+	_ = entities(db, func(ptr reflect.Value) error {
+		ptrs = append(ptrs, ptr)
+		return nil
+	})
+	if len(ptrs) != len(plan.existed) {
+		return fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING with RETURNING of every column replaced the entities with the rows inserted: which entity was which cannot be known; return named columns (clause.Returning{Columns: …})",
+			ErrUnsupportedWrite, s.Name)
+	}
+	var (
+		keys      [][]any // the known conflict keys of the planned inserts
+		generated bool    // a planned insert whose key the database generates
+	)
+	for i, ptr := range ptrs {
+		if plan.existed[i] {
+			continue
+		}
+		if plan.keys[i] == "" {
+			generated = true
+			continue
+		}
+		vals := make([]any, len(plan.fields))
+		for j, f := range plan.fields {
+			vals[j], _ = f.ValueOf(ctx, ptr.Elem())
+		}
+		keys = append(keys, vals)
+	}
+	if err := fixReturned(db, plan, ptrs, generated); err != nil {
+		return err
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	// The rows with the planned keys, read in the transaction. The
+	// conflict key is unique (PostgreSQL and SQLite refuse an ON CONFLICT
+	// target that no unique index matches), so each is one row. On
+	// PostgreSQL the row must also be this transaction's own: a concurrent
+	// transaction that committed the same key while the INSERT waited
+	// made it skip the entity, and that row is not this write's. Its xmin
+	// (32 bits) is widened with the epoch of txid_current() to the id
+	// txid_status reads; a row of this transaction or one of its
+	// subtransactions is "in progress", a committed one is not. SQLite
+	// has one writer: a key that did not exist when the plan read it and
+	// exists now was inserted by this statement.
+	var extra []clause.Expression
+	if db.Dialector.Name() == "postgres" {
+		extra = append(extra, clause.Expr{SQL: "txid_status(txid_current() + ((xmin::text::bigint - txid_current() % 4294967296 + 6442450944) % 4294967296) - 2147483648) = 'in progress'"})
+	}
+	rows := map[string]reflect.Value{}
+	for start := 0; start < len(keys); start += sqlrows.InsertChunk {
+		found, err := p.keyRows(db, plan.fields, keys[start:min(start+sqlrows.InsertChunk, len(keys))], false, true, extra...)
+		if err != nil {
 			return err
 		}
+		for i := 0; i < found.Len(); i++ {
+			row := found.Index(i)
+			vals := make([]any, len(plan.fields))
+			for j, f := range plan.fields {
+				vals[j], _ = f.ValueOf(ctx, row)
+			}
+			rows[keyString(vals)] = row
+		}
 	}
-	if missing > 0 || found != len(keys) {
-		return fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING skipped rows whose keys did not exist: they conflicted on another unique key than the one checked; which rows were inserted cannot be known",
+	if len(rows) != len(keys) {
+		return fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING skipped %d of the %d rows whose keys did not exist: they conflicted on another unique key than the one checked, or a concurrent transaction inserted the same keys; which rows were inserted cannot be known",
+			ErrUnsupportedWrite, s.Name, len(keys)-len(rows), len(keys))
+	}
+	// Each planned insert gets what the database generated for its own
+	// row, found by its key: no order of the RETURNING rows is assumed.
+	fields := returnedFields(db)
+	for i, ptr := range ptrs {
+		if plan.existed[i] || plan.keys[i] == "" {
+			continue
+		}
+		row := rows[plan.keys[i]]
+		for _, f := range fields {
+			v, _ := f.ValueOf(ctx, row)
+			if err := f.Set(ctx, ptr.Elem(), v); err != nil {
+				return fmt.Errorf("outbox: %s: set %s of an inserted row: %w", s.Name, f.Name, err)
+			}
+		}
+	}
+	return nil
+}
+
+// returnedFields returns the fields GORM scanned an INSERT's RETURNING
+// rows into: nil when the statement has no RETURNING clause, or returns
+// every column.
+func returnedFields(db *gorm.DB) []*schema.Field {
+	ret, ok := statementClause[clause.Returning](db, "RETURNING")
+	if !ok || len(ret.Columns) == 0 || (len(ret.Columns) == 1 && ret.Columns[0].Name == "*") {
+		return nil
+	}
+	var out []*schema.Field
+	for _, c := range ret.Columns {
+		if f := db.Statement.Schema.LookUpField(c.Name); f != nil {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// fixReturned undoes what GORM wrote onto the entities of an ON CONFLICT
+// DO NOTHING from its RETURNING rows, and sets the statement's count to
+// the rows inserted. PostgreSQL and SQLite return a row only for each row
+// inserted; GORM (callbacks.Create, gorm.Scan with
+// ScanOnConflictDoNothing) hands those rows, in order, to the entities
+// whose returned fields are all zero, skipping the others, whether or not
+// their rows existed. An entity whose row existed, and holds no key of
+// its own, so takes the values of the next inserted row, and the later
+// inserted entities are shifted by one.
+//
+// Entities whose row existed get back what they held before. Planned
+// inserts with a known conflict key are given their row's values by
+// checkInserted, read by key. A planned insert whose key the database
+// generates has no key to read its row by: GORM's assignment stands only
+// when the entities it filled are exactly the planned inserts and it
+// filled all of them, which is then the mapping of every multi-row
+// INSERT … RETURNING GORM does (the rows in the order of the VALUES);
+// otherwise the write is refused.
+func fixReturned(db *gorm.DB, plan *upsertPlan, ptrs []reflect.Value, generated bool) error {
+	fields := returnedFields(db)
+	if len(fields) == 0 || len(plan.before) != len(ptrs) {
+		return nil
+	}
+	ctx := db.Statement.Context
+	walked := int(db.RowsAffected)
+	filled, exact := 0, true
+	for i := range ptrs {
+		empty := true
+		for _, f := range fields {
+			if _, zero := f.ValueOf(ctx, plan.before[i]); !zero {
+				empty = false
+			}
+		}
+		if db.Statement.ReflectValue.Kind() == reflect.Struct {
+			empty = walked > 0 // GORM scans a single entity whatever it holds
+		}
+		if empty && i < walked {
+			filled++
+		}
+		exact = exact && empty == !plan.existed[i]
+		if !plan.existed[i] {
+			continue
+		}
+		for _, f := range fields {
+			v, _ := f.ValueOf(ctx, plan.before[i])
+			if err := f.Set(ctx, ptrs[i].Elem(), v); err != nil {
+				return fmt.Errorf("outbox: %s: restore %s of an entity whose row existed: %w", db.Statement.Schema.Name, f.Name, err)
+			}
+		}
+	}
+	if generated && (!exact || filled != plan.inserts) {
+		return fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING of entities whose keys the database generates, together with entities that hold a key of their own: which generated key belongs to which entity cannot be known; create the entities without a key in a separate statement",
 			ErrUnsupportedWrite, db.Statement.Schema.Name)
+	}
+	db.RowsAffected = int64(plan.inserts)
+	if db.Statement.Result != nil {
+		db.Statement.Result.RowsAffected = db.RowsAffected
 	}
 	return nil
 }

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"encoding/json"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
@@ -229,10 +230,11 @@ func TestUpsertDoUpdatesPublishesEachRowsID(t *testing.T) {
 	})
 }
 
-// Two entities with the same new key in one DO NOTHING: the database
-// inserts one of them and skips the other. Which entity's row was
-// inserted cannot be told, so the write is refused and rolled back.
-func TestUpsertDoNothingSameNewKeyTwiceRefused(t *testing.T) {
+// Two entities with the same new key in one upsert: the database
+// inserts one of them and skips (DO NOTHING) or updates it with the
+// other (DO UPDATE). Which entity the row holds cannot be told, so the
+// write is refused and rolled back.
+func TestUpsertSameNewKeyTwiceRefused(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
 		b := setupProducts(t, dbt)
@@ -246,6 +248,15 @@ func TestUpsertDoNothingSameNewKeyTwiceRefused(t *testing.T) {
 		require.Empty(t, b.rows(t))
 		require.Len(t, b.productIDs(t), 1, "rolled back")
 
+		// DO UPDATE: the second would update the row the first inserted
+		// (SQLite, MySQL) or fail (PostgreSQL): refused before it runs.
+		upd := clause.OnConflict{Columns: []clause.Column{{Name: "sku"}}, DoUpdates: clause.AssignmentColumns([]string{"name"})}
+		err = b.db.Clauses(upd).Create(&[]Product{{SKU: "new-z", Name: "1"}, {SKU: "new-z", Name: "2"}}).Error
+		require.ErrorIs(t, err, outbox.ErrUnsupportedWrite)
+		require.Contains(t, err.Error(), "(sku=new-z)")
+		require.Empty(t, b.rows(t))
+		require.Len(t, b.productIDs(t), 1)
+
 		// In the caller's transaction too: nothing of it is kept.
 		err = b.db.Transaction(func(tx *gorm.DB) error {
 			return tx.Clauses(oc).Create(&[]Product{{SKU: "new-y"}, {SKU: "new-y"}}).Error
@@ -253,4 +264,118 @@ func TestUpsertDoNothingSameNewKeyTwiceRefused(t *testing.T) {
 		require.ErrorIs(t, err, outbox.ErrUnsupportedWrite)
 		require.Len(t, b.productIDs(t), 1)
 	})
+}
+
+// ProductLite is a second struct mapped to the table of Product.
+type ProductLite struct {
+	ID  uint64 `gorm:"primaryKey"`
+	SKU string `gorm:"size:64;uniqueIndex"`
+}
+
+func (ProductLite) TableName() string { return "products" }
+
+// Through another struct on the table the created rows are read back by
+// the keys the entities hold: those keys are their own rows'.
+func TestUpsertDoNothingThroughAnotherStruct(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b, seed := seededProducts(t, dbt)
+		oc := clause.OnConflict{Columns: []clause.Column{{Name: "sku"}}, DoNothing: true}
+		batch := []ProductLite{{SKU: "new-x"}, {SKU: "existing-a"}, {SKU: "new-y"}}
+		require.NoError(t, b.db.Clauses(oc).Create(&batch).Error)
+		ids := b.productIDs(t)
+		require.Equal(t, []productEvent{
+			{Op: "created", ID: ids["new-x"], Key: "new-x"},
+			{Op: "created", ID: ids["new-y"], Key: "new-y"},
+		}, b.events(t))
+		require.Equal(t, []uint64{ids["new-x"], existingID(dbt, seed[0].ID), ids["new-y"]}, []uint64{batch[0].ID, batch[1].ID, batch[2].ID})
+	})
+}
+
+// DO NOTHING on the generated key itself: entities without a key are
+// inserted and get theirs in the order GORM maps every multi-row INSERT;
+// an entity that gives an existing key is skipped. Entities without a key
+// mixed with entities that give a new key of their own cannot be mapped
+// (GORM hands the row of a keyed entity to the next one without a key)
+// and are refused, rolled back.
+func TestUpsertDoNothingGeneratedKeys(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b, seed := seededProducts(t, dbt)
+		oc := clause.OnConflict{DoNothing: true}
+		batch := []Product{{SKU: "new-x", Name: "x"}, {ID: seed[0].ID, SKU: "existing-a"}, {SKU: "new-y", Name: "y"}}
+		require.NoError(t, b.db.Clauses(oc).Create(&batch).Error)
+		ids := b.productIDs(t)
+		require.Equal(t, []productEvent{
+			{Op: "created", ID: ids["new-x"], Key: "new-x", Name: "x"},
+			{Op: "created", ID: ids["new-y"], Key: "new-y", Name: "y"},
+		}, b.events(t))
+		require.Equal(t, []uint64{ids["new-x"], seed[0].ID, ids["new-y"]}, []uint64{batch[0].ID, batch[1].ID, batch[2].ID})
+		b.clear(t)
+
+		mixed := []Product{{SKU: "new-1"}, {ID: ids["new-y"] + 100, SKU: "new-2"}, {SKU: "new-3"}}
+		err := b.db.Clauses(oc).Create(&mixed).Error
+		if dbt.Dialect == dbtest.MySQL {
+			// MariaDB returns every row, in order: nothing to map.
+			require.NoError(t, err)
+			ids = b.productIDs(t)
+			require.Equal(t, []uint64{ids["new-1"], ids["new-2"], ids["new-3"]}, []uint64{mixed[0].ID, mixed[1].ID, mixed[2].ID})
+			require.Len(t, b.events(t), 3)
+			return
+		}
+		require.ErrorIs(t, err, outbox.ErrUnsupportedWrite)
+		require.Contains(t, err.Error(), "separate statement")
+		require.Empty(t, b.rows(t))
+		require.Len(t, b.productIDs(t), 4, "rolled back")
+	})
+}
+
+// On PostgreSQL a DO NOTHING whose new key a concurrent transaction
+// inserts first waits for it and skips the row when it commits: the row
+// with the key exists, but it is not this write's, and the write is
+// refused. Inside a savepoint (a nested transaction) the rows the write
+// inserted are recognised as its own.
+func TestUpsertDoNothingConcurrentSameKeyRefused(t *testing.T) {
+	t.Parallel()
+	dbt := dbtest.Open(t, dbtest.Postgres)
+	b, _ := seededProducts(t, dbt)
+	oc := clause.OnConflict{Columns: []clause.Column{{Name: "sku"}}, DoNothing: true}
+
+	err := b.db.Transaction(func(tx *gorm.DB) error {
+		return tx.Transaction(func(tx *gorm.DB) error {
+			return tx.Clauses(oc).Create(&[]Product{{SKU: "existing-a"}, {SKU: "nested", Name: "n"}}).Error
+		})
+	})
+	require.NoError(t, err)
+	ids := b.productIDs(t)
+	require.Equal(t, []productEvent{{Op: "created", ID: ids["nested"], Key: "nested", Name: "n"}}, b.events(t))
+	b.clear(t)
+
+	other := b.db.Begin()
+	require.NoError(t, other.Error)
+	defer other.Rollback()
+	require.NoError(t, other.Create(&Product{SKU: "raced", Name: "theirs"}).Error)
+	var otherPID int
+	require.NoError(t, other.Raw("SELECT pg_backend_pid()").Scan(&otherPID).Error)
+
+	done := make(chan error, 1)
+	go func() {
+		done <- b.db.Clauses(oc).Create(&[]Product{{SKU: "new-x", Name: "x"}, {SKU: "raced", Name: "ours"}}).Error
+	}()
+	// The upsert waits for the other transaction's row lock.
+	require.Eventually(t, func() bool {
+		var n int
+		err := b.db.Raw("SELECT count(*) FROM pg_stat_activity WHERE ? = ANY(pg_blocking_pids(pid))", otherPID).Scan(&n).Error
+		return err == nil && n > 0
+	}, 30*time.Second, 10*time.Millisecond)
+	require.NoError(t, other.Commit().Error)
+	err = <-done
+	ids = b.productIDs(t)
+	require.ErrorIs(t, err, outbox.ErrUnsupportedWrite)
+	require.Contains(t, err.Error(), "concurrent transaction")
+	require.Equal(t, []productEvent{{Op: "created", ID: ids["raced"], Key: "raced", Name: "theirs"}}, b.events(t), "only the other transaction's")
+	require.NotContains(t, ids, "new-x", "rolled back")
+	var raced Product
+	require.NoError(t, b.db.Where("sku = ?", "raced").First(&raced).Error)
+	require.Equal(t, "theirs", raced.Name)
 }

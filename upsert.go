@@ -29,7 +29,11 @@ import (
 // DO NOTHING), one whose key did not is an Insert. When the count
 // disagrees (a conflict on another unique key than the one checked, or a
 // concurrent insert of the same new key) the write is refused with
-// ErrUnsupportedWrite and rolled back rather than described wrongly.
+// ErrUnsupportedWrite and rolled back rather than described wrongly. For
+// DO NOTHING it also gives each inserted entity the generated values of
+// its own row, which GORM hands out shifted when rows existed
+// (fixReturned, checkInserted); two entities with the same new key are
+// refused before the INSERT.
 
 // upsertPlan is what beforeCreate learned of an upsert's entities.
 type upsertPlan struct {

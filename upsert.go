@@ -255,6 +255,9 @@ func (p *Plugin) checkUpsert(db *gorm.DB, plan *upsertPlan, oc clause.OnConflict
 	default:
 		ok = r == ins+upd
 	}
+	if ok && plan.doNothing {
+		return p.fixInsertIDs(db, plan) // MySQL
+	}
 	if ok {
 		return p.checkNotUpdated(db, plan)
 	}
@@ -308,31 +311,130 @@ func (p *Plugin) countKeys(db *gorm.DB, plan *upsertPlan, keys [][]any, extra ..
 // checkInserted checks, after an ON CONFLICT DO NOTHING on PostgreSQL or
 // SQLite, that every entity planned as an insert was inserted by this
 // statement, and gives each entity the values the database generated for
-// its own row (fixReturned). A conflict on another unique key than the
-// one checked, or a concurrent transaction that inserted the same new
-// key, leaves a planned insert without its row and refuses the write.
+// its own row (fixReturned, readInserted). A conflict on another unique
+// key than the one checked, or a concurrent transaction that inserted the
+// same new key, leaves a planned insert without its row and refuses the
+// write.
 func (p *Plugin) checkInserted(db *gorm.DB, plan *upsertPlan) error {
-	s := db.Statement.Schema
-	ctx := db.Statement.Context
+	ptrs, err := upsertEntities(db, plan)
+	if err != nil {
+		return err
+	}
+	fields := returnedFields(db)
+	if err := fixReturned(db, plan, ptrs, fields); err != nil {
+		return err
+	}
+	// On PostgreSQL the row must also be this transaction's own: a
+	// concurrent transaction that committed the same key while the INSERT
+	// waited made it skip the entity, and that row is not this write's.
+	// Its xmin (32 bits) is widened with the epoch of txid_current() to
+	// the id txid_status reads; a row of this transaction or one of its
+	// subtransactions is "in progress", a committed one is not. SQLite
+	// has one writer: a key that did not exist when the plan read it and
+	// exists now was inserted by this statement.
+	var extra []clause.Expression
+	if db.Dialector.Name() == "postgres" {
+		extra = append(extra, clause.Expr{SQL: "txid_status(txid_current() + ((xmin::text::bigint - txid_current() % 4294967296 + 6442450944) % 4294967296) - 2147483648) = 'in progress'"})
+	}
+	return p.readInserted(db, plan, ptrs, fields, extra...)
+}
+
+// fixInsertIDs gives, after a DO NOTHING on MySQL without RETURNING, each
+// entity the key of its own row. GORM gives the entities whose key is
+// zero LAST_INSERT_ID() onwards, in order, whether or not their rows
+// existed: LAST_INSERT_ID() is the first inserted row's, so an entity
+// whose row existed takes a key, and the entities after it are shifted.
+// Entities whose row existed get back the key they held; planned inserts
+// with a known conflict key get theirs read by that key. MySQL does not
+// require the conflict columns to be unique: a key that now has more
+// rows than the statement inserted is refused.
+func (p *Plugin) fixInsertIDs(db *gorm.DB, plan *upsertPlan) error {
+	pk := db.Statement.Schema.PrioritizedPrimaryField
+	if _, ret := db.Statement.Clauses["RETURNING"]; ret || pk == nil || !pk.HasDefaultValue || !pk.Readable {
+		return nil // GORM scanned RETURNING (every row, in order) or wrote no key
+	}
+	ptrs, err := upsertEntities(db, plan)
+	if err != nil {
+		return err
+	}
+	fields := []*schema.Field{pk}
+	if err := restoreExisted(db, plan, ptrs, fields); err != nil {
+		return err
+	}
+	// Entities whose key the database generates keep GORM's keys when
+	// they are the only rows inserted: LAST_INSERT_ID() onwards is then
+	// the keys of every multi-row INSERT GORM does on MySQL.
+	generated, known := 0, 0
+	for i := range ptrs {
+		switch {
+		case plan.existed[i]:
+		case plan.keys[i] == "":
+			generated++
+		default:
+			known++
+		}
+	}
+	if generated > 0 && known > 0 {
+		return errGeneratedMixed(db)
+	}
+	return p.readInserted(db, plan, ptrs, fields)
+}
+
+// upsertEntities returns the statement's entities, as many as the plan
+// has.
+func upsertEntities(db *gorm.DB, plan *upsertPlan) ([]reflect.Value, error) {
 	var ptrs []reflect.Value
 	_ = entities(db, func(ptr reflect.Value) error {
 		ptrs = append(ptrs, ptr)
 		return nil
 	})
 	if len(ptrs) != len(plan.existed) {
-		return fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING with RETURNING of every column replaced the entities with the rows inserted: which entity was which cannot be known; return named columns (clause.Returning{Columns: …})",
-			ErrUnsupportedWrite, s.Name)
+		return nil, fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING with RETURNING of every column replaced the entities with the rows inserted: which entity was which cannot be known; return named columns (clause.Returning{Columns: …})",
+			ErrUnsupportedWrite, db.Statement.Schema.Name)
 	}
-	var (
-		keys      [][]any // the known conflict keys of the planned inserts
-		generated bool    // a planned insert whose key the database generates
-	)
+	return ptrs, nil
+}
+
+// errGeneratedMixed refuses a DO NOTHING whose generated keys cannot be
+// told apart.
+func errGeneratedMixed(db *gorm.DB) error {
+	return fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING of entities whose keys the database generates, together with entities that give a new key of their own: which generated key belongs to which entity cannot be known; create the entities without a key in a separate statement",
+		ErrUnsupportedWrite, db.Statement.Schema.Name)
+}
+
+// restoreExisted gives the entities whose rows existed back the values of
+// fields they held before the INSERT.
+func restoreExisted(db *gorm.DB, plan *upsertPlan, ptrs []reflect.Value, fields []*schema.Field) error {
+	if len(plan.before) != len(ptrs) {
+		return nil
+	}
+	ctx := db.Statement.Context
 	for i, ptr := range ptrs {
-		if plan.existed[i] {
+		if !plan.existed[i] {
 			continue
 		}
-		if plan.keys[i] == "" {
-			generated = true
+		for _, f := range fields {
+			v, _ := f.ValueOf(ctx, plan.before[i])
+			if err := f.Set(ctx, ptr.Elem(), v); err != nil {
+				return fmt.Errorf("outbox: %s: restore %s of an entity whose row existed: %w", db.Statement.Schema.Name, f.Name, err)
+			}
+		}
+	}
+	return nil
+}
+
+// readInserted reads the rows of the planned inserts with a known
+// conflict key (meeting extra), refuses the write unless each has exactly
+// one, and gives each such entity the values of fields from its own row,
+// found by its key: no order of the rows the INSERT returned is assumed.
+// On PostgreSQL and SQLite the conflict key is unique (both refuse an
+// ON CONFLICT target that no unique index matches).
+func (p *Plugin) readInserted(db *gorm.DB, plan *upsertPlan, ptrs []reflect.Value, fields []*schema.Field, extra ...clause.Expression) error {
+	s := db.Statement.Schema
+	ctx := db.Statement.Context
+	var keys [][]any
+	for i, ptr := range ptrs {
+		if plan.existed[i] || plan.keys[i] == "" {
 			continue
 		}
 		vals := make([]any, len(plan.fields))
@@ -341,33 +443,14 @@ func (p *Plugin) checkInserted(db *gorm.DB, plan *upsertPlan) error {
 		}
 		keys = append(keys, vals)
 	}
-	if err := fixReturned(db, plan, ptrs, generated); err != nil {
-		return err
-	}
-	if len(keys) == 0 {
-		return nil
-	}
-	// The rows with the planned keys, read in the transaction. The
-	// conflict key is unique (PostgreSQL and SQLite refuse an ON CONFLICT
-	// target that no unique index matches), so each is one row. On
-	// PostgreSQL the row must also be this transaction's own: a concurrent
-	// transaction that committed the same key while the INSERT waited
-	// made it skip the entity, and that row is not this write's. Its xmin
-	// (32 bits) is widened with the epoch of txid_current() to the id
-	// txid_status reads; a row of this transaction or one of its
-	// subtransactions is "in progress", a committed one is not. SQLite
-	// has one writer: a key that did not exist when the plan read it and
-	// exists now was inserted by this statement.
-	var extra []clause.Expression
-	if db.Dialector.Name() == "postgres" {
-		extra = append(extra, clause.Expr{SQL: "txid_status(txid_current() + ((xmin::text::bigint - txid_current() % 4294967296 + 6442450944) % 4294967296) - 2147483648) = 'in progress'"})
-	}
 	rows := map[string]reflect.Value{}
+	read := 0
 	for start := 0; start < len(keys); start += sqlrows.InsertChunk {
 		found, err := p.keyRows(db, plan.fields, keys[start:min(start+sqlrows.InsertChunk, len(keys))], false, true, extra...)
 		if err != nil {
 			return err
 		}
+		read += found.Len()
 		for i := 0; i < found.Len(); i++ {
 			row := found.Index(i)
 			vals := make([]any, len(plan.fields))
@@ -377,13 +460,10 @@ func (p *Plugin) checkInserted(db *gorm.DB, plan *upsertPlan) error {
 			rows[keyString(vals)] = row
 		}
 	}
-	if len(rows) != len(keys) {
-		return fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING skipped %d of the %d rows whose keys did not exist: they conflicted on another unique key than the one checked, or a concurrent transaction inserted the same keys; which rows were inserted cannot be known",
-			ErrUnsupportedWrite, s.Name, len(keys)-len(rows), len(keys))
+	if len(rows) != len(keys) || read != len(keys) {
+		return fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING inserted rows for %d of the %d keys that did not exist (%d rows with those keys now): they conflicted on another unique key than the one checked, or a concurrent transaction inserted the same keys; which rows were inserted cannot be known",
+			ErrUnsupportedWrite, s.Name, len(rows), len(keys), read)
 	}
-	// Each planned insert gets what the database generated for its own
-	// row, found by its key: no order of the RETURNING rows is assumed.
-	fields := returnedFields(db)
 	for i, ptr := range ptrs {
 		if plan.existed[i] || plan.keys[i] == "" {
 			continue
@@ -428,20 +508,22 @@ func returnedFields(db *gorm.DB) []*schema.Field {
 //
 // Entities whose row existed get back what they held before. Planned
 // inserts with a known conflict key are given their row's values by
-// checkInserted, read by key. A planned insert whose key the database
+// readInserted, read by key. A planned insert whose key the database
 // generates has no key to read its row by: GORM's assignment stands only
 // when the entities it filled are exactly the planned inserts and it
 // filled all of them, which is then the mapping of every multi-row
 // INSERT … RETURNING GORM does (the rows in the order of the VALUES);
 // otherwise the write is refused.
-func fixReturned(db *gorm.DB, plan *upsertPlan, ptrs []reflect.Value, generated bool) error {
-	fields := returnedFields(db)
+func fixReturned(db *gorm.DB, plan *upsertPlan, ptrs []reflect.Value, fields []*schema.Field) error {
 	if len(fields) == 0 || len(plan.before) != len(ptrs) {
 		return nil
 	}
+	if err := restoreExisted(db, plan, ptrs, fields); err != nil {
+		return err
+	}
 	ctx := db.Statement.Context
 	walked := int(db.RowsAffected)
-	filled, exact := 0, true
+	filled, exact, generated := 0, true, false
 	for i := range ptrs {
 		empty := true
 		for _, f := range fields {
@@ -456,19 +538,10 @@ func fixReturned(db *gorm.DB, plan *upsertPlan, ptrs []reflect.Value, generated 
 			filled++
 		}
 		exact = exact && empty == !plan.existed[i]
-		if !plan.existed[i] {
-			continue
-		}
-		for _, f := range fields {
-			v, _ := f.ValueOf(ctx, plan.before[i])
-			if err := f.Set(ctx, ptrs[i].Elem(), v); err != nil {
-				return fmt.Errorf("outbox: %s: restore %s of an entity whose row existed: %w", db.Statement.Schema.Name, f.Name, err)
-			}
-		}
+		generated = generated || (!plan.existed[i] && plan.keys[i] == "")
 	}
 	if generated && (!exact || filled != plan.inserts) {
-		return fmt.Errorf("%w: %s: ON CONFLICT DO NOTHING of entities whose keys the database generates, together with entities that hold a key of their own: which generated key belongs to which entity cannot be known; create the entities without a key in a separate statement",
-			ErrUnsupportedWrite, db.Statement.Schema.Name)
+		return errGeneratedMixed(db)
 	}
 	db.RowsAffected = int64(plan.inserts)
 	if db.Statement.Result != nil {

@@ -6,8 +6,10 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"gorm.io/driver/mysql"
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
+	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
@@ -378,4 +380,47 @@ func TestUpsertDoNothingConcurrentSameKeyRefused(t *testing.T) {
 	var raced Product
 	require.NoError(t, b.db.Where("sku = ?", "raced").First(&raced).Error)
 	require.Equal(t, "theirs", raced.Name)
+}
+
+// MySQL without RETURNING (MySQL, MariaDB before 10.5; here MariaDB with
+// GORM's DisableWithReturning): GORM gives the entities whose key is zero
+// LAST_INSERT_ID() onwards, the first inserted row's, whether or not their
+// rows existed. Each entity gets its own row's key, and the messages carry
+// them.
+func TestUpsertDoNothingWithoutReturningMySQL(t *testing.T) {
+	t.Parallel()
+	dbt := dbtest.Open(t, dbtest.MySQL)
+	db, err := gorm.Open(mysql.New(mysql.Config{DSN: dbt.DSN, DisableWithReturning: true}), &gorm.Config{Logger: logger.Discard})
+	require.NoError(t, err)
+	sqlDB, err := db.DB()
+	require.NoError(t, err)
+	t.Cleanup(func() { sqlDB.Close() })
+	dbt.DB = db
+	b, seed := seededProducts(t, dbt)
+	oc := clause.OnConflict{Columns: []clause.Column{{Name: "sku"}}, DoNothing: true}
+
+	batch := []Product{{SKU: "existing-a"}, {SKU: "new-x", Name: "x"}, {SKU: "existing-b"}, {SKU: "new-y", Name: "y"}}
+	require.NoError(t, b.db.Clauses(oc).Create(&batch).Error)
+	ids := b.productIDs(t)
+	require.Len(t, ids, 4)
+	require.Equal(t, []productEvent{
+		{Op: "created", ID: ids["new-x"], Key: "new-x", Name: "x"},
+		{Op: "created", ID: ids["new-y"], Key: "new-y", Name: "y"},
+	}, b.events(t))
+	require.Equal(t, []uint64{0, ids["new-x"], 0, ids["new-y"]}, []uint64{batch[0].ID, batch[1].ID, batch[2].ID, batch[3].ID})
+	b.clear(t)
+
+	// Generated keys alone keep GORM's; mixed with a new key of its own,
+	// refused.
+	gen := []Product{{SKU: "g1"}, {ID: seed[0].ID, SKU: "existing-a"}, {SKU: "g2"}}
+	require.NoError(t, b.db.Clauses(clause.OnConflict{DoNothing: true}).Create(&gen).Error)
+	ids = b.productIDs(t)
+	require.Equal(t, []uint64{ids["g1"], seed[0].ID, ids["g2"]}, []uint64{gen[0].ID, gen[1].ID, gen[2].ID})
+	require.Len(t, b.events(t), 2)
+	b.clear(t)
+	mixed := []Product{{SKU: "m1"}, {ID: ids["g2"] + 100, SKU: "m2"}}
+	err = b.db.Clauses(clause.OnConflict{DoNothing: true}).Create(&mixed).Error
+	require.ErrorIs(t, err, outbox.ErrUnsupportedWrite)
+	require.Empty(t, b.rows(t))
+	require.Len(t, b.productIDs(t), 6, "rolled back")
 }

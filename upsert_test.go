@@ -424,3 +424,29 @@ func TestUpsertDoNothingWithoutReturningMySQL(t *testing.T) {
 	require.Empty(t, b.rows(t))
 	require.Len(t, b.productIDs(t), 6, "rolled back")
 }
+
+// WAL mode describes the DO NOTHING the same way: the messages emitted
+// carry the inserted rows' own ids.
+func TestUpsertDoNothingWALMode(t *testing.T) {
+	slot := dbtest.NewWALSlot(t)
+	dbt := dbtest.OpenWAL(t)
+	b := setupWrite(t, dbt, outbox.Config{Name: dbtest.Name("o_"), Mode: outbox.ModeWAL, Rules: productRules()})
+	require.NoError(t, b.db.AutoMigrate(&Product{}, &Variant{}))
+	require.NoError(t, b.db.Create(&[]Product{{SKU: "existing-a", Name: "a"}}).Error)
+	oc := clause.OnConflict{Columns: []clause.Column{{Name: "sku"}}, DoNothing: true}
+	batch := []Product{{SKU: "new-x", Name: "x"}, {SKU: "existing-a", Name: "a2"}, {SKU: "new-y", Name: "y"}}
+	require.NoError(t, b.db.Clauses(oc).Create(&batch).Error)
+	ids := b.productIDs(t)
+	var got []productEvent
+	for _, e := range decodeAll(t, slot.Messages(t, b.plugin.Config().WALPrefix())) {
+		var pe productEvent
+		require.NoError(t, json.Unmarshal(e.Value, &pe))
+		got = append(got, pe)
+	}
+	require.Equal(t, []productEvent{
+		{Op: "created", ID: ids["existing-a"], Key: "existing-a", Name: "a"},
+		{Op: "created", ID: ids["new-x"], Key: "new-x", Name: "x"},
+		{Op: "created", ID: ids["new-y"], Key: "new-y", Name: "y"},
+	}, got)
+	require.Equal(t, []uint64{ids["new-x"], 0, ids["new-y"]}, []uint64{batch[0].ID, batch[1].ID, batch[2].ID})
+}

@@ -85,7 +85,7 @@ func (p *Plugin) planUpsert(db *gorm.DB, oc clause.OnConflict) (*upsertPlan, err
 		generated := false
 		for i, f := range fields {
 			v, zero := f.ValueOf(ctx, ptr.Elem())
-			if zero && onlyPK && (f.AutoIncrement || f.HasDefaultValue) {
+			if zero && (onlyPK && (f.AutoIncrement || f.HasDefaultValue) || dbGenerated(f)) {
 				generated = true
 			}
 			vals[i] = v
@@ -136,6 +136,14 @@ func (p *Plugin) planUpsert(db *gorm.DB, oc clause.OnConflict) (*upsertPlan, err
 		newKeys[k] = true
 	}
 	return plan, nil
+}
+
+// dbGenerated reports whether the database generates the field's value
+// when the INSERT leaves it out (a sequence, an expression default): a
+// conflict key with such a field left zero is known only after the
+// INSERT.
+func dbGenerated(f *schema.Field) bool {
+	return f.AutoIncrement || (f.HasDefaultValue && f.DefaultValueInterface == nil)
 }
 
 // describeKey formats a keyString of fields for an error message.
@@ -433,6 +441,7 @@ func (p *Plugin) readInserted(db *gorm.DB, plan *upsertPlan, ptrs []reflect.Valu
 	s := db.Statement.Schema
 	ctx := db.Statement.Context
 	var keys [][]any
+	current := make([]string, len(ptrs)) // the conflict key each planned insert was inserted with
 	for i, ptr := range ptrs {
 		if plan.existed[i] || plan.keys[i] == "" {
 			continue
@@ -442,6 +451,7 @@ func (p *Plugin) readInserted(db *gorm.DB, plan *upsertPlan, ptrs []reflect.Valu
 			vals[j], _ = f.ValueOf(ctx, ptr.Elem())
 		}
 		keys = append(keys, vals)
+		current[i] = keyString(vals)
 	}
 	rows := map[string]reflect.Value{}
 	read := 0
@@ -468,7 +478,10 @@ func (p *Plugin) readInserted(db *gorm.DB, plan *upsertPlan, ptrs []reflect.Valu
 		if plan.existed[i] || plan.keys[i] == "" {
 			continue
 		}
-		row := rows[plan.keys[i]]
+		row, ok := rows[current[i]]
+		if !ok {
+			return fmt.Errorf("%w: %s: the row inserted with key %s cannot be read back", ErrUnsupportedWrite, s.Name, describeKey(plan.fields, current[i]))
+		}
 		for _, f := range fields {
 			v, _ := f.ValueOf(ctx, row)
 			if err := f.Set(ctx, ptr.Elem(), v); err != nil {

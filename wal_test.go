@@ -173,11 +173,11 @@ func TestWALModeEmitsAWriteInOneStatement(t *testing.T) {
 		}))
 		return outbox.Enqueue(tx, msgs(3, 700)...)
 	}))
-	// The messages are held until more than one statement's worth is: the
-	// 2 of the rolled-back savepoint are dropped unsent, and the 703
-	// are sent as 500 and 203 when the 700 arrive; nothing is left for
-	// COMMIT.
-	require.Equal(t, int64(2), count.statements.Load(), "703 messages as 500 and 203")
+	// The messages are held: the 3 go with the SAVEPOINT (before it), the
+	// 2 of the rolled-back savepoint are dropped unsent, and the 700 are
+	// sent as 500 and 200 when they arrive, more than one statement's
+	// worth; nothing is left for COMMIT.
+	require.Equal(t, int64(3), count.statements.Load(), "3, then 700 as 500 and 200")
 	require.Equal(t, int64(703), count.messages.Load())
 	envs := decodeAll(t, slot.Messages(t, prefix))
 	require.Len(t, envs, 703)

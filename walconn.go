@@ -13,6 +13,7 @@ import (
 	"weak"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 	"gorm.io/gorm/logger"
 )
@@ -97,12 +98,13 @@ type pgxTx struct {
 	state atomic.Int32
 
 	mu sync.Mutex
-	// held lists the encoded messages not yet sent, in order; heldBytes
-	// is their size; marks are the open savepoints and the number of
-	// held messages when each was created.
+	// held lists the encoded messages not yet sent, in order, all written
+	// after the newest savepoint (savepoint sends what is held before
+	// creating one); heldBytes is their size; marks names the open
+	// savepoints.
 	held      []heldMessage
 	heldBytes int
-	marks     []savepoint
+	marks     []string
 	// trace is the GORM logger of the last write that held messages; the
 	// emitting statements sent by Commit are traced to it.
 	trace logger.Interface
@@ -196,11 +198,6 @@ func (t *pgxTx) hold(ctx context.Context, lg logger.Interface, prefix string, en
 		send = t.held
 		t.held = nil
 		t.heldBytes = 0
-		// What was held before a savepoint is sent now: a later ROLLBACK TO
-		// drops, on the server, what was sent after it.
-		for i := range t.marks {
-			t.marks[i].mark = 0
-		}
 	}
 	t.mu.Unlock()
 	if !over {
@@ -259,6 +256,42 @@ func (c heldChunk) statement() (string, []any) {
 // messages could not be written: the transaction did not commit.
 var ErrCommitFailed = errors.New("outbox: the transaction did not commit")
 
+// pipeline sends, in one round trip on pc, the statements that write
+// msgs and then tail, and returns tail's command tag. An emit's error is
+// returned wrapped, with emitFailed, and tail does not run.
+func pipeline(ctx context.Context, pc *pgx.Conn, lg logger.Interface, msgs []heldMessage, tail string) (_ pgconn.CommandTag, emitFailed bool, _ error) {
+	chunks := emitChunks(msgs)
+	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, len(chunks)+1)}
+	for _, c := range chunks {
+		q, args := c.statement()
+		b.Queue(q, args...)
+	}
+	b.Queue(tail)
+	begin := time.Now()
+	br := pc.SendBatch(ctx, b)
+	var tag pgconn.CommandTag
+	var result error
+	for i, c := range chunks {
+		_, err := br.Exec()
+		if lg != nil {
+			q := b.QueuedQueries[i].SQL
+			lg.Trace(ctx, begin, func() (string, int64) { return q, int64(len(c)) }, err)
+		}
+		if err != nil {
+			result = fmt.Errorf("write %d messages to the WAL: %w", len(c), err)
+			emitFailed = true
+			break
+		}
+	}
+	if result == nil {
+		tag, result = br.Exec()
+	}
+	if err := br.Close(); err != nil && result == nil {
+		result = err
+	}
+	return tag, emitFailed, result
+}
+
 // Commit sends the held messages and COMMIT in one pipeline, checks every
 // result, and returns the connection to the pool idle.
 func (t *pgxTx) Commit() error {
@@ -271,61 +304,35 @@ func (t *pgxTx) Commit() error {
 	t.mu.Unlock()
 	ctx := t.ctx
 	var result error
-	bad := false
 	_ = t.conn.Raw(func(dc any) error {
 		pc := dc.(*stdlib.Conn).Conn()
-		chunks := emitChunks(held)
-		b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, len(chunks)+1)}
-		qs := make([]string, len(chunks))
-		ns := make([]int, len(chunks))
-		for i, c := range chunks {
-			q, args := c.statement()
-			qs[i], ns[i] = q, len(c)
-			b.Queue(q, args...)
-		}
-		b.Queue("commit")
-		begin := time.Now()
-		br := pc.SendBatch(ctx, b)
-		for i := range chunks {
-			_, err := br.Exec()
-			if lg != nil {
-				q, n := qs[i], ns[i]
-				lg.Trace(ctx, begin, func() (string, int64) { return q, int64(n) }, err)
-			}
-			if err != nil {
-				result = fmt.Errorf("%w: write %d messages to the WAL: %w", ErrCommitFailed, ns[i], err)
-				break
-			}
-		}
-		if result == nil {
-			tag, err := br.Exec()
-			switch {
-			case err != nil:
-				result = err
-			case tag.String() == "ROLLBACK":
-				result = pgx.ErrTxCommitRollback
-			}
-		}
-		if err := br.Close(); err != nil && result == nil {
+		tag, emitFailed, err := pipeline(ctx, pc, lg, held, "commit")
+		switch {
+		case emitFailed:
+			result = fmt.Errorf("%w: %w", ErrCommitFailed, err)
+		case err != nil:
 			result = err
+		case tag.String() == "ROLLBACK":
+			result = pgx.ErrTxCommitRollback
 		}
-		// The connection goes back idle or not at all.
-		if pc.PgConn().TxStatus() != 'I' {
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-			defer cancel()
-			if _, err := pc.Exec(rctx, "rollback"); err != nil || pc.PgConn().TxStatus() != 'I' {
-				bad = true
-			}
-		}
-		if pc.IsClosed() {
-			bad = true
-		}
-		if bad {
-			return driver.ErrBadConn
-		}
-		return nil
+		return idle(ctx, pc)
 	})
 	return result
+}
+
+// idle leaves pc with no transaction open: it rolls back what is still
+// open (after a failed pipeline) and returns driver.ErrBadConn, which
+// makes database/sql discard the connection, when it cannot.
+func idle(ctx context.Context, pc *pgx.Conn) error {
+	if !pc.IsClosed() && pc.PgConn().TxStatus() != 'I' {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_, _ = pc.Exec(rctx, "rollback")
+	}
+	if pc.IsClosed() || pc.PgConn().TxStatus() != 'I' {
+		return driver.ErrBadConn
+	}
+	return nil
 }
 
 // Rollback rolls back and forgets the held messages.
@@ -338,10 +345,7 @@ func (t *pgxTx) Rollback() error {
 	_ = t.conn.Raw(func(dc any) error {
 		pc := dc.(*stdlib.Conn).Conn()
 		_, result = pc.Exec(t.ctx, "rollback")
-		if result != nil || pc.PgConn().TxStatus() != 'I' {
-			return driver.ErrBadConn
-		}
-		return nil
+		return idle(t.ctx, pc)
 	})
 	return result
 }
@@ -353,6 +357,9 @@ func (t *pgxTx) ExecContext(ctx context.Context, query string, args ...any) (sql
 		return nil, err
 	}
 	kind, name := savepointStatement(query)
+	if kind == spCreate && len(args) == 0 {
+		return t.savepoint(ctx, query, name)
+	}
 	res, err := t.conn.ExecContext(ctx, query, args...)
 	if err != nil || kind == spNone {
 		return res, err
@@ -361,28 +368,59 @@ func (t *pgxTx) ExecContext(ctx context.Context, query string, args ...any) (sql
 	defer t.mu.Unlock()
 	switch kind {
 	case spCreate:
-		t.marks = append(t.marks, savepoint{name: name, mark: len(t.held)})
+		t.marks = append(t.marks, name)
 	case spRollback:
 		for i := len(t.marks) - 1; i >= 0; i-- {
-			if t.marks[i].name == name {
-				for _, m := range t.held[t.marks[i].mark:] {
-					t.heldBytes -= len(m.env) + rowOverhead
-				}
-				clear(t.held[t.marks[i].mark:])
-				t.held = t.held[:t.marks[i].mark]
+			if t.marks[i] == name {
+				// Every held message was written after the newest savepoint,
+				// so after this one.
+				clear(t.held)
+				t.held = t.held[:0]
+				t.heldBytes = 0
 				t.marks = t.marks[:i+1]
 				break
 			}
 		}
 	case spRelease:
 		for i := len(t.marks) - 1; i >= 0; i-- {
-			if t.marks[i].name == name {
+			if t.marks[i] == name {
 				t.marks = t.marks[:i]
 				break
 			}
 		}
 	}
 	return res, nil
+}
+
+// savepoint creates a savepoint. The messages held so far are sent in the
+// same round trip, before it: they belong before the savepoint, where a
+// ROLLBACK TO it cannot drop them, and every message held afterwards is
+// one it drops.
+func (t *pgxTx) savepoint(ctx context.Context, query, name string) (sql.Result, error) {
+	t.mu.Lock()
+	held, lg := t.held, t.trace
+	t.held, t.heldBytes = nil, 0
+	t.mu.Unlock()
+	if len(held) == 0 {
+		if _, err := t.conn.ExecContext(ctx, query); err != nil {
+			return nil, err
+		}
+	} else {
+		var err error
+		if rerr := t.conn.Raw(func(dc any) error {
+			_, _, err = pipeline(ctx, dc.(*stdlib.Conn).Conn(), lg, held, query)
+			return nil
+		}); rerr != nil {
+			return nil, rerr
+		}
+		if err != nil {
+			return nil, fmt.Errorf("outbox: %s: %w", query, err)
+		}
+	}
+	t.mu.Lock()
+	t.marks = append(t.marks, name)
+	t.mu.Unlock()
+	return driver.RowsAffected(0), nil
 }
 
 // QueryContext runs a query of the transaction.

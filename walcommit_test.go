@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,35 +20,15 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/pgxtrace"
 )
-
-// roundTrips counts what a pgx connection sends: every Exec, Query and
-// Prepare, and every batch (a pipeline: one round trip).
-type roundTrips struct{ n atomic.Int64 }
-
-func (c *roundTrips) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	c.n.Add(1)
-	return ctx
-}
-func (c *roundTrips) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-func (c *roundTrips) TracePrepareStart(ctx context.Context, _ *pgx.Conn, _ pgx.TracePrepareStartData) context.Context {
-	c.n.Add(1)
-	return ctx
-}
-func (c *roundTrips) TracePrepareEnd(context.Context, *pgx.Conn, pgx.TracePrepareEndData) {}
-func (c *roundTrips) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
-	c.n.Add(1)
-	return ctx
-}
-func (c *roundTrips) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (c *roundTrips) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
 // walDB is a *gorm.DB on a fresh schema of the WAL server, through pgx's
 // stdlib driver with its round trips counted.
 type walDB struct {
 	db    *gorm.DB
 	sqlDB *sql.DB
-	rt    *roundTrips
+	rt    *pgxtrace.RoundTrips
 	dsn   string
 }
 
@@ -60,7 +39,7 @@ func openWALCounted(t *testing.T, dbt *dbtest.DB, cfg *gorm.Config, wrap func(*s
 	t.Helper()
 	cc, err := pgx.ParseConfig(dbt.DSN)
 	require.NoError(t, err)
-	rt := &roundTrips{}
+	rt := &pgxtrace.RoundTrips{}
 	cc.Tracer = rt
 	sqlDB := stdlib.OpenDB(*cc)
 	t.Cleanup(func() { sqlDB.Close() })
@@ -90,9 +69,9 @@ func (w *walDB) use(t *testing.T, name string) *outbox.Plugin {
 // trips returns the round trips fn costs.
 func (w *walDB) trips(t *testing.T, fn func() error) int64 {
 	t.Helper()
-	before := w.rt.n.Load()
+	before := w.rt.Load()
 	require.NoError(t, fn())
-	return w.rt.n.Load() - before
+	return w.rt.Load() - before
 }
 
 // TestWALModeCommitCarriesTheMessages: in WAL mode on pgx, a rule's write

@@ -461,9 +461,10 @@ func TestWALModeLargeTransaction(t *testing.T) {
 	slot := dbtest.NewWALSlot(t)
 	w := openWALCounted(t, dbtest.OpenWAL(t), nil, nil)
 	p := w.use(t, dbtest.Name("o_"))
+	count := &emitCounter{Interface: logger.Discard}
 	big := make([]byte, 200<<10)
 	var want []string
-	require.NoError(t, w.db.Transaction(func(tx *gorm.DB) error {
+	require.NoError(t, w.db.Session(&gorm.Session{Logger: count}).Transaction(func(tx *gorm.DB) error {
 		for i := range 1300 {
 			v := strconv.Itoa(i)
 			want = append(want, v)
@@ -471,12 +472,15 @@ func TestWALModeLargeTransaction(t *testing.T) {
 				return err
 			}
 		}
+		require.Equal(t, int64(1300-1300%(emitChunkForTest+1)), count.messages.Load(), "sent once over 500 held")
 		require.NoError(t, tx.SavePoint("s").Error)
+		require.Equal(t, int64(1300), count.messages.Load(), "sent with the SAVEPOINT")
 		for i := range 30 { // 6 MB: over the statement bound
 			m := seqMessage("dropped-" + strconv.Itoa(i))
 			m.Headers = []outbox.Header{{Key: "pad", Value: big}}
 			require.NoError(t, outbox.Enqueue(tx, m))
 		}
+		require.Greater(t, count.messages.Load(), int64(1300), "sent once over 4 MiB held")
 		require.NoError(t, tx.RollbackTo("s").Error)
 		for i := range 30 {
 			v := "big-" + strconv.Itoa(i)
@@ -491,6 +495,9 @@ func TestWALModeLargeTransaction(t *testing.T) {
 	}))
 	require.Equal(t, want, slotValues(t, slot, p.Config().WALPrefix()))
 }
+
+// emitChunkForTest is the most messages one emitting statement writes.
+const emitChunkForTest = 500
 
 // otherPool is a connection pool that is not a *sql.DB.
 type otherPool struct{ *sql.DB }

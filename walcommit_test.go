@@ -313,6 +313,7 @@ func TestWALModeContextEndsTheTransaction(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	tx := w.db.WithContext(ctx).Begin()
 	require.NoError(t, tx.Error)
+	t.Cleanup(func() { tx.Rollback() }) // should the test fail, the schema can still be dropped
 	require.NoError(t, tx.Create(&Order{ID: 1, Status: "new"}).Error)
 	require.Equal(t, 1, w.sqlDB.Stats().InUse)
 	cancel()

@@ -587,3 +587,33 @@ func TestWALModeSeveralPlugins(t *testing.T) {
 	require.Equal(t, []string{"placed:1", "a1", "placed:2", "a2"}, slotValues(t, slot, a.Config().WALPrefix()))
 	require.Equal(t, []string{"placed:1", "b1", "placed:2", "b2"}, slotValues(t, slotB, b.Config().WALPrefix()))
 }
+
+// TestWALModePreparedStatementsRoundTrips: with GORM's PrepareStmt, a
+// write in WAL mode costs the round trips of the same write without the
+// plugin: each statement is prepared on the transaction's connection and
+// closed at its end, as database/sql's Tx does.
+func TestWALModePreparedStatementsRoundTrips(t *testing.T) {
+	none := openWALCounted(t, dbtest.OpenWAL(t), &gorm.Config{PrepareStmt: true}, nil)
+	wal := openWALCounted(t, dbtest.OpenWAL(t), &gorm.Config{PrepareStmt: true}, nil)
+	wal.use(t, dbtest.Name("o_"))
+	for _, w := range []*walDB{none, wal} {
+		w.sqlDB.SetMaxOpenConns(1)
+	}
+	write := func(w *walDB, id uint64) func() error {
+		return func() error {
+			return w.db.Transaction(func(tx *gorm.DB) error {
+				if err := tx.Create(&Order{ID: id, Status: "new"}).Error; err != nil {
+					return err
+				}
+				return tx.Model(&Order{ID: id}).Update("status", "paid").Error
+			})
+		}
+	}
+	for i := uint64(1); i <= 3; i++ {
+		require.NoError(t, write(none, i)())
+		require.NoError(t, write(wal, i)())
+	}
+	n, w := none.trips(t, write(none, 10)), wal.trips(t, write(wal, 10))
+	t.Logf("round trips of a PrepareStmt transaction of two writes: no plugin %d, WAL mode %d", n, w)
+	require.Equal(t, n, w)
+}

@@ -203,16 +203,7 @@ func (t *pgxTx) hold(ctx context.Context, lg logger.Interface, prefix string, en
 	if !over {
 		return nil
 	}
-	for _, c := range emitChunks(send) {
-		q, args := c.statement()
-		begin := time.Now()
-		_, err := t.conn.ExecContext(ctx, q, args...)
-		lg.Trace(ctx, begin, func() (string, int64) { return q, int64(len(args) - 1) }, err)
-		if err != nil {
-			return fmt.Errorf("outbox: write %d messages to the WAL: %w", len(args)-1, err)
-		}
-	}
-	return nil
+	return t.send(ctx, lg, send)
 }
 
 // heldChunk is a run of held messages with one prefix that one emitting
@@ -257,7 +248,7 @@ func (c heldChunk) statement() (string, []any) {
 var ErrCommitFailed = errors.New("outbox: the transaction did not commit")
 
 // pipeline sends, in one round trip on pc, the statements that write
-// msgs and then tail, and returns tail's command tag. An emit's error is
+// msgs and then tail (none when empty), and returns tail's command tag. An emit's error is
 // returned wrapped, with emitFailed, and tail does not run.
 func pipeline(ctx context.Context, pc *pgx.Conn, lg logger.Interface, msgs []heldMessage, tail string) (_ pgconn.CommandTag, emitFailed bool, _ error) {
 	chunks := emitChunks(msgs)
@@ -266,7 +257,9 @@ func pipeline(ctx context.Context, pc *pgx.Conn, lg logger.Interface, msgs []hel
 		q, args := c.statement()
 		b.Queue(q, args...)
 	}
-	b.Queue(tail)
+	if tail != "" {
+		b.Queue(tail)
+	}
 	begin := time.Now()
 	br := pc.SendBatch(ctx, b)
 	var tag pgconn.CommandTag
@@ -283,7 +276,7 @@ func pipeline(ctx context.Context, pc *pgx.Conn, lg logger.Interface, msgs []hel
 			break
 		}
 	}
-	if result == nil {
+	if result == nil && tail != "" {
 		tag, result = br.Exec()
 	}
 	if err := br.Close(); err != nil && result == nil {
@@ -392,35 +385,45 @@ func (t *pgxTx) ExecContext(ctx context.Context, query string, args ...any) (sql
 	return res, nil
 }
 
-// savepoint creates a savepoint. The messages held so far are sent in the
-// same round trip, before it: they belong before the savepoint, where a
-// ROLLBACK TO it cannot drop them, and every message held afterwards is
-// one it drops.
+// savepoint creates a savepoint. The messages held so far are sent
+// first: they belong before the savepoint, where a ROLLBACK TO it cannot
+// drop them, and every message held afterwards is one it drops. (They
+// are not pipelined with the SAVEPOINT: pgx would prepare and cache each
+// savepoint's statement, whose name GORM makes unique.)
 func (t *pgxTx) savepoint(ctx context.Context, query, name string) (sql.Result, error) {
 	t.mu.Lock()
 	held, lg := t.held, t.trace
 	t.held, t.heldBytes = nil, 0
 	t.mu.Unlock()
-	if len(held) == 0 {
-		if _, err := t.conn.ExecContext(ctx, query); err != nil {
-			return nil, err
-		}
-	} else {
-		var err error
-		if rerr := t.conn.Raw(func(dc any) error {
-			_, _, err = pipeline(ctx, dc.(*stdlib.Conn).Conn(), lg, held, query)
-			return nil
-		}); rerr != nil {
-			return nil, rerr
-		}
-		if err != nil {
-			return nil, fmt.Errorf("outbox: %s: %w", query, err)
-		}
+	if err := t.send(ctx, lg, held); err != nil {
+		return nil, err
+	}
+	res, err := t.conn.ExecContext(ctx, query)
+	if err != nil {
+		return nil, err
 	}
 	t.mu.Lock()
 	t.marks = append(t.marks, name)
 	t.mu.Unlock()
-	return driver.RowsAffected(0), nil
+	return res, nil
+}
+
+// send writes msgs now, in the transaction, in one round trip.
+func (t *pgxTx) send(ctx context.Context, lg logger.Interface, msgs []heldMessage) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	var err error
+	if rerr := t.conn.Raw(func(dc any) error {
+		_, _, err = pipeline(ctx, dc.(*stdlib.Conn).Conn(), lg, msgs, "")
+		return nil
+	}); rerr != nil {
+		return rerr
+	}
+	if err != nil {
+		return fmt.Errorf("outbox: %w", err)
+	}
+	return nil
 }
 
 // QueryContext runs a query of the transaction.

@@ -35,10 +35,13 @@ type walDB struct {
 // openWALCounted opens the schema of dbt again with a round-trip counting
 // pgx pool, GORM config cfg (nil: defaults), and wraps the pool with wrap
 // when it is not nil.
-func openWALCounted(t *testing.T, dbt *dbtest.DB, cfg *gorm.Config, wrap func(*sql.DB) gorm.ConnPool) *walDB {
+func openWALCounted(t *testing.T, dbt *dbtest.DB, cfg *gorm.Config, wrap func(*sql.DB) gorm.ConnPool, tune ...func(*pgx.ConnConfig)) *walDB {
 	t.Helper()
 	cc, err := pgx.ParseConfig(dbt.DSN)
 	require.NoError(t, err)
+	for _, f := range tune {
+		f(cc)
+	}
 	rt := &pgxtrace.RoundTrips{}
 	cc.Tracer = rt
 	sqlDB := stdlib.OpenDB(*cc)
@@ -619,4 +622,34 @@ func TestWALModePreparedStatementsRoundTrips(t *testing.T) {
 	n, w := none.trips(t, write(none, 10)), wal.trips(t, write(wal, 10))
 	t.Logf("round trips of a PrepareStmt transaction of two writes: no plugin %d, WAL mode %d", n, w)
 	require.Equal(t, n, w)
+}
+
+// TestWALModeQueryExecModes: the held messages and COMMIT's pipeline work
+// in each of pgx's query execution modes (simple protocol for PgBouncer,
+// no statement cache): messages arrive in order, a savepoint rolled back
+// drops its own, a failed statement fails Commit.
+func TestWALModeQueryExecModes(t *testing.T) {
+	slot := dbtest.NewWALSlot(t)
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeSimpleProtocol, pgx.QueryExecModeExec, pgx.QueryExecModeDescribeExec, pgx.QueryExecModeCacheDescribe} {
+		t.Run(mode.String(), func(t *testing.T) {
+			w := openWALCounted(t, dbtest.OpenWAL(t), nil, nil, func(cc *pgx.ConnConfig) { cc.DefaultQueryExecMode = mode })
+			p := w.use(t, dbtest.Name("o_"))
+			require.NoError(t, w.db.Transaction(func(tx *gorm.DB) error {
+				if err := tx.Create(&Order{ID: 1, Status: "new"}).Error; err != nil {
+					return err
+				}
+				require.Error(t, tx.Transaction(func(tx *gorm.DB) error {
+					require.NoError(t, outbox.Enqueue(tx, seqMessage("lost")))
+					return errors.New("roll back")
+				}))
+				return outbox.Enqueue(tx, seqMessage("a"), seqMessage("b"))
+			}))
+			tx := w.db.Begin()
+			require.NoError(t, outbox.Enqueue(tx, seqMessage("aborted")))
+			require.Error(t, tx.Exec("SELECT 1/0").Error)
+			require.ErrorIs(t, tx.Commit().Error, outbox.ErrCommitFailed)
+			require.Equal(t, []string{"placed:1", "a", "b"}, slotValues(t, slot, p.Config().WALPrefix()))
+			require.Zero(t, w.sqlDB.Stats().InUse)
+		})
+	}
 }

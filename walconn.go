@@ -251,6 +251,10 @@ var ErrCommitFailed = errors.New("outbox: the transaction did not commit")
 // msgs and then tail (none when empty), and returns tail's command tag. An emit's error is
 // returned wrapped, with emitFailed, and tail does not run.
 func pipeline(ctx context.Context, pc *pgx.Conn, lg logger.Interface, msgs []heldMessage, tail string) (_ pgconn.CommandTag, emitFailed bool, _ error) {
+	if len(msgs) == 0 && tail != "" {
+		tag, err := pc.Exec(ctx, tail) // a plain statement: no arguments, simple protocol
+		return tag, false, err
+	}
 	chunks := emitChunks(msgs)
 	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, len(chunks)+1)}
 	for _, c := range chunks {

@@ -248,8 +248,9 @@ func (c heldChunk) statement() (string, []any) {
 var ErrCommitFailed = errors.New("outbox: the transaction did not commit")
 
 // pipeline sends, in one round trip on pc, the statements that write
-// msgs and then tail (none when empty), and returns tail's command tag. An emit's error is
-// returned wrapped, with emitFailed, and tail does not run.
+// msgs and then tail (none when empty), and returns tail's command tag.
+// An emit's error is returned wrapped, and tail has not run; emitFailed
+// says the server refused the emit.
 func pipeline(ctx context.Context, pc *pgx.Conn, lg logger.Interface, msgs []heldMessage, tail string) (_ pgconn.CommandTag, emitFailed bool, _ error) {
 	if len(msgs) == 0 && tail != "" {
 		tag, err := pc.Exec(ctx, tail) // a plain statement: no arguments, simple protocol
@@ -276,7 +277,11 @@ func pipeline(ctx context.Context, pc *pgx.Conn, lg logger.Interface, msgs []hel
 		}
 		if err != nil {
 			result = fmt.Errorf("write %d messages to the WAL: %w", len(c), err)
-			emitFailed = true
+			// The server refused it, so it ran nothing after it. Any other
+			// error (the connection lost after the pipeline was sent) leaves
+			// the outcome unknown.
+			var pe *pgconn.PgError
+			emitFailed = errors.As(err, &pe)
 			break
 		}
 	}

@@ -152,11 +152,7 @@ func TestNewKafkaRunWithoutBroker(t *testing.T) {
 func TestRunRefusesAWritersLargerBucketCount(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		writerDB, err := dbtest.OpenGorm(db.Dialect, db.DSN, &gorm.Config{Logger: logger.Discard})
-		require.NoError(t, err)
-		sqlW, err := writerDB.DB()
-		require.NoError(t, err)
-		t.Cleanup(func() { sqlW.Close() })
+		writerDB := openWriter(t, db)
 		wide := wiredPlugin(t, writerDB, outbox.Config{BucketCount: 64})
 		enqueue(t, writerDB, "orders", 200)
 		var maxBucket int
@@ -183,6 +179,18 @@ func TestRunRefusesAWritersLargerBucketCount(t *testing.T) {
 		require.NoError(t, db.DB.Table(narrow.Config().Tables.MessagesTable()).Count(&n).Error)
 		require.EqualValues(t, 200, n, "nothing deleted")
 	})
+}
+
+// openWriter opens a second connection to db's database, as another
+// service writing to the same outbox would; it is closed with t.
+func openWriter(t *testing.T, db *dbtest.DB) *gorm.DB {
+	t.Helper()
+	writerDB, err := dbtest.OpenGorm(db.Dialect, db.DSN, &gorm.Config{Logger: logger.Discard})
+	require.NoError(t, err)
+	sqlW, err := writerDB.DB()
+	require.NoError(t, err)
+	t.Cleanup(func() { sqlW.Close() })
+	return writerDB
 }
 
 func probe(t *testing.T, h http.Handler, path string) (int, map[string]any) {
@@ -215,11 +223,7 @@ func TestHealthReportsTheRelaysEnd(t *testing.T) {
 			require.Equal(t, "ok", body["status"], path)
 		}
 
-		writerDB, err := dbtest.OpenGorm(db.Dialect, db.DSN, &gorm.Config{Logger: logger.Discard})
-		require.NoError(t, err)
-		sqlW, err := writerDB.DB()
-		require.NoError(t, err)
-		t.Cleanup(func() { sqlW.Close() })
+		writerDB := openWriter(t, db)
 		wiredPlugin(t, writerDB, outbox.Config{BucketCount: 64})
 		enqueue(t, writerDB, "orders", 200)
 
@@ -309,11 +313,7 @@ func TestHealthReportsAFailedStart(t *testing.T) {
 
 		// A writer with a larger BucketCount: a fresh relay's Run fails at
 		// start on the misconfiguration, and so does liveness.
-		writerDB, err := dbtest.OpenGorm(db.Dialect, db.DSN, &gorm.Config{Logger: logger.Discard})
-		require.NoError(t, err)
-		sqlW, err := writerDB.DB()
-		require.NoError(t, err)
-		t.Cleanup(func() { sqlW.Close() })
+		writerDB := openWriter(t, db)
 		wiredPlugin(t, writerDB, outbox.Config{BucketCount: 64})
 		enqueue(t, writerDB, "orders", 200)
 		r2, err := gormrelay.New(db.DB, p, newRecorder().publisher("start2", nil), gormrelay.WithRelayConfig(fastConfig(t, "start2")))

@@ -400,13 +400,19 @@ func TestKafkaUnknownTopicIsRetryable(t *testing.T) {
 	require.False(t, relay.IsPermanent(err), "%v", err)
 	require.True(t, strings.HasPrefix(err.Error(), `unknown topic "no-such-topic": the cluster has no such topic`), "%v", err)
 
-	// After three failed lookups sarama's circuit breaker of the topic
-	// opens and fails its messages without a lookup: those failures are
-	// still the unknown topic's (transient, counted by the relay), not an
-	// outage (relay.Unavailable, which the relay does not count).
+	requireUnknownTopicCounted(t, k)
+}
+
+// requireUnknownTopicCounted publishes to a missing topic until sarama's
+// circuit breaker of the topic opened (three failed lookups) and fails
+// its messages without a lookup: every failure is still the unknown
+// topic's (transient, counted by the relay), never an outage
+// (relay.Unavailable, which the relay does not count).
+func requireUnknownTopicCounted(t *testing.T, p relay.Publisher) {
+	t.Helper()
 	breakerSeen := false
 	for i := range 6 {
-		acked, err := k.Publish(testCtx(t), publishertest.Messages("no-such-topic", fmt.Sprint("again-", i), 1))
+		acked, err := p.Publish(testCtx(t), publishertest.Messages("no-such-topic", fmt.Sprint("again-", i), 1))
 		require.Zero(t, acked)
 		require.ErrorIs(t, err, sarama.ErrUnknownTopicOrPartition, "publish %d", i)
 		require.False(t, relay.IsUnavailable(err), "publish %d: %v", i, err)

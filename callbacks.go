@@ -596,8 +596,13 @@ func (p *Plugin) runRules(db *gorm.DB, t target, m *modelRules, op Operation, c 
 			continue
 		}
 		msg, err := r.build(c)
+		if err == nil && msg != nil {
+			// Checked here as well as when written, so that a refusal
+			// names the model and the rule that built the message.
+			err = msg.validate(p.cfg.Limits, p.cfg.MaxMessageBytes)
+		}
 		if err != nil {
-			return out, &RuleError{Model: t.schema.ModelType.String(), Operation: op, Err: err}
+			return out, &RuleError{Model: t.schema.ModelType.String(), Operation: op, Rule: r.String(), Err: err}
 		}
 		if msg != nil {
 			out = append(out, msg)

@@ -121,15 +121,23 @@ func (e *RawWriteError) Error() string {
 // Unwrap lets errors.Is(err, ErrUnsupportedWrite) match.
 func (e *RawWriteError) Unwrap() error { return ErrUnsupportedWrite }
 
-// RuleError wraps an error returned by a publish rule. The write that
+// RuleError wraps an error returned by a publish rule, or the refusal of
+// the message it returned (a *MessageError, such as an invalid topic, or
+// a *TooLargeError: errors.As finds them through Unwrap). The write that
 // triggered the rule is rolled back.
 type RuleError struct {
 	Model     string    // the model type, e.g. "main.Order"
 	Operation Operation // what the write did
-	Err       error
+	// Rule names the rule: its type parameter and operations, e.g.
+	// "rule(*main.Order on update)". Empty for a rule that panicked.
+	Rule string
+	Err  error
 }
 
 func (e *RuleError) Error() string {
+	if e.Rule != "" {
+		return fmt.Sprintf("outbox: publish %s for model %s on %s: %v", e.Rule, e.Model, e.Operation, e.Err)
+	}
 	return fmt.Sprintf("outbox: publish rule for %s on %s: %v", e.Model, e.Operation, e.Err)
 }
 

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"gorm.io/gorm"
+	gormlogger "gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox/internal/sqlschema"
 	"github.com/gorm-outbox/outbox/wire"
@@ -64,8 +65,8 @@ type MigrationFile struct {
 	Content []byte
 }
 
-// SchemaError reports outbox tables older than this release needs: a
-// table or a column is missing. CheckSchema returns it, and the
+// SchemaError reports outbox tables that are missing (never migrated) or
+// older than this release needs: a table or a column is missing. CheckSchema returns it, and the
 // relay stops on it at start with a *relay.MisconfigurationError that
 // wraps it. It wraps ErrSchemaOutdated.
 type SchemaError struct {
@@ -79,14 +80,13 @@ type SchemaError struct {
 }
 
 // ErrSchemaOutdated is wrapped by every *SchemaError.
-var ErrSchemaOutdated = errors.New("outbox: the outbox tables are older than this release needs")
+var ErrSchemaOutdated = errors.New("outbox: the outbox tables are missing or older than this release needs")
 
 func (e *SchemaError) Error() string {
-	fix := "apply the outbox migrations up to " + e.Migration + " (github.com/gorm-outbox/outbox/migrations, or outbox.Migrations) or run the plugin's AutoMigrate (p.AutoMigrate(ctx, db)) or Tables.AutoMigrate before starting the relay"
 	if e.Column == "" {
-		return fmt.Sprintf("outbox: table %s does not exist: %s", e.Table, fix)
+		return fmt.Sprintf("outbox: table %s is missing: create the outbox tables before starting the relay: run the plugin's AutoMigrate (p.AutoMigrate(ctx, db)) or Tables.AutoMigrate, or apply the outbox migrations up to %s (github.com/gorm-outbox/outbox/migrations, or outbox.Migrations)", e.Table, e.Migration)
 	}
-	return fmt.Sprintf("outbox: table %s has no column %s: %s", e.Table, e.Column, fix)
+	return fmt.Sprintf("outbox: table %s has no column %s: apply the outbox migrations up to %s (github.com/gorm-outbox/outbox/migrations, or outbox.Migrations) or run the plugin's AutoMigrate (p.AutoMigrate(ctx, db)) or Tables.AutoMigrate before starting the relay", e.Table, e.Column, e.Migration)
 }
 
 // Is lets errors.Is(err, ErrSchemaOutdated) match.
@@ -287,14 +287,16 @@ func MigrationFiles(dialect string, tables Tables, format string) ([]MigrationFi
 // "SELECT <columns> FROM <table> WHERE 1 = 0" per table: no rows are read
 // and nothing is locked. A missing table or column is reported as a
 // *SchemaError naming it and the migration that adds it; an unreachable
-// database as a plain error. ctx bounds the whole check.
+// database as a plain error. ctx bounds the whole check. Its probes run
+// with a silent GORM logger: a probe failing on a missing table is the
+// answer, not an error for the application's log.
 //
 // The relay's store (package gormrelay) calls it at its first lease
 // acquisition and stops the relay with a *relay.MisconfigurationError
 // wrapping the *SchemaError. Call it yourself in a readiness probe or
 // after running migrations.
 func CheckSchema(ctx context.Context, db *gorm.DB, tables Tables) error {
-	db = db.Session(&gorm.Session{NewDB: true, Context: ctx})
+	db = db.Session(&gorm.Session{NewDB: true, Context: ctx, Logger: gormlogger.Discard})
 	for _, t := range outboxTables {
 		name := tables.qualified(t.name(tables))
 		quoted := db.Statement.Quote(name)

@@ -513,7 +513,10 @@ func TestStoreCheckSchema(t *testing.T) {
 		err = store.CheckSchema(ctx)
 		require.ErrorAs(t, err, &se)
 		require.Equal(t, outbox.SchemaError{Table: "old_outbox_relays", Migration: "000001_outbox"}, *se)
-		require.ErrorContains(t, err, "table old_outbox_relays does not exist")
+		require.EqualError(t, err, "outbox: table old_outbox_relays is missing: create the outbox tables before starting the relay: run the plugin's AutoMigrate (p.AutoMigrate(ctx, db)) or Tables.AutoMigrate, or apply the outbox migrations up to 000001_outbox (github.com/gorm-outbox/outbox/migrations, or outbox.Migrations)")
+		_, err = r.DrainOnce(ctx)
+		require.ErrorAs(t, err, &me)
+		require.ErrorContains(t, err, "relay: misconfiguration: Tables: an outbox table is missing (AutoMigrate or the outbox migrations were not run): outbox: table old_outbox_relays is missing")
 
 		// Migrated: the relay runs.
 		require.NoError(t, cfg.Tables.AutoMigrate(ctx, db.DB))

@@ -781,3 +781,33 @@ func TestLimitsDecideWhatEnqueueAccepts(t *testing.T) {
 		require.Equal(t, "queue/orders:v1", rows[1].Topic)
 	})
 }
+
+// A rule that returns a message the outbox refuses (an invalid topic)
+// fails the write with a *RuleError naming the model and the rule, which
+// wraps the *MessageError; the write is rolled back.
+func TestRuleInvalidMessageNamesTheRule(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b := setupWrite(t, dbt, outbox.Config{Rules: []outbox.Rule{
+			outbox.OnCreate(func(c outbox.Change[*Order]) (*outbox.Message, error) {
+				return &outbox.Message{Topic: "orders placed", Key: key(c.Entity.ID)}, nil
+			}),
+		}})
+
+		err := b.db.Create(&Order{Status: "new"}).Error
+		var re *outbox.RuleError
+		require.ErrorAs(t, err, &re)
+		require.Equal(t, "outbox_test.Order", re.Model)
+		require.Equal(t, outbox.Insert, re.Operation)
+		require.Contains(t, re.Rule, "*outbox_test.Order")
+		var me *outbox.MessageError
+		require.ErrorAs(t, err, &me)
+		require.Equal(t, "Topic", me.Field)
+		require.Equal(t, "orders placed", me.Topic)
+		require.ErrorIs(t, err, outbox.ErrInvalidMessage)
+		require.ErrorContains(t, err, re.Rule)
+		require.ErrorContains(t, err, `outbox: publish rule(*outbox_test.Order on insert) for model outbox_test.Order on insert: outbox: invalid message for topic "orders placed": Topic:`)
+		require.Zero(t, b.orders(t), "the write is rolled back")
+		require.Empty(t, b.rows(t))
+	})
+}

@@ -617,7 +617,7 @@ func rowIDs(rows []outboxRow) []int64 {
 // DrainOnce is the one-shot runner: it drains the outbox configured by cfg
 // on db once through pub, with a relay configured by rcfg (its BucketCount
 // defaults to cfg's), and returns how many messages were published. It is
-// relay.DrainOnce with the GORM store and the default failure policy
+// (*relay.Relay).DrainOnce with the GORM store and the default failure policy
 // wired in: messages that exhaust the policy are dead-lettered and the
 // drain carries on. Meant for jobs, scripts and tests; with relays running
 // it drains only the buckets it could lease. See relay.Relay.DrainOnce for

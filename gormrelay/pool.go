@@ -58,7 +58,11 @@ func idleLimitSet(db *sql.DB) (set, known bool) {
 // tunePool raises the idle limit of the store's pool to
 // PoolIdleFor(parallelism) if the store owns its tuning: the limit was
 // unset when NewStore first saw the pool, and this store set it since.
-// It logs each change once at Info.
+// It logs each change once at Debug: raising an untuned pool's limit is
+// what the store documents it does, at every start of a relay and every
+// outboxtest.Drain, and the application has nothing to act on. What is
+// worth telling, a pool whose limit still makes it close connections, is
+// the churn warning (watchPool), at Warn.
 func (s *Store) tunePool(parallelism int) {
 	sqlDB, err := s.db.DB()
 	if err != nil {
@@ -84,13 +88,13 @@ func (s *Store) tunePool(parallelism int) {
 	w.tunedIdle = want
 	sqlDB.SetMaxIdleConns(want)
 	if from == 0 {
-		s.logger.Info("outbox: raised the connection pool's idle limit from database/sql's default 2, so that the relay's drainers reuse connections instead of opening a database session per statement; "+
+		s.logger.Debug("outbox: raised the connection pool's idle limit from database/sql's default 2, so that the relay's drainers reuse connections instead of opening a database session per statement; "+
 			"call sql.DB.SetMaxIdleConns yourself before creating the store to choose another value",
 			slog.Int("max_idle_conns", want), slog.Int("parallelism", max(parallelism, 1)),
 			slog.Int("max_open_conns", sqlDB.Stats().MaxOpenConnections))
 		return
 	}
-	s.logger.Info("outbox: raised the connection pool's idle limit for the relay's Parallelism",
+	s.logger.Debug("outbox: raised the connection pool's idle limit for the relay's Parallelism",
 		slog.Int("from", from), slog.Int("max_idle_conns", want), slog.Int("parallelism", parallelism))
 }
 

@@ -25,7 +25,7 @@ const churnWarning = "closed connections at its idle limit"
 // database/sql's default (2), its 8 drainers kept busy by a writer, closes
 // a connection after many of its statements, and the store says so. On a
 // pool the application never touched, the store raised the idle limit
-// itself (logged at Info): the pool closes no connection at its idle
+// itself (logged at Debug, not at Info): the pool closes no connection at its idle
 // limit and the store stays quiet, as with an idle limit of 16 set by the
 // application.
 func TestPoolChurnWarning(t *testing.T) {
@@ -46,10 +46,11 @@ func TestPoolChurnWarning(t *testing.T) {
 				}
 				var logs dbtest.LogBuffer
 				b := newStoreBundle(t, db, outbox.Config{
-					Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})),
+					Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
 				})
 				if idle < 0 {
-					require.Contains(t, logs.String(), "raised the connection pool's idle limit")
+					require.Contains(t, logs.String(), `level=DEBUG msg="outbox: raised the connection pool's idle limit`)
+					require.NotContains(t, logs.String(), `level=INFO msg="outbox: raised the connection pool's idle limit`)
 					require.Contains(t, logs.String(), "max_idle_conns=16")
 				} else {
 					require.NotContains(t, logs.String(), "raised the connection pool's idle limit", "a limit the application set is kept")

@@ -47,3 +47,25 @@ func TestLibraryStatementsLogOnlyFailures(t *testing.T) {
 	require.Contains(t, failed, "does not exist")
 	require.NotContains(t, failed, "SLOW SQL")
 }
+
+// A relay started on missing tables fails with the schema check's error,
+// and the check's probes (each failing on the missing table) do not reach
+// the application's GORM log.
+func TestSchemaProbesDoNotLog(t *testing.T) {
+	t.Parallel()
+	var buf dbtest.LogBuffer
+	gl := dbtest.LogEverything(&buf)
+	db := dbtest.Open(t, dbtest.Postgres, dbtest.Options{Config: &gorm.Config{Logger: gl}})
+	p, err := outbox.NewPlugin(outbox.Config{BucketCount: 4})
+	require.NoError(t, err)
+	require.NoError(t, db.DB.Use(p))
+	r, err := gormrelay.New(db.DB, p, newRecorder().publisher("probe", nil), gormrelay.WithRelayConfig(fastConfig(t, "probe")))
+	require.NoError(t, err)
+	buf.Take()
+	err = r.Run(t.Context())
+	require.ErrorIs(t, err, outbox.ErrSchemaOutdated)
+	require.ErrorContains(t, err, "is missing")
+	logged := buf.Take()
+	require.NotContains(t, logged, "does not exist", "the schema probes log nothing")
+	require.NotContains(t, logged, p.Config().Tables.MessagesTable())
+}

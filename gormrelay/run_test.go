@@ -18,6 +18,7 @@ import (
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
+	"github.com/gorm-outbox/outbox/ops/opshttp"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -151,11 +152,7 @@ func TestNewKafkaRunWithoutBroker(t *testing.T) {
 func TestRunRefusesAWritersLargerBucketCount(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		writerDB, err := dbtest.OpenGorm(db.Dialect, db.DSN, &gorm.Config{Logger: logger.Discard})
-		require.NoError(t, err)
-		sqlW, err := writerDB.DB()
-		require.NoError(t, err)
-		t.Cleanup(func() { sqlW.Close() })
+		writerDB := openWriter(t, db)
 		wide := wiredPlugin(t, writerDB, outbox.Config{BucketCount: 64})
 		enqueue(t, writerDB, "orders", 200)
 		var maxBucket int
@@ -182,6 +179,18 @@ func TestRunRefusesAWritersLargerBucketCount(t *testing.T) {
 		require.NoError(t, db.DB.Table(narrow.Config().Tables.MessagesTable()).Count(&n).Error)
 		require.EqualValues(t, 200, n, "nothing deleted")
 	})
+}
+
+// openWriter opens a second connection to db's database, as another
+// service writing to the same outbox would; it is closed with t.
+func openWriter(t *testing.T, db *dbtest.DB) *gorm.DB {
+	t.Helper()
+	writerDB, err := dbtest.OpenGorm(db.Dialect, db.DSN, &gorm.Config{Logger: logger.Discard})
+	require.NoError(t, err)
+	sqlW, err := writerDB.DB()
+	require.NoError(t, err)
+	t.Cleanup(func() { sqlW.Close() })
+	return writerDB
 }
 
 func probe(t *testing.T, h http.Handler, path string) (int, map[string]any) {
@@ -214,11 +223,7 @@ func TestHealthReportsTheRelaysEnd(t *testing.T) {
 			require.Equal(t, "ok", body["status"], path)
 		}
 
-		writerDB, err := dbtest.OpenGorm(db.Dialect, db.DSN, &gorm.Config{Logger: logger.Discard})
-		require.NoError(t, err)
-		sqlW, err := writerDB.DB()
-		require.NoError(t, err)
-		t.Cleanup(func() { sqlW.Close() })
+		writerDB := openWriter(t, db)
 		wiredPlugin(t, writerDB, outbox.Config{BucketCount: 64})
 		enqueue(t, writerDB, "orders", 200)
 
@@ -249,5 +254,79 @@ func TestHealthReportsTheRelaysEnd(t *testing.T) {
 		code, body := probe(t, live.Readiness(), "/readyz")
 		require.Equal(t, http.StatusServiceUnavailable, code)
 		require.Equal(t, "error", body["status"])
+	})
+}
+
+// A relay whose Run fails at start (its tables are missing, or a writer
+// uses a larger BucketCount) never runs, so Stopped is not closed; the
+// liveness and readiness probes, served over HTTP, still fail at once with
+// the error Run returned. Once the tables exist a second Run starts, and
+// the probes pass again.
+func TestHealthReportsAFailedStart(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		p, err := outbox.NewPlugin(outbox.Config{BucketCount: 8})
+		require.NoError(t, err)
+		require.NoError(t, db.DB.Use(p))
+		r, err := gormrelay.New(db.DB, p, newRecorder().publisher("start", nil), gormrelay.WithRelayConfig(fastConfig(t, "start")))
+		require.NoError(t, err)
+		srv := httptest.NewServer(opshttp.Health{Operator: gormrelay.PluginAdmin(db.DB, p), Relay: r, MaxAge: time.Hour, Logger: dbtest.Logger(t)}.Handler())
+		defer srv.Close()
+		get := func(path string) (int, map[string]any) {
+			t.Helper()
+			resp, err := srv.Client().Get(srv.URL + path)
+			require.NoError(t, err)
+			defer resp.Body.Close()
+			var body map[string]any
+			require.NoError(t, json.NewDecoder(resp.Body).Decode(&body))
+			return resp.StatusCode, body
+		}
+
+		runErr := r.Run(t.Context())
+		require.ErrorIs(t, runErr, outbox.ErrSchemaOutdated)
+		select {
+		case <-r.Stopped():
+			t.Fatal("a relay that never ran reports Stopped")
+		default:
+		}
+		require.Equal(t, runErr, r.Err())
+		code, body := get("/livez")
+		require.Equal(t, http.StatusServiceUnavailable, code)
+		require.Equal(t, "failed", body["status"])
+		require.Equal(t, runErr.Error(), body["error"])
+		code, body = get("/readyz")
+		require.Equal(t, http.StatusServiceUnavailable, code)
+		require.Equal(t, "failed", body["status"])
+
+		// The tables made, the relay starts and the probes pass.
+		require.NoError(t, p.AutoMigrate(t.Context(), db.DB))
+		ctx, cancel := context.WithCancel(t.Context())
+		done := runAsync(ctx, r)
+		require.Eventually(t, func() bool { return r.Err() == nil }, deliverWithin, 10*time.Millisecond)
+		for _, path := range []string{"/livez", "/readyz"} {
+			code, body := get(path)
+			require.Equal(t, http.StatusOK, code, path)
+			require.Equal(t, "ok", body["status"], path)
+		}
+		cancel()
+		require.NoError(t, <-done)
+
+		// A writer with a larger BucketCount: a fresh relay's Run fails at
+		// start on the misconfiguration, and so does liveness.
+		writerDB := openWriter(t, db)
+		wiredPlugin(t, writerDB, outbox.Config{BucketCount: 64})
+		enqueue(t, writerDB, "orders", 200)
+		r2, err := gormrelay.New(db.DB, p, newRecorder().publisher("start2", nil), gormrelay.WithRelayConfig(fastConfig(t, "start2")))
+		require.NoError(t, err)
+		runErr = r2.Run(t.Context())
+		require.True(t, relay.IsMisconfiguration(runErr), "%v", runErr)
+		live := httptest.NewServer(opshttp.Health{Relay: r2}.Liveness())
+		defer live.Close()
+		resp, err := live.Client().Get(live.URL + "/livez")
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		require.NoError(t, json.NewDecoder(resp.Body).Decode(&body))
+		require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+		require.Equal(t, runErr.Error(), body["error"])
 	})
 }

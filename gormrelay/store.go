@@ -1180,7 +1180,11 @@ func (s *Store) checkSchemaOnce(ctx context.Context) error {
 	err := s.CheckSchema(ctx)
 	var se *outbox.SchemaError
 	if errors.As(err, &se) {
-		return &relay.MisconfigurationError{Setting: "Tables", Reason: "the outbox schema is older than this release needs", Err: se}
+		reason := "the outbox schema is older than this release needs"
+		if se.Column == "" {
+			reason = "an outbox table is missing (AutoMigrate or the outbox migrations were not run)"
+		}
+		return &relay.MisconfigurationError{Setting: "Tables", Reason: reason, Err: se}
 	}
 	if err != nil {
 		return err

@@ -9,7 +9,7 @@
 //     why each message did not match;
 //   - Pending lists the pending messages;
 //   - Drain runs the real relay store once (gormrelay.NewStore and
-//     relay.DrainOnce) into a recording publisher and returns what was
+//     (*relay.Relay).DrainOnce) into a recording publisher and returns what was
 //     published, leaving the outbox empty;
 //   - StartBroker starts an in-process Kafka-protocol broker for
 //     end-to-end tests through the Kafka publisher.

@@ -116,7 +116,7 @@ func TestFailureMessages(t *testing.T) {
 	mt.requireFailed(t, "cannot read the outbox table none_outbox_messages", "AutoMigrate")
 	mt = &mockT{}
 	drain(mt, db.DB, other)
-	mt.requireFailed(t, "drain none_outbox_messages", "does not exist")
+	mt.requireFailed(t, "drain none_outbox_messages", "is missing", "AutoMigrate")
 
 	// No plugin on the *gorm.DB.
 	bare := dbtest.Open(t, dbtest.SQLite)

@@ -487,7 +487,7 @@ func listing(msgs []Message, want Want) string {
 
 // Drain publishes every pending message of the outbox of p (nil: the only
 // outbox plugin on db) once, the way a relay does (gormrelay.NewStore and
-// relay.DrainOnce), into a recorder instead of Kafka, and returns what was
+// (*relay.Relay).DrainOnce), into a recorder instead of Kafka, and returns what was
 // published in enqueue order. The published rows are deleted, so the
 // outbox is empty afterwards. Pass the database, not a transaction: only
 // committed messages are drained.

@@ -225,7 +225,8 @@
 //
 // Unavailable (relay.IsUnavailable; never counted against the message, so
 // an outage dead-letters nothing): connection and network errors, no
-// broker available, the circuit breaker, NOT_LEADER_FOR_PARTITION,
+// broker available, the circuit breaker (but see UNKNOWN_TOPIC_OR_PARTITION
+// below), NOT_LEADER_FOR_PARTITION,
 // LEADER_NOT_AVAILABLE, REQUEST_TIMED_OUT, NOT_ENOUGH_REPLICAS(_AFTER_APPEND),
 // KAFKA_STORAGE_ERROR and the other errors of a cluster not ready to take
 // the write, ErrClosed, and the producer-state errors
@@ -235,7 +236,13 @@
 // Everything else is left retriable and counted against the message,
 // notably UNKNOWN_TOPIC_OR_PARTITION: Kafka calls it retriable, and a topic
 // that does not exist yet may be created by a deploy in progress; the
-// relay's MaxAttempts still bounds how long a bucket waits for it.
+// relay's MaxAttempts still bounds how long a bucket waits for it. sarama
+// opens a topic's circuit breaker after three failed lookups of it and
+// fails its messages with "circuit breaker is open" until a lookup is let
+// through (10s later): when the topic's last failure was
+// UNKNOWN_TOPIC_OR_PARTITION, those failures are reported as the unknown
+// topic (they wrap sarama.ErrUnknownTopicOrPartition and are not
+// relay.Unavailable), so every attempt of the message counts.
 //
 // The *Error of a failed message reads cause first, in plain words with
 // its numbers, then where, then the client's own text:

@@ -7,6 +7,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"unicode/utf8"
 
@@ -347,6 +348,43 @@ func classify(err error) error {
 		return relay.Unavailable(err)
 	}
 	return err
+}
+
+// errTopicBreaker says why a message failed with the circuit breaker of
+// its topic open: the breaker opened on the topic's own failures.
+var errTopicBreaker = errors.New("sarama's circuit breaker for the topic is open after repeated failed lookups of it")
+
+// unknownTopics remembers the topics whose last failure was
+// UNKNOWN_TOPIC_OR_PARTITION, so that the failures that follow them
+// count against their messages.
+//
+// sarama looks a topic's partitions up under a circuit breaker of the
+// topic (3 failures open it for 10s, then one lookup is let through): after
+// three unknown-topic failures its messages fail with breaker.ErrBreakerOpen,
+// which alone says nothing about the message and is relay.Unavailable. For
+// a topic whose last failure was an unknown topic the breaker is open
+// because of that topic: classify returns the failure as what it is, an
+// unknown topic (transient, counted by the relay's MaxAttempts), so that
+// MaxAttempts bounds the wait for a missing topic as documented. Any other
+// failure of the topic (brokers unreachable while looking it up, a
+// leader lookup failing) forgets it: a breaker that opens then is an
+// outage.
+type unknownTopics struct{ m sync.Map } // topic → struct{}
+
+// classify is classify(err) for a message of topic, with the topic's
+// breaker attributed as above.
+func (u *unknownTopics) classify(topic string, err error) error {
+	switch {
+	case errors.Is(err, sarama.ErrUnknownTopicOrPartition):
+		u.m.Store(topic, struct{}{})
+	case errors.Is(err, breaker.ErrBreakerOpen):
+		if _, ok := u.m.Load(topic); ok {
+			return fmt.Errorf("%w: %w: %w", sarama.ErrUnknownTopicOrPartition, errTopicBreaker, err)
+		}
+	default:
+		u.m.Delete(topic)
+	}
+	return classify(err)
 }
 
 func isUnavailable(err error) bool {

@@ -205,6 +205,7 @@ type Kafka struct {
 	retired sync.WaitGroup // replacements and retired producers closing
 
 	replacements atomic.Int64
+	unknown      unknownTopics // topics that failed as unknown, for classify
 	// retries counts the retries sarama started (it asks for a backoff
 	// before each one), for the order gate: see call.retriesAtStart.
 	retries atomic.Int64
@@ -831,7 +832,7 @@ func (k *Kafka) collect(ctx context.Context, msgs []relay.Message, c *call, sent
 func (k *Kafka) failure(msgs []relay.Message, i int, errs []error, parts []int32, done []bool, acked int) error {
 	m := &msgs[i]
 	err := errs[i]
-	e := newError(i, m, classify(err))
+	e := newError(i, m, k.unknown.classify(m.Topic, err))
 	if p := parts[i]; p >= 0 {
 		e.Partition = &p
 	}

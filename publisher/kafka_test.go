@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/eapache/go-resiliency/breaker"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
@@ -398,6 +399,28 @@ func TestKafkaUnknownTopicIsRetryable(t *testing.T) {
 	require.ErrorIs(t, err, sarama.ErrUnknownTopicOrPartition)
 	require.False(t, relay.IsPermanent(err), "%v", err)
 	require.True(t, strings.HasPrefix(err.Error(), `unknown topic "no-such-topic": the cluster has no such topic`), "%v", err)
+
+	requireUnknownTopicCounted(t, k)
+}
+
+// requireUnknownTopicCounted publishes to a missing topic until sarama's
+// circuit breaker of the topic opened (three failed lookups) and fails
+// its messages without a lookup: every failure is still the unknown
+// topic's (transient, counted by the relay), never an outage
+// (relay.Unavailable, which the relay does not count).
+func requireUnknownTopicCounted(t *testing.T, p relay.Publisher) {
+	t.Helper()
+	breakerSeen := false
+	for i := range 6 {
+		acked, err := p.Publish(testCtx(t), publishertest.Messages("no-such-topic", fmt.Sprint("again-", i), 1))
+		require.Zero(t, acked)
+		require.ErrorIs(t, err, sarama.ErrUnknownTopicOrPartition, "publish %d", i)
+		require.False(t, relay.IsUnavailable(err), "publish %d: %v", i, err)
+		require.False(t, relay.IsPermanent(err), "publish %d: %v", i, err)
+		require.True(t, strings.HasPrefix(err.Error(), `unknown topic "no-such-topic": the cluster has no such topic`), "%v", err)
+		breakerSeen = breakerSeen || errors.Is(err, breaker.ErrBreakerOpen)
+	}
+	require.True(t, breakerSeen, "the topic's circuit breaker opened")
 }
 
 func TestKafkaInvalidTopicIsNamed(t *testing.T) {

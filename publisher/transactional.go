@@ -180,6 +180,7 @@ type Transactional struct {
 	started bool // Start's check succeeded
 	closed  bool
 	buckets map[int]*txProducer // the current producer of each bucket
+	unknown unknownTopics       // topics that failed as unknown, for classify
 	// bg counts the goroutines that use producers: starts, transactions
 	// and closes. Add is only called under mu while closed is false, or by
 	// one of those goroutines, so that Close's Wait covers them all.
@@ -741,7 +742,7 @@ wait:
 			p.broken = true
 			return txOutcome{err: t.fenced(p, errors.Join(cause, abortErr))}
 		}
-		e := newError(failed, &msgs[failed], classify(cause))
+		e := newError(failed, &msgs[failed], t.unknown.classify(msgs[failed].Topic, cause))
 		if p := failedPart; p >= 0 {
 			e.Partition = &p
 		}

@@ -473,3 +473,15 @@ func TestNewTransactionalErrors(t *testing.T) {
 	})
 	require.ErrorContains(t, err, "Transaction.ID")
 }
+
+// A missing topic fails every transaction as the unknown topic, never as
+// an outage, including once sarama's circuit breaker of the topic opened:
+// the relay counts each failure against the message.
+func TestTransactionalUnknownTopicIsCounted(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	if c.AutoCreatesTopics(t) {
+		t.Skip("the cluster creates topics on demand (auto.create.topics.enable); scripts/kafka.sh runs Apache Kafka without it")
+	}
+	requireUnknownTopicCounted(t, newTransactional(t, c))
+}

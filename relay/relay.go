@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -186,6 +187,20 @@ func (r *Relay) start(ctx, life context.Context) error {
 	case stateStopped:
 		return ErrStopped
 	}
+	err := r.startChecked(ctx, life)
+	if err != nil && !errors.Is(err, ErrBusy) && !errors.Is(err, ErrStopped) {
+		// Err reports a failed start until a later start succeeds
+		// (launch clears it): a liveness probe reading Err must fail
+		// for a relay that never ran, not only for one that stopped.
+		r.mu.Lock()
+		r.err = err
+		r.mu.Unlock()
+	}
+	return err
+}
+
+// startChecked runs start's checks and launches the relay.
+func (r *Relay) startChecked(ctx, life context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("relay: start: %w", err)
 	}
@@ -222,6 +237,7 @@ func (r *Relay) launch(ctx, life context.Context) error {
 	}
 	hard, cancel := context.WithCancelCause(life)
 	r.state = stateRunning
+	r.err = nil // a failed earlier start
 	r.stopping = make(chan struct{})
 	r.cancelHard = cancel
 	r.eng = newEngine(hard, r.parts, false)
@@ -368,9 +384,12 @@ func (r *Relay) Stop(ctx context.Context) error {
 // closed for a relay that was never started.
 func (r *Relay) Stopped() <-chan struct{} { return r.stopped }
 
-// Err returns why the relay stopped: nil after Stop or a cancelled Start
-// context, a *MisconfigurationError when it met a problem retrying cannot
-// fix. It returns nil while the relay runs.
+// Err returns why the relay stopped or could not start: nil after Stop
+// or a cancelled Start context, a *MisconfigurationError when it met a
+// problem retrying cannot fix while running, and the error the last
+// Start or Run returned when the relay could not start (Stopped is then
+// not closed: the relay never ran). It returns nil while the relay runs
+// and before its first start.
 func (r *Relay) Err() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()

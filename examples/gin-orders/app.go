@@ -293,7 +293,7 @@ func (a *App) routes() (http.Handler, error) {
 		admin, runs = wal, a.reader
 	}
 	// Kubernetes probes. Liveness: 503 once the relay (or WAL reader)
-	// stopped on an error. Readiness (and /healthz): 503 then too, and
+	// stopped on an error or could not start. Readiness (and /healthz): 503 then too, and
 	// while the oldest pending event is older than HealthMaxAge or the
 	// database does not answer; in WAL mode also while the slot is lost,
 	// missing, has no reader or retains too much WAL.

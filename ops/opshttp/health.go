@@ -43,9 +43,10 @@ type healthBody struct {
 // Kubernetes expects:
 //
 //   - Liveness (mount at /livez): is the process worth keeping? 503 at
-//     once when Relay has stopped on an error (Relay.Err, a
-//     misconfiguration such as a writer's larger BucketCount), with the
-//     error's text; 200 otherwise. It reads no database: a database
+//     once when Relay has stopped on an error or could not start
+//     (Relay.Err: a misconfiguration such as a writer's larger
+//     BucketCount or missing tables), with the error's text; 200
+//     otherwise. It reads no database: a database
 //     outage must not restart every relay.
 //   - Readiness (mount at /readyz, and /healthz): is the outbox being
 //     delivered? 503 when Relay stopped on an error (as Liveness) or
@@ -96,15 +97,21 @@ type Health struct {
 type Stopper interface {
 	// Stopped is closed when the relay has stopped.
 	Stopped() <-chan struct{}
-	// Err is the error the relay stopped on; nil while it runs or after a
-	// clean stop.
+	// Err is the error the relay stopped on, or the error its start
+	// failed on (Stopped is then not closed); nil while it runs or after
+	// a clean stop.
 	Err() error
 }
 
-// relayEnd reports whether h.Relay has stopped, and its error.
+// relayEnd reports whether h.Relay has stopped, and its error. A relay
+// that could not start has not stopped (it never ran) but reports the
+// start's error: it counts as stopped on that error.
 func (h Health) relayEnd() (stopped bool, err error) {
 	if h.Relay == nil {
 		return false, nil
+	}
+	if err := h.Relay.Err(); err != nil {
+		return true, err
 	}
 	select {
 	case <-h.Relay.Stopped():

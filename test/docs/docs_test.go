@@ -2,7 +2,8 @@
 // every exported configuration field and wiring option has a row in
 // docs/configuration.md, and every relative link in a *.md file resolves
 // to a file (and, for a link into a Markdown file, to one of its
-// headings).
+// headings), and no Go snippet uses a call returning several values (a
+// value and an error) as one value.
 package docs_test
 
 import (
@@ -191,13 +192,9 @@ func parseMarkdown(t *testing.T, path string) markdown {
 	return md
 }
 
-// pending are files that documents link to before they are written.
-var pending = map[string]bool{}
-
-// TestMarkdownLinksResolve fails when a relative link in a tracked
-// Markdown file points to no file, or to a heading its target does not
-// have.
-func TestMarkdownLinksResolve(t *testing.T) {
+// markdownFiles returns the paths of the repository's Markdown files.
+func markdownFiles(t *testing.T) []string {
+	t.Helper()
 	var files []string
 	require.NoError(t, filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
 		if err != nil {
@@ -212,6 +209,17 @@ func TestMarkdownLinksResolve(t *testing.T) {
 		return nil
 	}))
 	require.NotEmpty(t, files)
+	return files
+}
+
+// pending are files that documents link to before they are written.
+var pending = map[string]bool{}
+
+// TestMarkdownLinksResolve fails when a relative link in a tracked
+// Markdown file points to no file, or to a heading its target does not
+// have.
+func TestMarkdownLinksResolve(t *testing.T) {
+	files := markdownFiles(t)
 	parsed := map[string]markdown{}
 	get := func(p string) markdown {
 		md, ok := parsed[p]
@@ -248,4 +256,88 @@ func TestMarkdownLinksResolve(t *testing.T) {
 		}
 	}
 	require.Positive(t, checked, "no relative link found")
+}
+
+// snippetPackages are the directories, relative to the repository root,
+// whose exported functions the documents' Go snippets call, by package
+// name.
+var snippetPackages = map[string]string{
+	"outbox": ".", "gormrelay": "gormrelay", "relay": "relay", "publisher": "publisher",
+	"metrics": "metrics", "ops": "ops", "opshttp": "ops/opshttp", "opsui": "ops/opsui",
+	"pgwal": "pgwal", "inbox": "inbox", "outboxtest": "outboxtest", "pgnotify": "pgnotify",
+}
+
+// multiResult returns "pkg.Func" for every exported function of
+// snippetPackages that returns more than one value.
+func multiResult(t *testing.T) map[string]bool {
+	t.Helper()
+	out := map[string]bool{}
+	fset := token.NewFileSet()
+	for pkg, dir := range snippetPackages {
+		entries, err := os.ReadDir(filepath.Join(root, dir))
+		require.NoError(t, err)
+		for _, e := range entries {
+			if !strings.HasSuffix(e.Name(), ".go") || strings.HasSuffix(e.Name(), "_test.go") {
+				continue
+			}
+			f, err := parser.ParseFile(fset, filepath.Join(root, dir, e.Name()), nil, parser.SkipObjectResolution)
+			require.NoError(t, err)
+			for _, d := range f.Decls {
+				fn, ok := d.(*ast.FuncDecl)
+				if !ok || fn.Recv != nil || !fn.Name.IsExported() || fn.Type.Results == nil || fn.Type.Results.NumFields() < 2 {
+					continue
+				}
+				out[pkg+"."+fn.Name.Name] = true
+			}
+		}
+	}
+	return out
+}
+
+var (
+	pkgCall = regexp.MustCompile(`\b([a-z]+)\.([A-Z]\w*)\(`)
+	// oneValue matches what, before a call, takes a single value: a struct
+	// field or map value ("Admin: "), an argument ("f(", "x, "), or an
+	// assignment to one variable ("a := ", "a = ").
+	oneValue = regexp.MustCompile(`(:|\(|,|^\s*[\w.]+\s*:?=|[^,\s]\s+[\w.]+\s*:?=)\s*$`)
+)
+
+// TestDocSnippetsTakeEveryResult fails when a Go snippet in a Markdown file
+// uses a call of a function that returns several values (a value and an
+// error) where one value goes: as a struct field, an argument, or the
+// right side of a one-variable assignment. Such a snippet does not
+// compile ("gormrelay.Health{Admin: gormrelay.NewAdmin(db, cfg)}").
+func TestDocSnippetsTakeEveryResult(t *testing.T) {
+	multi := multiResult(t)
+	require.True(t, multi["gormrelay.NewAdmin"], "gormrelay.NewAdmin returns (*Admin, error)")
+	checked := 0
+	for _, file := range markdownFiles(t) {
+		rel, _ := filepath.Rel(root, file)
+		if rel == "CHANGELOG.md" {
+			continue // quotes what was wrong
+		}
+		inGo, inFence := false, false
+		for i, line := range readLines(t, rel) {
+			if fence.MatchString(line) {
+				inFence = !inFence
+				inGo = inFence && strings.HasPrefix(strings.TrimLeft(strings.TrimSpace(line), "`~"), "go")
+				continue
+			}
+			if !inGo {
+				continue
+			}
+			line, _, _ = strings.Cut(line, "//") // a comment may name a call
+			for _, m := range pkgCall.FindAllStringSubmatchIndex(line, -1) {
+				name := line[m[2]:m[3]] + "." + line[m[4]:m[5]]
+				if !multi[name] {
+					continue
+				}
+				checked++
+				if oneValue.MatchString(line[:m[0]]) {
+					t.Errorf("%s:%d: %s returns several values but is used as one: %s", rel, i+1, name, strings.TrimSpace(line))
+				}
+			}
+		}
+	}
+	require.Positive(t, checked, "no call of a function with several results found in a Go snippet")
 }

@@ -26,8 +26,11 @@ func ownedConfig(t *testing.T, id string) pgwal.Config {
 }
 
 // dropSlotAtEnd drops r's slot and publication when the test ends.
-func (e *env) dropSlotAtEnd(t *testing.T, r *pgwal.Reader) {
-	slot := r.Config().Slot
+func (e *env) dropSlotAtEnd(t *testing.T, r *pgwal.Reader) { e.dropSlotNamedAtEnd(t, r.Config().Slot) }
+
+// dropSlotNamedAtEnd drops the slot and the publication named slot when
+// the test ends.
+func (e *env) dropSlotNamedAtEnd(t *testing.T, slot string) {
 	t.Cleanup(func() {
 		require.Eventually(t, func() bool {
 			return e.db.Exec("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = ? AND NOT active", slot).Error == nil &&

@@ -151,6 +151,7 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // Run elects this reader (waiting while another holds the slot), reads
 // the slot and publishes until ctx ends, then returns nil. It returns an
 // error for what retrying cannot fix: a *SlotLostError, a
+// *SlotForeignError (the slot's name is another database's slot), a
 // *relay.MisconfigurationError from the publisher, a bucket beyond the
 // outbox's BucketCount. Connection failures are retried with backoff.
 // Ending ctx abandons the messages in flight: they were not confirmed, so
@@ -181,7 +182,7 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 				return nil
 			}
 			var lost *SlotLostError
-			if errors.As(err, &lost) || relay.IsMisconfiguration(err) {
+			if errors.As(err, &lost) || errors.Is(err, ErrSlotForeign) || relay.IsMisconfiguration(err) {
 				r.log.Error("pgwal: reader stopped", "err", err)
 				return err
 			}
@@ -501,8 +502,15 @@ func (r *Reader) announce(ctx context.Context, la relay.LeaseAware, term int64, 
 
 // createSlot creates the slot on the replication connection conn and
 // returns its consistent point: the messages committed after it are in
-// the slot.
+// the slot. While the server waits for open transactions it logs them
+// (watchCreation).
 func (r *Reader) createSlot(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.LSN, error) {
+	w := watchCreation(ctx, r.db, r.log, conn.PID())
+	defer w.stop()
+	return r.createSlotOn(ctx, conn)
+}
+
+func (r *Reader) createSlotOn(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.LSN, error) {
 	if r.cfg.FailoverSlot {
 		return r.createFailoverSlot(ctx, conn)
 	}
@@ -523,7 +531,12 @@ func (r *Reader) createSlot(ctx context.Context, conn *pgconn.PgConn) (pglogrepl
 // slot was created are in it: call EnsureSlot (or run a reader) before
 // any writer switches to outbox.ModeWAL. A slot that this outbox's
 // readers used before and that is gone or invalidated is a
-// *SlotLostError, not created again.
+// *SlotLostError, not created again. A slot of the same name that
+// belongs to another database of the server (or is not a pgoutput
+// logical slot) is a *SlotForeignError, left untouched. Creating a slot
+// waits for the transactions open on the server (in any database) to
+// end: while it waits, EnsureSlot logs the sessions it waits for, and
+// ending ctx cancels the creation on the server.
 func (r *Reader) EnsureSlot(ctx context.Context) error {
 	if err := r.leases.migrate(ctx); err != nil {
 		return fmt.Errorf("pgwal: create lease table %s: %w", r.cfg.LeaseTable, err)

@@ -109,3 +109,45 @@ func TestNewKafkaRunWithoutBroker(t *testing.T) {
 	var ce *relay.ConfigError
 	require.ErrorAs(t, err, &ce, "no brokers")
 }
+
+// A reader that owns its publisher releases the slot's lease when its
+// context ends, once the publisher closed, so the next reader need not
+// wait for the lease to lapse; a reader whose publisher is the caller's
+// keeps it: that publisher may still deliver what it was given.
+func TestGracefulStopReleasesLease(t *testing.T) {
+	e := setup(t)
+	long := func(id string) pgwal.Config {
+		cfg := ownedConfig(t, id)
+		cfg.LeaseDuration = time.Minute // never lapses during the test
+		return cfg
+	}
+	owned, err := pgwal.NewKafka(e.db.DB, e.plugin, publisher.KafkaConfig{Brokers: e.kafka.Brokers(), Logger: dbtest.Logger(t)}, long("owned"))
+	require.NoError(t, err)
+	require.NoError(t, owned.EnsureSlot(t.Context()))
+	e.dropSlotAtEnd(t, owned)
+	lease := func() (owner string) {
+		var rows []pgwal.SlotLease
+		require.NoError(t, e.db.Table(owned.Config().LeaseTable).Where("slot = ?", owned.Config().Slot).Find(&rows).Error)
+		require.Len(t, rows, 1)
+		if rows[0].Owner != nil {
+			owner = *rows[0].Owner
+		}
+		return owner
+	}
+
+	stop := run(owned)
+	e.write(t, 2, 0, 5)
+	e.checkDelivered(t, 2, 5)
+	require.Equal(t, "owned", lease())
+	require.NoError(t, stop())
+	require.Empty(t, lease(), "released once the publisher closed")
+
+	caller, err := pgwal.New(e.db.DB, e.plugin, e.pub, long("caller"))
+	require.NoError(t, err)
+	stop = run(caller)
+	require.Eventually(t, func() bool { return lease() == "caller" }, 30*time.Second, 20*time.Millisecond, "taken over at once")
+	e.write(t, 2, 5, 10)
+	e.checkDelivered(t, 2, 10)
+	require.NoError(t, stop())
+	require.Equal(t, "caller", lease(), "kept: the caller's publisher may still deliver")
+}

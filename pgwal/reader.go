@@ -155,17 +155,21 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // *relay.MisconfigurationError from the publisher, a bucket beyond the
 // outbox's BucketCount. Connection failures are retried with backoff.
 // Ending ctx abandons the messages in flight: they were not confirmed, so
-// the next reader publishes them again. The lease is not released then:
-// another reader takes over once it lapses (LeaseDuration). A reader
-// made by NewKafka or NewKafkaTransactional starts its publisher first
-// (its error is returned at once) and stops it before returning.
+// the next reader publishes them again. A reader made by NewKafka or
+// NewKafkaTransactional starts its publisher first (its error is
+// returned at once) and stops it before returning; once it closed, Run
+// releases the lease, so another reader takes over at once. With a
+// publisher of the caller's (New) the lease is not released: that
+// publisher may still deliver what it was given after Run returned, and
+// another reader takes over once the lease lapses (LeaseDuration).
 func (r *Reader) Run(ctx context.Context) (err error) {
 	defer r.doneOnce.Do(func() { r.runErr = err; close(r.done) })
 	stopOwned, err := r.startOwned(ctx)
 	if err != nil {
 		return err
 	}
-	defer stopOwned()
+	var held int64 // the term held when ctx ended
+	defer func() { r.releaseAfterStop(ctx, held, stopOwned()) }()
 	if err := r.prepare(ctx); err != nil || ctx.Err() != nil {
 		return err
 	}
@@ -179,6 +183,7 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 			began := time.Now()
 			err = r.term(ctx, term, pglogrepl.LSN(confirmed))
 			if ctx.Err() != nil {
+				held = term
 				return nil
 			}
 			var lost *SlotLostError

@@ -12,11 +12,13 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/promtest"
 	"github.com/gorm-outbox/outbox/ops"
 	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/relay"
@@ -114,6 +116,11 @@ func TestSlotOfAnotherDatabase(t *testing.T) {
 	var unhealthy *ops.WALUnhealthyError
 	require.ErrorAs(t, ops.CheckWAL(ws, ops.WALHealth{}, time.Now()), &unhealthy)
 	require.Equal(t, ops.WALReasonSlotForeign, unhealthy.Reason)
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(r2.Collector())
+	require.Equal(t, map[string]float64{"slot=" + slot: 1}, promtest.Series(t, reg, pgwal.NameSlotLost, p2.Config().Name))
+	require.Empty(t, promtest.Series(t, reg, pgwal.NameRetainedBytes, p2.Config().Name), "the other database's retained WAL is not this outbox's")
 
 	after, err := first.SlotStatus(context.Background())
 	require.NoError(t, err)

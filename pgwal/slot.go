@@ -42,10 +42,12 @@ var ErrSlotForeign = errors.New("pgwal: the replication slot belongs to another 
 // SlotForeignError refuses a slot of the configured name that this
 // outbox cannot use: replication slot names are unique per PostgreSQL
 // server, not per database, and the slot found is another database's,
-// physical, or of another output plugin. Run, EnsureSlot, the Admin's
-// EnsureSlot, Unconfirmed and DropSlot return it and leave the slot
-// untouched: it is likely another service's, which dropping it would
-// break. Give this outbox a slot name of its own (Config.Slot).
+// physical, or of another output plugin. Run (without retrying),
+// EnsureSlot, PublishedThrough, and the Admin's EnsureSlot, Unconfirmed
+// and DropSlot (even with force) return it and leave the slot untouched:
+// it is likely another service's, which dropping it would break; the
+// Admin's WALStatus reports it in ops.WALStatus.Foreign. Give this
+// outbox a slot name of its own (Config.Slot).
 type SlotForeignError struct {
 	Slot string
 	// Database is the slot's database (pg_replication_slots.database;

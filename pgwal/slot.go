@@ -80,6 +80,14 @@ func (e *SlotForeignError) Suggested() string {
 // Unwrap returns ErrSlotForeign.
 func (e *SlotForeignError) Unwrap() error { return ErrSlotForeign }
 
+// ErrSlotBeingCreated is returned by EnsureSlot, the Admin's EnsureSlot
+// and a reader's term (which Run retries) while a server process is
+// creating the slot: it is listed in pg_replication_slots, but until its
+// snapshot is built (after every transaction open on the server ended)
+// it has no confirmed position and may still fail, leaving no slot.
+// Messages written before it is created are in no slot.
+var ErrSlotBeingCreated = errors.New("pgwal: the replication slot is being created")
+
 // SlotStatus is what pg_replication_slots says about the slot.
 type SlotStatus struct {
 	Exists bool
@@ -97,8 +105,14 @@ type SlotStatus struct {
 	// WALStatus is pg_replication_slots.wal_status: reserved, extended,
 	// unreserved or lost.
 	WALStatus string
-	// Active reports whether a reader is connected.
-	Active bool
+	// Active reports whether a reader is connected, or a server process
+	// creates the slot; ActivePID is that process
+	// (pg_replication_slots.active_pid).
+	Active    bool
+	ActivePID int64
+	// Creating reports a logical slot being created: listed, active, and
+	// without a confirmed position until its creation ends.
+	Creating bool
 }
 
 // ReadSlotStatus reads the status of slot through db.
@@ -108,13 +122,14 @@ func ReadSlotStatus(ctx context.Context, db *gorm.DB, slot string) (SlotStatus, 
 		Retained  *int64
 		WALStatus *string
 		Active    bool
+		ActivePID *int64 `gorm:"column:active_pid"`
 		Database  *string
 		Plugin    *string
 		SlotType  string
 		Current   string
 	}
 	err := db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true}).Raw(
-		"SELECT confirmed_flush_lsn::text AS confirmed, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint AS retained, wal_status, active,"+
+		"SELECT confirmed_flush_lsn::text AS confirmed, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint AS retained, wal_status, active, active_pid,"+
 			" database::text AS database, plugin::text AS plugin, slot_type, current_database()::text AS current"+
 			" FROM pg_replication_slots WHERE slot_name = ?", slot).Scan(&rows).Error
 	if err != nil || len(rows) == 0 {
@@ -125,6 +140,10 @@ func ReadSlotStatus(ctx context.Context, db *gorm.DB, slot string) (SlotStatus, 
 	if r.Database != nil {
 		st.Database = *r.Database
 	}
+	if r.ActivePID != nil {
+		st.ActivePID = *r.ActivePID
+	}
+	st.Creating = r.SlotType == "logical" && r.Confirmed == nil && r.Active
 	if r.Plugin != nil {
 		st.Plugin = *r.Plugin
 	}
@@ -152,12 +171,17 @@ func (st SlotStatus) foreign(slot string) error {
 }
 
 // checkSlot fails with a *SlotForeignError when the slot is not this
-// database's pgoutput slot, and with a *SlotLostError when it lost WAL or
+// database's pgoutput slot, with ErrSlotBeingCreated while a server
+// process creates it, and with a *SlotLostError when it lost WAL or
 // was dropped since this outbox's readers recorded confirmed (0: never
 // read). It reports whether the slot exists.
 func checkSlot(st SlotStatus, slot string, confirmed pglogrepl.LSN) (bool, error) {
 	if err := st.foreign(slot); err != nil {
 		return true, err
+	}
+	if st.Creating {
+		return true, fmt.Errorf("%w: %s, by server process %d, which waits for the transactions open on the server to end; "+
+			"wait, or cancel it (SELECT pg_cancel_backend(%d)) when its creator is gone", ErrSlotBeingCreated, slot, st.ActivePID, st.ActivePID)
 	}
 	switch {
 	case !st.Exists && confirmed == 0:

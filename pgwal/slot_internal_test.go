@@ -26,6 +26,7 @@ func TestCheckSlot(t *testing.T) {
 		exists   bool
 		lost     string
 		foreign  string
+		creating string
 	}{
 		{name: "new", st: SlotStatus{}, exists: false},
 		{name: "healthy", st: ours(SlotStatus{Confirmed: 100, WALStatus: "reserved"}), recorded: 100, exists: true},
@@ -39,6 +40,8 @@ func TestCheckSlot(t *testing.T) {
 			exists: true, foreign: `database "inventory"`},
 		{name: "another plugin", st: SlotStatus{Exists: true, Database: "inv2", Plugin: "wal2json", Type: "logical", Current: "inv2"},
 			exists: true, foreign: `plugin "wal2json"`},
+		{name: "being created", st: SlotStatus{Exists: true, Active: true, ActivePID: 4242, Creating: true, Database: "inv2", Plugin: "pgoutput", Type: "logical", Current: "inv2"},
+			exists: true, creating: "by server process 4242"},
 		{name: "physical", st: SlotStatus{Exists: true, Type: "physical", Current: "inv2"}, exists: true, foreign: "is a physical slot"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -61,6 +64,9 @@ func TestCheckSlot(t *testing.T) {
 				require.Contains(t, err.Error(), `pgwal.Config{Slot: "outbox_orders_inv2"} (outboxctl --wal-slot outbox_orders_inv2)`)
 				require.Contains(t, err.Error(), "do not drop it")
 				require.NotContains(t, err.Error(), "pg_drop_replication_slot")
+			case c.creating != "":
+				require.ErrorIs(t, err, ErrSlotBeingCreated)
+				require.Contains(t, err.Error(), c.creating)
 			default:
 				require.NoError(t, err)
 			}

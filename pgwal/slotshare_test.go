@@ -143,7 +143,8 @@ func TestSlotOfAnotherDatabase(t *testing.T) {
 // transaction open in another database of the server. The reader's and
 // the Admin's EnsureSlot log the blocking session's pid while they wait,
 // return ctx's error when it ends, and leave no server process creating
-// the slot; once the transaction ends the slot is created.
+// the slot; meanwhile another EnsureSlot returns ErrSlotBeingCreated, not
+// success. Once the transaction ends the slot is created.
 func TestSlotCreationWaitsForOpenTransactions(t *testing.T) {
 	e := setup(t)
 	pub := relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) { return len(msgs), nil })
@@ -214,6 +215,11 @@ func TestSlotCreationWaitsForOpenTransactions(t *testing.T) {
 				t.Fatalf("EnsureSlot returned while the transaction is open: %v", err)
 			default:
 			}
+			// Meanwhile the slot is listed, but not created yet: another
+			// EnsureSlot says so instead of reporting it ready.
+			err = c.ensure(context.Background(), cfg)
+			require.ErrorIs(t, err, pgwal.ErrSlotBeingCreated)
+			require.ErrorContains(t, err, fmt.Sprintf("by server process %d", creator))
 
 			cancel()
 			err = <-errc

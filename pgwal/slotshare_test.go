@@ -3,7 +3,10 @@ package pgwal_test
 import (
 	"context"
 	"fmt"
+	"io"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"regexp"
 	"strconv"
@@ -20,6 +23,7 @@ import (
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/promtest"
 	"github.com/gorm-outbox/outbox/ops"
+	"github.com/gorm-outbox/outbox/ops/opsui"
 	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -116,6 +120,15 @@ func TestSlotOfAnotherDatabase(t *testing.T) {
 	var unhealthy *ops.WALUnhealthyError
 	require.ErrorAs(t, ops.CheckWAL(ws, ops.WALHealth{}, time.Now()), &unhealthy)
 	require.Equal(t, ops.WALReasonSlotForeign, unhealthy.Reason)
+
+	ui := httptest.NewServer(opsui.New(admin2, opsui.Options{}))
+	defer ui.Close()
+	resp, err := http.Get(ui.URL + "/")
+	require.NoError(t, err)
+	page, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	require.Contains(t, string(page), `class="wal-state bad">NOT THIS OUTBOX'S: pgwal: slot `+slot+` is a logical slot`)
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(r2.Collector())

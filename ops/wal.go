@@ -24,6 +24,12 @@ type WALStatus struct {
 	// says which. A slot never created yet is missing but not lost.
 	Lost       bool   `json:"lost"`
 	LostReason string `json:"lost_reason,omitempty"`
+	// Foreign, when not empty, says why the slot of this name cannot be
+	// this outbox's: slot names are unique per server, and it belongs to
+	// another database or is not a pgoutput logical slot. Its position,
+	// retained WAL and state are then left out: they are not this
+	// outbox's.
+	Foreign string `json:"foreign,omitempty"`
 	// WALState is pg_replication_slots.wal_status: reserved, extended,
 	// unreserved or lost.
 	WALState string `json:"wal_status,omitempty"`
@@ -126,6 +132,7 @@ func (e *WALUnhealthyError) Unwrap() error { return ErrWALUnhealthy }
 // WAL health reasons (WALUnhealthyError.Reason).
 const (
 	WALReasonSlotLost    = "slot_lost"
+	WALReasonSlotForeign = "slot_foreign"
 	WALReasonSlotMissing = "slot_missing"
 	WALReasonRetainedWAL = "retained_wal"
 	WALReasonNoReader    = "no_reader"
@@ -133,7 +140,7 @@ const (
 
 // CheckWAL returns a *WALUnhealthyError when st, read at now, shows an
 // outbox in WAL mode that is not being delivered: the slot is lost or
-// missing, it retains more WAL than h.MaxRetainedBytes, or no reader has
+// missing or another database's, it retains more WAL than h.MaxRetainedBytes, or no reader has
 // held its lease for longer than the lease duration. It returns nil
 // otherwise.
 func CheckWAL(st WALStatus, h WALHealth, now time.Time) error {
@@ -145,6 +152,8 @@ func CheckWAL(st WALStatus, h WALHealth, now time.Time) error {
 		maxRetained = WALMaxRetainedBytesDefault
 	}
 	switch {
+	case st.Foreign != "":
+		return bad(WALReasonSlotForeign, "%s", st.Foreign)
 	case st.Lost:
 		return bad(WALReasonSlotLost, "the slot is lost: %s", st.LostReason)
 	case !st.Exists:

@@ -25,6 +25,7 @@ func TestCheckWAL(t *testing.T) {
 	}{
 		{"healthy", func(*ops.WALStatus, *ops.WALHealth) {}, ""},
 		{"lost", func(s *ops.WALStatus, _ *ops.WALHealth) { s.Lost, s.LostReason = true, "wal_status lost" }, ops.WALReasonSlotLost},
+		{"another database's", func(s *ops.WALStatus, _ *ops.WALHealth) { s.Foreign = "slot of database inventory" }, ops.WALReasonSlotForeign},
 		{"missing", func(s *ops.WALStatus, _ *ops.WALHealth) { s.Exists = false }, ops.WALReasonSlotMissing},
 		{"retained over the default", func(s *ops.WALStatus, _ *ops.WALHealth) { s.RetainedBytes = ops.WALMaxRetainedBytesDefault + 1 }, ops.WALReasonRetainedWAL},
 		{"retained at the default", func(s *ops.WALStatus, _ *ops.WALHealth) { s.RetainedBytes = ops.WALMaxRetainedBytesDefault }, ""},

@@ -106,6 +106,10 @@ func (a *Admin) WALStatus(ctx context.Context) (ops.WALStatus, error) {
 	if err != nil {
 		return ws, fmt.Errorf("pgwal: admin read slot %s: %w", a.cfg.Slot, err)
 	}
+	if err := st.foreign(a.cfg.Slot); err != nil {
+		ws.Exists, ws.Foreign = true, err.Error()
+		return ws, nil
+	}
 	ws.Exists, ws.Active, ws.WALState, ws.RetainedBytes = st.Exists, st.Active, st.WALStatus, st.RetainedBytes
 	if st.Exists {
 		ws.ConfirmedLSN = st.Confirmed.String()
@@ -412,7 +416,12 @@ var errNoPause = fmt.Errorf("%w: WAL mode has no per-bucket pause: stop the read
 // EnsureSlot creates the lease table, the publication and the slot when
 // they are missing, as Reader.EnsureSlot does, through an ordinary
 // connection (pg_create_logical_replication_slot; its role needs the
-// REPLICATION attribute). It reports whether it created the slot.
+// REPLICATION attribute). It reports whether it created the slot. A slot
+// of the same name that belongs to another database of the server (or
+// is not a pgoutput logical slot) is a *SlotForeignError, left
+// untouched. While the creation waits for transactions open on the
+// server it logs them (Config.Logger); ending ctx cancels it on the
+// server.
 func (a *Admin) EnsureSlot(ctx context.Context) (created bool, err error) {
 	l := a.leases()
 	if err := l.migrate(ctx); err != nil {
@@ -433,15 +442,33 @@ func (a *Admin) EnsureSlot(ctx context.Context) (created bool, err error) {
 	if err != nil || exists {
 		return false, err
 	}
-	var lsn string
-	if err := a.db.WithContext(ctx).Raw("SELECT lsn::text FROM pg_create_logical_replication_slot(?, 'pgoutput')", a.cfg.Slot).Scan(&lsn).Error; err != nil {
-		return false, fmt.Errorf("pgwal: create slot %s: %w", a.cfg.Slot, err)
+	lsn, err := a.createSlot(ctx)
+	if err != nil {
+		return false, err
 	}
 	pos, err := pglogrepl.ParseLSN(lsn)
 	if err != nil {
 		return false, err
 	}
 	return true, l.record(ctx, int64(pos))
+}
+
+// createSlot creates the slot through one connection of the pool,
+// logging the sessions its creation waits for (watchCreation).
+func (a *Admin) createSlot(ctx context.Context) (lsn string, err error) {
+	err = a.db.WithContext(ctx).Connection(func(conn *gorm.DB) error {
+		var pid uint32
+		if err := conn.Raw("SELECT pg_backend_pid()").Scan(&pid).Error; err != nil {
+			return err
+		}
+		w := watchCreation(ctx, a.db, a.cfg.Logger.With("outbox", a.plugin.Config().Name, "slot", a.cfg.Slot), pid)
+		defer w.stop()
+		return conn.Raw("SELECT lsn::text FROM pg_create_logical_replication_slot(?, 'pgoutput')", a.cfg.Slot).Scan(&lsn).Error
+	})
+	if err != nil {
+		return "", fmt.Errorf("pgwal: create slot %s: %w", a.cfg.Slot, err)
+	}
+	return lsn, nil
 }
 
 // Unconfirmed summarizes the outbox messages a slot holds past its
@@ -467,6 +494,8 @@ func (a *Admin) Unconfirmed(ctx context.Context) (Unconfirmed, error) {
 	switch {
 	case err != nil:
 		return u, fmt.Errorf("pgwal: read slot status: %w", err)
+	case st.foreign(a.cfg.Slot) != nil:
+		return u, st.foreign(a.cfg.Slot)
 	case !st.Exists:
 		return u, fmt.Errorf("%w: %s", ErrSlotMissing, a.cfg.Slot)
 	case st.Active:
@@ -542,8 +571,10 @@ func (e *SlotHasMessagesError) Unwrap() error { return ErrSlotHasMessages }
 // (ErrSlotMissing) or invalidated (wal_status lost: its messages cannot
 // be read any more) is refused unless force; with force its publication
 // and lease row are deleted (and an invalidated slot dropped), which
-// acknowledges the loss a *SlotLostError reported. It returns what the
-// slot held, when it could be read.
+// acknowledges the loss a *SlotLostError reported. A slot of this name
+// that belongs to another database (or is not a pgoutput logical slot)
+// is never dropped, even with force: it fails with a *SlotForeignError.
+// It returns what the slot held, when it could be read.
 func (a *Admin) DropSlot(ctx context.Context, force bool) (Unconfirmed, error) {
 	var u Unconfirmed
 	st, err := ReadSlotStatus(ctx, a.db, a.cfg.Slot)
@@ -551,6 +582,9 @@ func (a *Admin) DropSlot(ctx context.Context, force bool) (Unconfirmed, error) {
 		return u, fmt.Errorf("pgwal: read slot status: %w", err)
 	}
 	switch {
+	case st.foreign(a.cfg.Slot) != nil:
+		// Even with force: the slot is not this outbox's.
+		return u, st.foreign(a.cfg.Slot)
 	case !st.Exists && !force:
 		return u, fmt.Errorf("%w: %s; with force, its publication and lease row are deleted so that the slot is created afresh", ErrSlotMissing, a.cfg.Slot)
 	case st.Active:

@@ -38,7 +38,7 @@ func (r *Reader) ensureFailover(ctx context.Context) error {
 			Reason: fmt.Sprintf("failover slots need PostgreSQL 17 or later; the server's server_version_num is %d", version)}
 	}
 	var off int64
-	if err := r.sess(ctx).Raw("SELECT count(*) FROM pg_replication_slots WHERE slot_name = ? AND NOT failover", r.cfg.Slot).Scan(&off).Error; err != nil {
+	if err := r.sess(ctx).Raw("SELECT count(*) FROM pg_replication_slots WHERE slot_name = ? AND NOT failover AND database = current_database()", r.cfg.Slot).Scan(&off).Error; err != nil {
 		return fmt.Errorf("pgwal: read slot %s: %w", r.cfg.Slot, err)
 	}
 	if off == 0 {

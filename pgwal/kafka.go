@@ -77,23 +77,47 @@ func owning(r *Reader, err error) (*Reader, error) {
 // Publisher returns the publisher the reader publishes through.
 func (r *Reader) Publisher() relay.Publisher { return r.pub }
 
+// releaseAfterStop gives up the lease held under term when ctx ended
+// Run, once the owned publisher closed (closed): the next reader may
+// then take the slot over at once instead of after LeaseDuration. The
+// messages published since the last recorded position are published
+// again by it, as after a takeover; none can be delivered after its
+// own, since the closed publisher holds none in flight.
+func (r *Reader) releaseAfterStop(ctx context.Context, term int64, closed bool) {
+	if term == 0 || !closed {
+		return
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.StandbyInterval)
+	defer cancel()
+	if err := r.leases.release(rctx, term); err != nil {
+		r.log.Warn("pgwal: releasing the lease at stop failed; another reader takes over once it lapses", "err", err)
+		return
+	}
+	r.log.Debug("pgwal: released the lease at stop", "term", term)
+}
+
 // startOwned starts the publisher the reader owns, if any, bounded by
 // ctx; its life is not ctx's: the returned stop stops it, bounded by
-// OwnedPublisherStopTimeout, after the reader's last publish.
-func (r *Reader) startOwned(ctx context.Context) (stop func(), err error) {
+// OwnedPublisherStopTimeout, after the reader's last publish, and
+// reports whether it closed: nothing it was given is in flight any more.
+// Without an owned publisher stop reports false: the caller's publisher
+// may still deliver what it was given.
+func (r *Reader) startOwned(ctx context.Context) (stop func() (closed bool), err error) {
 	if r.owned == nil {
-		return func() {}, nil
+		return func() bool { return false }, nil
 	}
 	end, err := startstop.StartOwned(ctx, r.owned.Start)
 	if err != nil {
 		return nil, fmt.Errorf("pgwal: start the publisher: %w", err)
 	}
-	return func() {
+	return func() bool {
 		sctx, scancel := context.WithTimeout(context.Background(), OwnedPublisherStopTimeout)
 		defer scancel()
-		if err := r.owned.Stop(sctx); err != nil {
+		err := r.owned.Stop(sctx)
+		if err != nil {
 			r.log.Warn("pgwal: the publisher did not stop cleanly", "err", err)
 		}
 		end()
+		return err == nil
 	}, nil
 }

@@ -26,8 +26,11 @@ func ownedConfig(t *testing.T, id string) pgwal.Config {
 }
 
 // dropSlotAtEnd drops r's slot and publication when the test ends.
-func (e *env) dropSlotAtEnd(t *testing.T, r *pgwal.Reader) {
-	slot := r.Config().Slot
+func (e *env) dropSlotAtEnd(t *testing.T, r *pgwal.Reader) { e.dropSlotNamedAtEnd(t, r.Config().Slot) }
+
+// dropSlotNamedAtEnd drops the slot and the publication named slot when
+// the test ends.
+func (e *env) dropSlotNamedAtEnd(t *testing.T, slot string) {
 	t.Cleanup(func() {
 		require.Eventually(t, func() bool {
 			return e.db.Exec("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = ? AND NOT active", slot).Error == nil &&
@@ -105,4 +108,46 @@ func TestNewKafkaRunWithoutBroker(t *testing.T) {
 	_, err = pgwal.NewKafka(e.db.DB, e.plugin, publisher.KafkaConfig{}, ownedConfig(t, "x"))
 	var ce *relay.ConfigError
 	require.ErrorAs(t, err, &ce, "no brokers")
+}
+
+// A reader that owns its publisher releases the slot's lease when its
+// context ends, once the publisher closed, so the next reader need not
+// wait for the lease to lapse; a reader whose publisher is the caller's
+// keeps it: that publisher may still deliver what it was given.
+func TestGracefulStopReleasesLease(t *testing.T) {
+	e := setup(t)
+	long := func(id string) pgwal.Config {
+		cfg := ownedConfig(t, id)
+		cfg.LeaseDuration = time.Minute // never lapses during the test
+		return cfg
+	}
+	owned, err := pgwal.NewKafka(e.db.DB, e.plugin, publisher.KafkaConfig{Brokers: e.kafka.Brokers(), Logger: dbtest.Logger(t)}, long("owned"))
+	require.NoError(t, err)
+	require.NoError(t, owned.EnsureSlot(t.Context()))
+	e.dropSlotAtEnd(t, owned)
+	lease := func() (owner string) {
+		var rows []pgwal.SlotLease
+		require.NoError(t, e.db.Table(owned.Config().LeaseTable).Where("slot = ?", owned.Config().Slot).Find(&rows).Error)
+		require.Len(t, rows, 1)
+		if rows[0].Owner != nil {
+			owner = *rows[0].Owner
+		}
+		return owner
+	}
+
+	stop := run(owned)
+	e.write(t, 2, 0, 5)
+	e.checkDelivered(t, 2, 5)
+	require.Equal(t, "owned", lease())
+	require.NoError(t, stop())
+	require.Empty(t, lease(), "released once the publisher closed")
+
+	caller, err := pgwal.New(e.db.DB, e.plugin, e.pub, long("caller"))
+	require.NoError(t, err)
+	stop = run(caller)
+	require.Eventually(t, func() bool { return lease() == "caller" }, 30*time.Second, 20*time.Millisecond, "taken over at once")
+	e.write(t, 2, 5, 10)
+	e.checkDelivered(t, 2, 10)
+	require.NoError(t, stop())
+	require.Equal(t, "caller", lease(), "kept: the caller's publisher may still deliver")
 }

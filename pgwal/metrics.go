@@ -42,7 +42,7 @@ func (r *Reader) Collector() prometheus.Collector {
 	d := func(name, help string) *prometheus.Desc { return prometheus.NewDesc(name, help, nil, cl) }
 	return &collector{r: r,
 		retained:  d(NameRetainedBytes, "WAL bytes the slot retains: pg_current_wal_lsn() - confirmed_flush_lsn."),
-		lost:      d(NameSlotLost, "1 when the slot is missing or invalidated (wal_status lost), else 0."),
+		lost:      d(NameSlotLost, "1 when the slot is missing, invalidated (wal_status lost) or another database's, else 0."),
 		confirmed: d(NameConfirmedLSN, "The last position this reader confirmed to the server."),
 		received:  d(NameReceived, "Outbox messages decoded from the slot, replays included."),
 		published: d(NamePublished, "Messages the publisher acknowledged."),
@@ -75,12 +75,12 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.NewInvalidMetric(c.retained, err)
 		return
 	}
-	lost := 0.0
-	if !st.Exists || st.WALStatus == "lost" {
+	lost, foreign := 0.0, st.foreign(c.r.cfg.Slot) != nil
+	if !st.Exists || st.WALStatus == "lost" || foreign {
 		lost = 1
 	}
 	ch <- prometheus.MustNewConstMetric(c.lost, prometheus.GaugeValue, lost)
-	if st.Exists {
+	if st.Exists && !foreign {
 		ch <- prometheus.MustNewConstMetric(c.retained, prometheus.GaugeValue, float64(st.RetainedBytes))
 	}
 }

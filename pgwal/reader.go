@@ -158,21 +158,26 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // Run elects this reader (waiting while another holds the slot), reads
 // the slot and publishes until ctx ends, then returns nil. It returns an
 // error for what retrying cannot fix: a *SlotLostError, a
+// *SlotForeignError (the slot's name is another database's slot), a
 // *relay.MisconfigurationError from the publisher, a bucket beyond the
 // outbox's BucketCount. Connection failures are retried with backoff,
 // cut short when the database answers again (probed every BackoffMin).
 // Ending ctx abandons the messages in flight: they were not confirmed, so
-// the next reader publishes them again. The lease is not released then:
-// another reader takes over once it lapses (LeaseDuration). A reader
-// made by NewKafka or NewKafkaTransactional starts its publisher first
-// (its error is returned at once) and stops it before returning.
+// the next reader publishes them again. A reader made by NewKafka or
+// NewKafkaTransactional starts its publisher first (its error is
+// returned at once) and stops it before returning; once it closed, Run
+// releases the lease, so another reader takes over at once. With a
+// publisher of the caller's (New) the lease is not released: that
+// publisher may still deliver what it was given after Run returned, and
+// another reader takes over once the lease lapses (LeaseDuration).
 func (r *Reader) Run(ctx context.Context) (err error) {
 	defer r.doneOnce.Do(func() { r.runErr = err; close(r.done) })
 	stopOwned, err := r.startOwned(ctx)
 	if err != nil {
 		return err
 	}
-	defer stopOwned()
+	var held int64 // the term held when ctx ended
+	defer func() { r.releaseAfterStop(ctx, held, stopOwned()) }()
 	if err := r.prepare(ctx); err != nil || ctx.Err() != nil {
 		return err
 	}
@@ -187,10 +192,11 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 			began := time.Now()
 			err = r.term(ctx, term, pglogrepl.LSN(confirmed))
 			if ctx.Err() != nil {
+				held = term
 				return nil
 			}
 			var lost *SlotLostError
-			if errors.As(err, &lost) || relay.IsMisconfiguration(err) {
+			if errors.As(err, &lost) || errors.Is(err, ErrSlotForeign) || relay.IsMisconfiguration(err) {
 				r.log.Error("pgwal: reader stopped", "err", err)
 				return err
 			}
@@ -615,8 +621,15 @@ func (r *Reader) announce(ctx context.Context, la relay.LeaseAware, term int64, 
 
 // createSlot creates the slot on the replication connection conn and
 // returns its consistent point: the messages committed after it are in
-// the slot.
+// the slot. While the server waits for open transactions it logs them
+// (watchCreation).
 func (r *Reader) createSlot(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.LSN, error) {
+	w := watchCreation(ctx, r.db, r.log, conn.PID())
+	defer w.stop()
+	return r.createSlotOn(ctx, conn)
+}
+
+func (r *Reader) createSlotOn(ctx context.Context, conn *pgconn.PgConn) (pglogrepl.LSN, error) {
 	if r.cfg.FailoverSlot {
 		return r.createFailoverSlot(ctx, conn)
 	}
@@ -637,7 +650,12 @@ func (r *Reader) createSlot(ctx context.Context, conn *pgconn.PgConn) (pglogrepl
 // slot was created are in it: call EnsureSlot (or run a reader) before
 // any writer switches to outbox.ModeWAL. A slot that this outbox's
 // readers used before and that is gone or invalidated is a
-// *SlotLostError, not created again.
+// *SlotLostError, not created again. A slot of the same name that
+// belongs to another database of the server (or is not a pgoutput
+// logical slot) is a *SlotForeignError, left untouched. Creating a slot
+// waits for the transactions open on the server (in any database) to
+// end: while it waits, EnsureSlot logs the sessions it waits for, and
+// ending ctx cancels the creation on the server.
 func (r *Reader) EnsureSlot(ctx context.Context) error {
 	if err := r.leases.migrate(ctx); err != nil {
 		return fmt.Errorf("pgwal: create lease table %s: %w", r.cfg.LeaseTable, err)

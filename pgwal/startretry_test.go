@@ -150,13 +150,7 @@ func TestReaderConcurrentStart(t *testing.T) {
 		readers[i] = r
 	}
 	slot := readers[0].Config().Slot
-	t.Cleanup(func() {
-		require.Eventually(t, func() bool {
-			return e.db.Exec("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = ? AND NOT active", slot).Error == nil &&
-				!slotExists(e.db.DB, slot)
-		}, 30*time.Second, 50*time.Millisecond)
-		_ = e.db.Exec("DROP PUBLICATION IF EXISTS " + slot).Error
-	})
+	e.dropSlotNamedAtEnd(t, slot)
 	ctx, cancel := context.WithCancel(context.Background())
 	errs := make(chan error, n)
 	start := make(chan struct{})

@@ -73,6 +73,9 @@ func (r *Reader) PublishedThrough(ctx context.Context, lsn pglogrepl.LSN) (bool,
 	if err != nil {
 		return false, err
 	}
+	if err := st.foreign(r.cfg.Slot); err != nil {
+		return false, err
+	}
 	if !st.Exists {
 		return false, &SlotLostError{Slot: r.cfg.Slot, Confirmed: lsn, Reason: "the slot does not exist"}
 	}

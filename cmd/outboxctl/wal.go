@@ -120,7 +120,7 @@ func (g *globals) walCmd(ctx context.Context, fs *flag.FlagSet, args []string) e
 		return err
 	}
 	var u *pgwal.Unconfirmed
-	if ws.Exists && !ws.Active && !ws.Lost {
+	if ws.Exists && !ws.Active && !ws.Lost && ws.Foreign == "" {
 		// No reader: read what the slot holds, without consuming it.
 		got, err := g.wal.Unconfirmed(ctx)
 		switch {
@@ -148,6 +148,8 @@ func (g *globals) walCmd(ctx context.Context, fs *flag.FlagSet, args []string) e
 func printWAL(w io.Writer, ws ops.WALStatus, u *pgwal.Unconfirmed) {
 	state := "inactive (no reader connected)"
 	switch {
+	case ws.Foreign != "":
+		state = "NOT THIS OUTBOX'S: " + ws.Foreign
 	case ws.Lost:
 		state = "LOST: " + ws.LostReason
 	case !ws.Exists:

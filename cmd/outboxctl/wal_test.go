@@ -13,6 +13,7 @@ import (
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/ops"
 )
 
 // TestWALMode: outboxctl --mode wal shows the slot, creates it, requeues
@@ -147,4 +148,13 @@ func TestWALMode(t *testing.T) {
 	code, _, errOut = ctl("wal", "slot", "frob")
 	require.Equal(t, exitUsage, code)
 	require.Contains(t, errOut, "unknown wal slot command")
+}
+
+// printWAL says a slot of another database is not this outbox's, and
+// why, before anything else.
+func TestPrintWALForeignSlot(t *testing.T) {
+	var b strings.Builder
+	printWAL(&b, ops.WALStatus{Slot: "outbox_orders", Exists: true, Lost: true, LostReason: "dropped",
+		Foreign: `pgwal: slot outbox_orders is a logical slot of plugin "pgoutput" in database "inventory"`}, nil)
+	require.Regexp(t, `STATE +NOT THIS OUTBOX'S: pgwal: slot outbox_orders is a logical slot of plugin "pgoutput" in database "inventory"`, b.String())
 }

@@ -3,7 +3,6 @@ package chaos_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"os"
 	"strconv"
@@ -142,7 +141,7 @@ func requireInvalidated(t *testing.T, err error, slot string) {
 	require.NotZero(t, lost.Confirmed, "the error names the last position the readers confirmed")
 	require.Contains(t, err.Error(), "invalidated")
 	require.Contains(t, err.Error(), "max_slot_wal_keep_size")
-	require.Contains(t, err.Error(), fmt.Sprintf("pg_drop_replication_slot('%s')", slot), "the error says what to do")
+	require.Contains(t, err.Error(), "outboxctl wal slot drop --force", "the error says what to do")
 }
 
 // TestWALSlotInvalidatedWhileStopped: the reader stops, more WAL than

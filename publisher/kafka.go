@@ -231,9 +231,9 @@ func (c KafkaConfig) saramaConfig() (*sarama.Config, error) {
 // long-lived sarama AsyncProducers, each bucket always through the same
 // slot, a batch through the slot's lingering producer or the other by its
 // size (see KafkaConfig.LingerBatch), and replaces a producer when it can
-// no longer make progress (see KafkaConfig.StallTimeout). It implements relay.Publisher
-// and is safe for concurrent use; see the package documentation for its
-// guarantees.
+// no longer make progress (see KafkaConfig.StallTimeout). It implements
+// relay.Publisher and is safe for concurrent use; see the package
+// documentation for its guarantees.
 type Kafka struct {
 	lifecycle lifecycle
 	brokers   []string

@@ -284,4 +284,11 @@
 // apart, doubling while they do not help, are logged at Warn, counted by
 // Kafka.Replacements and reported to KafkaConfig.Observer
 // (outbox_publisher_producer_replacements_total with *metrics.Collector).
+// A slot's two producers (the routing by size) keep their progress and
+// are replaced each on its own: a stall that catches both counts two
+// replacements, and one refused by the brokers leaves the other in
+// service. A bucket whose cancelled Publish left messages in a producer
+// that is then replaced goes on through the replacement: the new
+// producer's records may then reach the brokers ahead of the old one's
+// last ones, as with a single producer per slot.
 package publisher

@@ -59,13 +59,31 @@
 // connection, at least one retry, Kafka protocol 0.11 or newer, and the
 // partitioner (see KafkaConfig.Configure for the list).
 //
-// A Publish call goes entirely to one producer, number msgs[0].Bucket mod
-// Producers, so a bucket's batches always travel through the same
-// producer and connections, in order, while other buckets' batches travel
-// at once through the other producers: one producer has one request in
-// flight per broker, and would make every bucket's batch wait for the
-// others'. A replaced producer (below) takes over its predecessor's
-// buckets.
+// A Publish call goes entirely to one slot, number msgs[0].Bucket mod
+// Producers, so a bucket's batches always travel through the same slot,
+// in order, while other buckets' batches travel at once through the other
+// slots: one producer has one request in flight per broker, and would
+// make every bucket's batch wait for the others'. A replaced producer
+// (below) takes over its predecessor's place.
+//
+// Each slot holds two producers, routed by the batch's size
+// (KafkaConfig.LingerBatch, default 32): a batch of at least LingerBatch
+// messages goes through the slot's lingering producer, which gathers
+// records for KafkaConfig.Linger (1 ms, sarama's Producer.Flush.Frequency)
+// before a produce request, so that the batch leaves in one request per
+// broker instead of a train of small ones, each waiting for the
+// followers' replication; a smaller batch goes through the other, which
+// sends as soon as its broker connection is free, so that a batch of one
+// message does not wait out the linger. A bucket's batches still reach
+// the brokers in order although they may take either producer: the relay
+// publishes a bucket's next batch only after the previous Publish call
+// returned (one drainer per bucket at a time), and a call returns only
+// once every message it handed over has its result. The one exception, a
+// call whose ctx ended (the relay's PublishTimeout, a lost lease, a
+// stop), leaves messages in its producer: the bucket's next batches then
+// go through that same producer, behind them, until every one of them
+// has its result. A negative LingerBatch turns the routing off: one
+// producer per slot, sending as soon as the connection is free.
 //
 //   - Acknowledged means written to all in-sync replicas (acks=all): a
 //     message counted in acked survives the loss of the partition leader
@@ -273,4 +291,11 @@
 // apart, doubling while they do not help, are logged at Warn, counted by
 // Kafka.Replacements and reported to KafkaConfig.Observer
 // (outbox_publisher_producer_replacements_total with *metrics.Collector).
+// A slot's two producers (the routing by size) keep their progress and
+// are replaced each on its own: a stall that catches both counts two
+// replacements, and one refused by the brokers leaves the other in
+// service. A bucket whose cancelled Publish left messages in a producer
+// that is then replaced goes on through the replacement: the new
+// producer's records may then reach the brokers ahead of the old one's
+// last ones, as with a single producer per slot.
 package publisher

@@ -49,6 +49,13 @@ const (
 
 	// ProducersMax is the largest accepted KafkaConfig.Producers.
 	ProducersMax = 64
+
+	// LingerBatchDefault is KafkaConfig.LingerBatch's default (see
+	// BENCHMARKS.md, "Apache Kafka").
+	LingerBatchDefault = 32
+
+	// LingerDefault is KafkaConfig.Linger's default.
+	LingerDefault = time.Millisecond
 )
 
 // MinKafkaVersion is the lowest protocol version the Kafka publisher runs
@@ -113,16 +120,44 @@ type KafkaConfig struct {
 	// StallTimeoutDefault (30s).
 	StallTimeout time.Duration
 
-	// Producers is how many idempotent sarama producers the publisher
-	// runs, 1 to ProducersMax, each with its own producer id and broker
-	// connections. An idempotent producer has one produce request in
-	// flight per broker, so with one producer the batches of all the
-	// relay's drainers queue behind each other; with several, batches of
-	// different buckets travel at once. A Publish call goes entirely to
-	// producer msgs[0].Bucket mod Producers, so a bucket is always on one
-	// producer (its replacement included) and its batches, and every key's
-	// records, stay in order. Default ProducersDefault.
+	// Producers is how many slots of idempotent sarama producers the
+	// publisher runs, 1 to ProducersMax: one producer per slot, two with
+	// the routing by size (LingerBatch), each with its own producer id
+	// and broker connections. An idempotent producer has one produce
+	// request in flight per broker, so with one producer the batches of
+	// all the relay's drainers queue behind each other; with several,
+	// batches of different buckets travel at once. A Publish call goes
+	// entirely to slot msgs[0].Bucket mod Producers, so a bucket is always
+	// on one slot (its producers' replacements included) and its batches,
+	// and every key's records, stay in order. Default ProducersDefault.
 	Producers int
+
+	// LingerBatch routes batches by size. With it, each of the Producers
+	// slots runs two producers: one that sends as soon as its connection to
+	// a broker is free (what Configure leaves sarama's Producer.Flush at;
+	// sarama's default, no wait), and one that lingers, gathering records
+	// for Linger before a produce request. A Publish call of at least
+	// LingerBatch messages goes through its slot's lingering producer, a
+	// smaller one through the other: a large batch leaves in a few large
+	// produce requests instead of a train of small ones, each paying the
+	// followers' replication wait, while a batch of a few messages does not
+	// wait out the linger. A bucket's batches stay in order across the two
+	// producers because the relay publishes a bucket's next batch only
+	// after the previous Publish call returned, and a call returns only
+	// once every message it handed over was reported, unless its context
+	// ended first: then the bucket's batches go through the producer still
+	// holding its messages until all of them are reported. Each producer
+	// is replaced on its own (see StallTimeout). Default
+	// LingerBatchDefault; negative turns the routing off: one producer per
+	// slot, every batch sent as soon as the connection is free.
+	LingerBatch int
+
+	// Linger is the lingering producers' sarama Producer.Flush.Frequency:
+	// how long they gather records before a produce request (see
+	// LingerBatch; unused when the routing is off). Their other
+	// Producer.Flush settings are what Configure left. Default
+	// LingerDefault; it must not be negative.
+	Linger time.Duration
 
 	// Observer, if set, is told of every producer replacement.
 	// *metrics.Collector implements it. Default: none.
@@ -157,6 +192,12 @@ func (c KafkaConfig) WithDefaults() KafkaConfig {
 	if c.Producers == 0 {
 		c.Producers = ProducersDefault
 	}
+	if c.LingerBatch == 0 {
+		c.LingerBatch = LingerBatchDefault
+	}
+	if c.Linger == 0 {
+		c.Linger = LingerDefault
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -173,6 +214,9 @@ func (c KafkaConfig) validate() error {
 	if c.Producers < 1 || c.Producers > ProducersMax {
 		return configError("KafkaConfig.Producers", c.Producers, "must be between 1 and "+strconv.Itoa(ProducersMax), nil)
 	}
+	if c.Linger < 0 {
+		return configError("KafkaConfig.Linger", c.Linger, "must not be negative", nil)
+	}
 	return checkMaxMessageBytes("KafkaConfig", c.MaxMessageBytes)
 }
 
@@ -183,12 +227,13 @@ func (c KafkaConfig) saramaConfig() (*sarama.Config, error) {
 	return guaranteedConfig("KafkaConfig", c.Configure, c.MaxMessageBytes, "", "the Kafka publisher is not transactional")
 }
 
-// Kafka publishes batches to Kafka through KafkaConfig.Producers
+// Kafka publishes batches to Kafka through KafkaConfig.Producers slots of
 // long-lived sarama AsyncProducers, each bucket always through the same
-// one, and replaces a producer when it can no longer make progress (see
-// KafkaConfig.StallTimeout). It implements relay.Publisher
-// and is safe for concurrent use; see the package documentation for its
-// guarantees.
+// slot, a batch through the slot's lingering producer or the other by its
+// size (see KafkaConfig.LingerBatch), and replaces a producer when it can
+// no longer make progress (see KafkaConfig.StallTimeout). It implements
+// relay.Publisher and is safe for concurrent use; see the package
+// documentation for its guarantees.
 type Kafka struct {
 	lifecycle lifecycle
 	brokers   []string
@@ -197,7 +242,10 @@ type Kafka struct {
 	logger    *slog.Logger
 	stall     time.Duration
 	observer  ProducerObserver
-	producers int // KafkaConfig.Producers
+	producers int            // KafkaConfig.Producers
+	lanes     int            // producers per slot: 2 with the routing by size, else 1
+	lingerSC  *sarama.Config // the lingering producers' configuration; nil without the routing
+	lingerMin int            // KafkaConfig.LingerBatch, with the routing
 
 	mu      sync.Mutex
 	closed  bool
@@ -211,17 +259,43 @@ type Kafka struct {
 	retries atomic.Int64
 }
 
-// slot is one of the publisher's producers: the current one and what the
-// publisher knows about its progress, guarded by Kafka.mu. The buckets
-// mapped to the slot publish through its current producer.
+// slot holds the producers the buckets mapped to it publish through, one
+// per lane, guarded by Kafka.mu: lane laneFree sends as soon as a broker
+// connection is free, lane laneLinger (with the routing by size) lingers.
 type slot struct {
+	lanes [2]lane
+	// strays are the slot's buckets whose last Publish call returned, its
+	// context ended, before every message it handed over was reported:
+	// the bucket's batches go through that lane until they all are, so
+	// that a batch never overtakes its predecessor's messages by going
+	// through the other producer. Only with the routing by size.
+	strays map[int]stray
+}
+
+// lane is one producer of a slot: the current one and what the publisher
+// knows about its progress.
+type lane struct {
 	cur    *producer
 	health health
+}
+
+// Lanes of a slot.
+const (
+	laneFree   = 0
+	laneLinger = 1
+)
+
+// stray is a Publish call that returned with messages still in its
+// producer, and the lane it went through.
+type stray struct {
+	call *call
+	lane int
 }
 
 // producer is one sarama producer and the goroutine routing its results.
 type producer struct {
 	slot       int // index in Kafka.slots
+	lane       int // index in slot.lanes
 	sp         sarama.AsyncProducer
 	senders    sync.WaitGroup // Publish calls handing messages to sp
 	dispatched chan struct{}  // closed when dispatch returns
@@ -300,8 +374,14 @@ func NewKafka(cfg KafkaConfig) (*Kafka, error) {
 		stall:     cfg.StallTimeout,
 		observer:  cfg.Observer,
 		producers: cfg.Producers,
+		lanes:     1,
 	}
 	k.countRetries()
+	if cfg.LingerBatch > 0 {
+		lsc := *sc // after countRetries: the lingering producers' retries count too
+		lsc.Producer.Flush.Frequency = cfg.Linger
+		k.lanes, k.lingerSC, k.lingerMin = 2, &lsc, cfg.LingerBatch
+	}
 	return k, nil
 }
 
@@ -310,28 +390,35 @@ func NewKafka(cfg KafkaConfig) (*Kafka, error) {
 func (k *Kafka) connect(ctx context.Context) error {
 	err := connect(ctx, guard{&k.mu, &k.closed, &k.retired}, k.newProducers,
 		func(ps []*producer) {
-			k.slots = make([]slot, len(ps))
-			for i, p := range ps {
-				k.slots[i] = slot{cur: p, health: health{gap: replaceGapMin}}
+			k.slots = make([]slot, k.producers)
+			for _, p := range ps {
+				k.slots[p.slot].lanes[p.lane] = lane{cur: p, health: health{gap: replaceGapMin}}
+			}
+			if k.lanes > 1 {
+				for i := range k.slots {
+					k.slots[i].strays = make(map[int]stray)
+				}
 			}
 		}, closeAll)
 	if err == nil {
-		k.logger.Debug("kafka publisher started", slog.Any("brokers", k.brokers), slog.Int("producers", k.producers))
+		k.logger.Debug("kafka publisher started", slog.Any("brokers", k.brokers), slog.Int("producers", k.producers),
+			slog.Int("linger_batch", k.lingerMin))
 	}
 	return err
 }
 
-// newProducers starts KafkaConfig.Producers producers at once; if one
-// fails, it closes the others.
+// newProducers starts every slot's producers at once; if one fails, it
+// closes the others.
 func (k *Kafka) newProducers() ([]*producer, error) {
-	ps := make([]*producer, k.producers)
-	errs := make([]error, k.producers)
+	n := k.producers * k.lanes
+	ps := make([]*producer, n)
+	errs := make([]error, n)
 	var wg sync.WaitGroup
 	for i := range ps {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ps[i], errs[i] = k.newProducer(i)
+			ps[i], errs[i] = k.newProducer(i%k.producers, i/k.producers)
 		}()
 	}
 	wg.Wait()
@@ -371,13 +458,17 @@ func (k *Kafka) countRetries() {
 }
 
 // newProducer starts a sarama producer (which initialises a new producer
-// id) and its dispatcher, for slot i.
-func (k *Kafka) newProducer(i int) (*producer, error) {
-	sp, err := sarama.NewAsyncProducer(k.brokers, k.sc)
+// id) and its dispatcher, for lane l of slot i.
+func (k *Kafka) newProducer(i, l int) (*producer, error) {
+	sc := k.sc
+	if l == laneLinger {
+		sc = k.lingerSC
+	}
+	sp, err := sarama.NewAsyncProducer(k.brokers, sc)
 	if err != nil {
 		return nil, fmt.Errorf("publisher: start Kafka producer: %w", err)
 	}
-	p := &producer{slot: i, sp: sp, dispatched: make(chan struct{})}
+	p := &producer{slot: i, lane: l, sp: sp, dispatched: make(chan struct{})}
 	go p.dispatch(k.logger)
 	return p, nil
 }
@@ -392,6 +483,10 @@ type call struct {
 	// so that dispatch never blocks on it, even after Publish gave up
 	// waiting because its context ended.
 	results chan result
+	// pending counts the call's messages handed to the producer and not
+	// yet reported (the count handed over is added after the hand-over,
+	// so it may dip below zero meanwhile); see slot.strays.
+	pending atomic.Int64
 
 	// For the order gate: a retry is under way once sarama added a
 	// message of the call to a produce request a second time (retrying),
@@ -540,6 +635,7 @@ func deliver(logger *slog.Logger, msg *sarama.ProducerMessage, err error) {
 	} else {
 		env.acked.Store(true)
 	}
+	env.call.pending.Add(-1)
 	select {
 	case env.call.results <- result{index: env.index, err: err, partition: partitionOf(msg, env, err)}:
 	default:
@@ -592,7 +688,8 @@ func (k *Kafka) Publish(ctx context.Context, msgs []relay.Message) (int, error) 
 		k.mu.Unlock()
 		return 0, errKafkaNotStarted
 	}
-	p := k.slots[k.slotOf(msgs)].cur
+	s := &k.slots[k.slotOf(msgs)]
+	p := s.lanes[k.laneOf(s, msgs)].cur
 	p.senders.Add(1)
 	k.mu.Unlock()
 
@@ -603,9 +700,47 @@ func (k *Kafka) Publish(ctx context.Context, msgs []relay.Message) (int, error) 
 		}
 		return 0, stop
 	}
+	c.pending.Add(int64(sent))
 	acked, err := k.collect(ctx, msgs, c, sent, stop)
+	if c.pending.Load() > 0 && k.lanes > 1 {
+		k.strayed(p, msgs[0].Bucket, c)
+	}
 	k.observe(p, acked, err)
 	return acked, err
+}
+
+// laneOf is the lane of slot s a batch publishes through: the lane still
+// holding messages of its bucket's last call if there is one (see
+// slot.strays), else the lingering lane for a batch of at least
+// KafkaConfig.LingerBatch messages and the other for a smaller one.
+// k.mu is held.
+func (k *Kafka) laneOf(s *slot, msgs []relay.Message) int {
+	if k.lanes == 1 || len(msgs) == 0 {
+		return laneFree
+	}
+	bucket := msgs[0].Bucket
+	if st, ok := s.strays[bucket]; ok {
+		if st.call.pending.Load() > 0 {
+			return st.lane
+		}
+		delete(s.strays, bucket)
+	}
+	if len(msgs) >= k.lingerMin {
+		return laneLinger
+	}
+	return laneFree
+}
+
+// strayed records that call c, of bucket's batch through p, returned with
+// messages still in p: the bucket's next batches go through p's lane
+// until they are all reported.
+func (k *Kafka) strayed(p *producer, bucket int, c *call) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.closed {
+		return
+	}
+	k.slots[p.slot].strays[bucket] = stray{call: c, lane: p.lane}
 }
 
 // slotOf is the slot a batch publishes through: its first message's
@@ -893,10 +1028,10 @@ func (k *Kafka) observe(p *producer, acked int, err error) {
 	now := time.Now()
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	if k.closed || p != k.slots[p.slot].cur {
+	if k.closed || p != k.slots[p.slot].lanes[p.lane].cur {
 		return // a retired producer's result
 	}
-	h := &k.slots[p.slot].health
+	h := &k.slots[p.slot].lanes[p.lane].health
 	if acked > 0 || err == nil {
 		h.failingSince = time.Time{}
 		h.gap = replaceGapMin
@@ -923,25 +1058,25 @@ func (k *Kafka) observe(p *producer, acked int, err error) {
 	h.replacing, h.lastReplace = true, now
 	failingFor := now.Sub(h.failingSince)
 	k.retired.Add(1)
-	go k.replace(p.slot, reason, err, failingFor)
+	go k.replace(p.slot, p.lane, reason, err, failingFor)
 }
 
-// replace builds a new producer for slot i and puts it in service; the old
-// one is closed once the publishes handing messages to it are done. On
-// failure (the cluster is unreachable) the old one stays, and the next
-// attempt waits twice as long, up to StallTimeout.
-func (k *Kafka) replace(i int, reason string, cause error, failingFor time.Duration) {
+// replace builds a new producer for lane l of slot i and puts it in
+// service; the old one is closed once the publishes handing messages to it
+// are done. On failure (the cluster is unreachable) the old one stays, and
+// the next attempt waits twice as long, up to StallTimeout.
+func (k *Kafka) replace(i, l int, reason string, cause error, failingFor time.Duration) {
 	defer k.retired.Done()
-	np, err := k.newProducer(i)
+	np, err := k.newProducer(i, l)
 
 	k.mu.Lock()
-	h := &k.slots[i].health
+	h := &k.slots[i].lanes[l].health
 	h.replacing = false
 	h.gap = min(2*h.gap, max(k.stall, replaceGapMin))
 	if err != nil {
 		k.mu.Unlock()
 		k.logger.Warn("kafka producer cannot make progress; replacing it failed, keeping it for now",
-			slog.String("reason", reason), slog.Duration("failing_for", failingFor), slog.Any("cause", cause), slog.Any("error", err))
+			slog.String("reason", reason), slog.Int("producer", i), slog.Bool("lingering", l == laneLinger), slog.Duration("failing_for", failingFor), slog.Any("cause", cause), slog.Any("error", err))
 		return
 	}
 	if k.closed {
@@ -950,14 +1085,15 @@ func (k *Kafka) replace(i int, reason string, cause error, failingFor time.Durat
 		go k.retire(np)
 		return
 	}
-	old := k.slots[i].cur
-	k.slots[i].cur = np
+	old := k.slots[i].lanes[l].cur
+	k.slots[i].lanes[l].cur = np
 	h.failingSince = time.Time{}
 	k.mu.Unlock()
 
 	n := k.replacements.Add(1)
 	k.logger.Warn("kafka producer could not make progress; replaced it with a new one (new producer id)",
-		slog.String("reason", reason), slog.Int("producer", i), slog.Duration("failing_for", failingFor), slog.Int64("replacements", n), slog.Any("cause", cause))
+		slog.String("reason", reason), slog.Int("producer", i), slog.Bool("lingering", l == laneLinger),
+		slog.Duration("failing_for", failingFor), slog.Int64("replacements", n), slog.Any("cause", cause))
 	if k.observer != nil {
 		k.observer.ProducerReplaced(reason)
 	}
@@ -1019,9 +1155,11 @@ func (k *Kafka) seal() (finish func() error) {
 		}
 	}
 	k.closed = true
-	ps := make([]*producer, len(k.slots))
+	var ps []*producer
 	for i := range k.slots {
-		ps[i] = k.slots[i].cur
+		for l := range k.lanes {
+			ps = append(ps, k.slots[i].lanes[l].cur)
+		}
 	}
 	k.retired.Add(1) // later calls wait for this one too
 	return func() error {

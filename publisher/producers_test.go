@@ -45,18 +45,7 @@ func publishConcurrently(t *testing.T, k *publisher.Kafka, workers, n int, batch
 // bucketBatch is batch b of bucket: size messages over keys keys of the
 // bucket, with increasing values per key across the bucket's batches.
 func bucketBatch(topic string, bucket, b, size, keys int) []relay.Message {
-	msgs := make([]relay.Message, size)
-	for i := range msgs {
-		seq := b*size + i
-		msgs[i] = relay.Message{
-			MessageID: fmt.Sprintf("b%d-%05d", bucket, seq),
-			Bucket:    bucket,
-			Topic:     topic,
-			Key:       fmt.Appendf(nil, "b%d-k%d", bucket, seq%keys),
-			Value:     fmt.Appendf(nil, "%05d", seq),
-		}
-	}
-	return msgs
+	return keyedBatch(topic, bucket, b*size, size, keys)
 }
 
 // TestKafkaProducersPinBuckets publishes the batches of several buckets at

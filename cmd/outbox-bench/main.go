@@ -52,6 +52,10 @@ type config struct {
 	// FlushFrequency is the Kafka publisher's sarama
 	// Producer.Flush.Frequency; 0 leaves sarama's default.
 	FlushFrequency time.Duration
+	// LingerBatch is the Kafka publisher's KafkaConfig.LingerBatch; 0
+	// takes the publisher's default, negative turns the routing by size
+	// off.
+	LingerBatch int
 	// MaxIdleConns is the idle (and open) connection limit of every pool
 	// the bench and its relay processes open; negative leaves
 	// database/sql's defaults (2 idle, no open limit).
@@ -166,6 +170,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.BatchSize, "batch", 500, "relay batch size")
 	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
 	fs.IntVar(&c.Producers, "producers", 0, "Kafka publisher's Producers (0: the publisher's default)")
+	fs.IntVar(&c.LingerBatch, "linger-batch", 0, "Kafka publisher's LingerBatch, the smallest batch sent through a slot's lingering producer (0: the publisher's default; negative: no routing by size)")
 	fs.DurationVar(&c.FlushFrequency, "flush-frequency", 0, "Kafka publisher's sarama Producer.Flush.Frequency, how long a producer gathers records before a request (0: sarama's default, a request as soon as the connection is free)")
 	fs.IntVar(&c.MaxIdleConns, "max-idle-conns", 16, "connections each database pool keeps idle, and its open limit (-1: database/sql's defaults, 2 idle and no open limit, as in an application that sets neither, which the GORM store raises itself; -2: the same defaults set explicitly with SetMaxIdleConns(2), which the store keeps: an untuned pool)")
 	fs.IntVar(&c.WideBuckets, "wide-buckets", 256, "drain: bucket count of the wide drain, compared with -buckets")
@@ -307,6 +312,7 @@ func main() {
 	useExternalBrokers(cfg.Brokers)
 	kafkaProducers = cfg.Producers
 	kafkaFlushFrequency = cfg.FlushFrequency
+	kafkaLingerBatch = cfg.LingerBatch
 	results, err := run(ctx, cfg, os.Stderr)
 	print(os.Stdout, cfg, results)
 	if err != nil {

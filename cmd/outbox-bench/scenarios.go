@@ -196,9 +196,13 @@ var kafkaProducers int
 // connection is free).
 var kafkaFlushFrequency time.Duration
 
+// kafkaLingerBatch is the publishers' KafkaConfig.LingerBatch
+// (-linger-batch; 0: the default, negative: no routing by size).
+var kafkaLingerBatch int
+
 // newPublisher builds and starts a Kafka publisher; ctx's end closes it.
 func newPublisher(ctx context.Context, brokers []string) (*publisher.Kafka, error) {
-	p, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Producers: kafkaProducers, Configure: func(c *sarama.Config) error {
+	p, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Producers: kafkaProducers, LingerBatch: kafkaLingerBatch, Configure: func(c *sarama.Config) error {
 		c.ClientID = "outbox-bench"
 		c.Producer.Flush.Frequency = kafkaFlushFrequency
 		return nil
@@ -859,6 +863,7 @@ func relayEnv(cfg config, e *env, brokers []string) []string {
 		"OUTBOX_BENCH_MAX_IDLE_CONNS=" + strconv.Itoa(cfg.MaxIdleConns),
 		"OUTBOX_BENCH_PRODUCERS=" + strconv.Itoa(cfg.Producers),
 		"OUTBOX_BENCH_FLUSH_FREQUENCY=" + cfg.FlushFrequency.String(),
+		"OUTBOX_BENCH_LINGER_BATCH=" + strconv.Itoa(cfg.LingerBatch),
 	}
 }
 
@@ -883,9 +888,10 @@ func runRelayRole() int {
 	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))
 	parallelism, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_PARALLELISM"))
 	maxIdle, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_MAX_IDLE_CONNS"))
-	// The relay process's publisher is the parent's: -producers and
-	// -flush-frequency.
+	// The relay process's publisher is the parent's: -producers,
+	// -linger-batch and -flush-frequency.
 	kafkaProducers, _ = strconv.Atoi(os.Getenv("OUTBOX_BENCH_PRODUCERS"))
+	kafkaLingerBatch, _ = strconv.Atoi(os.Getenv("OUTBOX_BENCH_LINGER_BATCH"))
 	flush, err := time.ParseDuration(os.Getenv("OUTBOX_BENCH_FLUSH_FREQUENCY"))
 	if err != nil {
 		return fail(fmt.Errorf("OUTBOX_BENCH_FLUSH_FREQUENCY: %w", err))

@@ -47,9 +47,13 @@ type WALStatus struct {
 	LagAgeMs int64     `json:"lag_age_ms"`
 	// LagSource says where Oldest comes from: "reader", the queues of the
 	// reader running in this process (the oldest message it decoded and
-	// has not published or dead-lettered); "slot", the oldest unconfirmed
-	// message read from the inactive slot without consuming it; "" when
-	// neither was available (no reader in this process, slot active).
+	// has not published or dead-lettered); "lease", the same as the
+	// reader holding the slot's lease, in any process, recorded in its
+	// lease row at its last renewal (at most a standby interval old; no
+	// Oldest and LagAgeMs 0 when it held none); "slot", the oldest
+	// unconfirmed message read from the inactive slot without consuming
+	// it; "" when none was available (no reader holds the lease, or its
+	// term has not read yet the WAL written before it began).
 	LagSource string `json:"lag_source,omitempty"`
 }
 

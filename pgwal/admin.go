@@ -69,7 +69,7 @@ func NewAdmin(db *gorm.DB, plugin *outbox.Plugin, cfg Config) (*Admin, error) {
 
 // Admin returns the operator API of the reader's outbox. Its WALStatus
 // reports the lag in time from this reader's queues (LagSource
-// "reader").
+// "reader") while it reads the slot.
 func (r *Reader) Admin(plugin *outbox.Plugin) (*Admin, error) {
 	a, err := NewAdmin(r.db, plugin, r.cfg)
 	if err != nil {
@@ -87,8 +87,10 @@ func (a *Admin) leases() *leases {
 	return &leases{db: a.db, table: a.cfg.LeaseTable, slot: a.cfg.Slot, me: a.cfg.RelayID, dur: a.cfg.LeaseDuration}
 }
 
-// WALStatus reads the slot, its lease and, with a reader in this
-// process, the age of the oldest message it has not published.
+// WALStatus reads the slot, its lease and the age of the oldest message
+// the reader has not published: from the queues of a reader in this
+// process that reads the slot (LagSource "reader"), otherwise from the
+// lease row's last renewal while the lease is held (LagSource "lease").
 func (a *Admin) WALStatus(ctx context.Context) (ops.WALStatus, error) {
 	ctx, cancel := context.WithTimeout(ctx, gormrelay.AdminTimeoutDefault)
 	defer cancel()
@@ -140,6 +142,14 @@ func (a *Admin) WALStatus(ctx context.Context) (ops.WALStatus, error) {
 			ws.LagSource = "reader"
 		}
 	}
+	if ws.LagSource == "" && ws.Reader.Held && lease.LagAtMs > 0 {
+		// Another process reads the slot: its last renewal's sample.
+		ws.LagSource = "lease"
+		if lease.LagOldestMs > 0 {
+			ws.Oldest = time.UnixMilli(lease.LagOldestMs)
+			ws.LagAgeMs = max(now.Sub(ws.Oldest), 0).Milliseconds()
+		}
+	}
 	return ws, nil
 }
 
@@ -179,14 +189,27 @@ func (a *Admin) Watch(ctx context.Context, interval time.Duration) <-chan ops.Sn
 	return ops.Watch(ctx, a, interval)
 }
 
-// OldestPending returns, with a reader in this process, the age of the
-// oldest message it decoded and has not published, and its bucket;
-// otherwise the messages table's (gormrelay.Admin.OldestPending), which
-// holds nothing in WAL mode.
+// OldestPending returns the age of the oldest message the reader decoded
+// and has not published, and its bucket: from the queues of a reader in
+// this process that reads the slot, otherwise from the lease row's last
+// renewal while the lease is held (as WALStatus's LagSource "lease");
+// failing both, the messages table's (gormrelay.Admin.OldestPending),
+// which holds only bridged rows in WAL mode.
 func (a *Admin) OldestPending(ctx context.Context) (time.Duration, int, bool, error) {
-	if a.reader != nil {
+	if a.reader != nil && a.reader.cur.Load() != nil {
 		if oldest, bucket, ok := a.reader.oldest(); ok {
 			return max(time.Since(oldest), 0), bucket, true, nil
+		}
+	} else {
+		lctx, cancel := context.WithTimeout(ctx, gormrelay.AdminTimeoutDefault)
+		lease, ok, err := a.lease(a.db.WithContext(lctx))
+		cancel()
+		if err != nil {
+			return 0, 0, false, err
+		}
+		now := time.Now()
+		if ok && lease.LagOldestMs > 0 && lease.Owner != nil && lease.ExpiresAtMs > now.UnixMilli() {
+			return max(now.Sub(time.UnixMilli(lease.LagOldestMs)), 0), lease.LagBucket, true, nil
 		}
 	}
 	return a.Admin.OldestPending(ctx)

@@ -81,8 +81,10 @@ type Config struct {
 	MaxAttempts int
 	// BackoffMin and BackoffMax bound the pause after a failed publish
 	// (the relay engine's relay.Config.BackoffMin and BackoffMax) or a
-	// lost connection, doubling per consecutive failure. Default 100ms
-	// and 10s.
+	// lost connection, doubling per consecutive failure. A pause after
+	// the database could not be reached ends early, at most BackoffMin
+	// after the database answers again: Run probes it every BackoffMin.
+	// Default 100ms and 10s.
 	BackoffMin, BackoffMax time.Duration
 	// Bridge makes the reader relay the rows table-mode writers insert
 	// into the messages table too, in commit order with the WAL

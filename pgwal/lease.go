@@ -22,6 +22,23 @@ type SlotLease struct {
 	ExpiresAtMs int64   `gorm:"column:expires_at_ms;not null;default:0"`
 	// ConfirmedLSN is 0 until the reader created or first read the slot.
 	ConfirmedLSN int64 `gorm:"column:confirmed_lsn;not null;default:0"`
+	// LagOldestMs is the creation time (Unix milliseconds, the writer's
+	// clock) of the oldest message the owner held and had not published
+	// or dead-lettered at its last renewal, 0 when it held none. LagAtMs
+	// is when that renewal looked (the reader's clock); 0 when it could
+	// not tell: a term that had not read yet the WAL written before it
+	// began. LagBucket is the oldest message's bucket. The lag in time,
+	// for a process without the reader.
+	LagOldestMs int64 `gorm:"column:lag_oldest_ms;not null;default:0"`
+	LagAtMs     int64 `gorm:"column:lag_at_ms;not null;default:0"`
+	LagBucket   int   `gorm:"column:lag_bucket;not null;default:0"`
+}
+
+// lagSample is what a renewal records of the reader's lag in time
+// (SlotLease.LagOldestMs, LagAtMs, LagBucket); the zero value is unknown.
+type lagSample struct {
+	oldestMs, atMs int64
+	bucket         int
 }
 
 // leases is the reader's access to its lease row.
@@ -62,13 +79,13 @@ func (l *leases) acquire(ctx context.Context) (term, confirmed int64, ok bool, e
 }
 
 // renew extends the lease held under term and records confirmed (never
-// moving it back). It reports false when the lease was lost.
-func (l *leases) renew(ctx context.Context, term, confirmed int64) (bool, error) {
+// moving it back) and lag. It reports false when the lease was lost.
+func (l *leases) renew(ctx context.Context, term, confirmed int64, lag lagSample) (bool, error) {
 	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
 	now := time.Now().UnixMilli()
-	r := db.Exec("UPDATE "+l.quoted(db)+" SET expires_at_ms = ?, confirmed_lsn = CASE WHEN confirmed_lsn < ? THEN ? ELSE confirmed_lsn END"+
-		" WHERE slot = ? AND owner = ? AND term = ? AND expires_at_ms > ?",
-		now+l.dur.Milliseconds(), confirmed, confirmed, l.slot, l.me, term, now)
+	r := db.Exec("UPDATE "+l.quoted(db)+" SET expires_at_ms = ?, confirmed_lsn = CASE WHEN confirmed_lsn < ? THEN ? ELSE confirmed_lsn END,"+
+		" lag_oldest_ms = ?, lag_at_ms = ?, lag_bucket = ? WHERE slot = ? AND owner = ? AND term = ? AND expires_at_ms > ?",
+		now+l.dur.Milliseconds(), confirmed, confirmed, lag.oldestMs, lag.atMs, lag.bucket, l.slot, l.me, term, now)
 	return r.Error == nil && r.RowsAffected == 1, r.Error
 }
 

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgconn"
 	"gorm.io/gorm"
+	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/backoff"
@@ -135,6 +136,12 @@ func (r *Reader) oldest() (oldest time.Time, bucket int, ok bool) {
 	if s == nil {
 		return time.Time{}, 0, false
 	}
+	return s.oldest()
+}
+
+// oldest returns the creation time of the oldest message held in the
+// stream's queues, and its bucket.
+func (s *stream) oldest() (oldest time.Time, bucket int, ok bool) {
 	for _, q := range s.buckets {
 		q.mu.Lock()
 		if len(q.q) > 0 && (!ok || q.q[0].msg.CreatedAt.Before(oldest)) {
@@ -152,7 +159,8 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // the slot and publishes until ctx ends, then returns nil. It returns an
 // error for what retrying cannot fix: a *SlotLostError, a
 // *relay.MisconfigurationError from the publisher, a bucket beyond the
-// outbox's BucketCount. Connection failures are retried with backoff.
+// outbox's BucketCount. Connection failures are retried with backoff,
+// cut short when the database answers again (probed every BackoffMin).
 // Ending ctx abandons the messages in flight: they were not confirmed, so
 // the next reader publishes them again. The lease is not released then:
 // another reader takes over once it lapses (LeaseDuration). A reader
@@ -169,6 +177,7 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 		return err
 	}
 	failures := 0
+	var w waiter
 	for {
 		term, confirmed, ok, err := r.leases.acquire(ctx)
 		if ctx.Err() != nil {
@@ -187,24 +196,125 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 			}
 			if time.Since(began) > r.cfg.BackoffMax {
 				failures = 0
+				w = waiter{}
 			}
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.StandbyInterval)
 			_ = r.leases.release(rctx, term)
 			cancel()
 		}
-		if err != nil {
-			failures++
-			r.log.Warn("pgwal: reading the slot failed, retrying", "err", err, "attempt", failures)
+		if err == nil {
+			if !backoff.Sleep(ctx, r.cfg.StandbyInterval) {
+				return nil
+			}
+			continue
 		}
-		d := r.cfg.StandbyInterval
-		if err != nil {
-			d = backoff.Exponential(r.cfg.BackoffMin, r.cfg.BackoffMax, failures)
-		}
-		if !backoff.Sleep(ctx, d) {
+		failures++
+		r.log.Warn("pgwal: reading the slot failed, retrying", "err", err, "attempt", failures)
+		if !r.pause(ctx, &w, backoff.Exponential(r.cfg.BackoffMin, r.cfg.BackoffMax, failures), outage(err)) {
 			return nil
 		}
 	}
 }
+
+// waiter is what pause remembers of an outage across the attempts of a
+// retry loop.
+type waiter struct {
+	since time.Time // the first failure of the outage; zero when none
+	early bool      // the last pause ended early: the database answered
+}
+
+// pause waits d, the backoff after a failed attempt, and reports whether
+// ctx is still alive. After a failure to reach the database (down the
+// database is true: the server is down, restarting, refusing
+// connections), it asks every BackoffMin whether the database answers
+// again (answers) and returns as soon as it does, so that a reader is
+// not left asleep for up to BackoffMax once a restarted server accepts
+// connections; the pause never lasts longer than d. The database must be
+// seen down before an answer ends the pause: the failed attempt counts,
+// unless the previous pause already ended early, when one of this
+// pause's probes must fail first; so a failure that the probe does not
+// see (the database answers, the attempt fails anyway) is retried at the
+// plain backoff, not every BackoffMin. Other failures wait d. The probes
+// log nothing; the end of an outage is logged once.
+func (r *Reader) pause(ctx context.Context, w *waiter, d time.Duration, down bool) bool {
+	if !down {
+		*w = waiter{}
+		return backoff.Sleep(ctx, d)
+	}
+	now := time.Now()
+	if w.since.IsZero() {
+		w.since = now
+	}
+	seenDown := !w.early
+	w.early = false
+	deadline := now.Add(d)
+	for {
+		left := time.Until(deadline)
+		if !backoff.Sleep(ctx, min(r.cfg.BackoffMin, left)) {
+			return false
+		}
+		if left = time.Until(deadline); left <= 0 {
+			return true
+		}
+		pctx, cancel := context.WithTimeout(ctx, left)
+		err := r.answers(pctx)
+		cancel()
+		if ctx.Err() != nil {
+			return false
+		}
+		if err == nil && seenDown {
+			r.log.Info("pgwal: the database answers again; retrying now",
+				"down_for", time.Since(w.since).Round(time.Millisecond), "backoff_left", time.Until(deadline).Round(time.Millisecond))
+			w.early = true
+			return true
+		}
+		if err != nil && unreachable(err) {
+			seenDown = true
+		}
+	}
+}
+
+// errInRecovery is a probe's answer from a server that accepts
+// connections but is in recovery (a standby), which the reader cannot
+// hold its lease on.
+var errInRecovery = errors.New("pgwal: the database is in recovery")
+
+// answers checks that the database accepts what the reader's next
+// attempt needs: a session on the reader's database, not in recovery,
+// and a replication connection. Its statements log nothing: while the
+// server is down each fails.
+func (r *Reader) answers(ctx context.Context) error {
+	db := r.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true, Logger: logger.Discard})
+	var inRecovery bool
+	if err := db.Raw("SELECT pg_is_in_recovery()").Scan(&inRecovery).Error; err != nil {
+		return err
+	}
+	if inRecovery {
+		return errInRecovery
+	}
+	conn, err := r.connect(ctx)
+	if err != nil {
+		return err
+	}
+	return conn.Close(ctx)
+}
+
+// outage reports whether a term ended because the database could not be
+// reached (unreachable), which answers can tell has ended; the brokers'
+// network errors (a *publisherError) are not.
+func outage(err error) bool {
+	var pe *publisherError
+	return unreachable(err) && !errors.As(err, &pe)
+}
+
+// publisherError is the publisher's failure to take a term's leases
+// (relay.LeaseAware): a strict-mode publisher fences the previous
+// owners on the brokers.
+type publisherError struct{ err error }
+
+func (e *publisherError) Error() string { return "pgwal: publisher: " + e.err.Error() }
+
+func (e *publisherError) Unwrap() error { return e.err }
 
 // prepare creates the lease table and the publication, retrying with
 // backoff while the database cannot be reached (down, restarting, the
@@ -212,6 +322,7 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 // created them at the same moment; other errors are returned.
 func (r *Reader) prepare(ctx context.Context) error {
 	races := 0
+	var w waiter
 	for failures := 1; ; failures++ {
 		err := r.leases.migrate(ctx)
 		if err != nil {
@@ -229,7 +340,7 @@ func (r *Reader) prepare(ctx context.Context) error {
 			return err
 		}
 		r.log.Warn("pgwal: the database cannot be reached, retrying", "err", err, "attempt", failures)
-		if !backoff.Sleep(ctx, backoff.Exponential(r.cfg.BackoffMin, r.cfg.BackoffMax, failures)) {
+		if !r.pause(ctx, &w, backoff.Exponential(r.cfg.BackoffMin, r.cfg.BackoffMax, failures), unreachable(err)) {
 			return nil
 		}
 	}
@@ -321,7 +432,7 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	// Record where reading starts before anything is confirmed, so a slot
 	// dropped from now on is noticed.
 	renewed := time.Now()
-	if ok, err := r.leases.renew(ctx, term, int64(from)); err != nil || !ok {
+	if ok, err := r.leases.renew(ctx, term, int64(from), lagSample{}); err != nil || !ok {
 		return errors.Join(errLeaseLost, err)
 	}
 	err = pglogrepl.StartReplication(ctx, conn, r.cfg.Slot, from, pglogrepl.StartReplicationOptions{
@@ -335,6 +446,9 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	s := newStream(r, conn, term, from, renewed)
+	// The WAL written before the term began: until it is read, an empty
+	// queue does not mean nothing is pending.
+	s.backlogEnd = st.Confirmed + pglogrepl.LSN(max(st.RetainedBytes, 0))
 	defer s.end()
 	if s.rel.oid, err = r.bridgeOID(ctx); err != nil {
 		return err
@@ -354,7 +468,7 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 			if errors.Is(err, errLeaseLost) {
 				return err
 			}
-			return fmt.Errorf("pgwal: publisher: %w", err)
+			return &publisherError{err}
 		}
 		defer la.LeasesReleased(context.WithoutCancel(ctx), leases)
 	}
@@ -482,7 +596,7 @@ func (r *Reader) announce(ctx context.Context, la relay.LeaseAware, term int64, 
 			case <-t.C:
 			}
 			rctx, cancel := context.WithTimeout(actx, r.cfg.LeaseDuration/3)
-			ok, err := r.leases.renew(rctx, term, int64(from))
+			ok, err := r.leases.renew(rctx, term, int64(from), lagSample{})
 			cancel()
 			if err == nil && !ok {
 				stop(errLeaseLost)

@@ -27,13 +27,16 @@ type gate struct {
 	open    atomic.Bool
 	refused atomic.Int64
 	wg      sync.WaitGroup
+
+	mu    sync.Mutex
+	conns map[net.Conn]bool // the forwarded connections, both sides
 }
 
 func startGate(t *testing.T, target string) *gate {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	g := &gate{ln: ln, target: target}
+	g := &gate{ln: ln, target: target, conns: map[net.Conn]bool{}}
 	g.wg.Go(func() {
 		for {
 			c, err := ln.Accept()
@@ -59,10 +62,30 @@ func (g *gate) forward(c net.Conn) {
 		return
 	}
 	defer s.Close()
+	g.mu.Lock()
+	g.conns[c], g.conns[s] = true, true
+	g.mu.Unlock()
+	defer func() {
+		g.mu.Lock()
+		delete(g.conns, c)
+		delete(g.conns, s)
+		g.mu.Unlock()
+	}()
 	done := make(chan struct{}, 2)
 	go func() { _, _ = io.Copy(s, c); done <- struct{}{} }()
 	go func() { _, _ = io.Copy(c, s); done <- struct{}{} }()
 	<-done
+}
+
+// shut closes the gate and every connection it forwards, as a server
+// that stops does.
+func (g *gate) shut() {
+	g.open.Store(false)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for c := range g.conns {
+		_ = c.Close()
+	}
 }
 
 func (g *gate) port() int { return g.ln.Addr().(*net.TCPAddr).Port }

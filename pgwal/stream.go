@@ -73,6 +73,9 @@ type stream struct {
 	// the server's WAL end while idle: everything before it is queued.
 	done      pglogrepl.LSN
 	confirmed pglogrepl.LSN
+	// backlogEnd is the server's WAL end when the term began: once done
+	// reaches it, queues that are empty hold everything pending.
+	backlogEnd pglogrepl.LSN
 	// rel is the messages table in the stream when the reader bridges.
 	rel bridgeRelation
 }
@@ -150,6 +153,20 @@ func (s *stream) position() pglogrepl.LSN {
 	return max(pos, s.confirmed)
 }
 
+// lag samples the reader's lag in time for the lease row: the creation
+// time of the oldest message the queues hold, or none held once the
+// stream read the WAL written before the term began; unknown before.
+func (s *stream) lag() lagSample {
+	now := time.Now().UnixMilli()
+	if oldest, bucket, ok := s.oldest(); ok {
+		return lagSample{oldestMs: max(oldest.UnixMilli(), 1), atMs: now, bucket: bucket}
+	}
+	if s.done < s.backlogEnd {
+		return lagSample{}
+	}
+	return lagSample{atMs: now}
+}
+
 // renewal is the outcome of renewing the lease and recording pos in it.
 type renewal struct {
 	pos     pglogrepl.LSN
@@ -165,7 +182,7 @@ type renewal struct {
 // channel; confirm then sends the position to the server. A bridging
 // reader first checks that no table relay started (checkTableRelays).
 func (s *stream) renew(ctx context.Context) <-chan renewal {
-	pos := s.position()
+	pos, lag := s.position(), s.lag()
 	ch := make(chan renewal, 1)
 	go func() {
 		if err := s.checkTableRelays(ctx); err != nil {
@@ -174,7 +191,7 @@ func (s *stream) renew(ctx context.Context) <-chan renewal {
 		}
 		started := time.Now()
 		rctx, cancel := context.WithTimeout(ctx, s.r.cfg.LeaseDuration/3)
-		ok, err := s.r.leases.renew(rctx, s.term, int64(pos))
+		ok, err := s.r.leases.renew(rctx, s.term, int64(pos), lag)
 		cancel()
 		ch <- renewal{pos: pos, started: started, ok: ok, err: err}
 	}()

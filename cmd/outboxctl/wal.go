@@ -171,10 +171,15 @@ func printWAL(w io.Writer, ws ops.WALStatus, u *pgwal.Unconfirmed) {
 	}
 	fmt.Fprintf(tw, "CONFIRMED\t%s (current %s)\n", confirmed, ws.CurrentLSN)
 	fmt.Fprintf(tw, "LAG BYTES\t%d (WAL retained: current - confirmed)\n", ws.RetainedBytes)
-	lag := "unknown: only the process running the reader knows it while the slot is active"
+	lag := "unknown: no reader holds the slot's lease, or it has not read yet the WAL written before its term began"
 	switch ws.LagSource {
 	case "reader":
 		lag = age(ws.LagAge()) + " (age of the oldest message the reader has not published)"
+	case "lease":
+		lag = age(ws.LagAge()) + " (age of the oldest message the reader had not published at its last lease renewal)"
+		if ws.Oldest.IsZero() {
+			lag = "0 (the reader held no unpublished message at its last lease renewal)"
+		}
 	case "slot":
 		lag = age(ws.LagAge()) + " (age of the oldest unconfirmed message in the slot)"
 	}

@@ -191,6 +191,23 @@ func (c *pgCluster) restart(mode string) error {
 	return nil
 }
 
+// stop stops the server with a fast or an immediate shutdown.
+func (c *pgCluster) stop(mode string) error {
+	if out, err := c.ctl("stop", "-m", mode); err != nil {
+		return fmt.Errorf("pg_ctl stop -m %s: %v: %s", mode, err, out)
+	}
+	return nil
+}
+
+// start starts the stopped server and returns once it accepts
+// connections (pg_ctl start -w).
+func (c *pgCluster) start() error {
+	if out, err := c.ctl("start", "-l", c.log); err != nil {
+		return fmt.Errorf("pg_ctl start: %v: %s", err, out)
+	}
+	return nil
+}
+
 // PostgreSQL restart fault kinds.
 const (
 	evPGRestartFast      = "postgres_restart_fast"

@@ -266,3 +266,74 @@ func currentWALLSN(t *testing.T, e *walSlotEnv) pglogrepl.LSN {
 	require.NoError(t, err)
 	return lsn
 }
+
+// TestWALReaderResumesWhenServerAnswers: the server is down long enough
+// for the reader's backoff to reach BackoffMax; once the server accepts
+// connections again the reader reads at once instead of sleeping out its
+// backoff. Ordering, from timestamps taken in this run: the first message
+// written after the restart is published before the earliest moment the
+// backoff after the last failed attempt would have let the reader try
+// again (half the capped backoff: its jitter's lower bound).
+func TestWALReaderResumesWhenServerAnswers(t *testing.T) {
+	t.Parallel()
+	e := newWALSlotEnv(t)
+	const backoffMin, backoffMax = 50 * time.Millisecond, 10 * time.Second
+	log, failed := dbtest.WatchLog(t, "pgwal: reading the slot failed, retrying")
+	r, err := pgwal.New(e.d.DB, e.plugin, e.pub, pgwal.Config{
+		ReplicationDSN: e.d.DSN, LeaseDuration: 1500 * time.Millisecond, StandbyInterval: 200 * time.Millisecond,
+		BackoffMin: backoffMin, BackoffMax: backoffMax, Logger: log,
+	})
+	require.NoError(t, err)
+	require.NoError(t, r.EnsureSlot(context.Background()))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	e.write(t, 10)
+	require.Equal(t, 10, e.delivered(t))
+
+	stopped := time.Now()
+	require.NoError(t, e.c.stop("immediate"))
+	// The backoff after the n-th consecutive failure is capped at
+	// backoffMin doubled n-1 times, at most backoffMax, and is at least
+	// half its cap.
+	floor := func(n int) time.Duration {
+		d := backoffMin
+		for i := 1; i < n && d < backoffMax; i++ {
+			d *= 2
+		}
+		return min(d, backoffMax) / 2
+	}
+	var last slog.Record
+	n := 0
+	for floor(n) < backoffMax/2 {
+		select {
+		case last = <-failed:
+			v, _ := dbtest.Attr(last, "attempt")
+			n = int(v.Int64())
+		case <-time.After(2 * time.Minute):
+			t.Fatalf("no failed attempt logged for 2 minutes while the server was down (last: %d)", n)
+		}
+	}
+	require.NoError(t, e.c.start())
+	ready := time.Now()
+	msg := &outbox.Message{Topic: e.topic, Key: []byte("k"), Value: []byte(strconv.Itoa(e.seq))}
+	require.Eventually(t, func() bool {
+		// The first statements after the restart may meet connections the
+		// crash ended.
+		return e.d.DB.Transaction(func(tx *gorm.DB) error { return e.plugin.Enqueue(tx, msg) }) == nil
+	}, 30*time.Second, 5*time.Millisecond)
+	e.seq++
+	written := time.Now()
+	require.Eventually(t, func() bool { return r.Stats().Published >= 11 }, 2*time.Minute, time.Millisecond)
+	published := time.Now()
+	wouldRetry := last.Time.Add(floor(n))
+	t.Logf("resume: server down %s, attempt %d failed %s before it accepted connections again; written %s and published %s after that; the plain backoff would have retried %s after it at the earliest",
+		last.Time.Sub(stopped).Round(time.Millisecond), n, ready.Sub(last.Time).Round(time.Millisecond),
+		written.Sub(ready).Round(time.Millisecond), published.Sub(ready).Round(time.Millisecond), wouldRetry.Sub(ready).Round(time.Millisecond))
+	require.True(t, published.Before(wouldRetry),
+		"the reader published the message written after the restart (%s after the server answered) before its plain backoff (at least %s after attempt %d) would have ended (%s after the server answered)",
+		published.Sub(ready), floor(n), n, wouldRetry.Sub(ready))
+	e.delivered(t) // every message, the first ten again if the crash took their confirmation
+	cancel()
+	require.NoError(t, <-done)
+}

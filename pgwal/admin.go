@@ -160,7 +160,14 @@ func (a *Admin) lease(db *gorm.DB) (SlotLease, bool, error) {
 		return SlotLease{}, false, nil
 	}
 	var rows []SlotLease
-	if err := db.Table(a.cfg.LeaseTable).Where("slot = ?", a.cfg.Slot).Find(&rows).Error; err != nil {
+	q := db.Table(a.cfg.LeaseTable).Where("slot = ?", a.cfg.Slot)
+	if !db.Migrator().HasColumn(a.cfg.LeaseTable, "lag_oldest_ms") {
+		// A lease table that no reader of this release has migrated yet
+		// (a rolling upgrade): its row without the lag, which reads as
+		// unknown.
+		q = q.Select("slot", "owner", "term", "expires_at_ms", "confirmed_lsn")
+	}
+	if err := q.Find(&rows).Error; err != nil {
 		return SlotLease{}, false, fmt.Errorf("pgwal: admin read lease of slot %s: %w", a.cfg.Slot, err)
 	}
 	if len(rows) == 0 {

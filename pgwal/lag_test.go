@@ -104,3 +104,31 @@ func TestAdminLagFromAnotherProcess(t *testing.T) {
 	require.Empty(t, ws.LagSource, "no reader holds the lease: the lag is unknown")
 	require.Zero(t, ws.LagAgeMs)
 }
+
+// An Admin of this release reads a lease table that no reader of this
+// release migrated yet (a rolling upgrade, the lag columns missing): the
+// reader's term and position, the lag unknown, no error, also when the
+// application's GORM names every column it selects.
+func TestAdminLeaseTableBeforeLagColumns(t *testing.T) {
+	e := setup(t)
+	r := e.reader(t, e.pub, "reader-a")
+	stop := run(r)
+	e.write(t, 1, 0, 3)
+	e.checkDelivered(t, 1, 3)
+	require.NoError(t, stop())
+	table := r.Config().LeaseTable
+	require.NoError(t, e.db.DB.Exec("ALTER TABLE "+e.db.DB.Statement.Quote(table)+
+		" DROP COLUMN lag_oldest_ms, DROP COLUMN lag_at_ms, DROP COLUMN lag_bucket").Error)
+	// QueryFields: GORM names every field of the model in its SELECT, as
+	// an application may configure it.
+	admin, err := pgwal.NewAdmin(e.db.DB.Session(&gorm.Session{QueryFields: true}), e.plugin, pgwal.Config{Slot: r.Config().Slot, LeaseTable: table})
+	require.NoError(t, err)
+	ws, err := admin.WALStatus(context.Background())
+	require.NoError(t, err, "an old lease table reads without the lag")
+	require.Positive(t, ws.Reader.Term, "the reader's term is read: %+v", ws)
+	require.NotEmpty(t, ws.Reader.ConfirmedLSN, "its confirmed position is read: %+v", ws)
+	require.Empty(t, ws.LagSource, "the lag is unknown: %+v", ws)
+	_, _, ok, err := admin.OldestPending(context.Background())
+	require.NoError(t, err)
+	require.False(t, ok, "no age known")
+}

@@ -262,7 +262,8 @@ func clusterParams(brokers []string) (map[string]any, error) {
 }
 
 // createTopics creates the topics that do not exist yet, each with
-// partitions partitions and the cluster's default replication factor.
+// partitions partitions and the cluster's default replication factor, and
+// returns once every partition's leader answers for it (topicsReady).
 func createTopics(brokers []string, partitions int, names ...string) error {
 	sc := sarama.NewConfig()
 	sc.Version = publisher.MinKafkaVersion
@@ -277,5 +278,52 @@ func createTopics(brokers []string, partitions int, names ...string) error {
 			return fmt.Errorf("create topic %s: %w", name, err)
 		}
 	}
-	return nil
+	return topicsReady(brokers, names)
+}
+
+// topicsReadyTimeout bounds topicsReady.
+const topicsReadyTimeout = time.Minute
+
+// topicsReady waits until the leader of every partition of topics answers
+// a ListOffsets for it. CreateTopics returns before that: a new topic's
+// partitions first answer NOT_LEADER_OR_FOLLOWER, which a producer meets
+// with retries after a backoff and a metadata refresh, and a consumer
+// with an error. A scenario that started then would measure the topics'
+// birth, not the relay.
+func topicsReady(brokers []string, topics []string) error {
+	sc := sarama.NewConfig()
+	sc.Version = publisher.MinKafkaVersion
+	sc.Metadata.Retry.Max = 0
+	client, err := sarama.NewClient(brokers, sc)
+	if err != nil {
+		return fmt.Errorf("connect to %v: %w", brokers, err)
+	}
+	defer client.Close()
+	var last error
+	err = poll(context.Background(), topicsReadyTimeout, 20*time.Millisecond, func() (bool, error) {
+		if last = client.RefreshMetadata(topics...); last != nil {
+			return false, nil
+		}
+		for _, t := range topics {
+			parts, err := client.Partitions(t)
+			if err == nil && len(parts) == 0 {
+				err = errors.New("no partitions")
+			}
+			if err != nil {
+				last = fmt.Errorf("topic %s: %w", t, err)
+				return false, nil
+			}
+			for _, p := range parts {
+				if _, err := client.GetOffset(t, p, sarama.OffsetNewest); err != nil {
+					last = fmt.Errorf("topic %s partition %d: %w", t, p, err)
+					return false, nil
+				}
+			}
+		}
+		return true, nil
+	})
+	if errors.Is(err, errPollTimeout) {
+		return fmt.Errorf("topics not ready after %s: %w", topicsReadyTimeout, last)
+	}
+	return err
 }

@@ -10,11 +10,15 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 
+	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
 
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/kafkatest"
+	"github.com/gorm-outbox/outbox/publisher"
 )
 
 // TestBenchKafkaThreeNodes runs the bench's three-node mode,
@@ -93,4 +97,37 @@ func freeKafkaPorts(t *testing.T) int {
 	}
 	t.Fatal("no free port range for a three-node Apache Kafka cluster")
 	return 0
+}
+
+// TestCreateTopicsReady checks, on the Apache Kafka cluster of
+// KAFKA_BROKERS, that the run's topics answer once createTopics returns:
+// a consumer on every partition of topics created an instant before
+// starts at once, without the NOT_LEADER_OR_FOLLOWER a new partition
+// answers first. kfake creates a topic in the request that creates it,
+// so the test needs a real cluster.
+func TestCreateTopicsReady(t *testing.T) {
+	brokers := os.Getenv(kafkatest.EnvBrokers)
+	if brokers == "" {
+		t.Skip("needs an Apache Kafka cluster: set KAFKA_BROKERS (scripts/test.sh does in its Apache Kafka pass)")
+	}
+	const partitions = 8
+	topics := make([]string, 8)
+	for i := range topics {
+		topics[i] = "bench-ready-" + randomSuffix()
+	}
+	require.NoError(t, createTopics(strings.Split(brokers, ","), partitions, topics...))
+
+	sc := sarama.NewConfig()
+	sc.Version = publisher.MinKafkaVersion
+	sc.Metadata.Retry.Max = 0 // a partition not ready fails the test rather than a retry hiding it
+	consumer, err := sarama.NewConsumer(strings.Split(brokers, ","), sc)
+	require.NoError(t, err)
+	defer consumer.Close()
+	for _, topic := range topics {
+		for p := range int32(partitions) {
+			pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetNewest)
+			require.NoError(t, err, "%s partition %d", topic, p)
+			pc.AsyncClose()
+		}
+	}
 }

@@ -51,9 +51,21 @@ type latencyMode struct {
 	// written and relayed while a REPEATABLE READ transaction, begun
 	// before the relay starts, stays open until the mode ends.
 	rrBacklog int
+	// run numbers the runs of a mode run more than once (1, 2, ...); 0
+	// for a mode run once.
+	run int
 }
 
-// latencyModes are the latency scenario's modes, in the order they run.
+// label names one run of the mode: its name, with the run's number for a
+// mode run more than once.
+func (m latencyMode) label() string {
+	if m.run == 0 {
+		return m.name
+	}
+	return m.name + "." + strconv.Itoa(m.run)
+}
+
+// latencyModes are the latency scenario's modes.
 var latencyModes = []latencyMode{
 	{name: "notify", hints: true},
 	{name: "rules8", rules8: true, hints: true},
@@ -61,6 +73,46 @@ var latencyModes = []latencyMode{
 	{name: "poll10", poll: 10 * time.Millisecond},
 	{name: "listen", listen: true},
 	{name: "direct", direct: true},
+}
+
+// defaultLatencyOrder is the order the latency modes run in without
+// -latency-modes. The floor, direct, runs first and last, so that the
+// relay's modes are measured between two runs of their baseline rather
+// than all before it.
+var defaultLatencyOrder = []string{"direct", "notify", "rules8", "poll", "poll10", "listen", "direct"}
+
+// latencyModeNames are the names of latencyModes.
+func latencyModeNames() []string {
+	var out []string
+	for _, m := range latencyModes {
+		out = append(out, m.name)
+	}
+	return out
+}
+
+// parseLatencyModes reads -latency-modes: mode names, comma-separated,
+// in the order they run; a name may repeat.
+func parseLatencyModes(s string) ([]string, error) {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		if !slices.Contains(latencyModeNames(), f) {
+			return nil, fmt.Errorf("unknown mode %q (known: %s)", f, strings.Join(latencyModeNames(), ", "))
+		}
+		out = append(out, f)
+	}
+	if len(out) == 0 {
+		return nil, errors.New("no mode named")
+	}
+	return out, nil
+}
+
+// latencyModeNamed returns the mode of that name.
+func latencyModeNamed(name string) latencyMode {
+	i := slices.IndexFunc(latencyModes, func(m latencyMode) bool { return m.name == name })
+	return latencyModes[i]
 }
 
 // latencyTopics are the topics of the latency scenario's modes.
@@ -83,26 +135,68 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 	r.Params["consumer"] = cfg.Consumer
 	r.Params["parallelism"] = cfg.Parallelism
 	r.Params["max_idle_conns"] = cfg.MaxIdleConns
-	p99 := map[string]float64{}
-	for _, mode := range latencyModes {
+	cfg.latencyProfile = cfg.CPUProfile
+	runs := map[string]int{}
+	for _, name := range cfg.LatencyModes {
+		runs[name]++
+	}
+	pooled := map[string][]time.Duration{}
+	lags := map[string][]time.Duration{} // the writers' lag behind their schedule
+	closed := map[string]int64{}         // summed over a mode's runs
+	var order []string                   // the modes' first runs, in order
+	seen := map[string]int{}
+	for _, name := range cfg.LatencyModes {
+		mode := latencyModeNamed(name)
 		if mode.listen && cfg.Driver != "postgres" {
-			r.Params[mode.name] = "skipped: LISTEN/NOTIFY needs PostgreSQL"
-			r.Notes = append(r.Notes, mode.name+": skipped, LISTEN/NOTIFY needs PostgreSQL")
+			if _, ok := r.Params[mode.name]; !ok {
+				r.Params[mode.name] = "skipped: LISTEN/NOTIFY needs PostgreSQL"
+				r.Notes = append(r.Notes, mode.name+": skipped, LISTEN/NOTIFY needs PostgreSQL")
+			}
 			continue
 		}
-		var idleClosed int64
-		lat, err := measureAll(ctx, cfg, brokers, mode, &r.Notes, &idleClosed)
+		seen[name]++
+		if seen[name] == 1 {
+			order = append(order, name)
+		}
+		if runs[name] > 1 {
+			mode.run = seen[name]
+		}
+		var (
+			idleClosed int64
+			lag        []time.Duration
+		)
+		lat, err := measureAll(ctx, cfg, brokers, mode, &r.Notes, &idleClosed, &lag)
 		if err != nil {
 			return err
 		}
-		p99[mode.name] = ms(percentile(lat, 0.99))
-		r.add(mode.name+"_p50", ms(percentile(lat, 0.50)), "ms")
-		r.add(mode.name+"_p99", p99[mode.name], "ms")
-		r.add(mode.name+"_p99.9", ms(percentile(lat, 0.999)), "ms")
-		r.add(mode.name+"_max", ms(lat[len(lat)-1]), "ms")
-		r.add(mode.name+"_messages", float64(len(lat)), "msgs")
-		r.add(mode.name+"_max_idle_closed", float64(idleClosed), "conns")
+		pooled[name] = append(pooled[name], lat...)
+		lags[name] = append(lags[name], lag...)
+		if runs[name] > 1 {
+			// Each run of a repeated mode on its own; the mode's figures
+			// below pool them.
+			k := mode.label()
+			r.add(k+"_p50", ms(percentile(lat, 0.50)), "ms")
+			r.add(k+"_p99", ms(percentile(lat, 0.99)), "ms")
+		}
+		closed[name] += idleClosed
 	}
+	p99 := map[string]float64{}
+	for _, name := range order {
+		lat := pooled[name]
+		sortDurations(lat)
+		p99[name] = ms(percentile(lat, 0.99))
+		r.add(name+"_p50", ms(percentile(lat, 0.50)), "ms")
+		r.add(name+"_p99", p99[name], "ms")
+		r.add(name+"_p99.9", ms(percentile(lat, 0.999)), "ms")
+		r.add(name+"_max", ms(lat[len(lat)-1]), "ms")
+		r.add(name+"_messages", float64(len(lat)), "msgs")
+		r.add(name+"_max_idle_closed", float64(closed[name]), "conns")
+		lag := lags[name]
+		sortDurations(lag)
+		r.add(name+"_write_lag_p50", ms(percentile(lag, 0.50)), "ms")
+		r.add(name+"_write_lag_p99", ms(percentile(lag, 0.99)), "ms")
+	}
+	r.Params["latency_modes"] = strings.Join(cfg.LatencyModes, ",")
 	// A hint-driven relay should have no worse a tail than a relay polling
 	// every 10 ms, measured in the same run, and can have no better one
 	// than the writer publishing for itself.
@@ -130,8 +224,8 @@ const arrivalStall = 60 * time.Second
 
 // measureAll is measureLatency on mode's topic, failing unless every
 // message arrived.
-func measureAll(ctx context.Context, cfg config, brokers []string, mode latencyMode, notes *[]string, idleClosed *int64) ([]time.Duration, error) {
-	lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, notes, idleClosed)
+func measureAll(ctx context.Context, cfg config, brokers []string, mode latencyMode, notes *[]string, idleClosed *int64, lag *[]time.Duration) ([]time.Duration, error) {
+	lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, notes, idleClosed, lag)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", mode.name, err)
 	}
@@ -288,13 +382,18 @@ func startNotifySender(ctx context.Context, e *env, channel string) (stop func()
 // return → consumer receipt for each message written after the warm-up.
 //
 // With cfg.Timeline it also records each message's path through the
-// relay (not for listen, whose relay runs elsewhere), writes it there and
-// appends a summary of the slowest messages to notes.
+// relay (not for listen, whose relay runs elsewhere; for direct, the
+// writer's publish), writes it there and appends a summary of the slowest
+// messages to notes.
+//
+// A non-nil lag receives, sorted, how far behind its schedule each counted
+// message's commit returned: the time a message waited to be written
+// because the writers were busy, which commit → receipt does not count.
 //
 // idleClosed receives how many connections the bench process's pool (the
 // writer's and, but for listen, the relay's) closed at its idle limit
 // while the messages were written and delivered (sql.DBStats.MaxIdleClosed).
-func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string, idleClosed *int64) ([]time.Duration, int, error) {
+func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string, idleClosed *int64, lag *[]time.Duration) ([]time.Duration, int, error) {
 	var rules []outbox.Rule
 	if mode.rules8 {
 		rules = append(rules, outbox.OnCreate(func(c outbox.Change[*LatencyOrder]) (*outbox.Message, error) {
@@ -325,7 +424,7 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 		return nil, 0, err
 	}
 	defer stopConsumer()
-	if cfg.Timeline != "" && !mode.listen && !mode.direct {
+	if cfg.Timeline != "" && !mode.listen {
 		e.tl = newTimeline(func(m relay.Message) string {
 			if mode.rules8 {
 				return string(m.Value)
@@ -346,8 +445,14 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 			return nil, 0, err
 		}
 		defer pub.Close()
+		var dpub relay.Publisher = pub
+		if e.tl != nil {
+			// The writer's publishes, timed as the relay's are: the same
+			// produce → acknowledgement step without a relay.
+			dpub = timedPub{pub, e.tl}
+		}
 		after = func(m *outbox.Message) error {
-			_, err := pub.Publish(ctx, []relay.Message{{
+			_, err := dpub.Publish(ctx, []relay.Message{{
 				MessageID: m.ID, Topic: m.Topic, Key: m.Key, Value: m.Value, CreatedAt: time.Now(),
 			}})
 			return err
@@ -400,13 +505,21 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	warm := int(float64(cfg.Rate) * cfg.Warmup.Seconds())
 	total := warm + int(float64(cfg.Rate)*cfg.Duration.Seconds())
 	committed := make([]time.Time, total)
+	scheduled := make([]time.Time, total)
 	ids := make([]string, total)
 	var werr atomic.Value
 	closedAtStart := maxIdleClosed(e.db)
+	if cfg.latencyProfile != "" {
+		stop, err := startCPUProfile(cfg.latencyProfile + "." + mode.label())
+		if err != nil {
+			return nil, 0, err
+		}
+		defer stop()
+	}
 	if mode.rules8 {
-		writeRules8(ctx, e, cfg, total, committed, ids, &werr)
+		writeRules8(ctx, e, cfg, total, scheduled, committed, ids, &werr)
 	} else {
-		writePaced(ctx, e, cfg, topic, total, committed, ids, after, &werr)
+		writePaced(ctx, e, cfg, topic, total, scheduled, committed, ids, after, &werr)
 	}
 	if err, _ := werr.Load().(error); err != nil {
 		return nil, 0, err
@@ -454,10 +567,19 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	if len(lat) == 0 {
 		return nil, lost, errors.New("no message arrived")
 	}
+	if lag != nil {
+		for i := warm; i < total; i++ {
+			if committed[i].IsZero() {
+				continue // its transaction failed: werr
+			}
+			*lag = append(*lag, max(0, committed[i].Sub(scheduled[i])))
+		}
+		sortDurations(*lag)
+	}
 	if e.tl != nil {
 		msgs := e.tl.trace(ids[warm:], committed[warm:], recv)
-		*notes = append(*notes, mode.name+" timeline: "+e.tl.summary(msgs, percentile(lat, 0.99)))
-		if err := e.tl.write(cfg.Timeline, mode.name, msgs); err != nil {
+		*notes = append(*notes, mode.label()+" timeline: "+e.tl.summary(msgs, percentile(lat, 0.99)))
+		if err := e.tl.write(cfg.Timeline, mode.label(), msgs); err != nil {
 			return nil, 0, fmt.Errorf("timeline: %w", err)
 		}
 	}
@@ -466,9 +588,11 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 
 // writePaced enqueues total one-message transactions at cfg.Rate from
 // one schedule, handed to a pool of 8 connections so that a slow commit
-// does not delay the next one, recording each commit's return. A non-nil
-// after runs with each message once its transaction committed.
-func writePaced(ctx context.Context, e *env, cfg config, topic string, total int, committed []time.Time, ids []string, after func(*outbox.Message) error, werr *atomic.Value) {
+// does not delay the next one, recording each transaction's time in the
+// schedule and its commit's return. A non-nil after runs with each
+// message once its transaction committed, on the same connection's
+// goroutine: a slow after holds the next transactions back.
+func writePaced(ctx context.Context, e *env, cfg config, topic string, total int, scheduled, committed []time.Time, ids []string, after func(*outbox.Message) error, werr *atomic.Value) {
 	jobs := make(chan int, total)
 	var wg sync.WaitGroup
 	for w := 0; w < 8; w++ {
@@ -494,7 +618,8 @@ func writePaced(ctx context.Context, e *env, cfg config, topic string, total int
 	interval := time.Second / time.Duration(cfg.Rate)
 	start := time.Now()
 	for i := 0; i < total; i++ {
-		if d := time.Until(start.Add(time.Duration(i) * interval)); d > 0 {
+		scheduled[i] = start.Add(time.Duration(i) * interval)
+		if d := time.Until(scheduled[i]); d > 0 {
 			time.Sleep(d) // pacing the writer, not synchronization
 		}
 		jobs <- i
@@ -507,7 +632,7 @@ func writePaced(ctx context.Context, e *env, cfg config, topic string, total int
 // eighth of cfg.Rate from a random phase, each creating one LatencyOrder
 // per transaction whose publish rule emits the message: what a service
 // with concurrent requests does.
-func writeRules8(ctx context.Context, e *env, cfg config, total int, committed []time.Time, ids []string, werr *atomic.Value) {
+func writeRules8(ctx context.Context, e *env, cfg config, total int, scheduled, committed []time.Time, ids []string, werr *atomic.Value) {
 	const writers = 8
 	interval := writers * time.Second / time.Duration(cfg.Rate)
 	start := time.Now()
@@ -516,7 +641,8 @@ func writeRules8(ctx context.Context, e *env, cfg config, total int, committed [
 		phase := time.Duration(rand.Int64N(int64(interval)))
 		wg.Go(func() {
 			for n, i := 0, w; i < total; n, i = n+1, i+writers {
-				if d := time.Until(start.Add(phase + time.Duration(n)*interval)); d > 0 {
+				scheduled[i] = start.Add(phase + time.Duration(n)*interval)
+				if d := time.Until(scheduled[i]); d > 0 {
 					time.Sleep(d) // pacing the writer, not synchronization
 				}
 				token := "t" + strconv.Itoa(i%cfg.Keys) + "-" + strconv.Itoa(i)

@@ -65,6 +65,10 @@ type config struct {
 	// Consumer is where the latency scenario's consumer runs: "process"
 	// (its own) or "inline" (the bench's).
 	Consumer string
+	// LatencyModes are the latency scenario's modes in the order they
+	// run; a mode named more than once runs again (default:
+	// defaultLatencyOrder).
+	LatencyModes []string
 	// Timeline is a directory for the latency scenario's per-message
 	// timelines; empty records none.
 	Timeline string
@@ -72,6 +76,9 @@ type config struct {
 	// relay drain (at the configured Parallelism); empty takes none.
 	CPUProfile string
 	profile    string // the one run CPUProfile applies to
+	// latencyProfile is the prefix of the latency scenario's profiles,
+	// one per mode run (CPUProfile, in that scenario only).
+	latencyProfile string
 	// RelayProfiles is a directory where each relay process of the relays
 	// scenario writes its CPU profile, relays-K-PID.pprof for a drain by K
 	// processes; empty takes none.
@@ -165,8 +172,10 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.Rate, "rate", 1000, "latency: transactions per second")
 	fs.DurationVar(&c.Duration, "duration", 10*time.Second, "latency: how long to write")
 	fs.StringVar(&c.Consumer, "consumer", "process", "latency: run the consumer in its own process, or inline in the bench's, sharing its CPU and Go runtime with the writer and the relay")
+	var latencyOrder string
+	fs.StringVar(&latencyOrder, "latency-modes", strings.Join(defaultLatencyOrder, ","), "latency: comma-separated modes in the order they run, a mode named more than once running again (its figures then pool every run's messages, each run's also reported as MODE.K_...): "+strings.Join(latencyModeNames(), ", "))
 	fs.StringVar(&c.Timeline, "timeline", "", "latency: record each message's path through the relay into this directory and summarise the slow ones (costs some speed)")
-	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "drain: write the CPU profile of this process during the relay drain to this file; wal: during the first WAL mode drain through the acknowledging publisher")
+	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "drain: write the CPU profile of this process during the relay drain to this file; latency: during each mode's writes and deliveries to this file's name followed by .MODE; wal: during the first WAL mode drain through the acknowledging publisher")
 	fs.StringVar(&c.RelayProfiles, "relay-cpuprofiles", "", "relays: write the CPU profile of each relay process, from its start to its exit, into this directory as relays-K-PID.pprof (K relay processes)")
 	fs.DurationVar(&c.Warmup, "warmup", time.Second, "latency: how long to write before -duration, delivered but not counted (fresh connections run 2-3x slower)")
 	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")
@@ -210,6 +219,9 @@ func parseFlags(args []string) (config, error) {
 			return c, fmt.Errorf("unknown -wal-parts part %q (known: %s)", p, strings.Join(allWALParts, ", "))
 		}
 		c.WALParts = append(c.WALParts, p)
+	}
+	if c.LatencyModes, err = parseLatencyModes(latencyOrder); err != nil {
+		return c, fmt.Errorf("-latency-modes: %w", err)
 	}
 	if c.Rounds < 1 || c.RRBacklog < 1 {
 		return c, fmt.Errorf("-rounds and -rr-backlog must be positive")

@@ -50,6 +50,7 @@ func TestSmoke(t *testing.T) {
 				// consumer inline.
 				cfg.Timeline, cfg.Consumer = t.TempDir(), "inline"
 				cfg.RelayProfiles = t.TempDir()
+				cfg.CPUProfile = filepath.Join(t.TempDir(), "cpu")
 			}
 			results, err := run(context.Background(), cfg, io.Discard)
 			require.NoError(t, err)
@@ -74,6 +75,15 @@ func TestSmoke(t *testing.T) {
 			}
 			if cfg.RelayProfiles != "" {
 				requireRelayProfiles(t, cfg)
+			}
+			if cfg.CPUProfile != "" {
+				// The drain's profile, and one per latency mode run.
+				files := []string{cfg.CPUProfile, cfg.CPUProfile + ".notify", cfg.CPUProfile + ".direct.1", cfg.CPUProfile + ".direct.2"}
+				for _, f := range files {
+					st, err := os.Stat(f)
+					require.NoError(t, err)
+					require.NotZero(t, st.Size(), f)
+				}
 			}
 		})
 	}
@@ -101,15 +111,23 @@ func requireRelayProfiles(t *testing.T, cfg config) {
 func requireLatencyModes(t *testing.T, cfg config, r *result) {
 	t.Helper()
 	written := float64(cfg.Rate) * cfg.Duration.Seconds()
+	runs := map[string]int{}
+	for _, name := range cfg.LatencyModes {
+		runs[name]++
+	}
 	for _, m := range latencyModes {
 		if m.listen && cfg.Driver != dbtest.Postgres {
 			require.Contains(t, r.Params, m.name, "the skipped listen mode is reported")
 			require.NotContains(t, r.Values, m.name+"_messages")
 			continue
 		}
-		require.Equal(t, written, r.Values[m.name+"_messages"], m.name)
-		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max"} {
+		// A mode run more than once pools its runs' messages.
+		require.Equal(t, float64(runs[m.name])*written, r.Values[m.name+"_messages"], m.name)
+		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max", "_write_lag_p50", "_write_lag_p99"} {
 			require.Contains(t, r.Values, m.name+f)
+		}
+		for k := 1; runs[m.name] > 1 && k <= runs[m.name]; k++ {
+			require.Contains(t, r.Values, fmt.Sprintf("%s.%d_p99", m.name, k))
 		}
 	}
 	require.Contains(t, r.Values, "notify_p99/poll10_p99")
@@ -119,21 +137,30 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 		return
 	}
 	for _, m := range latencyModes {
-		if m.listen || m.direct {
-			continue // its relay runs in another process, or there is none: no timeline
+		if m.listen {
+			continue // its relay runs in another process: no timeline
 		}
-		b, err := os.ReadFile(filepath.Join(cfg.Timeline, m.name+"-messages.tsv"))
-		require.NoError(t, err)
-		// A header and one line per counted message, each traced to its
-		// publish.
-		lines := strings.Split(strings.TrimSpace(string(b)), "\n")
-		require.Len(t, lines, 1+int(written), m.name)
-		for _, l := range lines[1:] {
-			require.Len(t, strings.Split(l, "\t"), 8, m.name)
+		names := []string{m.name}
+		if runs[m.name] > 1 {
+			names = nil
+			for k := 1; k <= runs[m.name]; k++ {
+				names = append(names, fmt.Sprintf("%s.%d", m.name, k))
+			}
 		}
-		_, err = os.Stat(filepath.Join(cfg.Timeline, m.name+"-steps.tsv"))
-		require.NoError(t, err)
-		require.True(t, slices.ContainsFunc(r.Notes, func(n string) bool { return strings.HasPrefix(n, m.name+" timeline: ") }), m.name)
+		for _, name := range names {
+			b, err := os.ReadFile(filepath.Join(cfg.Timeline, name+"-messages.tsv"))
+			require.NoError(t, err)
+			// A header and one line per counted message, each traced to
+			// its publish.
+			lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+			require.Len(t, lines, 1+int(written), name)
+			for _, l := range lines[1:] {
+				require.Len(t, strings.Split(l, "\t"), 8, name)
+			}
+			_, err = os.Stat(filepath.Join(cfg.Timeline, name+"-steps.tsv"))
+			require.NoError(t, err)
+			require.True(t, slices.ContainsFunc(r.Notes, func(n string) bool { return strings.HasPrefix(n, name+" timeline: ") }), name)
+		}
 	}
 }
 
@@ -152,6 +179,16 @@ func TestParseFlags(t *testing.T) {
 	c, err = parseFlags([]string{"-flush-frequency", "1ms"})
 	require.NoError(t, err)
 	require.Equal(t, time.Millisecond, c.FlushFrequency)
+	require.Equal(t, defaultLatencyOrder, c.LatencyModes)
+	require.Equal(t, "direct", c.LatencyModes[0], "the floor is measured first")
+	require.Equal(t, "direct", c.LatencyModes[len(c.LatencyModes)-1], "and last")
+	c, err = parseFlags([]string{"-latency-modes", "direct, notify,direct"})
+	require.NoError(t, err)
+	require.Equal(t, []string{"direct", "notify", "direct"}, c.LatencyModes)
+	_, err = parseFlags([]string{"-latency-modes", "notify,fast"})
+	require.ErrorContains(t, err, `-latency-modes: unknown mode "fast"`)
+	_, err = parseFlags([]string{"-latency-modes", ","})
+	require.ErrorContains(t, err, "-latency-modes: no mode named")
 }
 
 // TestSmokeWAL runs the wal scenario at a tiny size on the WAL mode

@@ -384,7 +384,7 @@ func walLatency(ctx context.Context, cfg config, r *result, backlog int) error {
 			}
 			mode.rrBacklog = backlog
 			var idleClosed int64
-			lat, err := measureAll(ctx, cfg, brokers, mode, &r.Notes, &idleClosed)
+			lat, err := measureAll(ctx, cfg, brokers, mode, &r.Notes, &idleClosed, nil)
 			if err != nil {
 				return err
 			}

@@ -514,7 +514,19 @@ func knownKeys(db *gorm.DB, t target) ([][]any, error) {
 	if s == nil {
 		return nil, unknown()
 	}
+	var plan *upsertPlan
+	if v, ok := db.InstanceGet(keyUpsert); ok {
+		plan = v.(*upsertPlan)
+	}
+	n := 0
 	err := entities(db, func(ptr reflect.Value) error {
+		n++
+		if plan != nil && plan.doNothing && n <= len(plan.existed) && plan.existed[n-1] {
+			// The row existed and was not written: nothing to read back,
+			// and its entity need not hold its key.
+			keys = append(keys, nil)
+			return nil
+		}
 		k := make([]any, len(fields))
 		for i, f := range fields {
 			sf := s.LookUpField(f.DBName)
@@ -659,7 +671,13 @@ func (p *Plugin) publishCreatedRows(db *gorm.DB, t target) {
 		p.finish(db, t, nil, err)
 		return
 	}
-	rows, err := p.readKeys(db, t, keys)
+	written := make([][]any, 0, len(keys))
+	for _, k := range keys {
+		if k != nil {
+			written = append(written, k)
+		}
+	}
+	rows, err := p.readKeys(db, t, written)
 	if err != nil {
 		p.finish(db, t, nil, fmt.Errorf("outbox: %s: read the created rows back: %w", t.schema.Name, err))
 		return

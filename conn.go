@@ -3,7 +3,9 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"strings"
+	"sync/atomic"
 
 	"gorm.io/gorm"
 
@@ -16,6 +18,9 @@ import (
 type pool struct {
 	gorm.ConnPool
 	plugin *Plugin
+	// driver is driverPgx once a WAL mode transaction began on a pgx
+	// connection, driverOther once the pool is known not to have them.
+	driver atomic.Int32
 }
 
 var (
@@ -25,8 +30,26 @@ var (
 	_ gorm.GetDBConnector   = (*txConn)(nil)
 )
 
-// BeginTx begins a transaction on the wrapped pool and wraps it.
+// BeginTx begins a transaction on the wrapped pool and wraps it. In WAL
+// mode, on a *sql.DB of pgx's stdlib driver, the transaction is a pgxTx
+// (walconn.go), whose COMMIT carries the messages.
 func (p *pool) BeginTx(ctx context.Context, opts *sql.TxOptions) (gorm.ConnPool, error) {
+	if p.plugin.cfg.Mode == ModeWAL && p.driver.Load() != driverOther {
+		if sqlDB, ok := p.ConnPool.(*sql.DB); ok {
+			pt, err := p.beginPgx(ctx, sqlDB, opts)
+			switch {
+			case err == nil:
+				p.driver.Store(driverPgx)
+				return &txConn{Tx: pt, plugin: p.plugin, pool: p}, nil
+			case errors.Is(err, errNotPgx):
+				p.driver.Store(driverOther)
+			default:
+				return nil, err
+			}
+		} else {
+			p.driver.Store(driverOther)
+		}
+	}
 	var inner gorm.ConnPool
 	switch b := p.ConnPool.(type) {
 	case gorm.TxBeginner:
@@ -49,6 +72,17 @@ func (p *pool) BeginTx(ctx context.Context, opts *sql.TxOptions) (gorm.ConnPool,
 		return nil, gorm.ErrInvalidTransaction
 	}
 	return &txConn{Tx: tx, plugin: p.plugin, pool: p}, nil
+}
+
+// PrepareContext prepares a statement on the wrapped pool. In WAL mode
+// its query is kept (without keeping the statement alive), so a pgxTx
+// can prepare it again on its own connection (pgxTx.StmtContext).
+func (p *pool) PrepareContext(ctx context.Context, query string) (*sql.Stmt, error) {
+	s, err := p.ConnPool.PrepareContext(ctx, query)
+	if err == nil && p.plugin.cfg.Mode == ModeWAL {
+		registerStmt(s, query)
+	}
+	return s, err
 }
 
 // GetDBConn returns the *sql.DB behind the pool, so db.DB() keeps working.
@@ -127,6 +161,25 @@ func (t *txConn) Rollback() error {
 	t.added = nil
 	t.done = true
 	return t.Tx.Rollback()
+}
+
+// walTx returns the pgxTx at the bottom of the transaction, nil when it
+// is another kind (a *sql.Tx).
+func (t *txConn) walTx() *pgxTx {
+	cp := gorm.ConnPool(t.Tx)
+	for i := 0; i < 8 && cp != nil; i++ {
+		switch c := cp.(type) {
+		case *pgxTx:
+			return c
+		case *txConn:
+			cp = c.Tx
+		case *gorm.PreparedStmtTX:
+			cp = c.Tx
+		default:
+			return nil
+		}
+	}
+	return nil
 }
 
 // GetDBConn returns the *sql.DB the transaction came from.

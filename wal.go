@@ -148,6 +148,21 @@ func (p *Plugin) emit(tx *gorm.DB, msgs []*Message) error {
 		exec = conn
 	}
 	ctx := tx.Statement.Context
+	if conn != nil {
+		if wt := conn.walTx(); wt != nil {
+			// Held, encoded, until COMMIT carries them (walconn.go).
+			envs := make([][]byte, len(msgs))
+			for i, m := range msgs {
+				env, bucket, err := p.envelope(m, now)
+				if err != nil {
+					return err
+				}
+				envs[i] = env
+				conn.record(bucket)
+			}
+			return wt.hold(ctx, tx.Logger, p.cfg.WALPrefix(), envs)
+		}
+	}
 	args := make([]any, 1, 1+min(len(msgs), emitChunk))
 	args[0] = p.cfg.WALPrefix()
 	for start := 0; start < len(msgs); {
@@ -161,13 +176,11 @@ func (p *Plugin) emit(tx *gorm.DB, msgs []*Message) error {
 				break
 			}
 			bytes += size
-			bucket, err := p.identify(m)
+			env, bucket, err := p.envelope(m, now)
 			if err != nil {
 				return err
 			}
-			env := walenv.Envelope{ID: m.ID, Bucket: bucket, Topic: m.Topic, Key: m.Key, Value: m.Value,
-				Partition: m.Partition, CreatedAtMs: now, Headers: EncodeHeaders(m.Headers)}
-			args = append(args, walenv.Encode(make([]byte, 0, walenv.Size(&env)), &env))
+			args = append(args, env)
 			if conn != nil {
 				conn.record(bucket)
 			}
@@ -189,4 +202,16 @@ func (p *Plugin) emit(tx *gorm.DB, msgs []*Message) error {
 		start = end
 	}
 	return nil
+}
+
+// envelope identifies m and encodes it as the content of its logical
+// decoding message; it returns m's bucket too.
+func (p *Plugin) envelope(m *Message, nowMs int64) ([]byte, int, error) {
+	bucket, err := p.identify(m)
+	if err != nil {
+		return nil, 0, err
+	}
+	env := walenv.Envelope{ID: m.ID, Bucket: bucket, Topic: m.Topic, Key: m.Key, Value: m.Value,
+		Partition: m.Partition, CreatedAtMs: nowMs, Headers: EncodeHeaders(m.Headers)}
+	return walenv.Encode(make([]byte, 0, walenv.Size(&env)), &env), bucket, nil
 }

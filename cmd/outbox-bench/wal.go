@@ -23,6 +23,7 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/pgxtrace"
 	"github.com/gorm-outbox/outbox/internal/walenv"
 	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/publisher"
@@ -125,24 +126,9 @@ func addMedian(r *result, name string, vs []float64, unit string) {
 	r.Params["rounds:"+name] = vs
 }
 
-// roundTrips counts the statements a pgx connection sends (Exec, Query,
-// Prepare, and so BEGIN and COMMIT): each is one round trip.
-type roundTrips struct{ n atomic.Int64 }
-
-func (c *roundTrips) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	c.n.Add(1)
-	return ctx
-}
-func (c *roundTrips) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-func (c *roundTrips) TracePrepareStart(ctx context.Context, _ *pgx.Conn, _ pgx.TracePrepareStartData) context.Context {
-	c.n.Add(1)
-	return ctx
-}
-func (c *roundTrips) TracePrepareEnd(context.Context, *pgx.Conn, pgx.TracePrepareEndData) {}
-
 // openCounted opens dsn with GORM's PostgreSQL dialector over a pgx pool
 // whose round trips rt counts.
-func openCounted(dsn string, maxIdle int, rt *roundTrips) (*gorm.DB, error) {
+func openCounted(dsn string, maxIdle int, rt *pgxtrace.RoundTrips) (*gorm.DB, error) {
 	cc, err := pgx.ParseConfig(dsn)
 	if err != nil {
 		return nil, err
@@ -166,7 +152,7 @@ type writeSide struct {
 	name string
 	dbx  *database
 	db   *gorm.DB
-	rt   roundTrips
+	rt   pgxtrace.RoundTrips
 	slot func()
 }
 
@@ -249,7 +235,7 @@ func walWrite(ctx context.Context, cfg config, r *result) error {
 		}
 		for done := 0; done < per; done += writeChunk {
 			for _, s := range sides {
-				before := s.rt.n.Load()
+				before := s.rt.Load()
 				start := time.Now()
 				for i := done; i < min(done+writeChunk, per); i++ {
 					if err := s.db.WithContext(ctx).Create(&BenchOrder{Status: "new", Total: int64(i)}).Error; err != nil {
@@ -257,7 +243,7 @@ func walWrite(ctx context.Context, cfg config, r *result) error {
 					}
 				}
 				took[s.name] += time.Since(start).Seconds()
-				trips[s.name] += s.rt.n.Load() - before
+				trips[s.name] += s.rt.Load() - before
 			}
 		}
 		for _, s := range sides {

@@ -14,7 +14,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/stdlib"
 	"gorm.io/gorm/logger"
 )
 
@@ -24,6 +23,12 @@ import (
 // sends them with the commit in one pipeline (one round trip), so the
 // messages cost no round trip of their own. database/sql's *sql.Tx sends
 // COMMIT itself, so nothing could join it.
+
+// pgxDriverConn is the driver connection of pgx's database/sql driver
+// (*stdlib.Conn), asserted by its method so that this package does not
+// import the driver and register it in every program that links the
+// plugin (MySQL and SQLite ones too).
+type pgxDriverConn interface{ Conn() *pgx.Conn }
 
 // errNotPgx reports that a connection's driver is not pgx's stdlib.
 var errNotPgx = errors.New("outbox: not a pgx connection")
@@ -71,7 +76,7 @@ func (p *pool) beginPgx(ctx context.Context, sqlDB *sql.DB, opts *sql.TxOptions)
 		return nil, err
 	}
 	err = conn.Raw(func(dc any) error {
-		sc, ok := dc.(*stdlib.Conn)
+		sc, ok := dc.(pgxDriverConn)
 		if !ok {
 			return errNotPgx
 		}
@@ -307,7 +312,7 @@ func (t *pgxTx) Commit() error {
 	ctx := t.ctx
 	var result error
 	_ = t.conn.Raw(func(dc any) error {
-		pc := dc.(*stdlib.Conn).Conn()
+		pc := dc.(pgxDriverConn).Conn()
 		tag, emitFailed, err := pipeline(ctx, pc, lg, held, "commit")
 		switch {
 		case emitFailed:
@@ -345,7 +350,7 @@ func (t *pgxTx) Rollback() error {
 	defer t.release()
 	var result error
 	_ = t.conn.Raw(func(dc any) error {
-		pc := dc.(*stdlib.Conn).Conn()
+		pc := dc.(pgxDriverConn).Conn()
 		_, result = pc.Exec(t.ctx, "rollback")
 		return idle(t.ctx, pc)
 	})
@@ -424,7 +429,7 @@ func (t *pgxTx) send(ctx context.Context, lg logger.Interface, msgs []heldMessag
 	}
 	var err error
 	if rerr := t.conn.Raw(func(dc any) error {
-		_, _, err = pipeline(ctx, dc.(*stdlib.Conn).Conn(), lg, msgs, "")
+		_, _, err = pipeline(ctx, dc.(pgxDriverConn).Conn(), lg, msgs, "")
 		return nil
 	}); rerr != nil {
 		return rerr

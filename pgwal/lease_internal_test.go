@@ -57,3 +57,23 @@ func TestLeaseTableCurrent(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, ok)
 }
+
+// BenchmarkLeaseMigrate is a reader's start on a current lease table:
+// the one-query check (current) against AutoMigrate (automigrate), which
+// main ran on every start, on the WAL mode server.
+func BenchmarkLeaseMigrate(b *testing.B) {
+	ctx := context.Background()
+	db := dbtest.OpenWAL(b)
+	l := &leases{db: db.DB, table: "wal_leases_bench", slot: "s", me: "r", dur: time.Minute}
+	require.NoError(b, l.migrate(ctx))
+	b.Run("current", func(b *testing.B) {
+		for range b.N {
+			require.NoError(b, l.migrate(ctx))
+		}
+	})
+	b.Run("automigrate", func(b *testing.B) {
+		for range b.N {
+			require.NoError(b, db.DB.WithContext(ctx).Table(l.table).AutoMigrate(&SlotLease{}))
+		}
+	})
+}

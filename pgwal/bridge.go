@@ -271,16 +271,10 @@ func (s *stream) quarantineDead(ctx context.Context, q *bucketQ, es []entry) err
 	return nil
 }
 
-// deleteBridged deletes the rows of the bridged entries of es, published
+// deleteBridged deletes the bridged rows of ids, published
 // or dead-lettered. A failure leaves them for a table-mode relay to
 // publish again: a duplicate, not a loss.
-func (s *stream) deleteBridged(ctx context.Context, es []entry) {
-	var ids []int64
-	for _, e := range es {
-		if e.bridged {
-			ids = append(ids, e.msg.ID)
-		}
-	}
+func (s *stream) deleteBridged(ctx context.Context, ids []int64) {
 	if len(ids) == 0 {
 		return
 	}

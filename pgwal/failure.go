@@ -229,8 +229,8 @@ func (s *stream) deadLetter(ctx context.Context, q *bucketQ, msgs []relay.Messag
 			q.quarantined[string(m.Key)] = struct{}{}
 		}
 	}
-	removed := s.take(q, msgs)
-	s.deleteBridged(ctx, removed)
+	_, bridged := s.take(q, msgs)
+	s.deleteBridged(ctx, bridged)
 	s.r.deadLettered.Add(uint64(len(msgs)))
 	s.r.log.Warn("pgwal: messages dead-lettered", "bucket", q.bucket, "count", len(msgs), "state", state, "err", lastError)
 	return nil

@@ -51,7 +51,58 @@ type leases struct {
 }
 
 func (l *leases) migrate(ctx context.Context) error {
+	if ok, err := l.current(ctx); err == nil && ok {
+		return nil
+	}
 	return l.db.WithContext(ctx).Table(l.table).AutoMigrate(&SlotLease{})
+}
+
+// leaseColumns are the lease table's columns as SlotLease declares them
+// on PostgreSQL: each column's type (format_type) and whether it is NOT
+// NULL.
+var leaseColumns = map[string]struct {
+	typ     string
+	notNull bool
+}{
+	"slot":          {"character varying(63)", true},
+	"owner":         {"character varying(128)", false},
+	"term":          {"bigint", true},
+	"expires_at_ms": {"bigint", true},
+	"confirmed_lsn": {"bigint", true},
+	"lag_oldest_ms": {"bigint", true},
+	"lag_at_ms":     {"bigint", true},
+	"lag_bucket":    {"bigint", true},
+}
+
+// current reports whether the lease table exists with every column of
+// SlotLease, of its type and nullability, in one catalog query: a reader
+// then starts without AutoMigrate, which reads the catalog in a dozen
+// queries (a fifth of a second under load, before the first message is
+// read). A table that differs in any column is left to AutoMigrate.
+func (l *leases) current(ctx context.Context) (bool, error) {
+	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
+	var cols []struct {
+		Name    string
+		Typ     string
+		NotNull bool
+	}
+	err := db.Raw("SELECT attname AS name, format_type(atttypid, atttypmod) AS typ, attnotnull AS not_null FROM pg_attribute"+
+		" WHERE attrelid = to_regclass(?) AND attnum > 0 AND NOT attisdropped", l.quoted(db)).Scan(&cols).Error
+	if err != nil {
+		return false, err
+	}
+	found := 0
+	for _, c := range cols {
+		want, ok := leaseColumns[c.Name]
+		if !ok {
+			continue
+		}
+		if c.Typ != want.typ || c.NotNull != want.notNull {
+			return false, nil
+		}
+		found++
+	}
+	return found == len(leaseColumns), nil
 }
 
 // acquire takes the lease when it is free, expired or already ours, and

@@ -125,6 +125,9 @@ func (src source) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Mes
 	}
 	q := s.buckets[bucket]
 	for {
+		if msgs, ok := q.head(limit); ok {
+			return msgs, nil
+		}
 		es := q.batch(limit)
 		if len(es) == 0 {
 			return []relay.Message{}, nil
@@ -160,9 +163,9 @@ func (src source) MarkPublished(ctx context.Context, _ string, lease relay.Lease
 	if err != nil {
 		return err
 	}
-	removed := src.s.take(q, msgs)
-	src.s.deleteBridged(ctx, removed)
-	src.s.r.published.Add(uint64(len(removed)))
+	removed, bridged := src.s.take(q, msgs)
+	src.s.deleteBridged(ctx, bridged)
+	src.s.r.published.Add(uint64(removed))
 	return nil
 }
 
@@ -185,20 +188,25 @@ func (src source) RecordFailure(_ context.Context, _ string, lease relay.Lease, 
 }
 
 // take removes the entries of msgs from q, found by id (never by a
-// range), and returns them. msgs is usually q's head, in order.
-func (s *stream) take(q *bucketQ, msgs []relay.Message) []entry {
+// range), and returns how many it removed and the ids of the bridged
+// rows among them. msgs is usually q's head, in order.
+func (s *stream) take(q *bucketQ, msgs []relay.Message) (n int, bridged []int64) {
 	if len(msgs) == 0 {
-		return nil
+		return 0, nil
 	}
 	q.mu.Lock()
-	var removed []entry
 	head := len(msgs) <= len(q.q)
 	for i := 0; head && i < len(msgs); i++ {
 		head = q.q[i].msg.ID == msgs[i].ID
 	}
 	if head {
-		removed = append(removed, q.q[:len(msgs)]...)
-		q.q = q.q[len(msgs):]
+		for i := range msgs {
+			if q.q[i].bridged {
+				bridged = append(bridged, q.q[i].msg.ID)
+			}
+		}
+		n = len(msgs)
+		q.q = q.q[n:]
 	} else {
 		ids := make(map[int64]struct{}, len(msgs))
 		for _, m := range msgs {
@@ -206,15 +214,18 @@ func (s *stream) take(q *bucketQ, msgs []relay.Message) []entry {
 		}
 		q.q = slices.DeleteFunc(q.q, func(e entry) bool {
 			if _, ok := ids[e.msg.ID]; ok {
-				removed = append(removed, e)
+				n++
+				if e.bridged {
+					bridged = append(bridged, e.msg.ID)
+				}
 				return true
 			}
 			return false
 		})
 	}
 	q.mu.Unlock()
-	s.removed(len(removed))
-	return removed
+	s.removed(n)
+	return n, bridged
 }
 
 // remove drops the first n entries of q (rows gone from the messages
@@ -254,9 +265,9 @@ func newHints(buckets int) *hints {
 	return &hints{Hints: bucketset.NewHints(buckets), ready: make(chan struct{}, 1)}
 }
 
-// add hints bucket.
-func (h *hints) add(bucket int) {
-	h.Add([]int{bucket})
+// add hints buckets.
+func (h *hints) add(buckets ...int) {
+	h.Add(buckets)
 	select {
 	case h.ready <- struct{}{}:
 	default:

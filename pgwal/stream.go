@@ -78,6 +78,8 @@ type stream struct {
 	backlogEnd pglogrepl.LSN
 	// rel is the messages table in the stream when the reader bridges.
 	rel bridgeRelation
+	// touched is enqueue's list of the buckets a transaction filled.
+	touched []int
 }
 
 // newStream returns the stream of term, whose lease was last renewed by
@@ -406,13 +408,44 @@ func (s *stream) enqueue(es []entry) {
 	s.mu.Lock()
 	s.pending += len(es)
 	s.mu.Unlock()
-	for _, e := range es {
-		q := s.buckets[e.msg.Bucket]
+	// Each run of messages of one bucket is appended under one lock, and
+	// the engine is woken once for the transaction, after its messages
+	// are queued.
+	s.touched = s.touched[:0]
+	for i := 0; i < len(es); {
+		b := es[i].msg.Bucket
+		j := i + 1
+		for j < len(es) && es[j].msg.Bucket == b {
+			j++
+		}
+		q := s.buckets[b]
 		q.mu.Lock()
-		q.q = append(q.q, e)
+		q.q = append(q.q, es[i:j]...)
 		q.mu.Unlock()
-		s.hints.add(e.msg.Bucket)
+		s.touched = append(s.touched, b)
+		i = j
 	}
+	s.hints.add(s.touched...)
+}
+
+// head returns the messages of up to limit leading entries of q, with
+// their failed attempts counted, or ok false when one of them is a
+// bridged row, which NextBatch reads from the messages table first.
+func (q *bucketQ) head(limit int) (msgs []relay.Message, ok bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	es := q.q[:min(limit, len(q.q))]
+	for i := range es {
+		if es[i].bridged {
+			return nil, false
+		}
+	}
+	msgs = make([]relay.Message, len(es))
+	for i := range es {
+		msgs[i] = es[i].msg
+		msgs[i].Attempts += es[i].attempts
+	}
+	return msgs, true
 }
 
 // batch copies up to limit leading entries of q.

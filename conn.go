@@ -166,20 +166,12 @@ func (t *txConn) Rollback() error {
 // walTx returns the pgxTx at the bottom of the transaction, nil when it
 // is another kind (a *sql.Tx).
 func (t *txConn) walTx() *pgxTx {
-	cp := gorm.ConnPool(t.Tx)
-	for i := 0; i < 8 && cp != nil; i++ {
-		switch c := cp.(type) {
-		case *pgxTx:
-			return c
-		case *txConn:
-			cp = c.Tx
-		case *gorm.PreparedStmtTX:
-			cp = c.Tx
-		default:
-			return nil
-		}
-	}
-	return nil
+	var found *pgxTx
+	txLayers(t.Tx, func(cp gorm.ConnPool) bool {
+		found, _ = cp.(*pgxTx)
+		return found != nil
+	})
+	return found
 }
 
 // GetDBConn returns the *sql.DB the transaction came from.
@@ -260,20 +252,34 @@ func savepointStatement(q string) (kind int, name string) {
 // outboxes' transactions. It returns nil outside a transaction begun
 // through the plugin's pool (a user's own *sql.Tx, db.Connection).
 func (p *Plugin) findTx(cp gorm.ConnPool) *txConn {
+	var found *txConn
+	txLayers(cp, func(cp gorm.ConnPool) bool {
+		if c, ok := cp.(*txConn); ok && c.plugin == p {
+			found = c
+		}
+		return found != nil
+	})
+	return found
+}
+
+// txLayers calls fn with each layer of a transaction's connection,
+// outermost first, through outbox transactions (other outboxes' too) and
+// GORM's prepared-statement wrapper, until fn returns true or a layer is
+// neither.
+func txLayers(cp gorm.ConnPool, fn func(gorm.ConnPool) bool) {
 	for i := 0; i < 8 && cp != nil; i++ {
+		if fn(cp) {
+			return
+		}
 		switch c := cp.(type) {
 		case *txConn:
-			if c.plugin == p {
-				return c
-			}
 			cp = c.Tx
 		case *gorm.PreparedStmtTX:
 			cp = c.Tx
 		default:
-			return nil
+			return
 		}
 	}
-	return nil
 }
 
 // inTransaction reports whether statements on cp run inside a database

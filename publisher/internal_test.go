@@ -260,3 +260,32 @@ func TestTransactionalProducerDefaults(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, time.Second, sc.Producer.Transaction.Retry.BackoffFunc(0, 50), "Configure's function is kept")
 }
+
+// A bucket stays on the lane of its stray calls until every one of them
+// reported, not only the last: a later call pinned to the lane can return
+// with none of its own messages out while an earlier call's still are (a
+// narrowed batch need not carry them), and a batch on the other lane
+// could then overtake them.
+func TestStrayPinHoldsEveryCall(t *testing.T) {
+	k := &Kafka{lanes: 2, lingerMin: 32, slots: []slot{{strays: map[int]stray{}}}}
+	s := &k.slots[0]
+	p := &producer{slot: 0, lane: laneLinger}
+	small := make([]relay.Message, 1)
+	large := make([]relay.Message, 40)
+
+	first := &call{}
+	first.pending.Store(2) // two messages of a cancelled large batch still out
+	k.strayed(p, 0, first)
+	require.Equal(t, laneLinger, k.laneOf(s, small), "pinned while the first call has messages out")
+
+	second := &call{}
+	second.pending.Store(1)
+	k.strayed(p, 0, second)
+	second.pending.Store(0) // the second call's message reported; the first's have not
+	require.Equal(t, laneLinger, k.laneOf(s, small), "still pinned: the first call has messages out")
+
+	first.pending.Store(0)
+	require.Equal(t, laneFree, k.laneOf(s, small), "every stray call reported: routed by size again")
+	require.Equal(t, laneLinger, k.laneOf(s, large))
+	require.Empty(t, s.strays, "the bucket's pin is gone")
+}

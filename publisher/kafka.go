@@ -285,11 +285,21 @@ const (
 	laneLinger = 1
 )
 
-// stray is a Publish call that returned with messages still in its
-// producer, and the lane it went through.
+// stray is the Publish calls of a bucket that returned with messages
+// still in their producer, and the lane they went through. A later call
+// pinned to that lane can stray too while an earlier one still has
+// messages out (a narrowed batch need not hold them), so the bucket stays
+// pinned until every one of them reported.
 type stray struct {
-	call *call
-	lane int
+	calls []*call
+	lane  int
+}
+
+// out reports whether a message of the stray calls is still in their
+// producer, forgetting the calls that reported.
+func (st *stray) out() bool {
+	st.calls = slices.DeleteFunc(st.calls, func(c *call) bool { return c.pending.Load() <= 0 })
+	return len(st.calls) > 0
 }
 
 // producer is one sarama producer and the goroutine routing its results.
@@ -720,7 +730,8 @@ func (k *Kafka) laneOf(s *slot, msgs []relay.Message) int {
 	}
 	bucket := msgs[0].Bucket
 	if st, ok := s.strays[bucket]; ok {
-		if st.call.pending.Load() > 0 {
+		if st.out() {
+			s.strays[bucket] = st
 			return st.lane
 		}
 		delete(s.strays, bucket)
@@ -733,14 +744,21 @@ func (k *Kafka) laneOf(s *slot, msgs []relay.Message) int {
 
 // strayed records that call c, of bucket's batch through p, returned with
 // messages still in p: the bucket's next batches go through p's lane
-// until they are all reported.
+// until they, and those of the bucket's earlier stray calls, are all
+// reported.
 func (k *Kafka) strayed(p *producer, bucket int, c *call) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if k.closed {
 		return
 	}
-	k.slots[p.slot].strays[bucket] = stray{call: c, lane: p.lane}
+	strays := k.slots[p.slot].strays
+	st := strays[bucket]
+	if st.lane != p.lane || !st.out() {
+		st = stray{lane: p.lane}
+	}
+	st.calls = append(st.calls, c)
+	strays[bucket] = st
 }
 
 // slotOf is the slot a batch publishes through: its first message's

@@ -561,15 +561,7 @@ func TestKafkaContextCancelledMidPublish(t *testing.T) {
 
 	msgs := publishertest.Messages(topic, "cancelled", 20)
 	ctx, cancel := context.WithCancel(context.Background())
-	type res struct {
-		acked int
-		err   error
-	}
-	done := make(chan res, 1)
-	go func() {
-		acked, err := k.Publish(ctx, msgs)
-		done <- res{acked, err}
-	}()
+	done := publishAsync(ctx, k, msgs)
 	<-held
 	cancel()
 	r := <-done
@@ -608,13 +600,9 @@ func heldPublish(t *testing.T, partitions int32, n int, label string) (c *kafkat
 	held, release := holdProduce(fake)
 
 	msgs = publishertest.Messages(topic, label, n)
-	answer := make(chan publishResult, 1)
-	go func() {
-		acked, err := k.Publish(context.Background(), msgs)
-		answer <- publishResult{acked, err}
-	}()
+	done = publishAsync(context.Background(), k, msgs)
 	<-held
-	return c, k, msgs, answer, release
+	return c, k, msgs, done, release
 }
 
 func TestKafkaCloseFlushes(t *testing.T) {
@@ -681,11 +669,7 @@ func TestKafkaCloseDuringPublish(t *testing.T) {
 	require.NoError(t, k.Start(t.Context()))
 
 	msgs := publishertest.Messages(topic, "close", 5000)
-	done := make(chan publishResult, 1)
-	go func() {
-		acked, err := k.Publish(context.Background(), msgs)
-		done <- publishResult{acked, err}
-	}()
+	done := publishAsync(context.Background(), k, msgs)
 	// Wait until the batch is on its way: the first records are stored.
 	// (Polled on the test goroutine: RecordCount fails t on an admin error.)
 	for deadline := time.Now().Add(30 * time.Second); c.RecordCount(t, topic) == 0; {
@@ -794,15 +778,7 @@ func TestKafkaBrokerRemovedMidBatch(t *testing.T) {
 		return nil, nil, false
 	})
 
-	type res struct {
-		acked int
-		err   error
-	}
-	done := make(chan res, 1)
-	go func() {
-		acked, err := k.Publish(context.Background(), msgs)
-		done <- res{acked, err}
-	}()
+	done := publishAsync(context.Background(), k, msgs)
 	victim := <-heldOn
 	require.NoError(t, fake.RemoveNode(victim))
 	_, _, err := fake.AddNode(-1, 0)

@@ -221,21 +221,14 @@ func TestKafkaRoutedStrayKeepsOrder(t *testing.T) {
 
 	large := keyedBatch(topic, 0, 0, 3*threshold, keys)
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan publishResult, 1)
-	go func() {
-		acked, err := k.Publish(ctx, large)
-		done <- publishResult{acked, err}
-	}()
+	done := publishAsync(ctx, k, large)
 	<-held
 	cancel()
 	r := <-done
 	require.ErrorIs(t, r.err, context.Canceled)
 
 	small := keyedBatch(topic, 0, len(large), 2, keys)
-	go func() {
-		acked, err := k.Publish(testCtx(t), small)
-		done <- publishResult{acked, err}
-	}()
+	done = publishAsync(testCtx(t), k, small)
 	// The small batch waits behind the held request, or (routed by size
 	// alone) is written at once; either way the broker then answers.
 	close(release)
@@ -316,12 +309,9 @@ func TestKafkaRoutedCloseFlushesBoth(t *testing.T) {
 	held, release := holdAllProduce(fake)
 
 	batches := [][]relay.Message{keyedBatch(topic, 0, 0, 2, 2), keyedBatch(topic, 0, 2, 5*threshold, 2)}
-	done := make(chan publishResult, len(batches))
+	var done []<-chan publishResult
 	for _, msgs := range batches {
-		go func() {
-			acked, err := k.Publish(context.Background(), msgs)
-			done <- publishResult{acked, err}
-		}()
+		done = append(done, publishAsync(context.Background(), k, msgs))
 	}
 	require.Eventually(t, func() bool { return len(held()) == 2 }, 30*time.Second, time.Millisecond,
 		"both producers' requests held")
@@ -331,8 +321,8 @@ func TestKafkaRoutedCloseFlushesBoth(t *testing.T) {
 	close(release)
 	require.NoError(t, <-closed)
 	want := 0
-	for range batches {
-		r := <-done
+	for _, d := range done {
+		r := <-d
 		require.NoError(t, r.err)
 		want += r.acked
 	}

@@ -204,6 +204,7 @@
 //     their own and hands the culprit to its failure policy. A message
 //     that cannot be sent at all (too large, no topic) fails the batch
 //     before the transaction begins.
+//
 //   - A relay that lost its bucket is fenced by the broker. The relay that
 //     takes the bucket over initialises the same transactional id, which
 //     bumps the producer epoch and aborts the previous owner's open

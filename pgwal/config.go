@@ -28,13 +28,14 @@ const (
 
 // ProbeIntervalMin is the least time between two of Run's probes of
 // whether the database answers again during an outage: they run every
-// max(BackoffMin, ProbeIntervalMin). Each probe opens a session and a
+// max(BackoffMin, ProbeIntervalMin), as a table-mode relay's do
+// (relay.ProbeIntervalMin, 100ms). Each probe opens a session and a
 // replication connection, so a BackoffMin of a few milliseconds would
 // otherwise try a server that is restarting hundreds of times a second;
 // at this floor an outage's end is seen at most 100ms late, which is
 // small next to the restart it follows. It equals BackoffMinDefault: the
 // default configuration probes as often as before the floor.
-const ProbeIntervalMin = 100 * time.Millisecond
+const ProbeIntervalMin = relay.ProbeIntervalMin
 
 // Config configures a Reader. ReplicationDSN is required; the zero value
 // of every other field takes its default.

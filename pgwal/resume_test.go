@@ -16,6 +16,7 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/tcpgate"
 	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -53,10 +54,10 @@ func TestReaderResumesWhenDatabaseAnswers(t *testing.T) {
 	e.checkDelivered(t, 2, 10)
 	outage := func() (slog.Record, int) { return waitOutage(t, logs, lo, hi) }
 
-	g.shut()
+	g.Shut()
 	last, lastN := outage()
 	e.write(t, 2, 10, 20) // directly, not through the gate
-	g.open.Store(true)
+	g.Open()
 	answered := time.Now()
 	require.Eventually(t, func() bool { return r.Stats().Published >= 40 }, time.Minute, time.Millisecond)
 	published := time.Now()
@@ -77,7 +78,7 @@ func TestReaderResumesWhenDatabaseAnswers(t *testing.T) {
 
 	// Stopping while the reader waits out a long backoff returns before
 	// the backoff would have ended.
-	g.shut()
+	g.Shut()
 	last, lastN = outage()
 	require.NoError(t, stop())
 	require.True(t, time.Now().Before(last.Time.Add(backoffFloor(lo, hi, lastN))), "Run returned before the backoff of attempt %d ended", lastN)
@@ -87,14 +88,14 @@ func TestReaderResumesWhenDatabaseAnswers(t *testing.T) {
 // replication ones, all go through a gate in front of the WAL-mode
 // server, with BackoffMin lo and BackoffMax hi, and the records of its
 // failed attempts and of an outage's end.
-func (e *env) gatedReader(t *testing.T, lo, hi time.Duration) (*gate, *pgwal.Reader, <-chan slog.Record) {
+func (e *env) gatedReader(t *testing.T, lo, hi time.Duration) (*tcpgate.Gate, *pgwal.Reader, <-chan slog.Record) {
 	t.Helper()
 	e.reader(t, e.pub, "setup") // the slot, dropped at the end
 	pc, err := pgconn.ParseConfig(dbtest.PostgresWALDSN())
 	require.NoError(t, err)
-	g := startGate(t, net.JoinHostPort(pc.Host, strconv.Itoa(int(pc.Port))))
-	g.open.Store(true)
-	via := " host=127.0.0.1 port=" + strconv.Itoa(g.port())
+	g := tcpgate.Start(t, net.JoinHostPort(pc.Host, strconv.Itoa(int(pc.Port))))
+	g.Open()
+	via := g.Via()
 	db, err := dbtest.OpenGorm(dbtest.Postgres, e.db.DSN+via, &gorm.Config{Logger: logger.Discard})
 	require.NoError(t, err)
 	sqlDB, err := db.DB()
@@ -145,10 +146,10 @@ func TestReaderProbesAtLeastProbeIntervalMinApart(t *testing.T) {
 	e.write(t, 2, 0, 10)
 	e.checkDelivered(t, 2, 10)
 
-	g.shut()
-	before, began := g.refused.Load(), time.Now()
+	g.Shut()
+	before, began := g.Refused(), time.Now()
 	_, lastN := waitOutage(t, logs, lo, hi)
-	refused, elapsed := g.refused.Load()-before, time.Since(began)
+	refused, elapsed := g.Refused()-before, time.Since(began)
 	const dialsPer = 4
 	bound := dialsPer * (int64(elapsed/pgwal.ProbeIntervalMin) + int64(lastN) + 1)
 	t.Logf("%d connections refused in %s of outage over %d failed attempts (at most %d with probes %s apart)",
@@ -157,7 +158,7 @@ func TestReaderProbesAtLeastProbeIntervalMinApart(t *testing.T) {
 	require.LessOrEqual(t, refused, bound, "probes at least %s apart", pgwal.ProbeIntervalMin)
 
 	e.write(t, 2, 10, 20)
-	g.open.Store(true)
+	g.Open()
 	e.checkDelivered(t, 2, 20)
 	require.NoError(t, stop())
 }

@@ -258,6 +258,27 @@
 // backoff. Store errors are retried with the same backoff. Stop and
 // cancellation are not failures.
 //
+// A database outage does not leave the relay asleep once it is over.
+// After a failed acquisition or discovery, a store that can be probed
+// (Prober; the GORM store runs SELECT 1) is probed every
+// max(BackoffMin, ProbeIntervalMin) beside the control loop while the
+// call waits for its retry; the first probe that answers after the store
+// was seen down (the failed call, or a failed probe since) retries at
+// once the acquisition, the discovery and the batches of the buckets
+// backing off, instead of after a backoff of up to BackoffMax (30s). The
+// buckets keep their failure counts, so one that fails again backs off
+// longer. A call that fails while the probe answers (a missing
+// privilege, a lock timeout) keeps its plain backoff: after an early
+// retry, a probe must fail before an answer ends a backoff again. The
+// end of an outage is logged once at Info ("relay: the store answers
+// again; retrying now", with down_for); the probes log nothing. Tests:
+// gormrelay TestRelayResumesWhenDatabaseAnswers and
+// TestRelayRetriesBucketsWhenDatabaseAnswers (a TCP gate in front of
+// PostgreSQL: the relay drains about 0.1 to 0.25s after the database
+// answers again, where it waited out backoffs of 2 to 3s before),
+// relay TestProbeEndsTheBackoffWhenTheStoreAnswers and
+// TestProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee.
+//
 // Two kinds of failure are not held against the message:
 //
 //   - IsUnavailable: the sink could not take the write (connection

@@ -4,11 +4,11 @@ import (
 	"log/slog"
 	"net"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
@@ -36,10 +36,43 @@ const (
 // directly, not through the gate.
 type gatedOutbox struct {
 	*storeBundle
-	gate    *tcpgate.Gate
-	cluster *kafkatest.Cluster
-	topic   string
-	logs    <-chan slog.Record
+	gate      *tcpgate.Gate
+	cluster   *kafkatest.Cluster
+	topic     string
+	logs      <-chan slog.Record
+	publishes *publishTimes
+}
+
+// publishTimes records when each publish began, by bucket.
+type publishTimes struct {
+	relay.NopObserver
+	mu    sync.Mutex
+	began map[int][]time.Time
+}
+
+func (p *publishTimes) Published(e relay.PublishEvent) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.began[e.Bucket] = append(p.began[e.Bucket], time.Now().Add(-e.Duration))
+}
+
+// first returns the first publish of bucket (any bucket if -1) that
+// began after t, and whether there is one.
+func (p *publishTimes) first(bucket int, t time.Time) (time.Time, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var first time.Time
+	for b, ts := range p.began {
+		if bucket >= 0 && b != bucket {
+			continue
+		}
+		for _, x := range ts {
+			if x.After(t) && (first.IsZero() || x.Before(first)) {
+				first = x
+			}
+		}
+	}
+	return first, !first.IsZero()
 }
 
 // startGatedRelay starts a relay on PostgreSQL behind an open gate with
@@ -69,6 +102,8 @@ func startGatedRelay(t *testing.T, lo, hi, leaseDuration time.Duration) *gatedOu
 	cfg := o.relayConfig(t, "behind-the-gate")
 	cfg.LeaseDuration, cfg.LeaseRenewInterval = leaseDuration, 200*time.Millisecond
 	cfg.BackoffMin, cfg.BackoffMax, cfg.Logger = lo, hi, log
+	o.publishes = &publishTimes{began: map[int][]time.Time{}}
+	cfg.Observer = o.publishes
 	startRelay(t, store, k, cfg)
 	return o
 }
@@ -82,20 +117,26 @@ func (o *gatedOutbox) rows(from, to int) []outbox.MessageRow {
 	return out
 }
 
-// reopen opens the gate and requires the outbox drained before wouldRetry,
-// the earliest moment the backoff the relay was in would have ended; it
-// checks that the outage's end was logged once and that every message
+// reopen opens the gate and requires the first publish of bucket (of
+// any bucket if -1) after it to begin before wouldRetry, the earliest
+// moment the backoff the relay was in would have ended; then that the
+// outbox drains, the outage's end was logged once, and every message
 // reached the topic.
-func (o *gatedOutbox) reopen(t *testing.T, what string, wouldRetry time.Time, want int) {
+func (o *gatedOutbox) reopen(t *testing.T, what string, wouldRetry time.Time, bucket, want int) {
 	t.Helper()
 	o.gate.Open()
 	answered := time.Now()
-	require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Zero(c, o.count(c)) }, time.Minute, time.Millisecond)
-	drained := time.Now()
-	t.Logf("drained %s after the database answered again; %s would have ended %s after it",
-		drained.Sub(answered), what, wouldRetry.Sub(answered))
-	require.True(t, drained.Before(wouldRetry), "drained %s after the database answered, before %s would have ended, %s after it",
-		drained.Sub(answered), what, wouldRetry.Sub(answered))
+	var first time.Time
+	require.Eventually(t, func() bool {
+		var ok bool
+		first, ok = o.publishes.first(bucket, answered)
+		return ok
+	}, time.Minute, time.Millisecond)
+	t.Logf("published %s after the database answered again; %s would have ended %s after it",
+		first.Sub(answered), what, wouldRetry.Sub(answered))
+	require.True(t, first.Before(wouldRetry), "published %s after the database answered, before %s would have ended, %s after it",
+		first.Sub(answered), what, wouldRetry.Sub(answered))
+	o.requireDrained(t)
 	ends := 0
 	for len(o.logs) > 0 {
 		if (<-o.logs).Message == logAnswered {
@@ -125,8 +166,9 @@ func (o *gatedOutbox) nextRecord(t *testing.T) slog.Record {
 // acquisition reaches BackoffMax, long after its leases' trust window
 // ended; once the database answers again the relay drains at once
 // instead of sleeping out that backoff. Ordering, from timestamps of this
-// run: the messages written meanwhile are published before the moment
-// the backoff after the last failed acquisition would have ended.
+// run: the first publish after the database answered, of the messages
+// written meanwhile, begins before the moment the backoff after the last
+// failed acquisition would have ended.
 func TestRelayResumesWhenDatabaseAnswers(t *testing.T) {
 	t.Parallel()
 	const lo, hi = 20 * time.Millisecond, 4 * time.Second
@@ -145,14 +187,14 @@ func TestRelayResumesWhenDatabaseAnswers(t *testing.T) {
 		}
 	}
 	o.insert(t, o.rows(20, 60)...)
-	o.reopen(t, "the backoff of the last failed acquisition ("+retryIn.String()+")", last.Time.Add(retryIn), 60)
+	o.reopen(t, "the backoff of the last failed acquisition ("+retryIn.String()+")", last.Time.Add(retryIn), -1, 60)
 }
 
 // TestRelayRetriesBucketsWhenDatabaseAnswers: the connections are cut
 // while the relay drains a backlog under leases it keeps trusting; the
 // buckets whose reads fail back off, until one has failed so often that
 // its backoff lasts at least BackoffMax/2. Once the database answers
-// again that bucket is read at once, not after its backoff.
+// again that bucket is published at once, not after its backoff.
 func TestRelayRetriesBucketsWhenDatabaseAnswers(t *testing.T) {
 	t.Parallel()
 	const lo, hi = 20 * time.Millisecond, 4 * time.Second
@@ -162,9 +204,9 @@ func TestRelayRetriesBucketsWhenDatabaseAnswers(t *testing.T) {
 	require.Eventually(t, func() bool { return o.count(t) < n }, time.Minute, time.Millisecond, "the drain began")
 
 	o.gate.Shut()
-	failures := map[int64]int{}
+	failures := map[int]int{}
 	var last slog.Record
-	var lastN int
+	var lastN, bucket int
 	for backoffFloor(lo, hi, lastN) < hi/2 {
 		rec := o.nextRecord(t)
 		if rec.Message != logReadFailed {
@@ -172,10 +214,11 @@ func TestRelayRetriesBucketsWhenDatabaseAnswers(t *testing.T) {
 		}
 		v, ok := dbtest.Attr(rec, "bucket")
 		require.True(t, ok)
-		failures[v.Int64()]++
-		last, lastN = rec, failures[v.Int64()]
+		bucket = int(v.Int64())
+		failures[bucket]++
+		last, lastN = rec, failures[bucket]
 	}
-	o.reopen(t, "the backoff of the bucket's failure "+strconv.Itoa(lastN), last.Time.Add(backoffFloor(lo, hi, lastN)), n)
+	o.reopen(t, "the backoff of bucket "+strconv.Itoa(bucket)+"'s failure "+strconv.Itoa(lastN), last.Time.Add(backoffFloor(lo, hi, lastN)), bucket, n)
 }
 
 // backoffFloor is the least the backoff after the n-th consecutive
@@ -188,5 +231,3 @@ func backoffFloor(lo, hi time.Duration, n int) time.Duration {
 	}
 	return min(d, hi) / 2
 }
-
-var _ relay.Prober = (*gormrelay.Store)(nil)

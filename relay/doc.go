@@ -274,10 +274,14 @@
 // again; retrying now", with down_for); the probes log nothing. Tests:
 // gormrelay TestRelayResumesWhenDatabaseAnswers and
 // TestRelayRetriesBucketsWhenDatabaseAnswers (a TCP gate in front of
-// PostgreSQL: the relay drains about 0.1 to 0.25s after the database
-// answers again, where it waited out backoffs of 2 to 3s before),
+// PostgreSQL cuts the relay off until its backoff reaches BackoffMax),
 // relay TestProbeEndsTheBackoffWhenTheStoreAnswers and
-// TestProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee.
+// TestProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee. In the two
+// gormrelay tests the first publish after the database answered again
+// began 0.11s after it (medians of 3), against 2.98s and 2.57s (the
+// backoffs slept out) with the engine of ccd5529, runs interleaved, load
+// average 8 to 11: CI=true go test -race -count=1 -v -run
+// 'TestRelay(Resumes|RetriesBuckets)WhenDatabaseAnswers' ./gormrelay/.
 //
 // Two kinds of failure are not held against the message:
 //

@@ -18,6 +18,7 @@ import (
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
+	"github.com/gorm-outbox/outbox/internal/opstest"
 	"github.com/gorm-outbox/outbox/ops/opshttp"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
@@ -272,15 +273,6 @@ func TestHealthReportsAFailedStart(t *testing.T) {
 		require.NoError(t, err)
 		srv := httptest.NewServer(opshttp.Health{Operator: gormrelay.PluginAdmin(db.DB, p), Relay: r, MaxAge: time.Hour, Logger: dbtest.Logger(t)}.Handler())
 		defer srv.Close()
-		get := func(path string) (int, map[string]any) {
-			t.Helper()
-			resp, err := srv.Client().Get(srv.URL + path)
-			require.NoError(t, err)
-			defer resp.Body.Close()
-			var body map[string]any
-			require.NoError(t, json.NewDecoder(resp.Body).Decode(&body))
-			return resp.StatusCode, body
-		}
 
 		runErr := r.Run(t.Context())
 		require.ErrorIs(t, runErr, outbox.ErrSchemaOutdated)
@@ -290,11 +282,11 @@ func TestHealthReportsAFailedStart(t *testing.T) {
 		default:
 		}
 		require.Equal(t, runErr, r.Err())
-		code, body := get("/livez")
+		code, body := opstest.GetJSON(t, srv, "/livez")
 		require.Equal(t, http.StatusServiceUnavailable, code)
 		require.Equal(t, "failed", body["status"])
 		require.Equal(t, runErr.Error(), body["error"])
-		code, body = get("/readyz")
+		code, body = opstest.GetJSON(t, srv, "/readyz")
 		require.Equal(t, http.StatusServiceUnavailable, code)
 		require.Equal(t, "failed", body["status"])
 
@@ -304,7 +296,7 @@ func TestHealthReportsAFailedStart(t *testing.T) {
 		done := runAsync(ctx, r)
 		require.Eventually(t, func() bool { return r.Err() == nil }, deliverWithin, 10*time.Millisecond)
 		for _, path := range []string{"/livez", "/readyz"} {
-			code, body := get(path)
+			code, body := opstest.GetJSON(t, srv, path)
 			require.Equal(t, http.StatusOK, code, path)
 			require.Equal(t, "ok", body["status"], path)
 		}
@@ -322,11 +314,8 @@ func TestHealthReportsAFailedStart(t *testing.T) {
 		require.True(t, relay.IsMisconfiguration(runErr), "%v", runErr)
 		live := httptest.NewServer(opshttp.Health{Relay: r2}.Liveness())
 		defer live.Close()
-		resp, err := live.Client().Get(live.URL + "/livez")
-		require.NoError(t, err)
-		defer resp.Body.Close()
-		require.NoError(t, json.NewDecoder(resp.Body).Decode(&body))
-		require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+		code, body = opstest.GetJSON(t, live, "/livez")
+		require.Equal(t, http.StatusServiceUnavailable, code)
 		require.Equal(t, runErr.Error(), body["error"])
 	})
 }

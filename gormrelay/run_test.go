@@ -258,6 +258,18 @@ func TestHealthReportsTheRelaysEnd(t *testing.T) {
 	})
 }
 
+// unmigratedRelay returns an 8-bucket plugin on db whose tables were
+// never created, and a relay id on it.
+func unmigratedRelay(t *testing.T, db *dbtest.DB, id string) (*outbox.Plugin, *relay.Relay) {
+	t.Helper()
+	p, err := outbox.NewPlugin(outbox.Config{BucketCount: 8})
+	require.NoError(t, err)
+	require.NoError(t, db.DB.Use(p))
+	r, err := gormrelay.New(db.DB, p, newRecorder().publisher(id, nil), gormrelay.WithRelayConfig(fastConfig(t, id)))
+	require.NoError(t, err)
+	return p, r
+}
+
 // A relay whose Run fails at start (its tables are missing, or a writer
 // uses a larger BucketCount) never runs, so Stopped is not closed; the
 // liveness and readiness probes, served over HTTP, still fail at once with
@@ -266,11 +278,7 @@ func TestHealthReportsTheRelaysEnd(t *testing.T) {
 func TestHealthReportsAFailedStart(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		p, err := outbox.NewPlugin(outbox.Config{BucketCount: 8})
-		require.NoError(t, err)
-		require.NoError(t, db.DB.Use(p))
-		r, err := gormrelay.New(db.DB, p, newRecorder().publisher("start", nil), gormrelay.WithRelayConfig(fastConfig(t, "start")))
-		require.NoError(t, err)
+		p, r := unmigratedRelay(t, db, "start")
 		srv := httptest.NewServer(opshttp.Health{Operator: gormrelay.PluginAdmin(db.DB, p), Relay: r, MaxAge: time.Hour, Logger: dbtest.Logger(t)}.Handler())
 		defer srv.Close()
 
@@ -317,5 +325,45 @@ func TestHealthReportsAFailedStart(t *testing.T) {
 		code, body = opstest.GetJSON(t, live, "/livez")
 		require.Equal(t, http.StatusServiceUnavailable, code)
 		require.Equal(t, runErr.Error(), body["error"])
+	})
+}
+
+// A relay whose Run failed at start (its tables missing) reports that
+// error through Err and liveness until it runs: a DrainOnce that drains
+// the outbox once the tables exist clears it, and one that meets a
+// misconfiguration (a writer with a larger BucketCount) reports it in
+// turn.
+func TestDrainOnceClearsAFailedStart(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		p, r := unmigratedRelay(t, db, "drain")
+		srv := httptest.NewServer(opshttp.Health{Relay: r}.Liveness())
+		defer srv.Close()
+
+		runErr := r.Run(t.Context())
+		require.ErrorIs(t, runErr, outbox.ErrSchemaOutdated)
+		require.Equal(t, runErr, r.Err())
+		code, _ := opstest.GetJSON(t, srv, "/livez")
+		require.Equal(t, http.StatusServiceUnavailable, code)
+
+		require.NoError(t, p.AutoMigrate(t.Context(), db.DB))
+		enqueue(t, db.DB, "orders", 10)
+		n, err := r.DrainOnce(t.Context())
+		require.NoError(t, err)
+		require.Equal(t, 10, n)
+		require.NoError(t, r.Err(), "the relay ran: the failed start is over")
+		code, body := opstest.GetJSON(t, srv, "/livez")
+		require.Equal(t, http.StatusOK, code)
+		require.Equal(t, "ok", body["status"])
+
+		writerDB := openWriter(t, db)
+		wiredPlugin(t, writerDB, outbox.Config{BucketCount: 64})
+		enqueue(t, writerDB, "orders", 200)
+		_, err = r.DrainOnce(t.Context())
+		require.True(t, relay.IsMisconfiguration(err), "%v", err)
+		require.Equal(t, err, r.Err())
+		code, body = opstest.GetJSON(t, srv, "/livez")
+		require.Equal(t, http.StatusServiceUnavailable, code)
+		require.Equal(t, err.Error(), body["error"])
 	})
 }

@@ -366,7 +366,9 @@
 // tells why. DrainOnce is the one-shot alternative for jobs and tests:
 // acquire, drain every owned bucket until empty, acquire again if a lease
 // lapsed meanwhile, release; pending rows in buckets it could not own are
-// reported as a *NotOwnedError.
+// reported as a *NotOwnedError. A misconfiguration DrainOnce meets is
+// reported by Err like a failed start's, and a DrainOnce that ran
+// without one clears such an error.
 //
 // With Config.OwnPublisher the relay owns the publisher's lifecycle
 // (PublisherService, which publisher.Kafka and publisher.Transactional

@@ -160,10 +160,12 @@ const (
 //
 // The common retriable error is the coordinator's CONCURRENT_TRANSACTIONS
 // for a bucket's next transaction while the broker still writes the
-// previous one's commit markers. On an idle broker that takes about a
-// millisecond; on a loaded one the markers of every transaction a broker
-// coordinates queue for its one marker request in flight to each partition
-// leader, and the answer stays CONCURRENT_TRANSACTIONS for tens of
+// previous one's commit markers and then its completion. On an idle
+// broker that takes about a millisecond; on a broker whose JVM is cold or
+// whose machine is loaded, the markers of every transaction it
+// coordinates queue for its one marker request in flight to each broker,
+// and on three nodes the markers and the completion each wait for the
+// followers: the answer stays CONCURRENT_TRANSACTIONS for tens of
 // milliseconds. Doubling from the first retry then overshoots by about as
 // long as it waited: after the markers were written, the next
 // AddPartitionsToTxn came 22ms (median) later, while the waits were 2, 4,

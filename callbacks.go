@@ -597,9 +597,10 @@ func (p *Plugin) runRules(db *gorm.DB, t target, m *modelRules, op Operation, c 
 		}
 		msg, err := r.build(c)
 		if err == nil && msg != nil {
-			// Checked here as well as when written, so that a refusal
-			// names the model and the rule that built the message.
-			err = msg.validate(p.cfg.Limits, p.cfg.MaxMessageBytes)
+			// Prepared (trace headers added, validated) here, not when
+			// written, so that a refusal names the model and the rule
+			// that built the message.
+			err = p.prepare(c.ctx, msg)
 		}
 		if err != nil {
 			return out, &RuleError{Model: t.schema.ModelType.String(), Operation: op, Rule: r.String(), Err: err}
@@ -625,7 +626,7 @@ func (p *Plugin) finish(db *gorm.DB, t target, msgs []*Message, err error) {
 		_ = db.AddError(fmt.Errorf("%w (the write of %s ran outside a transaction)", ErrNoTransaction, t.schema.Name))
 		return
 	}
-	if err := p.write(db, msgs); err != nil {
+	if err := p.insertPrepared(db, msgs); err != nil {
 		_ = db.AddError(err)
 	}
 }

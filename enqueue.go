@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"log/slog"
@@ -84,20 +85,37 @@ func JSONMessage(topic string, key []byte, v any, headers ...Header) (*Message, 
 	return &Message{Topic: topic, Key: key, Value: b, Headers: hs}, nil
 }
 
-// write validates msgs and inserts them through tx's connection, as raw
-// SQL so no GORM callback (and so no outbox rule) runs again for it.
+// write prepares msgs and inserts them through tx's connection (see
+// insert).
 func (p *Plugin) write(tx *gorm.DB, msgs []*Message) error {
 	for _, m := range msgs {
-		if m == nil {
-			return &MessageError{Field: "Message", Reason: "nil message"}
-		}
-		// The trace of the request that writes the message travels with it
-		// (tracing.go); added first so the size check includes it.
-		injectTraceContext(tx.Statement.Context, m)
-		if err := m.validate(p.cfg.Limits, p.cfg.MaxMessageBytes); err != nil {
+		if err := p.prepare(tx.Statement.Context, m); err != nil {
 			return err
 		}
 	}
+	return p.insertPrepared(tx, msgs)
+}
+
+// prepare readies one message for writing and checks it, once: a nil
+// message is refused, the trace of the request that writes it (ctx's
+// span context) is added to its headers (tracing.go), and it is
+// validated, trace headers included, against the configured Limits and
+// MaxMessageBytes. Enqueue prepares its messages in write; the
+// messages of publish rules are prepared by runRules, so that a refusal
+// names the rule, and go to insertPrepared.
+func (p *Plugin) prepare(ctx context.Context, m *Message) error {
+	if m == nil {
+		return &MessageError{Field: "Message", Reason: "nil message"}
+	}
+	injectTraceContext(ctx, m)
+	return m.validate(p.cfg.Limits, p.cfg.MaxMessageBytes)
+}
+
+// insertPrepared inserts messages that prepare accepted through tx's
+// connection, as raw SQL so no GORM callback (and so no outbox rule)
+// runs again for it; in WAL mode it emits them instead. On MySQL it
+// refuses a message larger than the server's max_allowed_packet.
+func (p *Plugin) insertPrepared(tx *gorm.DB, msgs []*Message) error {
 	if p.cfg.Mode == ModeWAL {
 		return p.emit(tx, msgs)
 	}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/trace"
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
 	"gorm.io/gorm/logger"
@@ -779,6 +780,38 @@ func TestLimitsDecideWhatEnqueueAccepts(t *testing.T) {
 		require.Len(t, rows, 2)
 		require.Equal(t, "queue/orders:v1", rows[0].Topic)
 		require.Equal(t, "queue/orders:v1", rows[1].Topic)
+	})
+}
+
+// A rule's message that fits MaxMessageBytes only without the trace
+// headers the write's span context adds is refused with a *RuleError
+// naming the rule, which wraps the *TooLargeError: the message is
+// checked once, trace headers included, where the rule built it.
+func TestRuleMessageTooLargeWithItsTraceNamesTheRule(t *testing.T) {
+	t.Parallel()
+	msg := func() *outbox.Message { return &outbox.Message{Topic: "orders", Value: make([]byte, 40)} }
+	tid, err := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+	require.NoError(t, err)
+	sid, err := trace.SpanIDFromHex("00f067aa0ba902b7")
+	require.NoError(t, err)
+	ctx := trace.ContextWithSpanContext(t.Context(), trace.NewSpanContext(trace.SpanContextConfig{TraceID: tid, SpanID: sid, TraceFlags: trace.FlagsSampled}))
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b := setupWrite(t, dbt, outbox.Config{MaxMessageBytes: msg().Size() + 20, Rules: []outbox.Rule{
+			outbox.OnCreate(func(outbox.Change[*Order]) (*outbox.Message, error) { return msg(), nil }),
+		}})
+		require.NoError(t, b.db.Create(&Order{Status: "untraced"}).Error, "fits without a trace")
+		require.Len(t, b.rows(t), 1)
+
+		err := b.db.WithContext(ctx).Create(&Order{Status: "traced"}).Error
+		var re *outbox.RuleError
+		require.ErrorAs(t, err, &re)
+		require.Equal(t, outbox.Insert, re.Operation)
+		require.Contains(t, re.Rule, "*outbox_test.Order")
+		var tl *outbox.TooLargeError
+		require.ErrorAs(t, err, &tl)
+		require.Greater(t, tl.Size, msg().Size()+20, "the trace headers count")
+		require.EqualValues(t, 1, b.orders(t), "the traced write is rolled back")
+		require.Len(t, b.rows(t), 1)
 	})
 }
 

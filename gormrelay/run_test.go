@@ -18,6 +18,7 @@ import (
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
+	"github.com/gorm-outbox/outbox/internal/opstest"
 	"github.com/gorm-outbox/outbox/ops/opshttp"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
@@ -257,6 +258,18 @@ func TestHealthReportsTheRelaysEnd(t *testing.T) {
 	})
 }
 
+// unmigratedRelay returns an 8-bucket plugin on db whose tables were
+// never created, and a relay id on it.
+func unmigratedRelay(t *testing.T, db *dbtest.DB, id string) (*outbox.Plugin, *relay.Relay) {
+	t.Helper()
+	p, err := outbox.NewPlugin(outbox.Config{BucketCount: 8})
+	require.NoError(t, err)
+	require.NoError(t, db.DB.Use(p))
+	r, err := gormrelay.New(db.DB, p, newRecorder().publisher(id, nil), gormrelay.WithRelayConfig(fastConfig(t, id)))
+	require.NoError(t, err)
+	return p, r
+}
+
 // A relay whose Run fails at start (its tables are missing, or a writer
 // uses a larger BucketCount) never runs, so Stopped is not closed; the
 // liveness and readiness probes, served over HTTP, still fail at once with
@@ -265,22 +278,9 @@ func TestHealthReportsTheRelaysEnd(t *testing.T) {
 func TestHealthReportsAFailedStart(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
-		p, err := outbox.NewPlugin(outbox.Config{BucketCount: 8})
-		require.NoError(t, err)
-		require.NoError(t, db.DB.Use(p))
-		r, err := gormrelay.New(db.DB, p, newRecorder().publisher("start", nil), gormrelay.WithRelayConfig(fastConfig(t, "start")))
-		require.NoError(t, err)
+		p, r := unmigratedRelay(t, db, "start")
 		srv := httptest.NewServer(opshttp.Health{Operator: gormrelay.PluginAdmin(db.DB, p), Relay: r, MaxAge: time.Hour, Logger: dbtest.Logger(t)}.Handler())
 		defer srv.Close()
-		get := func(path string) (int, map[string]any) {
-			t.Helper()
-			resp, err := srv.Client().Get(srv.URL + path)
-			require.NoError(t, err)
-			defer resp.Body.Close()
-			var body map[string]any
-			require.NoError(t, json.NewDecoder(resp.Body).Decode(&body))
-			return resp.StatusCode, body
-		}
 
 		runErr := r.Run(t.Context())
 		require.ErrorIs(t, runErr, outbox.ErrSchemaOutdated)
@@ -290,11 +290,11 @@ func TestHealthReportsAFailedStart(t *testing.T) {
 		default:
 		}
 		require.Equal(t, runErr, r.Err())
-		code, body := get("/livez")
+		code, body := opstest.GetJSON(t, srv, "/livez")
 		require.Equal(t, http.StatusServiceUnavailable, code)
 		require.Equal(t, "failed", body["status"])
 		require.Equal(t, runErr.Error(), body["error"])
-		code, body = get("/readyz")
+		code, body = opstest.GetJSON(t, srv, "/readyz")
 		require.Equal(t, http.StatusServiceUnavailable, code)
 		require.Equal(t, "failed", body["status"])
 
@@ -304,7 +304,7 @@ func TestHealthReportsAFailedStart(t *testing.T) {
 		done := runAsync(ctx, r)
 		require.Eventually(t, func() bool { return r.Err() == nil }, deliverWithin, 10*time.Millisecond)
 		for _, path := range []string{"/livez", "/readyz"} {
-			code, body := get(path)
+			code, body := opstest.GetJSON(t, srv, path)
 			require.Equal(t, http.StatusOK, code, path)
 			require.Equal(t, "ok", body["status"], path)
 		}
@@ -322,11 +322,48 @@ func TestHealthReportsAFailedStart(t *testing.T) {
 		require.True(t, relay.IsMisconfiguration(runErr), "%v", runErr)
 		live := httptest.NewServer(opshttp.Health{Relay: r2}.Liveness())
 		defer live.Close()
-		resp, err := live.Client().Get(live.URL + "/livez")
-		require.NoError(t, err)
-		defer resp.Body.Close()
-		require.NoError(t, json.NewDecoder(resp.Body).Decode(&body))
-		require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+		code, body = opstest.GetJSON(t, live, "/livez")
+		require.Equal(t, http.StatusServiceUnavailable, code)
 		require.Equal(t, runErr.Error(), body["error"])
+	})
+}
+
+// A relay whose Run failed at start (its tables missing) reports that
+// error through Err and liveness until it runs: a DrainOnce that drains
+// the outbox once the tables exist clears it, and one that meets a
+// misconfiguration (a writer with a larger BucketCount) reports it in
+// turn.
+func TestDrainOnceClearsAFailedStart(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		p, r := unmigratedRelay(t, db, "drain")
+		srv := httptest.NewServer(opshttp.Health{Relay: r}.Liveness())
+		defer srv.Close()
+
+		runErr := r.Run(t.Context())
+		require.ErrorIs(t, runErr, outbox.ErrSchemaOutdated)
+		require.Equal(t, runErr, r.Err())
+		code, _ := opstest.GetJSON(t, srv, "/livez")
+		require.Equal(t, http.StatusServiceUnavailable, code)
+
+		require.NoError(t, p.AutoMigrate(t.Context(), db.DB))
+		enqueue(t, db.DB, "orders", 10)
+		n, err := r.DrainOnce(t.Context())
+		require.NoError(t, err)
+		require.Equal(t, 10, n)
+		require.NoError(t, r.Err(), "the relay ran: the failed start is over")
+		code, body := opstest.GetJSON(t, srv, "/livez")
+		require.Equal(t, http.StatusOK, code)
+		require.Equal(t, "ok", body["status"])
+
+		writerDB := openWriter(t, db)
+		wiredPlugin(t, writerDB, outbox.Config{BucketCount: 64})
+		enqueue(t, writerDB, "orders", 200)
+		_, err = r.DrainOnce(t.Context())
+		require.True(t, relay.IsMisconfiguration(err), "%v", err)
+		require.Equal(t, err, r.Err())
+		code, body = opstest.GetJSON(t, srv, "/livez")
+		require.Equal(t, http.StatusServiceUnavailable, code)
+		require.Equal(t, err.Error(), body["error"])
 	})
 }

@@ -19,6 +19,7 @@ import (
 
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
+	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/gormlog"
@@ -299,6 +300,17 @@ func (s *Store) checkBucketCount(n int) error {
 }
 
 var _ relay.StartChecker = (*Store)(nil)
+
+var _ relay.Prober = (*Store)(nil)
+
+// Probe implements relay.Prober: one SELECT 1 on the store's database,
+// bounded by the store's operation timeout, logged nowhere (the relay
+// probes while the database is down).
+func (s *Store) Probe(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	return s.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true, Logger: logger.Discard}).Exec("SELECT 1").Error
+}
 
 // CheckStart implements relay.StartChecker, so that relay.Start fails at
 // once on what would stop the relay later: a BucketCount other than the

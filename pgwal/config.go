@@ -26,6 +26,17 @@ const (
 	BackoffMaxDefault      = 10 * time.Second
 )
 
+// ProbeIntervalMin is the least time between two of Run's probes of
+// whether the database answers again during an outage: they run every
+// max(BackoffMin, ProbeIntervalMin), as a table-mode relay's do
+// (relay.ProbeIntervalMin, 100ms). Each probe opens a session and a
+// replication connection, so a BackoffMin of a few milliseconds would
+// otherwise try a server that is restarting hundreds of times a second;
+// at this floor an outage's end is seen at most 100ms late, which is
+// small next to the restart it follows. It equals BackoffMinDefault: the
+// default configuration probes as often as before the floor.
+const ProbeIntervalMin = relay.ProbeIntervalMin
+
 // Config configures a Reader. ReplicationDSN is required; the zero value
 // of every other field takes its default.
 type Config struct {
@@ -82,9 +93,11 @@ type Config struct {
 	// BackoffMin and BackoffMax bound the pause after a failed publish
 	// (the relay engine's relay.Config.BackoffMin and BackoffMax) or a
 	// lost connection, doubling per consecutive failure. A pause after
-	// the database could not be reached ends early, at most BackoffMin
-	// after the database answers again: Run probes it every BackoffMin.
-	// Default 100ms and 10s.
+	// the database could not be reached ends early, at most
+	// max(BackoffMin, ProbeIntervalMin) after the database answers again:
+	// Run probes it that often (never more often than every
+	// ProbeIntervalMin, 100ms, however small BackoffMin is). Default
+	// 100ms and 10s.
 	BackoffMin, BackoffMax time.Duration
 	// Bridge makes the reader relay the rows table-mode writers insert
 	// into the messages table too, in commit order with the WAL

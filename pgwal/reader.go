@@ -161,7 +161,8 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // *SlotForeignError (the slot's name is another database's slot), a
 // *relay.MisconfigurationError from the publisher, a bucket beyond the
 // outbox's BucketCount. Connection failures are retried with backoff,
-// cut short when the database answers again (probed every BackoffMin).
+// cut short when the database answers again (probed every BackoffMin,
+// at least ProbeIntervalMin apart).
 // Ending ctx abandons the messages in flight: they were not confirmed, so
 // the next reader publishes them again. A reader made by NewKafka or
 // NewKafkaTransactional starts its publisher first (its error is
@@ -232,8 +233,8 @@ type waiter struct {
 // pause waits d, the backoff after a failed attempt, and reports whether
 // ctx is still alive. After a failure to reach the database (down the
 // database is true: the server is down, restarting, refusing
-// connections), it asks every BackoffMin whether the database answers
-// again (answers) and returns as soon as it does, so that a reader is
+// connections), it asks every max(BackoffMin, ProbeIntervalMin) whether
+// the database answers again (answers) and returns as soon as it does, so that a reader is
 // not left asleep for up to BackoffMax once a restarted server accepts
 // connections; the pause never lasts longer than d. The database must be
 // seen down before an answer ends the pause: the failed attempt counts,
@@ -254,9 +255,10 @@ func (r *Reader) pause(ctx context.Context, w *waiter, d time.Duration, down boo
 	seenDown := !w.early
 	w.early = false
 	deadline := now.Add(d)
+	every := max(r.cfg.BackoffMin, ProbeIntervalMin)
 	for {
 		left := time.Until(deadline)
-		if !backoff.Sleep(ctx, min(r.cfg.BackoffMin, left)) {
+		if !backoff.Sleep(ctx, min(every, left)) {
 			return false
 		}
 		if left = time.Until(deadline); left <= 0 {

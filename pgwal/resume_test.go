@@ -16,6 +16,7 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/tcpgate"
 	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -46,51 +47,17 @@ const (
 // The outage is logged as it ends, once.
 func TestReaderResumesWhenDatabaseAnswers(t *testing.T) {
 	e := setup(t)
-	e.reader(t, e.pub, "setup") // the slot, dropped at the end
-	pc, err := pgconn.ParseConfig(dbtest.PostgresWALDSN())
-	require.NoError(t, err)
-	g := startGate(t, net.JoinHostPort(pc.Host, strconv.Itoa(int(pc.Port))))
-	g.open.Store(true)
-	via := " host=127.0.0.1 port=" + strconv.Itoa(g.port())
-	db, err := dbtest.OpenGorm(dbtest.Postgres, e.db.DSN+via, &gorm.Config{Logger: logger.Discard})
-	require.NoError(t, err)
-	sqlDB, err := db.DB()
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = sqlDB.Close() })
 	const lo, hi = 20 * time.Millisecond, 4 * time.Second
-	log, logs := dbtest.WatchLog(t, logFailed, logAnswered)
-	r, err := pgwal.New(db, e.plugin, e.pub, pgwal.Config{
-		ReplicationDSN: dbtest.PostgresWALDSN() + via, RelayID: "behind-the-gate",
-		LeaseDuration: 1500 * time.Millisecond, StandbyInterval: 200 * time.Millisecond,
-		BackoffMin: lo, BackoffMax: hi, Logger: log,
-	})
-	require.NoError(t, err)
+	g, r, logs := e.gatedReader(t, lo, hi)
 	stop := run(r)
 	e.write(t, 2, 0, 10)
 	e.checkDelivered(t, 2, 10)
+	outage := func() (slog.Record, int) { return waitOutage(t, logs, lo, hi) }
 
-	// outage waits for the failed attempt after which the backoff lasts
-	// at least hi/2, and returns its record and number.
-	outage := func() (slog.Record, int) {
-		var last slog.Record
-		n := 0
-		for backoffFloor(lo, hi, n) < hi/2 {
-			select {
-			case last = <-logs:
-				require.Equal(t, logFailed, last.Message, "no outage's end while the database is unreachable")
-				v, _ := dbtest.Attr(last, "attempt")
-				n = int(v.Int64())
-			case <-time.After(time.Minute):
-				t.Fatalf("no failed attempt logged for a minute while the database was unreachable (last: %d)", n)
-			}
-		}
-		return last, n
-	}
-
-	g.shut()
+	g.Shut()
 	last, lastN := outage()
 	e.write(t, 2, 10, 20) // directly, not through the gate
-	g.open.Store(true)
+	g.Open()
 	answered := time.Now()
 	require.Eventually(t, func() bool { return r.Stats().Published >= 40 }, time.Minute, time.Millisecond)
 	published := time.Now()
@@ -111,10 +78,89 @@ func TestReaderResumesWhenDatabaseAnswers(t *testing.T) {
 
 	// Stopping while the reader waits out a long backoff returns before
 	// the backoff would have ended.
-	g.shut()
+	g.Shut()
 	last, lastN = outage()
 	require.NoError(t, stop())
 	require.True(t, time.Now().Before(last.Time.Add(backoffFloor(lo, hi, lastN))), "Run returned before the backoff of attempt %d ended", lastN)
+}
+
+// gatedReader returns a reader whose connections, the session's and the
+// replication ones, all go through a gate in front of the WAL-mode
+// server, with BackoffMin lo and BackoffMax hi, and the records of its
+// failed attempts and of an outage's end.
+func (e *env) gatedReader(t *testing.T, lo, hi time.Duration) (*tcpgate.Gate, *pgwal.Reader, <-chan slog.Record) {
+	t.Helper()
+	e.reader(t, e.pub, "setup") // the slot, dropped at the end
+	pc, err := pgconn.ParseConfig(dbtest.PostgresWALDSN())
+	require.NoError(t, err)
+	g := tcpgate.Start(t, net.JoinHostPort(pc.Host, strconv.Itoa(int(pc.Port))))
+	g.Open()
+	via := g.Via()
+	db, err := dbtest.OpenGorm(dbtest.Postgres, e.db.DSN+via, &gorm.Config{Logger: logger.Discard})
+	require.NoError(t, err)
+	sqlDB, err := db.DB()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sqlDB.Close() })
+	log, logs := dbtest.WatchLog(t, logFailed, logAnswered)
+	r, err := pgwal.New(db, e.plugin, e.pub, pgwal.Config{
+		ReplicationDSN: dbtest.PostgresWALDSN() + via, RelayID: "behind-the-gate",
+		LeaseDuration: 1500 * time.Millisecond, StandbyInterval: 200 * time.Millisecond,
+		BackoffMin: lo, BackoffMax: hi, Logger: log,
+	})
+	require.NoError(t, err)
+	return g, r, logs
+}
+
+// waitOutage waits for the failed attempt after which the backoff lasts
+// at least hi/2, and returns its record and number.
+func waitOutage(t *testing.T, logs <-chan slog.Record, lo, hi time.Duration) (slog.Record, int) {
+	t.Helper()
+	var last slog.Record
+	n := 0
+	for backoffFloor(lo, hi, n) < hi/2 {
+		select {
+		case last = <-logs:
+			require.Equal(t, logFailed, last.Message, "no outage's end while the database is unreachable")
+			v, _ := dbtest.Attr(last, "attempt")
+			n = int(v.Int64())
+		case <-time.After(time.Minute):
+			t.Fatalf("no failed attempt logged for a minute while the database was unreachable (last: %d)", n)
+		}
+	}
+	return last, n
+}
+
+// TestReaderProbesAtLeastProbeIntervalMinApart: with a BackoffMin of 1ms
+// the reader probes an unreachable database every ProbeIntervalMin, not
+// every millisecond. The gate counts the connections it refused during
+// the outage: a failed attempt or a probe opens at most dialsPer of
+// them, so over an outage of elapsed time E with n failed attempts they
+// are at most dialsPer × (E/ProbeIntervalMin + n + 1); at a probe every
+// millisecond they would be about E/1ms. Once the gate opens the
+// messages written meanwhile are published.
+func TestReaderProbesAtLeastProbeIntervalMinApart(t *testing.T) {
+	e := setup(t)
+	const lo, hi = time.Millisecond, 2 * time.Second
+	g, r, logs := e.gatedReader(t, lo, hi)
+	stop := run(r)
+	e.write(t, 2, 0, 10)
+	e.checkDelivered(t, 2, 10)
+
+	g.Shut()
+	before, began := g.Refused(), time.Now()
+	_, lastN := waitOutage(t, logs, lo, hi)
+	refused, elapsed := g.Refused()-before, time.Since(began)
+	const dialsPer = 4
+	bound := dialsPer * (int64(elapsed/pgwal.ProbeIntervalMin) + int64(lastN) + 1)
+	t.Logf("%d connections refused in %s of outage over %d failed attempts (at most %d with probes %s apart)",
+		refused, elapsed.Round(time.Millisecond), lastN, bound, pgwal.ProbeIntervalMin)
+	require.Positive(t, refused)
+	require.LessOrEqual(t, refused, bound, "probes at least %s apart", pgwal.ProbeIntervalMin)
+
+	e.write(t, 2, 10, 20)
+	g.Open()
+	e.checkDelivered(t, 2, 20)
+	require.NoError(t, stop())
 }
 
 // netDown is the error a dial to brokers that are down returns.

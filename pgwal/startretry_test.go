@@ -2,11 +2,8 @@ package pgwal_test
 
 import (
 	"context"
-	"io"
 	"net"
 	"strconv"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,79 +13,9 @@ import (
 	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/tcpgate"
 	"github.com/gorm-outbox/outbox/pgwal"
 )
-
-// gate forwards TCP connections to a server while open; while shut it
-// closes each one at once, as a server that is down or restarting does.
-type gate struct {
-	ln      net.Listener
-	target  string
-	open    atomic.Bool
-	refused atomic.Int64
-	wg      sync.WaitGroup
-
-	mu    sync.Mutex
-	conns map[net.Conn]bool // the forwarded connections, both sides
-}
-
-func startGate(t *testing.T, target string) *gate {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	g := &gate{ln: ln, target: target, conns: map[net.Conn]bool{}}
-	g.wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			if !g.open.Load() {
-				g.refused.Add(1)
-				_ = c.Close()
-				continue
-			}
-			g.wg.Go(func() { g.forward(c) })
-		}
-	})
-	t.Cleanup(func() { _ = ln.Close(); g.wg.Wait() })
-	return g
-}
-
-func (g *gate) forward(c net.Conn) {
-	defer c.Close()
-	s, err := net.Dial("tcp", g.target)
-	if err != nil {
-		return
-	}
-	defer s.Close()
-	g.mu.Lock()
-	g.conns[c], g.conns[s] = true, true
-	g.mu.Unlock()
-	defer func() {
-		g.mu.Lock()
-		delete(g.conns, c)
-		delete(g.conns, s)
-		g.mu.Unlock()
-	}()
-	done := make(chan struct{}, 2)
-	go func() { _, _ = io.Copy(s, c); done <- struct{}{} }()
-	go func() { _, _ = io.Copy(c, s); done <- struct{}{} }()
-	<-done
-}
-
-// shut closes the gate and every connection it forwards, as a server
-// that stops does.
-func (g *gate) shut() {
-	g.open.Store(false)
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	for c := range g.conns {
-		_ = c.Close()
-	}
-}
-
-func (g *gate) port() int { return g.ln.Addr().(*net.TCPAddr).Port }
 
 // TestReaderRetriesSetupWhileDatabaseDown: Run started while the database
 // cannot be reached (down, restarting, not yet accepting connections)
@@ -99,14 +26,14 @@ func TestReaderRetriesSetupWhileDatabaseDown(t *testing.T) {
 	e.reader(t, e.pub, "setup") // the slot, dropped at the end
 	pc, err := pgconn.ParseConfig(dbtest.PostgresWALDSN())
 	require.NoError(t, err)
-	g := startGate(t, net.JoinHostPort(pc.Host, strconv.Itoa(int(pc.Port))))
-	g.open.Store(true) // opening pings
-	db, err := dbtest.OpenGorm(dbtest.Postgres, e.db.DSN+" host=127.0.0.1 port="+strconv.Itoa(g.port()), &gorm.Config{Logger: logger.Discard})
+	g := tcpgate.Start(t, net.JoinHostPort(pc.Host, strconv.Itoa(int(pc.Port))))
+	g.Open() // opening pings
+	db, err := dbtest.OpenGorm(dbtest.Postgres, e.db.DSN+g.Via(), &gorm.Config{Logger: logger.Discard})
 	require.NoError(t, err)
 	sqlDB, err := db.DB()
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = sqlDB.Close() })
-	g.open.Store(false)
+	g.Shut()
 	sqlDB.SetMaxIdleConns(0) // closes the pinged connection
 	sqlDB.SetMaxIdleConns(2)
 	r, err := pgwal.New(db, e.plugin, e.pub, pgwal.Config{
@@ -124,9 +51,9 @@ func TestReaderRetriesSetupWhileDatabaseDown(t *testing.T) {
 			require.NoError(t, err, "Run returned while the database was down")
 		default:
 		}
-		return g.refused.Load() >= 20
+		return g.Refused() >= 20
 	}, 30*time.Second, 5*time.Millisecond, "Run keeps trying to reach the database")
-	g.open.Store(true)
+	g.Open()
 	e.write(t, 2, 0, 10)
 	e.checkDelivered(t, 2, 10)
 	cancel()

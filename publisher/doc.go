@@ -260,9 +260,12 @@
 // to the group's coordinator, EndTxn) and the broker writes a commit marker
 // per partition, the progress group's included; see docs/strict-mode.md. A bucket's next transaction may
 // find the coordinator still writing the previous one's markers
-// (CONCURRENT_TRANSACTIONS); unless TransactionalConfig.Configure chose a
-// Producer.Transaction.Retry backoff, the producer asks again after 2ms,
-// doubling to 100ms, instead of sarama's fixed 20ms or 100ms.
+// (CONCURRENT_TRANSACTIONS), a millisecond on an idle broker and tens of
+// milliseconds on a cold or loaded one, or on three nodes; unless TransactionalConfig.Configure chose
+// a Producer.Transaction.Retry backoff, the producer asks again after 2ms
+// ten times, then after 4ms doubling to 100ms, instead of sarama's fixed
+// 20ms or 100ms, and retries up to 60 times (about 4.6s in all) unless
+// Configure chose Producer.Transaction.Retry.Max.
 //
 // # Errors
 //

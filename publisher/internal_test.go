@@ -222,9 +222,10 @@ func TestPartitioner(t *testing.T) {
 }
 
 // TestTransactionalProducerDefaults: the transactional producers resend
-// a coordinator request after 2ms, doubling to 100ms, and linger
-// TxnLingerDefault for a transaction's records, unless Configure chose a
-// backoff or a flush threshold of its own.
+// a coordinator request after 2ms ten times, then after 4ms doubling to
+// 100ms, up to 60 times, and linger TxnLingerDefault for a transaction's
+// records, unless Configure chose a backoff, a retry count or a flush
+// threshold of its own.
 func TestTransactionalProducerDefaults(t *testing.T) {
 	t.Parallel()
 	cfg := TransactionalConfig{Brokers: []string{"127.0.0.1:1"}, TransactionalIDPrefix: "p-"}.WithDefaults()
@@ -233,6 +234,7 @@ func TestTransactionalProducerDefaults(t *testing.T) {
 	require.Equal(t, TxnLingerDefault, sc.Producer.Flush.Frequency)
 	f := sc.Producer.Transaction.Retry.BackoffFunc
 	require.NotNil(t, f)
+	require.Equal(t, 60, sc.Producer.Transaction.Retry.Max)
 	var waits []time.Duration
 	total := time.Duration(0)
 	for r := range sc.Producer.Transaction.Retry.Max {
@@ -240,8 +242,18 @@ func TestTransactionalProducerDefaults(t *testing.T) {
 		waits = append(waits, d/time.Millisecond)
 		total += d
 	}
-	require.Equal(t, []time.Duration{2, 4, 8, 16, 32, 64, 100, 100}, waits[:8], "ms")
-	require.Greater(t, total, 4*time.Second, "a coordinator moving is still ridden out")
+	require.Equal(t, []time.Duration{2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 4, 8, 16, 32, 64, 100, 100}, waits[:17], "ms")
+	require.Equal(t, time.Duration(100), waits[len(waits)-1], "ms")
+	require.Greater(t, total, 4500*time.Millisecond, "a coordinator moving is still ridden out")
+
+	cfg.Configure = func(sc *sarama.Config) error {
+		sc.Producer.Transaction.Retry.Max = 7
+		return nil
+	}
+	sc, err = cfg.saramaConfig("p-0")
+	require.NoError(t, err)
+	require.NotNil(t, sc.Producer.Transaction.Retry.BackoffFunc)
+	require.Equal(t, 7, sc.Producer.Transaction.Retry.Max, "Configure's retry count is kept")
 
 	cfg.Configure = func(sc *sarama.Config) error {
 		sc.Producer.Transaction.Retry.Backoff = 50 * time.Millisecond
@@ -254,6 +266,8 @@ func TestTransactionalProducerDefaults(t *testing.T) {
 	require.Equal(t, 10, sc.Producer.Flush.Messages)
 	require.Nil(t, sc.Producer.Transaction.Retry.BackoffFunc, "Configure's fixed backoff is kept")
 	require.Equal(t, 50*time.Millisecond, sc.Producer.Transaction.Retry.Backoff)
+	require.Equal(t, sarama.NewConfig().Producer.Transaction.Retry.Max, sc.Producer.Transaction.Retry.Max,
+		"with Configure's backoff, sarama's retry count")
 
 	own := func(int, int) time.Duration { return time.Second }
 	cfg.Configure = func(sc *sarama.Config) error {

@@ -42,7 +42,10 @@ type TransactionalConfig struct {
 	// Producer.Transaction.Timeout (sarama's default 1m: how long the
 	// broker lets a stalled relay's open transaction hold back
 	// read_committed consumers before aborting it) and
-	// Producer.Transaction.Retry. It is called once by NewTransactional and
+	// Producer.Transaction.Retry (unless Backoff or BackoffFunc is set
+	// here, a coordinator request is retried after 2ms ten times, then
+	// after 4ms doubling to 100ms, up to 60 times unless Max is set here:
+	// about 4.6s in all). It is called once by NewTransactional and
 	// once for every producer started after that; an error it returns fails
 	// NewTransactional or that producer's start.
 	//
@@ -128,9 +131,12 @@ func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) 
 	if !sc.Version.IsAtLeast(MinTransactionalKafkaVersion) {
 		sc.Version = MinTransactionalKafkaVersion
 	}
-	retry := &sc.Producer.Transaction.Retry
-	if retry.BackoffFunc == nil && retry.Backoff == sarama.NewConfig().Producer.Transaction.Retry.Backoff {
+	retry, def := &sc.Producer.Transaction.Retry, sarama.NewConfig().Producer.Transaction.Retry
+	if retry.BackoffFunc == nil && retry.Backoff == def.Backoff {
 		retry.BackoffFunc = txnRetryBackoff
+		if retry.Max == def.Max {
+			retry.Max = txnRetryMax
+		}
 	}
 	if f := &sc.Producer.Flush; f.Frequency == 0 && f.Messages == 0 && f.Bytes == 0 {
 		f.Frequency = TxnLingerDefault
@@ -156,31 +162,54 @@ var MinTransactionalKafkaVersion = sarama.V2_5_0_0
 // broker.
 const TxnLingerDefault = time.Millisecond
 
-// Bounds of txnRetryBackoff.
+// Shape of txnRetryBackoff and the retry budget that goes with it.
 const (
 	txnRetryBackoffMin = 2 * time.Millisecond
 	txnRetryBackoffMax = 100 * time.Millisecond
+	// txnRetryFlat is how many retries wait txnRetryBackoffMin before the
+	// waits start doubling.
+	txnRetryFlat = 10
+	// txnRetryMax is the transactional producers'
+	// Producer.Transaction.Retry.Max when txnRetryBackoff applies and
+	// Configure left sarama's 50: the flat retries spend ten of the
+	// budget in 20ms, and 60 keeps the whole wait before a coordinator
+	// request gives up at about 4.6s, as sarama's fixed 100ms over 50
+	// retries (5s) would.
+	txnRetryMax = 60
 )
 
 // txnRetryBackoff is the transactional producer's wait before it resends a
 // coordinator request (AddPartitionsToTxn, EndTxn, InitProducerID) that
 // failed with a retriable error, unless Configure chose
-// Producer.Transaction.Retry.Backoff or BackoffFunc: 2ms, doubling up to
-// sarama's fixed default of 100ms. The common retriable error is the
-// coordinator's CONCURRENT_TRANSACTIONS for a bucket's next transaction
-// while it still writes the previous one's commit markers, which takes a
-// millisecond or two; sarama's fixed waits (100ms, 20ms for that case)
-// made every batch of a busy bucket wait that long. Over sarama's default
-// 50 retries it still waits about 4.5s in all before giving up, as the
-// fixed 100ms would (5s), so a coordinator moving is ridden out as before.
+// Producer.Transaction.Retry.Backoff or BackoffFunc: 2ms for the first
+// txnRetryFlat retries, then 4ms doubling up to sarama's fixed default of
+// 100ms.
+//
+// The common retriable error is the coordinator's CONCURRENT_TRANSACTIONS
+// for a bucket's next transaction while the broker still writes the
+// previous one's commit markers and then its completion. On an idle
+// broker that takes about a millisecond; on a broker whose JVM is cold or
+// whose machine is loaded, the markers of every transaction it
+// coordinates queue for its one marker request in flight to each broker,
+// and on three nodes the markers and the completion each wait for the
+// followers: the answer stays CONCURRENT_TRANSACTIONS for tens of
+// milliseconds. Doubling from the first retry then overshoots by about as
+// long as it waited: after the markers were written, the next
+// AddPartitionsToTxn came 22ms (median) later, while the waits were 2, 4,
+// 8, 16 and 32ms (BENCHMARKS.md, "Strict mode: where the time goes"). A
+// flat 2ms keeps that overshoot to a retry's round trip for the first
+// txnRetryFlat retries (20ms of waits plus their round trips), at the cost
+// of a few more requests the coordinator answers from memory; past them
+// the doubling rides out a coordinator that moves or loads its state,
+// within the budget of txnRetryMax.
 func txnRetryBackoff(retries, _ int) time.Duration {
-	if retries < 0 {
-		retries = 0
+	if retries < txnRetryFlat {
+		return txnRetryBackoffMin
 	}
-	if retries >= 6 {
-		return txnRetryBackoffMax
+	if n := retries - txnRetryFlat + 1; n < 6 {
+		return txnRetryBackoffMin << n
 	}
-	return min(txnRetryBackoffMin<<retries, txnRetryBackoffMax)
+	return txnRetryBackoffMax
 }
 
 // Transactional is the strict-mode Kafka publisher: every batch is one Kafka

@@ -7,11 +7,13 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
@@ -484,4 +486,37 @@ func TestTransactionalUnknownTopicIsCounted(t *testing.T) {
 		t.Skip("the cluster creates topics on demand (auto.create.topics.enable); scripts/kafka.sh runs Apache Kafka without it")
 	}
 	requireUnknownTopicCounted(t, newTransactional(t, c))
+}
+
+// TestTransactionalRidesOutBusyCoordinator: the coordinator answers
+// CONCURRENT_TRANSACTIONS while it still writes a transaction's markers,
+// and a retried EndTxn meets it too. The publisher's retry defaults start
+// with ten quick retries (2ms) but keep sarama's budget of waiting: an
+// EndTxn refused 55 times, about 4.1s of waits, still commits, where
+// sarama's 50 retries would have failed the batch.
+func TestTransactionalRidesOutBusyCoordinator(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	fake := c.RequireFake(t) // kfake only: the broker answers CONCURRENT_TRANSACTIONS on demand
+	topic := c.Topic(t, 2)
+	tx := newTransactional(t, c)
+
+	const refusals = 55
+	var ends atomic.Int32
+	fake.ControlKey(int16(kmsg.EndTxn), func(kreq kmsg.Request) (kmsg.Response, error, bool) {
+		fake.KeepControl()
+		if ends.Add(1) > refusals {
+			return nil, nil, false // handled by the broker as usual
+		}
+		resp := kreq.(*kmsg.EndTxnRequest).ResponseKind().(*kmsg.EndTxnResponse)
+		resp.ErrorCode = kerr.ConcurrentTransactions.Code
+		return resp, nil, true
+	})
+
+	msgs := inBucket(publishertest.Messages(topic, "busy", 20), 3)
+	acked, err := tx.Publish(testCtx(t), msgs)
+	require.NoError(t, err)
+	require.Equal(t, len(msgs), acked)
+	require.Equal(t, int32(refusals+1), ends.Load(), "one EndTxn per refusal, then the one accepted")
+	publishertest.RequireSame(t, msgs, readCommitted(t, c, topic))
 }

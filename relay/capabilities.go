@@ -46,6 +46,7 @@ type capabilities struct {
 	filter   BatchFilter     // the handler's, or keepAll
 	pacer    pacer           // Config.RateLimit's limiter, or unpaced
 	hints    Hints           // Config.Hints, or noHints
+	prober   Prober          // the store's, or nil: a store backoff is slept out
 }
 
 // resolveCapabilities finds the optional capabilities of store, of the
@@ -70,6 +71,7 @@ func resolveCapabilities(store Store, cfg Config) capabilities {
 	if ba, ok := store.(BatchAdvancer); ok {
 		c.advancer = ba
 	}
+	c.prober, _ = store.(Prober)
 	if c.handler == nil {
 		c.handler, _ = store.(FailureHandler)
 	}

@@ -61,6 +61,14 @@ const (
 	ShutdownTimeoutDefault = 10 * time.Second
 )
 
+// ProbeIntervalMin is the least time between two probes of a store
+// (Prober) that stopped answering: the relay probes every
+// max(BackoffMin, ProbeIntervalMin). A probe opens a connection to a
+// server that may be restarting, so a BackoffMin of a few milliseconds
+// would otherwise try it hundreds of times a second; at this floor the
+// end of an outage is seen at most 100ms late.
+const ProbeIntervalMin = 100 * time.Millisecond
+
 // Config configures a Relay. The zero value is usable: every zero field
 // takes the default documented on it.
 type Config struct {
@@ -122,7 +130,10 @@ type Config struct {
 	// applied to a bucket after a failed publish or a store error, and to
 	// lease acquisition after a store error. The bucket's messages keep
 	// their order: the same batch is retried after the wait. A successful
-	// batch resets the backoff. Defaults 500ms and 30s.
+	// batch resets the backoff. With a store that can be probed (Prober,
+	// the GORM store), a backoff after the store stopped answering ends
+	// early, at most max(BackoffMin, ProbeIntervalMin) after it answers
+	// again. Defaults 500ms and 30s.
 	BackoffMin time.Duration
 	BackoffMax time.Duration
 

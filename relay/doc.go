@@ -274,6 +274,31 @@
 // backoff. Store errors are retried with the same backoff. Stop and
 // cancellation are not failures.
 //
+// A database outage does not leave the relay asleep once it is over.
+// After a failed acquisition or discovery, a store that can be probed
+// (Prober; the GORM store runs SELECT 1) is probed every
+// max(BackoffMin, ProbeIntervalMin) beside the control loop while the
+// call waits for its retry; the first probe that answers after the store
+// was seen down (the failed call, or a failed probe since) retries at
+// once the acquisition, the discovery and the batches of the buckets
+// backing off, instead of after a backoff of up to BackoffMax (30s). The
+// buckets keep their failure counts, so one that fails again backs off
+// longer. A call that fails while the probe answers (a missing
+// privilege, a lock timeout) keeps its plain backoff: after an early
+// retry, a probe must fail before an answer ends a backoff again. The
+// end of an outage is logged once at Info ("relay: the store answers
+// again; retrying now", with down_for); the probes log nothing. Tests:
+// gormrelay TestRelayResumesWhenDatabaseAnswers and
+// TestRelayRetriesBucketsWhenDatabaseAnswers (a TCP gate in front of
+// PostgreSQL cuts the relay off until its backoff reaches BackoffMax),
+// relay TestProbeEndsTheBackoffWhenTheStoreAnswers and
+// TestProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee. In the two
+// gormrelay tests the first publish after the database answered again
+// began 0.11s after it (medians of 3), against 2.98s and 2.57s (the
+// backoffs slept out) with the engine of ccd5529, runs interleaved, load
+// average 8 to 11: CI=true go test -race -count=1 -v -run
+// 'TestRelay(Resumes|RetriesBuckets)WhenDatabaseAnswers' ./gormrelay/.
+//
 // Two kinds of failure are not held against the message:
 //
 //   - IsUnavailable: the sink could not take the write (connection
@@ -357,7 +382,9 @@
 // tells why. DrainOnce is the one-shot alternative for jobs and tests:
 // acquire, drain every owned bucket until empty, acquire again if a lease
 // lapsed meanwhile, release; pending rows in buckets it could not own are
-// reported as a *NotOwnedError.
+// reported as a *NotOwnedError. A misconfiguration DrainOnce meets is
+// reported by Err like a failed start's, and a DrainOnce that ran
+// without one clears such an error.
 //
 // With Config.OwnPublisher the relay owns the publisher's lifecycle
 // (PublisherService, which publisher.Kafka and publisher.Transactional

@@ -90,11 +90,16 @@ func (e *engine) run(ctx context.Context, stopping <-chan struct{}) error {
 		e.sched.close()
 		waitPool()
 	}()
-	// Discovery runs beside the loop, so that hints are taken while the
-	// store looks for pending rows; deferred last, it ends first.
-	l := &loop{discovered: make(chan error, 1), timer: time.NewTimer(time.Hour), hintsC: e.caps.hints.Ready()}
+	// Discovery and the store's probes run beside the loop, so that hints
+	// are taken while the store looks for pending rows; deferred last,
+	// they end first (a probe is cancelled).
+	l := &loop{discovered: make(chan error, 1), probed: make(chan error, 1),
+		timer: time.NewTimer(time.Hour), hintsC: e.caps.hints.Ready()}
 	defer l.timer.Stop()
 	defer l.discovery.Wait()
+	defer l.probes.Wait()
+	probeCtx, cancelProbes := context.WithCancel(ctx)
+	defer cancelProbes()
 	for {
 		if isStopping(ctx, stopping) {
 			return nil
@@ -116,6 +121,7 @@ func (e *engine) run(ctx context.Context, stopping <-chan struct{}) error {
 		owned := e.k.ownedCount()
 		e.takeHints(l, owned, now)
 		e.startDiscovery(ctx, l, owned, now)
+		e.startProbe(probeCtx, l, time.Now())
 		retry, retrying := e.sched.promote(time.Now())
 		if worked {
 			e.cfg.Observer.CycleFinished(time.Since(now))
@@ -138,7 +144,22 @@ type loop struct {
 	discovery     sync.WaitGroup
 	timer         *time.Timer
 	hintsC        <-chan struct{}
+
+	// The store's outage (Prober): while a failed acquisition or
+	// discovery waits for its retry, the loop probes the store.
+	discoverFailed bool      // the last discovery failed
+	probeAt        time.Time // the next probe
+	probing        bool      // a probe runs; its result comes on probed
+	probed         chan error
+	probes         sync.WaitGroup
+	downSeen       bool      // a store call or probe failed since the last early retry
+	early          bool      // the last backoff ended early: the store answered
+	downSince      time.Time // the first failure of the outage; zero when none
 }
+
+// backingOff reports whether a failed store call of the loop waits for
+// its retry.
+func (l *loop) backingOff() bool { return l.storeFailures > 0 || l.discoverFailed }
 
 // maintainLeases acquires when acquisition is due or a lost lease asks
 // for it, and announces lease changes to a LeaseAware publisher. worked
@@ -175,6 +196,7 @@ func (e *engine) maintainLeases(ctx context.Context, l *loop, now time.Time) (wo
 	case err == nil:
 		l.storeFailures = 0
 		l.nextAcquire = now.Add(jitter(e.cfg.LeaseRenewInterval))
+		e.storeAnswered(l)
 	case IsMisconfiguration(err):
 		return true, true, err
 	case isStop(ctx, err):
@@ -184,6 +206,7 @@ func (e *engine) maintainLeases(ctx context.Context, l *loop, now time.Time) (wo
 		d := backoff(e.cfg, l.storeFailures)
 		e.log.Warn("relay: acquire leases failed", "err", err, "retry_in", d)
 		l.nextAcquire = now.Add(d)
+		e.storeFailed(l, now)
 	}
 	e.k.expireTrust()
 	err = e.syncLeases(ctx)
@@ -215,7 +238,12 @@ func (e *engine) takeHints(l *loop, owned int, now time.Time) {
 // asking for discovery meanwhile asks for the next one: this one may
 // have read before their rows.
 func (e *engine) startDiscovery(ctx context.Context, l *loop, owned int, now time.Time) {
-	if owned == 0 || l.discovering || (!l.discover && now.Before(l.nextPoll)) {
+	if owned == 0 {
+		l.discoverFailed = false // nothing to retry: the next lease gained asks for a discovery
+		e.storeAnswered(l)
+		return
+	}
+	if l.discovering || (!l.discover && now.Before(l.nextPoll)) {
 		return
 	}
 	l.discover, l.discovering = false, true
@@ -240,6 +268,9 @@ func (e *engine) sleep(ctx context.Context, stopping <-chan struct{}, l *loop, r
 			wake = earliest(wake, retry)
 		}
 	}
+	if e.probeDue(l) {
+		wake = earliest(wake, l.probeAt)
+	}
 	l.timer.Reset(time.Until(wake))
 	select {
 	case <-ctx.Done():
@@ -253,6 +284,8 @@ func (e *engine) sleep(ctx context.Context, stopping <-chan struct{}, l *loop, r
 	case <-e.pool.failed():
 	case err := <-l.discovered:
 		return e.discovered(ctx, l, err)
+	case err := <-l.probed:
+		e.probeAnswered(ctx, l, err)
 	}
 	return false, nil
 }
@@ -263,15 +296,104 @@ func (e *engine) discovered(ctx context.Context, l *loop, err error) (done bool,
 	switch {
 	case err == nil:
 		l.nextPoll = time.Now().Add(jitter(e.cfg.PollInterval))
+		l.discoverFailed = false
+		e.storeAnswered(l)
 	case IsMisconfiguration(err):
 		return true, err
 	case isStop(ctx, err):
 		return true, nil
 	default:
 		e.log.Warn("relay: find pending buckets failed", "err", err)
-		l.nextPoll = time.Now().Add(backoff(e.cfg, 1))
+		now := time.Now()
+		l.nextPoll = now.Add(backoff(e.cfg, 1))
+		l.discoverFailed = true
+		e.storeFailed(l, now)
 	}
 	return false, nil
+}
+
+// probeEvery is the interval of the store's probes during an outage.
+func (e *engine) probeEvery() time.Duration { return max(e.cfg.BackoffMin, ProbeIntervalMin) }
+
+// storeFailed notes that an acquisition or a discovery failed, and has
+// the store probed (Prober) until it is retried. The failed call counts
+// as the store seen down, unless the previous backoff ended early and no
+// probe failed since: then a probe must fail first, so that a failure
+// the probe does not see (the store answers, the call fails anyway)
+// keeps its plain backoff instead of being retried every probe
+// interval.
+func (e *engine) storeFailed(l *loop, now time.Time) {
+	if e.caps.prober == nil {
+		return
+	}
+	if l.downSince.IsZero() {
+		l.downSince = now
+	}
+	if !l.early {
+		l.downSeen = true
+	}
+	if !l.probing {
+		l.probeAt = now.Add(e.probeEvery())
+	}
+}
+
+// storeAnswered notes a successful acquisition or discovery: once
+// neither waits for a retry, the outage is over.
+func (e *engine) storeAnswered(l *loop) {
+	if l.backingOff() {
+		return
+	}
+	l.downSeen, l.early, l.downSince = false, false, time.Time{}
+}
+
+// probeDue reports whether the loop probes the store: it can, a failed
+// store call waits for its retry, and no probe runs.
+func (e *engine) probeDue(l *loop) bool {
+	return e.caps.prober != nil && l.backingOff() && !l.probing
+}
+
+// startProbe starts a probe of the store beside the loop when one is
+// due. A probe is bounded by the probe interval or a second, whichever
+// is longer.
+func (e *engine) startProbe(ctx context.Context, l *loop, now time.Time) {
+	if !e.probeDue(l) || now.Before(l.probeAt) {
+		return
+	}
+	l.probing = true
+	l.probes.Go(func() {
+		pctx, cancel := context.WithTimeout(ctx, max(e.probeEvery(), time.Second))
+		defer cancel()
+		l.probed <- e.caps.prober.Probe(pctx)
+	})
+}
+
+// probeAnswered takes a probe's result. A store that answers after it
+// was seen down ends the backoffs of the loop's failed calls and of the
+// buckets backing off: they are retried at once. The end of an outage
+// is logged once; the probes themselves log nothing.
+func (e *engine) probeAnswered(ctx context.Context, l *loop, err error) {
+	l.probing = false
+	now := time.Now()
+	l.probeAt = now.Add(e.probeEvery())
+	if !l.backingOff() || ctx.Err() != nil {
+		return
+	}
+	if err != nil {
+		l.downSeen, l.early = true, false
+		return
+	}
+	if !l.downSeen {
+		return
+	}
+	e.log.Info("relay: the store answers again; retrying now", "down_for", now.Sub(l.downSince).Round(time.Millisecond))
+	l.downSeen, l.early = false, true
+	if l.storeFailures > 0 {
+		l.nextAcquire = now
+	}
+	if l.discoverFailed {
+		l.nextPoll = now
+	}
+	e.sched.retryNow(now)
 }
 
 // drainRoundsMax bounds DrainOnce's rounds: a round acquires, drains

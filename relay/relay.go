@@ -389,7 +389,10 @@ func (r *Relay) Stopped() <-chan struct{} { return r.stopped }
 // problem retrying cannot fix while running, and the error the last
 // Start or Run returned when the relay could not start (Stopped is then
 // not closed: the relay never ran). It returns nil while the relay runs
-// and before its first start.
+// and before its first start. DrainOnce updates it too: a
+// *MisconfigurationError it returns is reported here, and a DrainOnce
+// that ran without one (its ctx alive to the end) clears the error of an
+// earlier failed start or drain.
 func (r *Relay) Err() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -429,9 +432,6 @@ func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
 		return 0, &ConfigError{Field: "OwnPublisher", Value: true,
 			Reason: "DrainOnce neither starts nor stops a publisher: use Run or Start, or start the publisher yourself and leave OwnPublisher false"}
 	}
-	if err := r.checkReady(ctx); err != nil {
-		return 0, err
-	}
 	r.mu.Lock()
 	switch r.state {
 	case stateRunning, stateDraining:
@@ -442,16 +442,38 @@ func (r *Relay) DrainOnce(ctx context.Context) (int, error) {
 		return 0, ErrStopped
 	}
 	r.state = stateDraining
-	e := newEngine(ctx, r.parts, true)
-	r.eng = e
 	r.mu.Unlock()
+	var err error
 	defer func() {
 		r.mu.Lock()
 		r.state = stateIdle
+		r.noteDrain(ctx, err)
 		r.mu.Unlock()
 	}()
+	if err = r.checkReady(ctx); err != nil {
+		return 0, err
+	}
+	e := newEngine(ctx, r.parts, true)
+	r.mu.Lock()
+	r.eng = e
+	r.mu.Unlock()
 
 	n, err := e.drainAll(ctx)
 	e.releaseAll(ctx)
 	return n, err
+}
+
+// noteDrain keeps what Err reports in step with a DrainOnce that ended
+// with err: a misconfiguration (from the publisher's ReadyChecker or
+// met while draining) is reported like a failed start; a drain that ran
+// without one clears an earlier failed start's error, as a successful
+// Start does. A drain whose ctx ended tells nothing and changes nothing.
+// r.mu must be held.
+func (r *Relay) noteDrain(ctx context.Context, err error) {
+	switch {
+	case IsMisconfiguration(err):
+		r.err = err
+	case ctx.Err() == nil:
+		r.err = nil
+	}
 }

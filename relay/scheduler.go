@@ -288,6 +288,22 @@ func (s *scheduler) reset(b int) {
 	st.failed = false
 }
 
+// retryNow ends the backoff of every bucket backing off, and queues the
+// ready ones: the store answers again after an outage that failed their
+// batches. Their failure counts stay, so a bucket that fails again backs
+// off longer.
+func (s *scheduler) retryNow(now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for b := range s.buckets {
+		st := &s.buckets[b]
+		if st.retryAt.After(now) {
+			st.retryAt = time.Time{}
+			s.enqueueLocked(b, now)
+		}
+	}
+}
+
 // hold stops handing out batches while the keeper acquires, and returns
 // the buckets whose batch is in flight, in ascending order: the store
 // keeps those leases (AcquireRequest.Busy). It does not wait for them.

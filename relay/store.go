@@ -218,3 +218,19 @@ type BatchAdvancer interface {
 	// empty.
 	MarkPublishedNext(ctx context.Context, relayID string, lease Lease, msgs []Message, limit int) ([]Message, error)
 }
+
+// Prober is an optional Store capability: telling, in one cheap round
+// trip, whether the store's database answers. After an acquisition or a
+// discovery failed, the relay probes the store every max(BackoffMin,
+// ProbeIntervalMin) while it waits to retry; once a probe answers after
+// the store was seen down (the failed call, or a probe that failed
+// since), the relay retries at once instead of sleeping out its backoff
+// (up to BackoffMax): the acquisition, the discovery, and the batches of
+// the buckets backing off. A store call that fails while the probe
+// answers keeps its plain backoff. Without a Prober the relay sleeps the
+// backoff out.
+type Prober interface {
+	// Probe returns nil when the store's database answers. It must not
+	// log a failure: the relay calls it while the database is down.
+	Probe(ctx context.Context) error
+}

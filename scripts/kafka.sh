@@ -6,6 +6,10 @@
 #   scripts/kafka.sh stop                  stop every node (no orphan JVMs)
 #   scripts/kafka.sh status                the nodes and their pids
 #   scripts/kafka.sh bootstrap             the bootstrap addresses of the running cluster
+#   scripts/kafka.sh topic NAME [PARTITIONS]
+#                                          create topic NAME (PARTITIONS, default 1, replicated
+#                                          to every node; auto-creation is off) and print its
+#                                          name; an existing NAME with as many partitions is kept
 #   scripts/kafka.sh kill|pause|resume N   SIGKILL / SIGSTOP / SIGCONT node N (chaos)
 #   scripts/kafka.sh start-node N          start node N again after a kill (chaos)
 #   scripts/kafka.sh resolve               only fetch the jars into the cache
@@ -265,6 +269,27 @@ cmd_stop() {
   log "stopped"
 }
 
+cmd_topic() { # name [partitions]
+  local name=${1:-} parts=${2:-1} n out have
+  [ -n "$name" ] && [ $# -le 2 ] || die "usage: scripts/kafka.sh topic NAME [PARTITIONS]"
+  case "$parts" in '' | *[!0-9]* | 0*) die "PARTITIONS must be a positive whole number, not '$parts'" ;; esac
+  running_any || die "no cluster running in $STATE"
+  resolve
+  n=$(node_count)
+  if ! out=$(tool org.apache.kafka.tools.TopicCommand --bootstrap-server "$(bootstrap)" --create --if-not-exists \
+    --topic "$name" --partitions "$parts" --replication-factor "$n" 2>&1); then
+    echo "$out" >&2
+    die "creating topic $name failed"
+  fi
+  # --if-not-exists keeps an existing topic whatever its partitions: a
+  # caller asking for another count must hear of it.
+  out=$(tool org.apache.kafka.tools.TopicCommand --bootstrap-server "$(bootstrap)" --describe --topic "$name" 2>&1) ||
+    { echo "$out" >&2; die "describing topic $name failed"; }
+  have=$(echo "$out" | sed -n 's/.*PartitionCount: *\([0-9]*\).*/\1/p' | head -1)
+  [ "$have" = "$parts" ] || die "topic $name exists with ${have:-an unknown number of} partitions, not $parts"
+  echo "$name"
+}
+
 node_pid() {
   local i=$1
   [ -f "$STATE/node-$i/pid" ] || die "node $i is not running"
@@ -276,6 +301,7 @@ case "${1:-}" in
   stop) cmd_stop ;;
   resolve) resolve; echo "$CACHE" ;;
   bootstrap) running_any || die "no cluster running"; bootstrap ;;
+  topic) shift; cmd_topic "$@" ;;
   status)
     for i in $(seq 1 "$(node_count)"); do
       p=$(cat "$STATE/node-$i/pid" 2>/dev/null || echo -)
@@ -286,5 +312,5 @@ case "${1:-}" in
   pause) kill -STOP "$(node_pid "$2")" ;;
   resume) kill -CONT "$(node_pid "$2")" ;;
   start-node) start_node "$2" ;;
-  *) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

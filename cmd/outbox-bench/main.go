@@ -77,7 +77,8 @@ type config struct {
 	// timelines; empty records none.
 	Timeline string
 	// CPUProfile is a file for the CPU profile of the drain scenario's
-	// relay drain (at the configured Parallelism); empty takes none.
+	// relay drain (at the configured Parallelism), and the prefix of the
+	// latency, wal and strict scenarios' profiles; empty takes none.
 	CPUProfile string
 	profile    string // the one run CPUProfile applies to
 	// latencyProfile is the prefix of the latency scenario's profiles,
@@ -180,7 +181,7 @@ func parseFlags(args []string) (config, error) {
 	var latencyOrder string
 	fs.StringVar(&latencyOrder, "latency-modes", strings.Join(defaultLatencyOrder, ","), "latency: comma-separated modes in the order they run, a mode named more than once running again (its figures then pool every run's messages, each run's also reported as MODE.K_...): "+strings.Join(latencyModeNames(), ", "))
 	fs.StringVar(&c.Timeline, "timeline", "", "latency: record each message's path through the relay into this directory and summarise the slow ones (costs some speed)")
-	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "drain: write the CPU profile of this process during the relay drain to this file; latency: during each mode's writes and deliveries to this file's name followed by .MODE; wal: during the first WAL mode drain through the acknowledging publisher")
+	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "drain: write the CPU profile of this process during the relay drain to this file; latency: during each mode's writes and deliveries to this file's name followed by .MODE; wal: during the first WAL mode drain through the acknowledging publisher; strict: during each round's drains to this file's name followed by .default.N and .strict.N")
 	fs.StringVar(&c.RelayProfiles, "relay-cpuprofiles", "", "relays: write the CPU profile of each relay process, from its start to its exit, into this directory as relays-K-PID.pprof (K relay processes)")
 	fs.DurationVar(&c.Warmup, "warmup", time.Second, "latency: how long to write before -duration, delivered but not counted (fresh connections run 2-3x slower)")
 	fs.IntVar(&c.WriteOps, "write-ops", 3000, "write: transactions per side")

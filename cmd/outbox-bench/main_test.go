@@ -77,8 +77,12 @@ func TestSmoke(t *testing.T) {
 				requireRelayProfiles(t, cfg)
 			}
 			if cfg.CPUProfile != "" {
-				// The drain's profile, and one per latency mode run.
+				// The drain's profile, one per latency mode run and one per
+				// strict round and mode.
 				files := []string{cfg.CPUProfile, cfg.CPUProfile + ".notify", cfg.CPUProfile + ".direct.1", cfg.CPUProfile + ".direct.2"}
+				for round := range cfg.Rounds {
+					files = append(files, fmt.Sprintf("%s.default.%d", cfg.CPUProfile, round+1), fmt.Sprintf("%s.strict.%d", cfg.CPUProfile, round+1))
+				}
 				for _, f := range files {
 					st, err := os.Stat(f)
 					require.NoError(t, err)

@@ -1001,11 +1001,16 @@ func strictScenario(ctx context.Context, cfg config, r *result) error {
 	// last, compare the modes without their starts.
 	series := map[string][]float64{}
 	for round := range cfg.Rounds {
-		def, err := drainTimed(ctx, cfg, cfg.N, false, newDefault)
+		defCfg, strictCfg := cfg, cfg
+		if cfg.CPUProfile != "" {
+			defCfg.profile = fmt.Sprintf("%s.default.%d", cfg.CPUProfile, round+1)
+			strictCfg.profile = fmt.Sprintf("%s.strict.%d", cfg.CPUProfile, round+1)
+		}
+		def, err := drainTimed(ctx, defCfg, cfg.N, false, newDefault)
 		if err != nil {
 			return fmt.Errorf("default mode, round %d: %w", round+1, err)
 		}
-		strict, err := drainTimed(ctx, cfg, cfg.N, false, newStrict)
+		strict, err := drainTimed(ctx, strictCfg, cfg.N, false, newStrict)
 		if err != nil {
 			return fmt.Errorf("strict mode, round %d: %w", round+1, err)
 		}

@@ -5,7 +5,9 @@
 package opstest
 
 import (
+	"encoding/json"
 	"fmt"
+	"net/http/httptest"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -184,4 +186,17 @@ func Harness(newBackend func(t *testing.T, buckets int) *Backend) storetest.Oper
 		InsertDead: func(t *testing.T, op ops.Operator, dead []ops.DeadLetter) { of(op).InsertDead(t, dead...) },
 		Pending:    func(t *testing.T, op ops.Operator) []relay.Message { return of(op).Pending(t) },
 	}
+}
+
+// GetJSON GETs path from srv and decodes the JSON object it answers (a
+// health probe's, an admin endpoint's); it returns the status code and
+// the object.
+func GetJSON(t testing.TB, srv *httptest.Server, path string) (int, map[string]any) {
+	t.Helper()
+	resp, err := srv.Client().Get(srv.URL + path)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	var body map[string]any
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&body), path)
+	return resp.StatusCode, body
 }

@@ -1,7 +1,6 @@
 package opshttp_test
 
 import (
-	"encoding/json"
 	"net/http"
 	"net/http/httptest"
 	"testing"
@@ -23,34 +22,25 @@ func TestHealthReadiness(t *testing.T) {
 	opstest.ForEach(t, 4, func(t *testing.T, b *opstest.Backend) {
 		srv := httptest.NewServer(opshttp.Health{Operator: b.Op, MaxAge: time.Minute, Logger: dbtest.Logger(t)}.Handler())
 		defer srv.Close()
-		get := func(path string) (int, map[string]any) {
-			t.Helper()
-			resp, err := srv.Client().Get(srv.URL + path)
-			require.NoError(t, err)
-			defer resp.Body.Close()
-			var body map[string]any
-			require.NoError(t, json.NewDecoder(resp.Body).Decode(&body))
-			return resp.StatusCode, body
-		}
-		code, body := get("/readyz")
+		code, body := opstest.GetJSON(t, srv, "/readyz")
 		require.Equal(t, http.StatusOK, code)
 		require.Equal(t, "ok", body["status"])
 		require.NotContains(t, body, "bucket", "nothing pending")
 
 		b.Insert(t, relay.Message{MessageID: "young", Bucket: 1, Topic: "t", CreatedAt: time.Now()})
-		code, body = get("/healthz")
+		code, body = opstest.GetJSON(t, srv, "/healthz")
 		require.Equal(t, http.StatusOK, code)
 		require.EqualValues(t, 1, body["bucket"])
 
 		b.Insert(t, relay.Message{MessageID: "old", Bucket: 3, Topic: "t", CreatedAt: time.Now().Add(-time.Hour)})
-		code, body = get("/readyz")
+		code, body = opstest.GetJSON(t, srv, "/readyz")
 		require.Equal(t, http.StatusServiceUnavailable, code)
 		require.Equal(t, "unhealthy", body["status"])
 		require.EqualValues(t, 3, body["bucket"])
 		require.GreaterOrEqual(t, body["oldest_pending_age_seconds"], 3599.0)
 
 		// Liveness reads no database: the old message does not fail it.
-		code, body = get("/livez")
+		code, body = opstest.GetJSON(t, srv, "/livez")
 		require.Equal(t, http.StatusOK, code)
 		require.Equal(t, "ok", body["status"])
 	})

@@ -1,7 +1,8 @@
 // Package storetest is the conformance suite of relay.Store and of each
 // optional store capability the relay engine uses (relay.LeaseRenewer,
 // relay.FailureRecorder, relay.BatchAdvancer, relay.BucketCounter,
-// relay.StartChecker). A store that passes it can be handed to relay.New.
+// relay.StartChecker, relay.Prober). A store that passes it can be handed
+// to relay.New.
 //
 // Run it from a test of your store with a Harness that creates an empty
 // outbox and inserts messages into it the way your writers do:
@@ -97,6 +98,7 @@ func Run(t *testing.T, h Harness) {
 		{"LargeBatches", testLargeBatches},
 		{"BucketCounter", testBucketCounter},
 		{"StartChecker", testStartChecker},
+		{"Prober", testProber},
 		{"Concurrent", testConcurrent},
 	}
 	for _, tc := range tests {
@@ -389,6 +391,20 @@ func testExpiredNotRenewed(t *testing.T, h Harness) {
 	require.ErrorIs(t, s.MarkPublished(t.Context(), "a", l, batch), relay.ErrLeaseLost, "the old term stays lost")
 	require.NoError(t, s.MarkPublished(t.Context(), "a", again, batch))
 	require.Empty(t, next(t, s, 0, 10))
+}
+
+// testProber: a store that answers probes healthy, and a probe under an
+// ended context fails.
+func testProber(t *testing.T, h Harness) {
+	s := h.New(t, 2)
+	p, ok := s.(relay.Prober)
+	if !ok {
+		t.Skip("the store does not implement relay.Prober")
+	}
+	require.NoError(t, p.Probe(t.Context()))
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	require.Error(t, p.Probe(ctx), "a probe under an ended context")
 }
 
 func testRenewer(t *testing.T, h Harness) {

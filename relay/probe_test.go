@@ -1,0 +1,140 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// probedStore is a fakeStore that can be probed (relay.Prober); its
+// probes fail while down. It records when each acquisition and probe
+// came.
+type probedStore struct {
+	*fakeStore
+	mu       sync.Mutex
+	down     bool
+	probes   []time.Time
+	acquires []time.Time
+}
+
+func (p *probedStore) Probe(context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.probes = append(p.probes, time.Now())
+	if p.down {
+		return errors.New("connection refused")
+	}
+	return nil
+}
+
+func (p *probedStore) AcquireLeases(ctx context.Context, req relay.AcquireRequest) (relay.Acquired, error) {
+	p.mu.Lock()
+	p.acquires = append(p.acquires, time.Now())
+	p.mu.Unlock()
+	return p.fakeStore.AcquireLeases(ctx, req)
+}
+
+func (p *probedStore) setDown(down bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.down = down
+}
+
+// since returns the times of ts at or after t.
+func since(mu *sync.Mutex, ts *[]time.Time, t time.Time) []time.Time {
+	mu.Lock()
+	defer mu.Unlock()
+	var out []time.Time
+	for _, x := range *ts {
+		if !x.Before(t) {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+// probeConfig has a BackoffMin below ProbeIntervalMin and a BackoffMax
+// far above it.
+func probeConfig() relay.Config {
+	cfg := config("a")
+	cfg.BackoffMin, cfg.BackoffMax = 10*time.Millisecond, 4*time.Second
+	return cfg
+}
+
+// A relay whose store stops answering probes it at most every
+// ProbeIntervalMin, though BackoffMin is shorter, and acquires at the
+// first probe that answers, not at the end of its backoff (seconds by
+// then); the outage's end is the probe's answer, not a call that failed.
+func TestProbeEndsTheBackoffWhenTheStoreAnswers(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := &probedStore{fakeStore: newFakeStore(8)}
+		s.add(1, 3)
+		r := start(t, s, (&pubLog{}).publisher(nil), probeConfig())
+		synctest.Wait()
+		require.Len(t, r.Leases(), 8)
+
+		down := time.Now()
+		s.setDown(true)
+		s.failLeases(errors.New("connection refused"))
+		const outage = 10 * time.Second
+		time.Sleep(outage)
+		probes := since(&s.mu, &s.probes, down)
+		require.NotEmpty(t, probes)
+		require.LessOrEqual(t, len(probes), int(outage/relay.ProbeIntervalMin)+1, "probes at least ProbeIntervalMin apart")
+		for i := 1; i < len(probes); i++ {
+			require.GreaterOrEqual(t, probes[i].Sub(probes[i-1]), relay.ProbeIntervalMin)
+		}
+		require.Empty(t, r.Leases(), "the trust window ended during the outage")
+
+		back := time.Now()
+		s.failLeases(nil)
+		s.setDown(false)
+		s.add(2, 3)
+		time.Sleep(relay.ProbeIntervalMin)
+		synctest.Wait()
+		acquires := since(&s.mu, &s.acquires, back)
+		require.NotEmpty(t, acquires, "acquired within a probe interval of the store answering")
+		require.Len(t, r.Leases(), 8)
+		for s.pending() > 0 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		stop(t, r)
+	})
+}
+
+// An acquisition that fails while the probe answers (a failure the probe
+// cannot see) keeps its plain backoff: once the backoff reached
+// BackoffMax, acquisitions come at least BackoffMax/2 apart (one early
+// retry allowed), not every probe interval.
+func TestProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := &probedStore{fakeStore: newFakeStore(8)}
+		cfg := probeConfig()
+		r := start(t, s, (&pubLog{}).publisher(nil), cfg)
+		synctest.Wait()
+
+		s.failLeases(errors.New("permission denied for table outbox_leases"))
+		// By then the backoff is at BackoffMax: 10ms doubled to 4s within
+		// about 5s of failures, and the trust window long over.
+		time.Sleep(10 * time.Second)
+		from := time.Now()
+		const window = 10 * time.Second
+		time.Sleep(window)
+		acquires := since(&s.mu, &s.acquires, from)
+		require.NotEmpty(t, acquires)
+		require.LessOrEqual(t, len(acquires), int(window/(cfg.BackoffMax/2))+2,
+			"acquisitions at least BackoffMax/2 apart, bar one early retry: %v", acquires)
+		require.NotEmpty(t, since(&s.mu, &s.probes, from), "the store was probed meanwhile")
+		s.failLeases(nil)
+		stop(t, r)
+	})
+}

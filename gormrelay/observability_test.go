@@ -551,8 +551,27 @@ func (p *leaseAwarePub) LeasesReleased(_ context.Context, ls []relay.Lease) {
 	p.released = append(p.released, ls...)
 }
 
-// TracingPublisher keeps the wrapped publisher's LeaseAware capability and
-// adds none it lacks; errors pass through unchanged.
+// reconcilingPub is a LeaseAware publisher that is also a Reconciler: it
+// names the lease's bucket and term.
+type reconcilingPub struct{ *leaseAwarePub }
+
+func (reconcilingPub) Reconcile(_ context.Context, l relay.Lease) ([]int64, error) {
+	return []int64{int64(l.Bucket), l.Term}, nil
+}
+
+// reconcilingOnly is a Reconciler that is not LeaseAware.
+type reconcilingOnly struct{ p *reconcilingPub }
+
+func (r reconcilingOnly) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
+	return r.p.Publish(ctx, msgs)
+}
+
+func (r reconcilingOnly) Reconcile(ctx context.Context, l relay.Lease) ([]int64, error) {
+	return r.p.Reconcile(ctx, l)
+}
+
+// TracingPublisher keeps the wrapped publisher's LeaseAware and Reconciler
+// capabilities and adds none it lacks; errors pass through unchanged.
 func TestTracingPublisherWrapping(t *testing.T) {
 	t.Parallel()
 	boom := relay.Permanent(errors.New("rejected"))
@@ -567,12 +586,31 @@ func TestTracingPublisherWrapping(t *testing.T) {
 	acked, err := wrapped.Publish(t.Context(), []relay.Message{{Topic: "a"}, {Topic: "b"}})
 	require.Equal(t, 1, acked)
 	require.ErrorIs(t, err, boom)
+	_, ok = wrapped.(relay.Reconciler)
+	require.False(t, ok, "a capability the wrapped publisher lacks")
+
+	// The strict-mode publisher's two capabilities, together or alone.
+	for name, inner := range map[string]relay.Publisher{
+		"both":       &reconcilingPub{leaseAwarePub: &leaseAwarePub{}},
+		"reconciler": reconcilingOnly{&reconcilingPub{leaseAwarePub: &leaseAwarePub{}}},
+	} {
+		wrapped := publisher.TracingPublisher(inner, &recordingTP{})
+		rc, ok := wrapped.(relay.Reconciler)
+		require.True(t, ok, name)
+		ids, err := rc.Reconcile(t.Context(), relay.Lease{Bucket: 3, Term: 4})
+		require.NoError(t, err, name)
+		require.Equal(t, []int64{3, 4}, ids, name)
+		_, isLA := wrapped.(relay.LeaseAware)
+		require.Equal(t, name == "both", isLA, name)
+	}
 
 	tp := &recordingTP{}
 	plain := publisher.TracingPublisher(relay.PublisherFunc(func(_ context.Context, msgs []relay.Message) (int, error) {
 		return len(msgs), nil
 	}), tp)
 	_, ok = plain.(relay.LeaseAware)
+	require.False(t, ok)
+	_, ok = plain.(relay.Reconciler)
 	require.False(t, ok)
 	acked, err = plain.Publish(t.Context(), []relay.Message{{Topic: "a"}, {Topic: "b"}})
 	require.NoError(t, err)

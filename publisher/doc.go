@@ -204,6 +204,7 @@
 //     their own and hands the culprit to its failure policy. A message
 //     that cannot be sent at all (too large, no topic) fails the batch
 //     before the transaction begins.
+//
 //   - A relay that lost its bucket is fenced by the broker. The relay that
 //     takes the bucket over initialises the same transactional id, which
 //     bumps the producer epoch and aborts the previous owner's open
@@ -213,18 +214,51 @@
 //     drops the bucket without deleting anything. A stale relay's in-flight
 //     batch therefore never interleaves with the new owner's.
 //
+//   - Each message is delivered once. Every transaction also commits,
+//     atomically with its records, a progress marker: an offset in the
+//     bucket's progress group (Transactional.ProgressGroup, a consumer
+//     group without members) whose value is the bucket's transaction
+//     sequence number and whose metadata lists the row ids the
+//     transaction carried. A producer reads the marker when it starts,
+//     after its InitProducerID fenced the previous owner (whose last
+//     transaction is then committed or aborted), with an OffsetFetch that
+//     requires stable offsets; Reconcile (relay.Reconciler) hands the ids
+//     to the relay, which deletes those rows before it reads the bucket,
+//     and again after any batch that ended in doubt. A batch committed but
+//     not deleted (the relay died, lost the database or its lease just
+//     after the commit) is therefore not published again. The row ids of
+//     a batch must fit TransactionalConfig.MarkerMaxBytes (the brokers'
+//     offset.metadata.max.bytes, 4096 by default; ids close together cost
+//     a byte each): a batch whose ids do not is published up to the last
+//     id that fits, and Publish returns that prefix with an error for
+//     which relay.IsTruncated reports true; the relay deletes it and
+//     publishes the rest at once.
+//
+// This rests on: read_committed consumers; the relay calling Reconcile (a
+// wrapper must forward relay.Reconciler; TracingPublisher does); store
+// ids that are never reused (bigserial, AUTO_INCREMENT on MySQL 8.0 or
+// MariaDB 10.2.4 and newer, whose counters survive a restart; SQLite
+// AUTOINCREMENT); the marker outliving the failed delete (the brokers'
+// offsets.retention.minutes, 7 days by default, counted from the bucket's
+// last commit); and the principal having READ on the progress groups (a
+// PREFIXED group ACL on TransactionalIDPrefix) and on the outbox's
+// topics, which the broker requires for a transactional offset commit. A
+// refused marker is a *relay.MisconfigurationError and aborts the
+// transaction: nothing is lost. The WAL reader (pgwal) publishes through
+// this publisher but does not reconcile: in WAL mode a batch committed
+// before the reader confirmed its position is published again.
+//
 // read_uncommitted consumers (the default of most clients) see aborted
-// records too, so none of this holds for them. Delivery stays at least
-// once: a batch whose commit succeeded but whose rows could not be deleted
-// (a database error, a lease lost just after the commit) is published
-// again, as a whole and in order; deduplicate by message id.
+// records too, so none of this holds for them.
 //
 // A relay holds one producer, with its own broker connections, per bucket
 // it owns. It starts it when it acquires the bucket (relay.LeaseAware),
 // which costs a metadata request, FindCoordinator and InitProducerID, and
-// closes it when it gives the bucket up. Each batch adds two coordinator
-// round trips (AddPartitionsToTxn, EndTxn) and the broker writes a marker
-// per partition; see docs/strict-mode.md. A bucket's next transaction may
+// closes it when it gives the bucket up, and reads the bucket's progress
+// marker (FindCoordinator and OffsetFetch for the group). Each batch adds
+// four round trips (AddPartitionsToTxn, AddOffsetsToTxn, TxnOffsetCommit
+// to the group's coordinator, EndTxn) and the broker writes a commit marker
+// per partition, the progress group's included; see docs/strict-mode.md. A bucket's next transaction may
 // find the coordinator still writing the previous one's markers
 // (CONCURRENT_TRANSACTIONS), a millisecond on an idle broker and tens of
 // milliseconds on a cold or loaded one, or on three nodes; unless TransactionalConfig.Configure chose

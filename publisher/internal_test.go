@@ -67,7 +67,11 @@ func TestSaramaConfigEnforcesGuarantees(t *testing.T) {
 			require.True(t, sc.Producer.Idempotent)
 			require.Equal(t, 1, sc.Net.MaxOpenRequests)
 			require.Equal(t, RetryMaxDefault, sc.Producer.Retry.Max)
-			require.Equal(t, MinKafkaVersion, sc.Version)
+			floor := MinKafkaVersion
+			if name == "transactional" {
+				floor = MinTransactionalKafkaVersion
+			}
+			require.Equal(t, floor, sc.Version)
 			require.True(t, sc.Producer.Return.Successes)
 			require.True(t, sc.Producer.Return.Errors)
 			require.Equal(t, reflect.ValueOf(newPartitioner).Pointer(), reflect.ValueOf(sc.Producer.Partitioner).Pointer())

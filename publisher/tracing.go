@@ -30,15 +30,23 @@ const tracerName = "github.com/gorm-outbox/outbox"
 // tp provides the tracer; nil uses otel.GetTracerProvider() at each call.
 // Without an installed SDK the spans are no-ops and cost next to nothing.
 //
-// When next implements relay.LeaseAware (the transactional Kafka
-// publisher does), so does the returned publisher, forwarding to it. The
+// When next implements relay.LeaseAware or relay.Reconciler (the
+// transactional Kafka publisher implements both), so does the returned
+// publisher, forwarding to it. The
 // returned publisher implements relay.ReadyChecker, forwarding to next's
 // when it has one (the Kafka publishers do), so a relay still refuses to
 // start on a wrapped publisher that was never started.
 func TracingPublisher(next relay.Publisher, tp trace.TracerProvider) relay.Publisher {
 	p := &tracingPublisher{next: next, tp: tp}
-	if la, ok := next.(relay.LeaseAware); ok {
+	la, isLA := next.(relay.LeaseAware)
+	rc, isRC := next.(relay.Reconciler)
+	switch {
+	case isLA && isRC:
+		return &strictTracingPublisher{tracingPublisher: p, LeaseAware: la, Reconciler: rc}
+	case isLA:
 		return &leaseAwareTracingPublisher{tracingPublisher: p, LeaseAware: la}
+	case isRC:
+		return &reconcilingTracingPublisher{tracingPublisher: p, Reconciler: rc}
 	}
 	return p
 }
@@ -53,6 +61,21 @@ type tracingPublisher struct {
 type leaseAwareTracingPublisher struct {
 	*tracingPublisher
 	relay.LeaseAware
+}
+
+// reconcilingTracingPublisher keeps the Reconciler capability of the
+// publisher it wraps.
+type reconcilingTracingPublisher struct {
+	*tracingPublisher
+	relay.Reconciler
+}
+
+// strictTracingPublisher keeps both capabilities of the transactional
+// publisher it wraps.
+type strictTracingPublisher struct {
+	*tracingPublisher
+	relay.LeaseAware
+	relay.Reconciler
 }
 
 // CheckReady implements relay.ReadyChecker: next's, or nil.

@@ -51,8 +51,9 @@ type TransactionalConfig struct {
 	//
 	// After it runs, the publisher enforces what KafkaConfig.Configure
 	// lists (acks=all, idempotence with one request in flight, at least one
-	// retry, Kafka 0.11 or newer, Return.Successes and Return.Errors, the
-	// partitioner, MaxMessageBytes), and sets Producer.Transaction.ID to
+	// retry, Return.Successes and Return.Errors, the
+	// partitioner, MaxMessageBytes), Kafka 2.5 or newer
+	// (MinTransactionalKafkaVersion), and sets Producer.Transaction.ID to
 	// the bucket's transactional id. Setting Producer.Transaction.ID here
 	// is an error.
 	Configure func(*sarama.Config) error
@@ -70,6 +71,16 @@ type TransactionalConfig struct {
 	// below sarama.MaxRequestSize.
 	MaxMessageBytes int
 
+	// MarkerMaxBytes bounds the progress marker, in bytes: the metadata
+	// of the offset every transaction commits in its bucket's progress
+	// group (ProgressGroup), which lists the row ids the transaction
+	// carried, a byte or two per id for ids close together. A batch whose
+	// ids do not fit is published up to the last id that fits, and the
+	// rest follows in the next transaction (relay.Truncated). Keep it at
+	// or below the brokers' offset.metadata.max.bytes. Default
+	// MarkerMaxBytesDefault, the broker's default; at least 64.
+	MarkerMaxBytes int
+
 	// Logger receives the publisher's logs: Debug for producer lifecycle
 	// and failed batches, Warn for fencing and failed aborts. Default
 	// slog.Default(). Payloads are never logged.
@@ -85,6 +96,9 @@ func (c TransactionalConfig) WithDefaults() TransactionalConfig {
 	if c.MaxMessageBytes == 0 {
 		c.MaxMessageBytes = MaxMessageBytesDefault
 	}
+	if c.MarkerMaxBytes == 0 {
+		c.MarkerMaxBytes = MarkerMaxBytesDefault
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -97,6 +111,9 @@ func (c TransactionalConfig) validate() error {
 	}
 	if c.TransactionalIDPrefix == "" {
 		return configError("TransactionalConfig.TransactionalIDPrefix", `""`, "is required: a prefix unique to this outbox, shared by all of its relays", nil)
+	}
+	if c.MarkerMaxBytes < markerMinBytes {
+		return configError("TransactionalConfig.MarkerMaxBytes", strconv.Itoa(c.MarkerMaxBytes), "must be at least "+strconv.Itoa(markerMinBytes), nil)
 	}
 	return checkMaxMessageBytes("TransactionalConfig", c.MaxMessageBytes)
 }
@@ -111,6 +128,9 @@ func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) 
 	if err != nil {
 		return nil, err
 	}
+	if !sc.Version.IsAtLeast(MinTransactionalKafkaVersion) {
+		sc.Version = MinTransactionalKafkaVersion
+	}
 	retry, def := &sc.Producer.Transaction.Retry, sarama.NewConfig().Producer.Transaction.Retry
 	if retry.BackoffFunc == nil && retry.Backoff == def.Backoff {
 		retry.BackoffFunc = txnRetryBackoff
@@ -123,6 +143,13 @@ func (c TransactionalConfig) saramaConfig(txnID string) (*sarama.Config, error) 
 	}
 	return sc, nil
 }
+
+// MinTransactionalKafkaVersion is the lowest sarama Version the
+// strict-mode publisher runs with; a lower one set by
+// TransactionalConfig.Configure is raised to it. Its progress marker is
+// read with an OffsetFetch that requires stable offsets (KIP-447,
+// version 7), which Kafka 2.5 introduced.
+var MinTransactionalKafkaVersion = sarama.V2_5_0_0
 
 // TxnLingerDefault is the transactional producers' sarama
 // Producer.Flush.Frequency unless TransactionalConfig.Configure sets a
@@ -247,6 +274,7 @@ func (t *Transactional) CheckReady(context.Context) error {
 type txProducer struct {
 	bucket int
 	txnID  string
+	group  string // the progress group, ProgressGroup(bucket)
 	log    *slog.Logger
 
 	// sem is held, one at a time, by the transaction in progress (from
@@ -260,6 +288,11 @@ type txProducer struct {
 	producer   sarama.AsyncProducer
 	err        error
 	dispatched chan struct{} // closed when dispatch returns
+
+	// last is the bucket's progress marker: read from the progress group
+	// at start, then the marker of every transaction the producer
+	// committed. Set before ready is closed, then by the holder of sem.
+	last marker
 
 	// broken is set, by the holder of sem, when the producer can no longer
 	// be used (fenced, or its transaction state is fatal or unknown).
@@ -384,6 +417,7 @@ func (t *Transactional) startLocked(bucket int) *txProducer {
 	p := &txProducer{
 		bucket: bucket,
 		txnID:  txnID,
+		group:  t.ProgressGroup(bucket),
 		log:    t.logger.With(slog.Int("bucket", bucket), slog.String("transactional_id", txnID)),
 		sem:    make(chan struct{}, 1),
 		ready:  make(chan struct{}),
@@ -394,6 +428,16 @@ func (t *Transactional) startLocked(bucket int) *txProducer {
 		defer t.bg.Done()
 		defer close(p.ready)
 		p.client, p.producer, p.err = t.newProducer(p.txnID)
+		if p.err == nil {
+			// After InitProducerID: the previous owner's last
+			// transaction is committed or aborted, and its marker is
+			// what the group holds.
+			if p.last, p.err = t.readMarker(p.client, p.group); p.err != nil {
+				_ = p.producer.Close()
+				_ = p.client.Close()
+				p.client, p.producer = nil, nil
+			}
+		}
 		if p.err != nil {
 			p.log.Debug("start transactional producer failed", slog.Any("error", p.err))
 			return
@@ -573,11 +617,23 @@ func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int,
 	if err := ctx.Err(); err != nil {
 		return 0, err
 	}
+	ids := make([]int64, len(msgs))
+	for i := range msgs {
+		ids[i] = msgs[i].ID
+	}
+	meta, fit := encodeMarker(ids, t.cfg.MarkerMaxBytes)
+	var cut error
+	if fit < len(msgs) {
+		cut = relay.Truncated(fmt.Errorf("publisher: the row ids of %d of the batch's %d messages fit in MarkerMaxBytes %d; the rest follows in the next transaction",
+			fit, len(msgs), t.cfg.MarkerMaxBytes))
+		msgs = msgs[:fit]
+	}
 	b, err := t.build(msgs)
 	if err != nil {
 		t.logFailure(msgs, err)
 		return 0, err
 	}
+	b.marker, b.ids = meta, ids[:fit]
 	p, err := t.acquire(ctx, bucket)
 	if err != nil {
 		return 0, err
@@ -593,11 +649,11 @@ func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int,
 	}()
 	select {
 	case o := <-done:
-		return o.acked, o.err
+		return o.acked, o.outcomeErr(cut)
 	case <-ctx.Done():
 		select {
 		case o := <-done:
-			return o.acked, o.err
+			return o.acked, o.outcomeErr(cut)
 		default:
 			return 0, ctx.Err()
 		}
@@ -651,6 +707,9 @@ type txBatch struct {
 	pms  []sarama.ProducerMessage
 	envs []envelope
 	call *call
+	// marker is the encoded progress marker of ids, the batch's row ids.
+	marker string
+	ids    []int64
 }
 
 // build converts msgs to producer messages and checks each against what no
@@ -710,6 +769,15 @@ func (t *Transactional) build(msgs []relay.Message) (*txBatch, error) {
 type txOutcome struct {
 	acked int
 	err   error
+}
+
+// outcomeErr is the error Publish returns: the transaction's, or cut if
+// the batch was truncated to the ids its marker holds and committed.
+func (o txOutcome) outcomeErr(cut error) error {
+	if o.err == nil && o.acked > 0 {
+		return cut
+	}
+	return o.err
 }
 
 // transact runs one transaction on p, whose sem the caller holds; it
@@ -788,6 +856,16 @@ wait:
 		return txOutcome{err: ctx.Err()}
 	}
 
+	// The progress marker commits with the records: the next owner of the
+	// bucket, or this relay after a failed delete, learns from it which
+	// rows Kafka holds (see ProgressGroup).
+	seq := p.last.seq + 1
+	if err := p.producer.AddOffsetsToTxn(map[string][]*sarama.PartitionOffsetMetadata{
+		msgs[0].Topic: {{Partition: 0, Offset: seq, LeaderEpoch: -1, Metadata: &b.marker}},
+	}, p.group); err != nil {
+		_ = t.abort(p, log)
+		return txOutcome{err: t.txnError(p, "add progress marker", err)}
+	}
 	if err := p.producer.CommitTxn(); err != nil {
 		if isFenced(err) {
 			p.broken = true
@@ -801,8 +879,9 @@ wait:
 			p.broken = true
 		}
 		log.Debug("commit failed", slog.Int("batch", len(msgs)), slog.Any("error", err))
-		return txOutcome{err: t.txnError(p, "commit transaction", err)}
+		return txOutcome{err: t.commitError(p, err)}
 	}
+	p.last = marker{seq: seq, ids: b.ids}
 	return txOutcome{acked: len(msgs)}
 }
 
@@ -829,6 +908,24 @@ func (t *Transactional) fenced(p *txProducer, err error) error {
 	p.log.Warn("producer fenced: another producer initialised the transactional id; the relay leaves the bucket",
 		slog.Any("error", err))
 	return relay.Fenced(fmt.Errorf("publisher: transactional id %q fenced: %w", p.txnID, err))
+}
+
+// commitError wraps a failed commit. The broker refusing the progress
+// marker (the group or the topic is not authorized for it, the marker is
+// larger than offset.metadata.max.bytes) is a *relay.MisconfigurationError:
+// no retry can fix it, and nothing of the batch became visible.
+func (t *Transactional) commitError(p *txProducer, err error) error {
+	err = t.txnError(p, "commit transaction", err)
+	switch {
+	case errors.Is(err, sarama.ErrGroupAuthorizationFailed), errors.Is(err, sarama.ErrTopicAuthorizationFailed):
+		return &relay.MisconfigurationError{Setting: "TransactionalIDPrefix",
+			Reason: "the broker refuses the transaction's progress marker; grant READ on the group " + p.group +
+				" (a PREFIXED group ACL on the prefix) and on the outbox's topics", Err: err}
+	case errors.Is(err, sarama.ErrOffsetMetadataTooLarge):
+		return &relay.MisconfigurationError{Setting: "MarkerMaxBytes",
+			Reason: "it exceeds the brokers' offset.metadata.max.bytes", Err: err}
+	}
+	return err
 }
 
 // txnError wraps a transaction-level failure, one no single message caused.

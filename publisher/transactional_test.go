@@ -444,7 +444,7 @@ func TestTransactionalConfigEnforced(t *testing.T) {
 	require.True(t, sc.Producer.Idempotent)
 	require.Equal(t, 1, sc.Net.MaxOpenRequests)
 	require.Equal(t, publisher.RetryMaxDefault, sc.Producer.Retry.Max)
-	require.True(t, sc.Version.IsAtLeast(publisher.MinKafkaVersion))
+	require.True(t, sc.Version.IsAtLeast(publisher.MinTransactionalKafkaVersion))
 	require.True(t, sc.Producer.Return.Successes)
 	require.Equal(t, publisher.MaxMessageBytesDefault, sc.Producer.MaxMessageBytes)
 	require.Equal(t, "mine", sc.ClientID)

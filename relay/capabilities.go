@@ -21,12 +21,16 @@ type parts struct {
 	// leaseAware is told of lease changes; nil if the publisher does not
 	// implement LeaseAware.
 	leaseAware LeaseAware
+	// reconciler names the rows the sink already holds; nil if the
+	// publisher does not implement Reconciler.
+	reconciler Reconciler
 }
 
 // resolveParts resolves the capabilities of store, publisher and cfg.
 func resolveParts(store Store, publisher Publisher, cfg Config) parts {
 	p := parts{cfg: cfg, store: store, publisher: publisher, caps: resolveCapabilities(store, cfg)}
 	p.leaseAware, _ = publisher.(LeaseAware)
+	p.reconciler, _ = publisher.(Reconciler)
 	return p
 }
 

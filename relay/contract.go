@@ -262,3 +262,67 @@ func IsBatchRejected(err error) bool {
 	var be *BatchRejectedError
 	return errors.As(err, &be)
 }
+
+// Reconciler is an optional Publisher capability: telling the relay which
+// rows of a bucket the sink already holds although the store may still
+// hold them, because a relay published them and then failed to delete
+// them (it died, or lost the database, between the sink's commit and the
+// delete). The strict-mode publisher implements it: every Kafka
+// transaction also records, atomically, the row ids it carried, and
+// Reconcile returns the ids recorded by the bucket's last committed
+// transaction (publisher.Transactional.ProgressGroup). The relay discovers
+// it by type assertion on the Publisher given to New; a wrapper around a
+// publisher should forward it.
+//
+// The relay calls Reconcile for a bucket before the first batch it reads
+// of it under a lease (after LeasesAcquired, for a LeaseAware publisher),
+// and again before the next batch whenever a batch of the bucket ended in
+// doubt: a publish that failed or was cancelled, or a delete that failed.
+// It then deletes the returned ids from the store, by MarkPublished under
+// the lease, before it reads the bucket; ids of rows already gone are
+// ignored. A publisher must therefore return only ids of the bucket that
+// the sink holds for good, and must, before it returns, have made sure
+// that no earlier owner of the bucket can still make a batch visible (the
+// strict-mode publisher fences it first). Store ids must never be reused:
+// the relay deletes by id.
+//
+// An error is logged and the bucket is retried after its backoff, without
+// reading or publishing anything; a *MisconfigurationError stops the relay,
+// and a fenced or lost lease drops the bucket. Reconcile is called
+// concurrently for different buckets, never concurrently with a Publish of
+// the same bucket.
+type Reconciler interface {
+	Reconcile(ctx context.Context, lease Lease) (ids []int64, err error)
+}
+
+// TruncatedError marks a publish that the sink took only a prefix of, on
+// purpose, because the whole batch exceeded a limit of the sink (the
+// strict-mode publisher records the batch's row ids in the transaction,
+// and the broker bounds that record's size). Publish returns the prefix as
+// acknowledged together with an error wrapped with Truncated; the relay
+// deletes the prefix and publishes the rest at once, without counting a
+// failure against any message. Publishers wrap such errors with Truncated.
+type TruncatedError struct {
+	Err error
+}
+
+func (e *TruncatedError) Error() string { return "batch truncated: " + e.Err.Error() }
+
+// Unwrap returns the wrapped error.
+func (e *TruncatedError) Unwrap() error { return e.Err }
+
+// Truncated wraps err so that IsTruncated reports true for it. It returns
+// nil for a nil err.
+func Truncated(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &TruncatedError{Err: err}
+}
+
+// IsTruncated reports whether err, or any error it wraps, is a
+// *TruncatedError.
+func IsTruncated(err error) bool {
+	var te *TruncatedError
+	return errors.As(err, &te)
+}

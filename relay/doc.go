@@ -78,6 +78,11 @@
 // Every batch is one bucket's, and goes through one path (drainBatch), a
 // step per invariant, in this order:
 //
+//   - reconcile: with a Reconciler publisher, before the first batch
+//     under a lease and before the next batch after one that ended in
+//     doubt (a publish that failed or was cancelled, a failed delete), the
+//     row ids the sink says it already holds are deleted by MarkPublished
+//     under the lease; nothing is read or published until that succeeded;
 //   - read: the bucket's oldest rows, read afresh, or the batch read ahead
 //     with the previous delete (BatchAdvancer) under the same term;
 //   - filter: the failure handler's BatchFilter may take messages out;
@@ -91,9 +96,10 @@
 //     same statement, even when the relay is stopping;
 //   - lease ended: after a lease lost during the publish, the rest is the
 //     new owner's;
-//   - failure policy: narrow the failure to its culprit (FailedIndex,
-//     IsBatchRejected), or record it and ask the FailureHandler (see
-//     Failures).
+//   - failure policy: publish the rest at once after a prefix the
+//     publisher took on purpose (IsTruncated), narrow the failure to its
+//     culprit (FailedIndex, IsBatchRejected), or record it and ask the
+//     FailureHandler (see Failures).
 //
 // The scheduler then backs a failed bucket off, and a lease announcement
 // that waited for the batch goes out (LeaseAware).
@@ -119,7 +125,17 @@
 // Delivery is at least once. A message is deleted only after the publisher
 // acknowledged it; a crash, a lost lease or a failed delete can publish it
 // again, never drop it. Every message carries a stable MessageID for
-// consumers to deduplicate on.
+// consumers to deduplicate on. A publisher that implements Reconciler
+// closes the window between the sink's commit and the delete: the
+// strict-mode Kafka publisher records each transaction's row ids in the
+// transaction, and the relay that takes a bucket over (or this relay,
+// after a failed delete) deletes those rows before it reads the bucket,
+// so read_committed consumers see each message once
+// (gormrelay's TestStrictTakeoverDeletesCommittedRows and
+// TestStrictFailedDeleteNotRepublished check it on every database,
+// against kfake or the Apache Kafka of KAFKA_BROKERS). This relies on
+// store ids never being reused: the relay deletes the ids the publisher
+// names.
 //
 // # Buckets and ordering
 //

@@ -141,11 +141,18 @@ type batch struct {
 	// next is the bucket's next batch, read ahead with the delete
 	// (BatchAdvancer): empty, not nil, when the bucket is empty.
 	next []Message
+	// settled: the bucket is reconciled under the lease (Reconciler);
+	// doubt: the batch may have left rows in the store that the sink
+	// holds (a publish that failed or was cancelled, a failed delete).
+	settled, doubt bool
 }
 
 // drainBatch reads, publishes and deletes one batch of bucket d. Each of
 // its steps states one invariant of the relay:
 //
+//   - reconcile: before the first batch under a lease, and after a batch
+//     that ended in doubt, the rows the sink already holds (Reconciler)
+//     are deleted first;
 //   - read: the batch is the bucket's oldest rows, read afresh or read
 //     ahead with the previous delete under the same term;
 //   - filter: the failure handler may take messages out before the publish;
@@ -164,9 +171,16 @@ type batch struct {
 //
 // The backoff of a failed bucket and the announcement of lease changes
 // that waited for the batch follow in finish.
-func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) batchResult {
-	b := &batch{hl: hl}
+func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) (r batchResult) {
+	b := &batch{hl: hl, settled: p.reconciler == nil || d.st.settled && d.st.settledTerm == hl.Term}
+	defer func() { r.settled, r.settledTerm = b.settled && !b.doubt, hl.Term }()
 	// Each step says whether the batch ends there, and with what.
+	if !b.settled {
+		if r, done := p.reconcile(ctx, b); done {
+			return r
+		}
+		d.st.next = nil // read afresh what the delete left
+	}
 	if r, done := p.read(ctx, b, d.st); done {
 		return r
 	}
@@ -198,6 +212,47 @@ func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) batch
 		return batchResult{out: outFull}
 	}
 	return batchResult{out: outDrained}
+}
+
+// reconcile deletes the rows of the bucket that the sink already holds,
+// as the publisher's Reconciler names them, guarded by the lease: a
+// previous owner, or this relay, published them and did not delete them.
+func (p *drainers) reconcile(ctx context.Context, b *batch) (batchResult, bool) {
+	lease := b.hl.Lease
+	ids, err := p.reconciler.Reconcile(b.hl.ctx, lease)
+	switch {
+	case err == nil:
+	case ctx.Err() != nil:
+		return batchResult{out: outStopped}, true
+	case b.hl.ctx.Err() != nil || IsFenced(err) || errors.Is(err, ErrLeaseLost):
+		return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d: lease ended while reconciling with the sink: %w", ErrLeaseLost, lease.Bucket, err)}, true
+	case IsMisconfiguration(err):
+		return batchResult{out: outFailed, err: err}, true
+	default:
+		p.log.Warn("relay: reconcile with the sink failed; not publishing the bucket until it succeeds", "bucket", lease.Bucket, "err", err)
+		return batchResult{out: outFailed, err: err}, true
+	}
+	if len(ids) > 0 {
+		msgs := make([]Message, len(ids))
+		for i, id := range ids {
+			msgs[i] = Message{ID: id, Bucket: lease.Bucket}
+		}
+		err := p.store.MarkPublished(context.WithoutCancel(ctx), p.cfg.RelayID, lease, msgs)
+		switch {
+		case err == nil:
+		case errors.Is(err, ErrLeaseLost):
+			return batchResult{out: outLost, err: err}, true
+		case IsMisconfiguration(err):
+			return batchResult{out: outFailed, err: err}, true
+		default:
+			p.log.Warn("relay: delete of rows the sink already holds failed; not publishing the bucket until it succeeds",
+				"bucket", lease.Bucket, "ids", len(ids), "err", err)
+			return batchResult{out: outFailed, err: err}, true
+		}
+		p.log.Debug("relay: deleted the rows the sink already holds", "bucket", lease.Bucket, "term", lease.Term, "ids", len(ids))
+	}
+	b.settled = true
+	return batchResult{}, false
 }
 
 // read takes the bucket's batch: the one read ahead with the previous
@@ -272,6 +327,12 @@ func (p *drainers) publish(ctx context.Context, b *batch) {
 		b.acked = 0
 	}
 	p.observePublish(ctx, b.hl.Bucket, len(b.msgs), b.acked, b.perr, b.lost, time.Since(start))
+	// Anything short of the whole batch, but a prefix the sink took on
+	// purpose (Truncated), may have reached the sink without being
+	// acknowledged.
+	whole := b.perr == nil && b.acked == len(b.msgs)
+	prefix := IsTruncated(b.perr) && b.acked > 0
+	b.doubt = !whole && !prefix
 	if b.perr == nil && b.acked < len(b.msgs) {
 		b.perr = fmt.Errorf("relay: publisher acknowledged %d of %d messages without an error", b.acked, len(b.msgs))
 	}
@@ -314,8 +375,9 @@ func (p *drainers) deleteAcked(ctx context.Context, b *batch) (batchResult, bool
 		p.log.Info("relay: lease lost before delete; the new owner publishes the rows again", "bucket", lease.Bucket, "term", lease.Term, "acked", b.acked)
 		return batchResult{out: outLost, err: err}, true
 	case !IsMisconfiguration(err):
-		p.log.Warn("relay: delete published messages failed; they will be published again", "bucket", lease.Bucket, "acked", b.acked, "err", err)
+		p.log.Warn("relay: delete published messages failed; they will be published again unless the publisher reconciles", "bucket", lease.Bucket, "acked", b.acked, "err", err)
 	}
+	b.doubt = true
 	return batchResult{out: outFailed, err: err}, true
 }
 
@@ -345,6 +407,12 @@ func (p *drainers) failurePolicy(ctx context.Context, b *batch) batchResult {
 		// authorized): no message is at fault, so nothing is recorded
 		// against one, and the relay stops with the error.
 		return batchResult{out: outFailed, err: perr}
+	case IsTruncated(perr) && acked > 0:
+		// The sink took a prefix on purpose (deleted above): the rest
+		// is published next, at once.
+		p.log.Debug("relay: the publisher took a prefix of the batch; publishing the rest next",
+			"bucket", bucket, "acked", acked, "batch", len(b.msgs), "err", perr)
+		return batchResult{out: outRetry}
 	}
 	if i, ok := FailedIndex(perr); ok && i > acked && i < len(b.msgs) {
 		// The publisher names a later message as the cause (a
@@ -499,6 +567,7 @@ func (p *drainers) observePublish(ctx context.Context, bucket, n, acked int, err
 	e := PublishEvent{Bucket: bucket, Messages: n, Acked: acked, Duration: d}
 	switch {
 	case err == nil && acked == n:
+	case IsTruncated(err) && acked > 0:
 	case lost || ctx.Err() != nil || IsFenced(err):
 		e.Cancelled = true
 	case err == nil:

@@ -37,6 +37,10 @@ type bucketState struct {
 	next     []Message
 	nextTerm int64
 	failed   bool // DrainOnce: its publish failed; not retried
+	// settled: under term settledTerm the bucket was reconciled
+	// (Reconciler) and no batch ended in doubt since.
+	settled     bool
+	settledTerm int64
 	// wake asks done to wake the control loop: a lease announcement waits
 	// for this bucket's batch to end.
 	wake bool
@@ -49,6 +53,10 @@ type batchResult struct {
 	shrink int       // > 0: cap the bucket's next batch (FailedIndex, BatchRejected)
 	next   []Message // read ahead under the same lease (BatchAdvancer)
 	term   int64
+	// settled: the bucket is reconciled under settledTerm and the batch
+	// left no doubt (see bucketState.settled).
+	settled     bool
+	settledTerm int64
 }
 
 // drawn is a bucket a drainer took from the scheduler, with its state at
@@ -211,6 +219,7 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, now time.Time) {
 	st.busy = false
 	s.inFlight--
 	hinted := st.marks != marks // a hint arrived during the batch
+	st.settled, st.settledTerm = r.settled, r.settledTerm
 	switch r.out {
 	case outEmpty, outDrained:
 		st.ready = hinted
@@ -264,6 +273,7 @@ func (s *scheduler) forgetLocked(b int) {
 	st.failures, st.retryAt = 0, time.Time{}
 	st.shrink = 0
 	st.next = nil
+	st.settled = false
 	// A queued entry stays in the FIFO; next skips it since the bucket is
 	// no longer held, and a bucket marked again meanwhile is not queued
 	// twice.

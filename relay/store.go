@@ -83,6 +83,12 @@ type Store interface {
 	// held by relayID under lease.Term and unexpired; otherwise nothing is
 	// deleted and an error wrapping ErrLeaseLost is returned. Rows already
 	// gone are not an error.
+	//
+	// With a Reconciler publisher the relay also calls it with the ids
+	// the sink says it holds: Messages with only ID and Bucket set, in the
+	// order the publisher named them, possibly of rows deleted long ago.
+	// The store must therefore never reuse an id, and must delete only
+	// rows of lease.Bucket.
 	MarkPublished(ctx context.Context, relayID string, lease Lease, msgs []Message) error
 }
 

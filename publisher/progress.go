@@ -1,0 +1,247 @@
+package publisher
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/IBM/sarama"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// The progress marker is how strict mode's Kafka transactions tell the
+// database what they committed. Every transaction of bucket b also commits,
+// atomically with its records (TxnOffsetCommit), an offset in the consumer
+// group ProgressGroup(b): the offset is the bucket's sequence number, one
+// more for every committed transaction, and its metadata is the exact set
+// of row ids (relay.Message.ID) the transaction carried. The group has no
+// members; it is only a place the broker stores a value transactionally.
+// The offset is committed under the topic of the batch's first record,
+// partition 0 (the broker only stores offsets of partitions that exist);
+// the reader takes the entry with the highest sequence number of all the
+// group's entries.
+//
+// A producer reads the marker when it starts, after InitProducerID fenced
+// the bucket's previous owner (so that owner's last transaction is
+// committed or aborted), with an OffsetFetch that requires stable offsets
+// (a transactional commit still being written is waited for, not missed).
+// Reconcile hands the ids to the relay, which deletes them from the store
+// before it reads the bucket: they are in Kafka already.
+
+// MarkerMaxBytesDefault is TransactionalConfig.MarkerMaxBytes' default: the
+// broker's default offset.metadata.max.bytes.
+const MarkerMaxBytesDefault = 4096
+
+// markerMinBytes is the smallest MarkerMaxBytes: room for one id of any
+// size and the header, encoded.
+const markerMinBytes = 64
+
+// markerVersion is the first byte of an encoded marker.
+const markerVersion = 1
+
+// ErrBadMarker is wrapped by the error of a producer that found, in its
+// bucket's progress group, a committed offset whose metadata is not a
+// progress marker: another application commits offsets in a group whose
+// name starts with TransactionalIDPrefix. The bucket is not published
+// until that is resolved; the error is a *relay.MisconfigurationError.
+var ErrBadMarker = errors.New("publisher: the progress group holds metadata that is not a progress marker")
+
+// encodeMarker encodes as many leading ids as fit in limit bytes of
+// metadata and returns the metadata and how many ids it holds (at least
+// one, limit permitting). The encoding is base64 (standard alphabet, no
+// padding) of: the version byte, then the first id and each following
+// id's difference from the one before it, as zigzag varints. Ids in a
+// batch are ascending, so the differences are small: an id within 63 of
+// the one before costs one byte, 8191 two.
+func encodeMarker(ids []int64, limit int) (string, int) {
+	maxRaw := limit * 3 / 4 // base64 of k bytes takes ceil(4k/3) characters
+	raw := make([]byte, 1, min(maxRaw, 1+len(ids)*2))
+	raw[0] = markerVersion
+	var (
+		prev int64
+		tmp  [binary.MaxVarintLen64]byte
+		n    int
+	)
+	for i, id := range ids {
+		d := id
+		if i > 0 {
+			d = id - prev
+		}
+		w := binary.PutVarint(tmp[:], d)
+		if len(raw)+w > maxRaw {
+			break
+		}
+		raw = append(raw, tmp[:w]...)
+		prev = id
+		n++
+	}
+	return base64.RawStdEncoding.EncodeToString(raw), n
+}
+
+// decodeMarker decodes what encodeMarker encoded.
+func decodeMarker(s string) ([]int64, error) {
+	raw, err := base64.RawStdEncoding.DecodeString(s)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrBadMarker, err)
+	}
+	if len(raw) == 0 || raw[0] != markerVersion {
+		return nil, fmt.Errorf("%w: unknown version", ErrBadMarker)
+	}
+	raw = raw[1:]
+	var (
+		ids  []int64
+		prev int64
+	)
+	for len(raw) > 0 {
+		d, w := binary.Varint(raw)
+		if w <= 0 {
+			return nil, fmt.Errorf("%w: truncated id %d", ErrBadMarker, len(ids))
+		}
+		raw = raw[w:]
+		if len(ids) > 0 {
+			d += prev
+		}
+		ids = append(ids, d)
+		prev = d
+	}
+	return ids, nil
+}
+
+// ProgressGroup returns the consumer group whose committed offset records
+// what bucket's last transaction carried: TransactionalIDPrefix, then
+// "progress-", then the bucket number in decimal. The principal needs
+// READ on it (a PREFIXED group ACL on TransactionalIDPrefix covers every
+// bucket), and READ on the topics the outbox publishes to.
+func (t *Transactional) ProgressGroup(bucket int) string {
+	return t.cfg.TransactionalIDPrefix + "progress-" + strconv.Itoa(bucket)
+}
+
+// marker is what a bucket's progress group holds: the sequence number of
+// its last committed transaction (0 for none) and the row ids it carried.
+type marker struct {
+	seq int64
+	ids []int64
+}
+
+// readMarker reads bucket's marker from its progress group with a stable
+// OffsetFetch, retrying while the broker reports a transactional commit
+// still being written or the coordinator moving, as often and with the
+// backoff of the producer's Transaction.Retry.
+func (t *Transactional) readMarker(client sarama.Client, group string) (marker, error) {
+	sc := client.Config()
+	retry := sc.Producer.Transaction.Retry
+	var last error
+	for attempt := 0; attempt <= retry.Max; attempt++ {
+		if attempt > 0 {
+			d := retry.Backoff
+			if retry.BackoffFunc != nil {
+				d = retry.BackoffFunc(attempt-1, retry.Max)
+			}
+			time.Sleep(d)
+		}
+		m, again, err := t.fetchMarker(client, group)
+		if !again {
+			return m, err
+		}
+		last = err
+	}
+	return marker{}, fmt.Errorf("publisher: read progress group %q: %w", group, last)
+}
+
+// fetchMarker is one attempt of readMarker; again reports a retriable
+// failure.
+func (t *Transactional) fetchMarker(client sarama.Client, group string) (m marker, again bool, err error) {
+	coord, err := client.Coordinator(group)
+	if err != nil {
+		_ = client.RefreshCoordinator(group)
+		return marker{}, true, err
+	}
+	req := sarama.NewOffsetFetchRequest(client.Config().Version, group, nil)
+	req.RequireStable = true
+	resp, err := coord.FetchOffset(req)
+	if err != nil {
+		_ = coord.Close()
+		_ = client.RefreshCoordinator(group)
+		return marker{}, true, err
+	}
+	blocks, kerr := resp.Blocks, resp.Err
+	if g := resp.GetGroup(group); g != nil {
+		blocks, kerr = g.Blocks, g.Err
+	}
+	if kerr == sarama.ErrNoError {
+		for _, parts := range blocks {
+			for _, b := range parts {
+				if b.Err != sarama.ErrNoError {
+					kerr = b.Err
+				}
+			}
+		}
+	}
+	switch {
+	case kerr == sarama.ErrGroupIDNotFound:
+		return marker{}, false, nil // never committed: nothing to reconcile
+	case kerr == sarama.ErrNoError:
+	case kerr == sarama.ErrGroupAuthorizationFailed || kerr == sarama.ErrTopicAuthorizationFailed:
+		return marker{}, false, &relay.MisconfigurationError{Setting: "TransactionalIDPrefix",
+			Reason: "the broker refuses to read the bucket's progress group; grant READ on the group " + group +
+				" (a PREFIXED group ACL on the prefix) and on the outbox's topics",
+			Err: fmt.Errorf("publisher: read progress group %q: %w", group, kerr)}
+	case kerr == sarama.ErrNotCoordinatorForConsumer || kerr == sarama.ErrConsumerCoordinatorNotAvailable:
+		_ = client.RefreshCoordinator(group)
+		return marker{}, true, kerr
+	case kerr == sarama.ErrUnstableOffsetCommit || kerr == sarama.ErrOffsetsLoadInProgress || kerr == sarama.ErrRequestTimedOut:
+		return marker{}, true, kerr
+	default:
+		return marker{}, false, fmt.Errorf("publisher: read progress group %q: %w", group, kerr)
+	}
+	var best *sarama.OffsetFetchResponseBlock
+	for _, parts := range blocks {
+		for _, b := range parts {
+			if b.Offset > 0 && (best == nil || b.Offset > best.Offset) {
+				best = b
+			}
+		}
+	}
+	if best == nil {
+		return marker{}, false, nil // never committed (or expired): nothing to reconcile
+	}
+	ids, err := decodeMarker(best.Metadata)
+	if err != nil {
+		return marker{}, false, &relay.MisconfigurationError{Setting: "TransactionalIDPrefix",
+			Reason: "the group " + group + " is used by something else than this outbox's relays; choose a prefix no other application's groups start with",
+			Err:    err}
+	}
+	return marker{seq: best.Offset, ids: ids}, false, nil
+}
+
+var _ relay.Reconciler = (*Transactional)(nil)
+
+// Reconcile implements relay.Reconciler: it returns the row ids that the
+// last transaction committed for lease's bucket carried, which the relay
+// deletes before it reads the bucket. It waits for the bucket's producer
+// (starting it if needed: its InitProducerID fences the previous owner
+// and ends its open transaction, and its start reads the marker the last
+// committed transaction left, see ProgressGroup) and for a transaction in
+// progress on it. The ids may name rows deleted long ago; the relay
+// ignores those.
+func (t *Transactional) Reconcile(ctx context.Context, lease relay.Lease) ([]int64, error) {
+	t.mu.Lock()
+	started := t.started
+	t.mu.Unlock()
+	if !started {
+		return nil, errTransactionalNotStarted
+	}
+	p, err := t.acquire(ctx, lease.Bucket)
+	if err != nil {
+		return nil, err
+	}
+	ids := p.last.ids
+	<-p.sem
+	t.bg.Done()
+	return ids, nil
+}

@@ -1,0 +1,85 @@
+package publisher
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// The marker round-trips any ids, ascending or not, sparse or dense,
+// negative (the WAL reader's) included.
+func TestMarkerRoundTrip(t *testing.T) {
+	t.Parallel()
+	rng := rand.New(rand.NewPCG(1, 2))
+	sparse := make([]int64, 200)
+	id := int64(1)
+	for i := range sparse {
+		id += 1 + rng.Int64N(100_000)
+		sparse[i] = id
+	}
+	for name, ids := range map[string][]int64{
+		"one":        {42},
+		"dense":      {7, 8, 9, 10, 11, 12},
+		"sparse":     sparse,
+		"descending": {100, 90, 95, 3},
+		"extremes":   {math.MaxInt64, math.MinInt64, 0, -1, 1},
+		"wal":        {-123456789, -123456700, -123400000},
+	} {
+		meta, n := encodeMarker(ids, MarkerMaxBytesDefault)
+		require.Equal(t, len(ids), n, name)
+		require.LessOrEqual(t, len(meta), MarkerMaxBytesDefault, name)
+		got, err := decodeMarker(meta)
+		require.NoError(t, err, name)
+		require.Equal(t, ids, got, name)
+	}
+}
+
+// Consecutive ids cost one byte each: 500, the relay's default batch, are
+// well inside the broker's default limit.
+func TestMarkerSize(t *testing.T) {
+	t.Parallel()
+	ids := make([]int64, 500)
+	for i := range ids {
+		ids[i] = 1_000_000_000 + int64(i)*8 // eight buckets, round robin
+	}
+	meta, n := encodeMarker(ids, MarkerMaxBytesDefault)
+	require.Equal(t, 500, n)
+	// version byte, a five-byte first id, 499 one-byte deltas; base64.
+	require.Equal(t, (4*(1+5+499)+2)/3, len(meta))
+}
+
+// Ids that do not fit are left out from the first one that does not: the
+// marker holds a prefix, never more than the limit.
+func TestMarkerPrefix(t *testing.T) {
+	t.Parallel()
+	ids := make([]int64, 3000)
+	for i := range ids {
+		ids[i] = int64(i) * 1_000_000 // four-byte deltas
+	}
+	for _, limit := range []int{markerMinBytes, 100, 1000, MarkerMaxBytesDefault} {
+		meta, n := encodeMarker(ids, limit)
+		require.Positive(t, n, "limit %d", limit)
+		require.Less(t, n, len(ids), "limit %d", limit)
+		require.LessOrEqual(t, len(meta), limit, "limit %d", limit)
+		got, err := decodeMarker(meta)
+		require.NoError(t, err)
+		require.Equal(t, ids[:n], got, "limit %d", limit)
+		// One more id would not have fit.
+		more, _ := encodeMarker(ids[:n+1], 1<<20)
+		require.Greater(t, len(more), limit, "limit %d: the prefix stopped early", limit)
+	}
+	// The largest possible id fits even at the smallest limit.
+	_, n := encodeMarker([]int64{math.MinInt64, math.MaxInt64}, markerMinBytes)
+	require.Equal(t, 2, n)
+}
+
+// Metadata that is no marker is a typed error.
+func TestMarkerBad(t *testing.T) {
+	t.Parallel()
+	for _, s := range []string{"", "not base64!", "AA", "AYA"} {
+		_, err := decodeMarker(s)
+		require.ErrorIs(t, err, ErrBadMarker, "%q", s)
+	}
+}

@@ -27,6 +27,11 @@ type parts struct {
 func resolveParts(store Store, publisher Publisher, cfg Config) parts {
 	p := parts{cfg: cfg, store: store, publisher: publisher, caps: resolveCapabilities(store, cfg)}
 	p.leaseAware, _ = publisher.(LeaseAware)
+	if p.leaseAware != nil {
+		// A LeaseAware publisher (the strict mode's) keeps each batch's
+		// delete before the next batch's publish.
+		p.caps.skipper = nil
+	}
 	return p
 }
 
@@ -38,6 +43,7 @@ type capabilities struct {
 	renewal  renewal         // LeaseRenewer, or the publish bounded by the trust window
 	recorder FailureRecorder // the store's, or recordsNothing
 	advancer BatchAdvancer   // the store's, or deleteOnly: no read ahead
+	skipper  BatchSkipper    // the store's, or nil: each delete before the next read
 	handler  FailureHandler  // Config.FailureHandler, the store's, or backoffAlways
 	filter   BatchFilter     // the handler's, or keepAll
 	pacer    pacer           // Config.RateLimit's limiter, or unpaced
@@ -66,6 +72,7 @@ func resolveCapabilities(store Store, cfg Config) capabilities {
 	if ba, ok := store.(BatchAdvancer); ok {
 		c.advancer = ba
 	}
+	c.skipper, _ = store.(BatchSkipper)
 	if c.handler == nil {
 		c.handler, _ = store.(FailureHandler)
 	}

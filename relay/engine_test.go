@@ -273,23 +273,72 @@ func TestAdvancerUsed(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		s := newFakeStore(8)
 		s.add(2, 50)
-		var log pubLog
-		r, err := relay.New(advancingStore{s}, log.publisher(nil), config("a"))
-		require.NoError(t, err)
-		n, err := r.DrainOnce(t.Context())
-		require.NoError(t, err)
-		require.Equal(t, 50, n)
+		log := drainOnce(t, advancingStore{s}, 50)
 		require.Zero(t, s.pending())
 		require.Equal(t, 1, s.count("batch"))
 		require.Equal(t, 5, s.count("advance"), "each full batch deleted with the next read")
 		require.Zero(t, s.count("mark"), "the last read came back empty: nothing left to delete separately")
-		seq := 0
-		for i := range log.n() {
-			for _, m := range log.call(i) {
-				require.Equal(t, fmt.Sprintf("2/%d", seq), string(m.Value))
-				seq++
+		require.Equal(t, seqValues(2, 0, 50), log.values())
+	})
+}
+
+// drainOnce drains s's n messages with DrainOnce and returns what was
+// published.
+func drainOnce(t *testing.T, s relay.Store, n int) *pubLog {
+	t.Helper()
+	log := &pubLog{}
+	r, err := relay.New(s, log.publisher(nil), config("a"))
+	require.NoError(t, err)
+	got, err := r.DrainOnce(t.Context())
+	require.NoError(t, err)
+	require.Equal(t, n, got)
+	return log
+}
+
+// With a BatchSkipper, each full batch's delete runs alongside the next
+// batch's publish: the next batch is read without the previous one's
+// rows, every batch is deleted with MarkPublished, the advancer is not
+// used, and the bucket's order holds.
+func TestSkipperUsed(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(2, 50)
+		log := drainOnce(t, skippingStore{advancingStore{s}}, 50)
+		require.Zero(t, s.pending())
+		require.Equal(t, 1, s.count("batch"), "one read afresh")
+		require.Equal(t, 5, s.count("except"), "then each full batch's successor read without it, the last one empty")
+		require.Equal(t, 5, s.count("mark"))
+		require.Zero(t, s.count("advance"))
+		require.Equal(t, seqValues(2, 0, 50), log.values())
+	})
+}
+
+// A delete that fails while the next batch is published ends the
+// bucket's turn: that batch is not deleted, and both are published again,
+// in order, after the backoff.
+func TestSkipperDeleteFailure(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(2, 20) // two full batches of 10
+		failed := false
+		s.fail = func(op string) error {
+			if op == "mark" && !failed {
+				failed = true
+				return errors.New("connection reset")
 			}
+			return nil
 		}
+		var log pubLog
+		r := start(t, skippingStore{advancingStore{s}}, log.publisher(nil), config("a"))
+		for s.pending() > 0 {
+			time.Sleep(10 * time.Millisecond)
+		}
+		stop(t, r)
+		require.NoError(t, r.Err())
+		// The first delete failed: both batches again.
+		require.Equal(t, append(seqValues(2, 0, 20), seqValues(2, 0, 20)...), log.values())
 	})
 }
 

@@ -314,6 +314,41 @@ func TestSkipperUsed(t *testing.T) {
 	})
 }
 
+// A bucket hinted while its batch (not full) is in flight has its next
+// batch read without that batch's rows as soon as the publish returns,
+// and published while the batch is deleted: one read per batch, and the
+// hint, covered by that read, does not read the bucket once more.
+func TestSkipperAfterHint(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		base, hints, cfg := hintedSetup()
+		s := skippingStore{advancingStore{base}}
+		release := make(chan struct{})
+		var log pubLog
+		r := start(t, s, log.publisher(func(_ context.Context, msgs []relay.Message) (int, error) {
+			if string(msgs[0].Value) == "3/0" {
+				<-release
+			}
+			return len(msgs), nil
+		}), cfg)
+		synctest.Wait()
+		base.add(3, 1)
+		hints.notify(3)
+		synctest.Wait() // 3/0 in flight
+		base.add(3, 1)
+		hints.notify(3)
+		synctest.Wait() // the hint is taken while 3/0 is in flight
+		close(release)
+		synctest.Wait()
+		require.Zero(t, base.pending())
+		require.Equal(t, seqValues(3, 0, 2), log.values())
+		require.Equal(t, 1, base.count("batch"), "3/0 read afresh")
+		require.Equal(t, 1, base.count("except"), "3/1 read without 3/0, after its publish")
+		require.Equal(t, 2, base.count("mark"))
+		stop(t, r)
+	})
+}
+
 // A delete that fails while the next batch is published ends the
 // bucket's turn: that batch is not deleted, and both are published again,
 // in order, after the backoff.

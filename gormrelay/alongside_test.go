@@ -2,6 +2,7 @@ package gormrelay_test
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -42,21 +43,70 @@ type strictLikePub struct{ relay.Publisher }
 func (strictLikePub) LeasesAcquired(context.Context, []relay.Lease) error { return nil }
 func (strictLikePub) LeasesReleased(context.Context, []relay.Lease)       {}
 
+// takenHints is relay.Hints that reports each bucket the relay took, and
+// outbox.UnknownBucket for an unknown one.
+type takenHints struct {
+	*outbox.Notifier
+	taken chan int
+}
+
+func (h takenHints) Take(dst []int) ([]int, bool) {
+	out, unknown := h.Notifier.Take(dst)
+	for _, b := range out[len(dst):] {
+		h.taken <- b
+	}
+	if unknown {
+		h.taken <- outbox.UnknownBucket
+	}
+	return out, unknown
+}
+
+// hinted hints bucket b and returns once the relay marked it: once it
+// took a later hint, for an unknown bucket, the relay had applied b's (one
+// loop takes and applies hints in turn). The unknown bucket's discovery
+// finds nothing to queue: b is the only bucket with rows.
+func (h takenHints) hinted(b int) error {
+	for _, want := range []int{b, outbox.UnknownBucket} {
+		if want == outbox.UnknownBucket {
+			h.NotifyUnknown()
+		} else {
+			h.Notify([]int{want})
+		}
+	wait:
+		for {
+			select {
+			case got := <-h.taken:
+				if got == want {
+					break wait
+				}
+			case <-time.After(deliverWithin):
+				return fmt.Errorf("the relay did not take the hint of bucket %d", want)
+			}
+		}
+	}
+	return nil
+}
+
 // alongsideRun starts a relay on a store whose deletes wait for a gate,
-// with one row in bucket 2 and batches of one. The first publish commits
-// a second row to the bucket before it returns. It reports when the second row's
-// publish began, on a channel, and the gate to open.
+// with one row in bucket 2 and a poll an hour away. The publish of that
+// row commits a second row to the bucket and hints it before it returns.
+// It reports when the second row's publish began, on a channel, and the
+// gate to open.
 func alongsideRun(t *testing.T, db *dbtest.DB, leaseAware bool) (b *storeBundle, rec *recorder, second <-chan struct{}, gs *gatedStore) {
 	b = newStoreBundle(t, db, outbox.Config{})
 	key := keyInBucket(t, 2, 8)
 	b.insert(t, outbox.MessageRow{MessageID: "first", Key: []byte(key), Value: []byte("k/0")})
 	gs = &gatedStore{Store: b.store, gate: make(chan struct{})}
+	hints := takenHints{Notifier: outbox.NewNotifier(8), taken: make(chan int, 64)}
 	secondC := make(chan struct{})
 	rec = newRecorder()
 	var pub relay.Publisher = rec.publisher("a", func(_ context.Context, msgs []relay.Message) (int, error) {
 		switch msgs[0].MessageID {
 		case "first":
 			b.insert(t, outbox.MessageRow{MessageID: "second", Key: []byte(key), Value: []byte("k/1")})
+			if err := hints.hinted(2); err != nil {
+				return 0, err
+			}
 		case "second":
 			close(secondC)
 		}
@@ -66,9 +116,10 @@ func alongsideRun(t *testing.T, db *dbtest.DB, leaseAware bool) (b *storeBundle,
 		pub = strictLikePub{pub}
 	}
 	cfg := fastConfig(t, "a")
+	cfg.PollInterval = time.Hour // only the hint finds the second row
 	cfg.LeaseDuration = 10 * time.Second
 	cfg.LeaseRenewInterval = time.Second
-	cfg.BatchSize = 1 // a full batch: more rows in sight without a hint
+	cfg.Hints = hints
 	startRelay(t, gs, pub, cfg)
 	t.Cleanup(func() { // before the relay stops
 		select {
@@ -80,8 +131,8 @@ func alongsideRun(t *testing.T, db *dbtest.DB, leaseAware bool) (b *storeBundle,
 	return b, rec, secondC, gs
 }
 
-// A row committed while its bucket's full batch is being published is
-// published while that batch's delete is still running: the delete is
+// A row committed and hinted while its bucket's batch is being published
+// is published while that batch's delete is still running: the delete is
 // off the path to the next publish (BatchSkipper). Once the delete
 // completes, both rows are gone and each was published once, in order.
 func TestRelayDeletesAlongsideNextPublish(t *testing.T) {

@@ -163,8 +163,8 @@ type batch struct {
 //     this batch is published again later, after the previous one;
 //   - fenced: a sink that fenced the bucket makes the rows the new
 //     owner's, and nothing is deleted;
-//   - alongside: after a batch published completely, of a bucket that
-//     was hinted during it or whose batch was full, the next batch is
+//   - alongside: after a batch published completely, not full, of a
+//     bucket that was hinted during it, the next batch is
 //     read without its rows (BatchSkipper) and published while its delete
 //     runs; the next batch is handed to the publisher only after this
 //     one's Publish returned, and its own delete waits for this one's;
@@ -259,10 +259,12 @@ func (p *drainers) startDelete(ctx context.Context, b *batch) *pendingDelete {
 // alongside takes the delete of batch b, just published completely, off
 // the path to the bucket's next publish: it reads the next batch without
 // b's rows (BatchSkipper), and b is deleted while that batch is published
-// (drainBatch). It does so only for a bucket with more rows in sight (b
-// was full, or a hint came since b was read) and while the scheduler lets
-// the drainer keep the bucket; else it returns nothing and b is deleted
-// in turn (deleteAcked). When the read finds nothing or fails, b is
+// (drainBatch). It does so only for a batch that was not full, of a
+// bucket hinted since b was read, and while the scheduler lets the
+// drainer keep the bucket; else it returns nothing and b is deleted in
+// turn (deleteAcked): a full batch with the next read (BatchAdvancer),
+// which drains a backlog faster than the delete alongside did
+// (BENCHMARKS.md, "The delete off the critical path"). When the read finds nothing or fails, b is
 // deleted at once and the batch ends (done). A drainer thus holds one
 // database connection at a time.
 func (p *drainers) alongside(ctx context.Context, b *batch, turn int) (next *batch, r batchResult, done bool) {
@@ -271,7 +273,7 @@ func (p *drainers) alongside(ctx context.Context, b *batch, turn int) (next *bat
 	}
 	bucket := b.hl.Bucket
 	marks, keep := p.sched.keep(bucket)
-	if !keep || (!b.full && marks == b.marks) {
+	if !keep || b.full || marks == b.marks {
 		return nil, batchResult{}, false
 	}
 	msgs, err := p.caps.skipper.NextBatchExcept(ctx, bucket, p.batchLimit(), b.msgs)

@@ -295,23 +295,36 @@ func drainOnce(t *testing.T, s relay.Store, n int) *pubLog {
 	return log
 }
 
-// With a BatchSkipper, each full batch's delete runs alongside the next
-// batch's publish: the next batch is read without the previous one's
-// rows, every batch is deleted with MarkPublished, the advancer is not
-// used, and the bucket's order holds.
-func TestSkipperUsed(t *testing.T) {
+// Full batches keep their delete and the next read back to back
+// (BatchAdvancer) with a BatchSkipper too: the drain is unchanged.
+func TestSkipperNotForFullBatches(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
 		s := newFakeStore(8)
 		s.add(2, 50)
 		log := drainOnce(t, skippingStore{advancingStore{s}}, 50)
 		require.Zero(t, s.pending())
-		require.Equal(t, 1, s.count("batch"), "one read afresh")
-		require.Equal(t, 5, s.count("except"), "then each full batch's successor read without it, the last one empty")
-		require.Equal(t, 5, s.count("mark"))
-		require.Zero(t, s.count("advance"))
+		require.Equal(t, 1, s.count("batch"))
+		require.Equal(t, 5, s.count("advance"), "each full batch deleted with the next read")
+		require.Zero(t, s.count("except"))
 		require.Equal(t, seqValues(2, 0, 50), log.values())
 	})
+}
+
+// hintDuring starts a relay on a skipping store whose publish of the
+// value first waits until the test, having committed more rows to its
+// bucket and hinted it, closes release.
+func hintDuring(t *testing.T, first string) (*fakeStore, *fakeHints, *pubLog, chan struct{}, relay.Config, *relay.Relay) {
+	base, hints, cfg := hintedSetup()
+	release := make(chan struct{})
+	log := &pubLog{}
+	r := start(t, skippingStore{advancingStore{base}}, log.publisher(func(_ context.Context, msgs []relay.Message) (int, error) {
+		if string(msgs[0].Value) == first {
+			<-release
+		}
+		return len(msgs), nil
+	}), cfg)
+	return base, hints, log, release, cfg, r
 }
 
 // A bucket hinted while its batch (not full) is in flight has its next
@@ -321,30 +334,21 @@ func TestSkipperUsed(t *testing.T) {
 func TestSkipperAfterHint(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		base, hints, cfg := hintedSetup()
-		s := skippingStore{advancingStore{base}}
-		release := make(chan struct{})
-		var log pubLog
-		r := start(t, s, log.publisher(func(_ context.Context, msgs []relay.Message) (int, error) {
-			if string(msgs[0].Value) == "3/0" {
-				<-release
-			}
-			return len(msgs), nil
-		}), cfg)
+		s, hints, log, release, _, r := hintDuring(t, "3/0")
 		synctest.Wait()
-		base.add(3, 1)
+		s.add(3, 1)
 		hints.notify(3)
 		synctest.Wait() // 3/0 in flight
-		base.add(3, 1)
+		s.add(3, 1)
 		hints.notify(3)
 		synctest.Wait() // the hint is taken while 3/0 is in flight
 		close(release)
 		synctest.Wait()
-		require.Zero(t, base.pending())
+		require.Zero(t, s.pending())
 		require.Equal(t, seqValues(3, 0, 2), log.values())
-		require.Equal(t, 1, base.count("batch"), "3/0 read afresh")
-		require.Equal(t, 1, base.count("except"), "3/1 read without 3/0, after its publish")
-		require.Equal(t, 2, base.count("mark"))
+		require.Equal(t, 1, s.count("batch"), "3/0 read afresh")
+		require.Equal(t, 1, s.count("except"), "3/1 read without 3/0, after its publish")
+		require.Equal(t, 2, s.count("mark"))
 		stop(t, r)
 	})
 }
@@ -355,9 +359,9 @@ func TestSkipperAfterHint(t *testing.T) {
 func TestSkipperDeleteFailure(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		s := newFakeStore(8)
-		s.add(2, 20) // two full batches of 10
+		s, hints, log, release, cfg, r := hintDuring(t, "3/0")
 		failed := false
+		s.mu.Lock()
 		s.fail = func(op string) error {
 			if op == "mark" && !failed {
 				failed = true
@@ -365,15 +369,23 @@ func TestSkipperDeleteFailure(t *testing.T) {
 			}
 			return nil
 		}
-		var log pubLog
-		r := start(t, skippingStore{advancingStore{s}}, log.publisher(nil), config("a"))
-		for s.pending() > 0 {
-			time.Sleep(10 * time.Millisecond)
-		}
-		stop(t, r)
-		require.NoError(t, r.Err())
+		s.mu.Unlock()
+		synctest.Wait()
+		s.add(3, 1)
+		hints.notify(3)
+		synctest.Wait() // 3/0 in flight
+		s.add(3, 2)
+		hints.notify(3)
+		synctest.Wait()
+		close(release)
+		synctest.Wait() // 3/1-3/2 published, 3/0's delete failed
+		require.Equal(t, 3, s.pending())
+		time.Sleep(cfg.BackoffMax) // the bubble's clock: the backoff passes
+		synctest.Wait()
+		require.Zero(t, s.pending())
 		// The first delete failed: both batches again.
-		require.Equal(t, append(seqValues(2, 0, 20), seqValues(2, 0, 20)...), log.values())
+		require.Equal(t, append(seqValues(3, 0, 3), seqValues(3, 0, 3)...), log.values())
+		stop(t, r)
 	})
 }
 

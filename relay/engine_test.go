@@ -311,20 +311,31 @@ func TestSkipperNotForFullBatches(t *testing.T) {
 	})
 }
 
-// hintDuring starts a relay on a skipping store whose publish of the
-// value first waits until the test, having committed more rows to its
-// bucket and hinted it, closes release.
-func hintDuring(t *testing.T, first string) (*fakeStore, *fakeHints, *pubLog, chan struct{}, relay.Config, *relay.Relay) {
+// hintDuring starts a relay on a skipping store with injected failures
+// fail (nil: none), commits 3/0, and while its publish waits commits n
+// more rows to bucket 3 and hints them; then it lets the publish return
+// and waits until the relay is idle.
+func hintDuring(t *testing.T, n int, fail func(op string) error) (*fakeStore, *pubLog, relay.Config, *relay.Relay) {
 	base, hints, cfg := hintedSetup()
+	base.fail = fail
 	release := make(chan struct{})
 	log := &pubLog{}
 	r := start(t, skippingStore{advancingStore{base}}, log.publisher(func(_ context.Context, msgs []relay.Message) (int, error) {
-		if string(msgs[0].Value) == first {
+		if string(msgs[0].Value) == "3/0" {
 			<-release
 		}
 		return len(msgs), nil
 	}), cfg)
-	return base, hints, log, release, cfg, r
+	synctest.Wait()
+	base.add(3, 1)
+	hints.notify(3)
+	synctest.Wait() // 3/0 in flight
+	base.add(3, n)
+	hints.notify(3)
+	synctest.Wait() // the hint is taken while 3/0 is in flight
+	close(release)
+	synctest.Wait()
+	return base, log, cfg, r
 }
 
 // A bucket hinted while its batch (not full) is in flight has its next
@@ -334,16 +345,7 @@ func hintDuring(t *testing.T, first string) (*fakeStore, *fakeHints, *pubLog, ch
 func TestSkipperAfterHint(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		s, hints, log, release, _, r := hintDuring(t, "3/0")
-		synctest.Wait()
-		s.add(3, 1)
-		hints.notify(3)
-		synctest.Wait() // 3/0 in flight
-		s.add(3, 1)
-		hints.notify(3)
-		synctest.Wait() // the hint is taken while 3/0 is in flight
-		close(release)
-		synctest.Wait()
+		s, log, _, r := hintDuring(t, 1, nil)
 		require.Zero(t, s.pending())
 		require.Equal(t, seqValues(3, 0, 2), log.values())
 		require.Equal(t, 1, s.count("batch"), "3/0 read afresh")
@@ -359,26 +361,15 @@ func TestSkipperAfterHint(t *testing.T) {
 func TestSkipperDeleteFailure(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		s, hints, log, release, cfg, r := hintDuring(t, "3/0")
 		failed := false
-		s.mu.Lock()
-		s.fail = func(op string) error {
+		s, log, cfg, r := hintDuring(t, 2, func(op string) error {
 			if op == "mark" && !failed {
 				failed = true
 				return errors.New("connection reset")
 			}
 			return nil
-		}
-		s.mu.Unlock()
-		synctest.Wait()
-		s.add(3, 1)
-		hints.notify(3)
-		synctest.Wait() // 3/0 in flight
-		s.add(3, 2)
-		hints.notify(3)
-		synctest.Wait()
-		close(release)
-		synctest.Wait() // 3/1-3/2 published, 3/0's delete failed
+		})
+		// 3/1-3/2 published, 3/0's delete failed.
 		require.Equal(t, 3, s.pending())
 		time.Sleep(cfg.BackoffMax) // the bubble's clock: the backoff passes
 		synctest.Wait()

@@ -138,13 +138,14 @@
 // bucket's next read, as without a BatchSkipper.
 //
 // The optional capabilities (LeaseRenewer, FailureRecorder,
-// BatchAdvancer, BatchSkipper, the store's FailureHandler, the handler's BatchFilter,
+// BatchAdvancer, the store's FailureHandler, the handler's BatchFilter,
 // Config.RateLimit) are resolved once, by New: each missing one is
 // replaced by a fallback that does what the relay does without it (no
 // renewal, the publish bounded by the trust window; no attempt recorded;
-// a delete with nothing read ahead; each delete before the next read;
-// FailureBackoff; every message kept;
-// no pacing), so the batch path has no branch on a capability.
+// a delete with nothing read ahead; FailureBackoff; every message kept;
+// no pacing), so the batch path has no branch on them. BatchSkipper,
+// resolved there too, is the one the path asks about: without it, or
+// with a LeaseAware publisher, each delete comes before the next read.
 //
 // A batch never spans buckets. Batches of several ready buckets (one
 // read, one publish, one delete guarded per bucket) were built and

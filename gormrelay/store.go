@@ -861,12 +861,48 @@ func (s *Store) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Messa
 	return msgs, err
 }
 
+var _ relay.BatchSkipper = (*Store)(nil)
+
+// NextBatchExcept implements relay.BatchSkipper: the read of NextBatch
+// with the ids of except left out in the same statement (on PostgreSQL
+// as one array parameter), up to storeChunk of them; a longer except
+// reads nothing.
+func (s *Store) NextBatchExcept(ctx context.Context, bucket, limit int, except []relay.Message) ([]relay.Message, error) {
+	if len(except) > storeChunk {
+		return nil, nil
+	}
+	ids := make([]int64, len(except))
+	for i, m := range except {
+		ids[i] = m.ID
+	}
+	msgs, err := s.readBatchExcept(ctx, bucket, limit, ids)
+	if err == nil && msgs == nil {
+		msgs = []relay.Message{}
+	}
+	return msgs, err
+}
+
 // readBatch is NextBatch's read.
 func (s *Store) readBatch(ctx context.Context, bucket, limit int) ([]relay.Message, error) {
+	return s.readBatchExcept(ctx, bucket, limit, nil)
+}
+
+// readBatchExcept reads the bucket's oldest rows but those of ids.
+func (s *Store) readBatchExcept(ctx context.Context, bucket, limit int, ids []int64) ([]relay.Message, error) {
 	db, ctx, cancel := s.op(ctx, "read batch")
 	defer cancel()
+	where, args := bucketRange, []any{bucket, bucket}
+	switch {
+	case len(ids) == 0:
+	case s.postgres:
+		where += " AND NOT (id = ANY(CAST(CAST(? AS text) AS bigint[])))"
+		args = append(args, int8Array(ids))
+	default:
+		where += " AND id NOT IN ?"
+		args = append(args, ids)
+	}
 	rows, err := db.Raw("SELECT "+batchColumns+" FROM "+
-		s.messages+" WHERE "+bucketRange+" ORDER BY bucket, id LIMIT ?", bucket, bucket, limit).Rows()
+		s.messages+" WHERE "+where+" ORDER BY bucket, id LIMIT ?", append(args, limit)...).Rows()
 	if err != nil {
 		return nil, s.fail(ctx, "read batch", err)
 	}

@@ -31,6 +31,12 @@ func resolveParts(store Store, publisher Publisher, cfg Config) parts {
 	p := parts{cfg: cfg, store: store, publisher: publisher, caps: resolveCapabilities(store, cfg)}
 	p.leaseAware, _ = publisher.(LeaseAware)
 	p.reconciler, _ = publisher.(Reconciler)
+	if p.leaseAware != nil || p.reconciler != nil {
+		// A LeaseAware or Reconciler publisher (the strict mode's) keeps
+		// each batch's delete before the next batch's publish: its
+		// progress marker names only the last batch it committed.
+		p.caps.skipper = nil
+	}
 	return p
 }
 
@@ -42,6 +48,7 @@ type capabilities struct {
 	renewal  renewal         // LeaseRenewer, or the publish bounded by the trust window
 	recorder FailureRecorder // the store's, or recordsNothing
 	advancer BatchAdvancer   // the store's, or deleteOnly: no read ahead
+	skipper  BatchSkipper    // the store's, or nil: each delete before the next read
 	handler  FailureHandler  // Config.FailureHandler, the store's, or backoffAlways
 	filter   BatchFilter     // the handler's, or keepAll
 	pacer    pacer           // Config.RateLimit's limiter, or unpaced
@@ -72,6 +79,7 @@ func resolveCapabilities(store Store, cfg Config) capabilities {
 		c.advancer = ba
 	}
 	c.prober, _ = store.(Prober)
+	c.skipper, _ = store.(BatchSkipper)
 	if c.handler == nil {
 		c.handler, _ = store.(FailureHandler)
 	}

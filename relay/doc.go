@@ -93,7 +93,10 @@
 //   - fenced: a sink that fenced the bucket (IsFenced) makes the rows the
 //     new owner's, and nothing is deleted;
 //   - delete: the acknowledged prefix by id, guarded by the lease in the
-//     same statement, even when the relay is stopping;
+//     same statement, even when the relay is stopping; after a batch
+//     published completely, not full, of a bucket hinted meanwhile, the
+//     delete runs alongside the next batch's publish (see The batch
+//     cycle);
 //   - lease ended: after a lease lost during the publish, the rest is the
 //     new owner's;
 //   - failure policy: publish the rest at once after a prefix the
@@ -104,13 +107,53 @@
 // The scheduler then backs a failed bucket off, and a lease announcement
 // that waited for the batch goes out (LeaseAware).
 //
+// # The batch cycle
+//
+// With a store that has the BatchSkipper capability (gormrelay.Store
+// has), a batch's delete is off the path to its bucket's next publish.
+// When a batch that was not full was published completely and a hint or
+// discovery marked its bucket while the batch was read or published, the
+// drainer keeps the bucket:
+// it reads the next batch without the published batch's rows
+// (NextBatchExcept, the rows NextBatch would read once they are
+// deleted), starts the delete, and runs the next batch's filter, admit
+// and publish while the delete runs; it waits for the delete before that
+// batch's own delete or the end of its turn. So a message committed while
+// its bucket's batch is in flight waits for that publish and one read,
+// not for the delete too, and a drainer still holds one database
+// connection at a time. The scheduler's marks tell whether a hint came
+// after the last read began: one that the read covered does not read the
+// bucket again. The drainer hands the bucket back when its next read
+// finds nothing, when a batch is full (its delete then reads the next one,
+// BatchAdvancer, and the bucket goes to the back of the queue), after 64
+// batches, or as soon as another bucket waits in the queue, an
+// acquisition holds the scheduler, or a lease announcement waits for the
+// bucket. Full batches are not deleted alongside: in a drain that did so
+// the relay ran at 0.37 of the rate it had with the delete and the next
+// read back to back (BENCHMARKS.md, "The delete off the critical path").
+//
+// What holds: a bucket's next batch is handed to the publisher only
+// after the previous Publish returned with every message acknowledged,
+// so per-key order rests on the publisher as before; a batch that failed
+// or was cut short is deleted in turn and handled as above. A delete that
+// fails (lease lost, database error) while the next batch is published
+// ends the bucket's turn without deleting that batch: both are published
+// again, in order, by this relay after its backoff or by the lease's new
+// owner, at least once as always. With a LeaseAware or Reconciler
+// publisher (the strict mode's, publisher.Transactional, whose progress
+// marker names only the last batch it committed) every delete comes
+// before the bucket's next read, as without a BatchSkipper.
+//
 // The optional capabilities (LeaseRenewer, FailureRecorder,
 // BatchAdvancer, the store's FailureHandler, the handler's BatchFilter,
 // Config.RateLimit) are resolved once, by New: each missing one is
 // replaced by a fallback that does what the relay does without it (no
 // renewal, the publish bounded by the trust window; no attempt recorded;
 // a delete with nothing read ahead; FailureBackoff; every message kept;
-// no pacing), so the batch path has no branch on a capability.
+// no pacing), so the batch path has no branch on them. BatchSkipper,
+// resolved there too, is the one the path asks about: without it, or
+// with a LeaseAware or Reconciler publisher, each delete comes before the
+// next read.
 //
 // A batch never spans buckets. Batches of several ready buckets (one
 // read, one publish, one delete guarded per bucket) were built and
@@ -157,7 +200,9 @@
 // a row is published on the next read rather than skipped. A store with
 // the BatchAdvancer capability deletes a batch and reads the next one
 // from the head of the bucket in one round trip; the relay uses it after
-// a full batch and publishes that read ahead as the bucket's next batch.
+// a full batch and publishes that read ahead as the bucket's next batch
+// when it hands the bucket back rather than go on with it (The batch
+// cycle).
 //
 // # Leases and terms
 //

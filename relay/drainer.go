@@ -119,7 +119,7 @@ func (p *drainers) finish(d drawn, hl *heldLease, r batchResult) {
 		p.failures = append(p.failures, fmt.Errorf("bucket %d: %w", b, r.err))
 		p.mu.Unlock()
 	}
-	p.sched.done(b, d.st.marks, r, time.Now())
+	p.sched.done(b, r.marks, r, time.Now())
 }
 
 // batchLimit is the largest batch the relay reads.
@@ -145,10 +145,15 @@ type batch struct {
 	// doubt: the batch may have left rows in the store that the sink
 	// holds (a publish that failed or was cancelled, a failed delete).
 	settled, doubt bool
+	// marks are the bucket's hints and discoveries the batch's read
+	// covered (scheduler marks).
+	marks uint64
 }
 
-// drainBatch reads, publishes and deletes one batch of bucket d. Each of
-// its steps states one invariant of the relay:
+// drainBatch reads, publishes and deletes one batch of bucket d, and
+// goes on with the bucket's next batches while the scheduler has nothing
+// else for a drainer (alongside). Each of its steps states one invariant
+// of the relay:
 //
 //   - reconcile: before the first batch under a lease, and after a batch
 //     that ended in doubt, the rows the sink already holds (Reconciler)
@@ -160,8 +165,16 @@ type batch struct {
 //     anything reaches the publisher;
 //   - publish: under the lease's context, which ends with the lease; only
 //     an acknowledged prefix counts;
+//   - awaitDelete: the previous batch's delete, run alongside this
+//     batch's publish, ended; one that failed ends the bucket's turn, and
+//     this batch is published again later, after the previous one;
 //   - fenced: a sink that fenced the bucket makes the rows the new
 //     owner's, and nothing is deleted;
+//   - alongside: after a batch published completely, not full, of a
+//     bucket that was hinted during it, the next batch is
+//     read without its rows (BatchSkipper) and published while its delete
+//     runs; the next batch is handed to the publisher only after this
+//     one's Publish returned, and its own delete waits for this one's;
 //   - deleteAcked: the acknowledged prefix is deleted by id, guarded by
 //     the lease in the same statement, even when the relay is stopping;
 //   - leaseEnded: after a lease lost during the publish, the rest of the
@@ -169,49 +182,156 @@ type batch struct {
 //   - failurePolicy: a failed publish is narrowed to its culprit, or
 //     recorded and handed to the failure handler.
 //
-// The backoff of a failed bucket and the announcement of lease changes
-// that waited for the batch follow in finish.
+// Every delete has ended when drainBatch returns. The backoff of a failed
+// bucket and the announcement of lease changes that waited for the batch
+// follow in finish.
 func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) (r batchResult) {
-	b := &batch{hl: hl, settled: p.reconciler == nil || d.st.settled && d.st.settledTerm == hl.Term}
+	b := &batch{hl: hl, marks: d.st.marks, settled: p.reconciler == nil || d.st.settled && d.st.settledTerm == hl.Term}
+	// The result reports whether the bucket stays reconciled, and the
+	// marks the last read covered, so that only a hint after it readies
+	// the bucket again.
 	defer func() { r.settled, r.settledTerm = b.settled && !b.doubt, hl.Term }()
+	ret := func(r batchResult) batchResult { r.marks = b.marks; return r }
 	// Each step says whether the batch ends there, and with what.
 	if !b.settled {
 		if r, done := p.reconcile(ctx, b); done {
-			return r
+			return ret(r)
 		}
 		d.st.next = nil // read afresh what the delete left
 	}
 	if r, done := p.read(ctx, b, d.st); done {
-		return r
+		return ret(r)
 	}
-	if r, done := p.filter(ctx, b); done {
-		return r
-	}
-	if r, done := p.admit(ctx, b); done {
-		return r
-	}
-	p.publish(ctx, b)
-	if r, done := p.fenced(b); done {
-		return r
+	var prev *batch // published, its delete to run alongside b's publish
+	for turn := 1; ; turn++ {
+		if r, done := p.filter(ctx, b); done {
+			return ret(p.settle(p.startDelete(ctx, prev), r))
+		}
+		if r, done := p.admit(ctx, b); done {
+			return ret(p.settle(p.startDelete(ctx, prev), r))
+		}
+		pending := p.startDelete(ctx, prev)
+		p.publish(ctx, b)
+		if r, done := p.awaitDelete(pending); done {
+			return ret(r)
+		}
+		if r, done := p.fenced(b); done {
+			return ret(r)
+		}
+		next, r, done := p.alongside(ctx, b, turn)
+		if done {
+			return ret(r)
+		}
+		if next == nil {
+			break
+		}
+		b, prev = next, b
 	}
 	if r, done := p.deleteAcked(ctx, b); done {
-		return r
+		return ret(r)
 	}
 	if r, done := p.leaseEnded(b); done {
-		return r
+		return ret(r)
 	}
 	if b.perr != nil {
-		return p.failurePolicy(ctx, b)
+		return ret(p.failurePolicy(ctx, b))
 	}
 	switch {
 	case b.next != nil && len(b.next) == 0:
-		return batchResult{out: outDrained} // read ahead: the bucket is empty
+		return ret(batchResult{out: outDrained}) // read ahead: the bucket is empty
 	case b.next != nil:
-		return batchResult{out: outFull, next: b.next, term: b.hl.Term}
+		return ret(batchResult{out: outFull, next: b.next, term: b.hl.Term})
 	case b.full:
-		return batchResult{out: outFull}
+		return ret(batchResult{out: outFull})
 	}
-	return batchResult{out: outDrained}
+	return ret(batchResult{out: outDrained})
+}
+
+// maxTurns bounds the batches one drainer publishes of a bucket before
+// handing it back to the scheduler.
+const maxTurns = 64
+
+// pendingDelete is a batch's delete running alongside the next batch's
+// publish.
+type pendingDelete struct {
+	lease Lease
+	acked int
+	err   chan error
+}
+
+// startDelete starts the delete of batch b (nil: none), published
+// completely, guarded by its lease, even when the relay is stopping.
+func (p *drainers) startDelete(ctx context.Context, b *batch) *pendingDelete {
+	if b == nil {
+		return nil
+	}
+	pd := &pendingDelete{lease: b.hl.Lease, acked: b.acked, err: make(chan error, 1)}
+	dctx := context.WithoutCancel(ctx)
+	go func() { pd.err <- p.store.MarkPublished(dctx, p.cfg.RelayID, pd.lease, b.msgs) }()
+	return pd
+}
+
+// alongside takes the delete of batch b, just published completely, off
+// the path to the bucket's next publish: it reads the next batch without
+// b's rows (BatchSkipper), and b is deleted while that batch is published
+// (drainBatch). It does so only for a batch that was not full, of a
+// bucket hinted since b was read, and while the scheduler lets the
+// drainer keep the bucket; else it returns nothing and b is deleted in
+// turn (deleteAcked): a full batch with the next read (BatchAdvancer),
+// which drains a backlog faster than the delete alongside did
+// (BENCHMARKS.md, "The delete off the critical path"). When the read finds nothing or fails, b is
+// deleted at once and the batch ends (done). A drainer thus holds one
+// database connection at a time.
+func (p *drainers) alongside(ctx context.Context, b *batch, turn int) (next *batch, r batchResult, done bool) {
+	if p.caps.skipper == nil || turn >= maxTurns || b.perr != nil || b.lost || b.acked != len(b.msgs) || ctx.Err() != nil {
+		return nil, batchResult{}, false
+	}
+	bucket := b.hl.Bucket
+	marks, keep := p.sched.keep(bucket)
+	if !keep || b.full || marks == b.marks {
+		return nil, batchResult{}, false
+	}
+	msgs, err := p.caps.skipper.NextBatchExcept(ctx, bucket, p.batchLimit(), b.msgs)
+	switch {
+	case err != nil && !isStop(ctx, err) && !IsMisconfiguration(err):
+		p.log.Warn("relay: read batch failed", "bucket", bucket, "err", err)
+		fallthrough
+	case err != nil:
+		r = batchResult{out: outFailed, err: err}
+		if isStop(ctx, err) {
+			r = batchResult{out: outStopped}
+		}
+		return nil, p.settle(p.startDelete(ctx, b), r), true
+	case msgs == nil: // nothing read: read afresh after the delete
+		return nil, p.settle(p.startDelete(ctx, b), batchResult{out: outRetry}), true
+	case len(msgs) == 0:
+		b.marks = marks
+		return nil, p.settle(p.startDelete(ctx, b), batchResult{out: outDrained}), true
+	}
+	limit := p.batchLimit()
+	if len(msgs) > limit {
+		msgs = msgs[:limit]
+	}
+	b.marks = marks
+	return &batch{hl: b.hl, msgs: msgs, full: len(msgs) == limit, marks: marks, settled: b.settled}, batchResult{}, false
+}
+
+// awaitDelete waits for the previous batch's delete (nil: none) and
+// reports its failure as the end of the bucket's turn.
+func (p *drainers) awaitDelete(pd *pendingDelete) (batchResult, bool) {
+	if pd == nil {
+		return batchResult{}, false
+	}
+	return p.deleted(pd.lease, pd.acked, <-pd.err)
+}
+
+// settle ends a turn with r once the pending delete ended: a delete that
+// failed decides the outcome, unless r is a misconfiguration.
+func (p *drainers) settle(pd *pendingDelete, r batchResult) batchResult {
+	if dr, failed := p.awaitDelete(pd); failed && !IsMisconfiguration(r.err) {
+		return dr
+	}
+	return r
 }
 
 // reconcile deletes the rows of the bucket that the sink already holds,
@@ -367,17 +487,26 @@ func (p *drainers) deleteAcked(ctx context.Context, b *batch) (batchResult, bool
 	} else {
 		err = p.store.MarkPublished(dctx, p.cfg.RelayID, lease, b.msgs[:b.acked])
 	}
+	r, done := p.deleted(lease, b.acked, err)
+	if done && !errors.Is(err, ErrLeaseLost) {
+		b.doubt = true // the sink holds rows the store still has
+	}
+	return r, done
+}
+
+// deleted counts the acknowledged messages a delete under lease removed,
+// or reports how it failed.
+func (p *drainers) deleted(lease Lease, acked int, err error) (batchResult, bool) {
 	switch {
 	case err == nil:
-		p.published.Add(int64(b.acked))
+		p.published.Add(int64(acked))
 		return batchResult{}, false
 	case errors.Is(err, ErrLeaseLost):
-		p.log.Info("relay: lease lost before delete; the new owner publishes the rows again", "bucket", lease.Bucket, "term", lease.Term, "acked", b.acked)
+		p.log.Info("relay: lease lost before delete; the new owner publishes the rows again", "bucket", lease.Bucket, "term", lease.Term, "acked", acked)
 		return batchResult{out: outLost, err: err}, true
 	case !IsMisconfiguration(err):
-		p.log.Warn("relay: delete published messages failed; they will be published again unless the publisher reconciles", "bucket", lease.Bucket, "acked", b.acked, "err", err)
+		p.log.Warn("relay: delete published messages failed; they will be published again unless the publisher reconciles", "bucket", lease.Bucket, "acked", acked, "err", err)
 	}
-	b.doubt = true
 	return batchResult{out: outFailed, err: err}, true
 }
 

@@ -273,23 +273,110 @@ func TestAdvancerUsed(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		s := newFakeStore(8)
 		s.add(2, 50)
-		var log pubLog
-		r, err := relay.New(advancingStore{s}, log.publisher(nil), config("a"))
-		require.NoError(t, err)
-		n, err := r.DrainOnce(t.Context())
-		require.NoError(t, err)
-		require.Equal(t, 50, n)
+		log := drainOnce(t, advancingStore{s}, 50)
 		require.Zero(t, s.pending())
 		require.Equal(t, 1, s.count("batch"))
 		require.Equal(t, 5, s.count("advance"), "each full batch deleted with the next read")
 		require.Zero(t, s.count("mark"), "the last read came back empty: nothing left to delete separately")
-		seq := 0
-		for i := range log.n() {
-			for _, m := range log.call(i) {
-				require.Equal(t, fmt.Sprintf("2/%d", seq), string(m.Value))
-				seq++
-			}
+		require.Equal(t, seqValues(2, 0, 50), log.values())
+	})
+}
+
+// drainOnce drains s's n messages with DrainOnce and returns what was
+// published.
+func drainOnce(t *testing.T, s relay.Store, n int) *pubLog {
+	t.Helper()
+	log := &pubLog{}
+	r, err := relay.New(s, log.publisher(nil), config("a"))
+	require.NoError(t, err)
+	got, err := r.DrainOnce(t.Context())
+	require.NoError(t, err)
+	require.Equal(t, n, got)
+	return log
+}
+
+// Full batches keep their delete and the next read back to back
+// (BatchAdvancer) with a BatchSkipper too: the drain is unchanged.
+func TestSkipperNotForFullBatches(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := newFakeStore(8)
+		s.add(2, 50)
+		log := drainOnce(t, skippingStore{advancingStore{s}}, 50)
+		require.Zero(t, s.pending())
+		require.Equal(t, 1, s.count("batch"))
+		require.Equal(t, 5, s.count("advance"), "each full batch deleted with the next read")
+		require.Zero(t, s.count("except"))
+		require.Equal(t, seqValues(2, 0, 50), log.values())
+	})
+}
+
+// hintDuring starts a relay on a skipping store with injected failures
+// fail (nil: none), commits 3/0, and while its publish waits commits n
+// more rows to bucket 3 and hints them; then it lets the publish return
+// and waits until the relay is idle.
+func hintDuring(t *testing.T, n int, fail func(op string) error) (*fakeStore, *pubLog, relay.Config, *relay.Relay) {
+	base, hints, cfg := hintedSetup()
+	base.fail = fail
+	release := make(chan struct{})
+	log := &pubLog{}
+	r := start(t, skippingStore{advancingStore{base}}, log.publisher(func(_ context.Context, msgs []relay.Message) (int, error) {
+		if string(msgs[0].Value) == "3/0" {
+			<-release
 		}
+		return len(msgs), nil
+	}), cfg)
+	synctest.Wait()
+	base.add(3, 1)
+	hints.notify(3)
+	synctest.Wait() // 3/0 in flight
+	base.add(3, n)
+	hints.notify(3)
+	synctest.Wait() // the hint is taken while 3/0 is in flight
+	close(release)
+	synctest.Wait()
+	return base, log, cfg, r
+}
+
+// A bucket hinted while its batch (not full) is in flight has its next
+// batch read without that batch's rows as soon as the publish returns,
+// and published while the batch is deleted: one read per batch, and the
+// hint, covered by that read, does not read the bucket once more.
+func TestSkipperAfterHint(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s, log, _, r := hintDuring(t, 1, nil)
+		require.Zero(t, s.pending())
+		require.Equal(t, seqValues(3, 0, 2), log.values())
+		require.Equal(t, 1, s.count("batch"), "3/0 read afresh")
+		require.Equal(t, 1, s.count("except"), "3/1 read without 3/0, after its publish")
+		require.Equal(t, 2, s.count("mark"))
+		stop(t, r)
+	})
+}
+
+// A delete that fails while the next batch is published ends the
+// bucket's turn: that batch is not deleted, and both are published again,
+// in order, after the backoff.
+func TestSkipperDeleteFailure(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		failed := false
+		s, log, cfg, r := hintDuring(t, 2, func(op string) error {
+			if op == "mark" && !failed {
+				failed = true
+				return errors.New("connection reset")
+			}
+			return nil
+		})
+		// 3/1-3/2 published, 3/0's delete failed.
+		require.Equal(t, 3, s.pending())
+		time.Sleep(cfg.BackoffMax) // the bubble's clock: the backoff passes
+		synctest.Wait()
+		require.Zero(t, s.pending())
+		// The first delete failed: both batches again.
+		require.Equal(t, append(seqValues(3, 0, 3), seqValues(3, 0, 3)...), log.values())
+		stop(t, r)
 	})
 }
 

@@ -231,6 +231,26 @@ func (s *fakeStore) NextBatch(ctx context.Context, bucket, limit int) ([]relay.M
 	return slices.Clone(ms[:min(limit, len(ms))]), nil
 }
 
+// nextBatchExcept is relay.BatchSkipper for skippingStore.
+func (s *fakeStore) nextBatchExcept(ctx context.Context, bucket, limit int, except []relay.Message) ([]relay.Message, error) {
+	err := s.begin("except")
+	defer s.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	s.batches = append(s.batches, bucket)
+	out := []relay.Message{}
+	for _, m := range s.msgs[bucket] {
+		if len(out) == limit {
+			break
+		}
+		if !slices.ContainsFunc(except, func(e relay.Message) bool { return e.ID == m.ID }) {
+			out = append(out, m)
+		}
+	}
+	return out, nil
+}
+
 func (s *fakeStore) MarkPublished(ctx context.Context, id string, l relay.Lease, msgs []relay.Message) error {
 	err := s.begin("mark")
 	defer s.mu.Unlock()
@@ -366,6 +386,13 @@ func (a advancingStore) MarkPublishedNext(ctx context.Context, id string, l rela
 }
 
 func (a advancingStore) BucketCount() int { return a.bucketCount() }
+
+// skippingStore is advancingStore with BatchSkipper too.
+type skippingStore struct{ advancingStore }
+
+func (s skippingStore) NextBatchExcept(ctx context.Context, bucket, limit int, except []relay.Message) ([]relay.Message, error) {
+	return s.nextBatchExcept(ctx, bucket, limit, except)
+}
 
 // insert appends msgs to their buckets with fresh ids, as committed.
 func (s *fakeStore) insert(msgs []relay.Message) {

@@ -78,6 +78,28 @@ func (p *pubLog) call(i int) []relay.Message {
 	return p.calls[i]
 }
 
+// values returns the values of every published message, in publish order.
+func (p *pubLog) values() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []string
+	for _, c := range p.calls {
+		for _, m := range c {
+			out = append(out, string(m.Value))
+		}
+	}
+	return out
+}
+
+// seqValues returns the values "bucket/from" to "bucket/to-1".
+func seqValues(bucket, from, to int) []string {
+	var out []string
+	for i := from; i < to; i++ {
+		out = append(out, fmt.Sprintf("%d/%d", bucket, i))
+	}
+	return out
+}
+
 func (p *pubLog) n() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()

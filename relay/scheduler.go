@@ -57,6 +57,7 @@ type batchResult struct {
 	// left no doubt (see bucketState.settled).
 	settled     bool
 	settledTerm int64
+	marks       uint64 // the bucket's marks the batch's last read covered
 }
 
 // drawn is a bucket a drainer took from the scheduler, with its state at
@@ -258,6 +259,18 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, now time.Time) {
 		default:
 		}
 	}
+}
+
+// keep reports whether the drainer holding bucket b may go on with its
+// next batch rather than hand it back: no other bucket waits in the FIFO,
+// no acquisition holds the scheduler, no lease announcement waits for the
+// bucket, and the scheduler is open. It returns the bucket's marks so
+// far, which a read started after it covers.
+func (s *scheduler) keep(b int) (uint64, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := &s.buckets[b]
+	return st.marks, !s.closed && !s.paused && len(s.fifo) == 0 && !st.wake
 }
 
 // forget clears a bucket's state after its lease went away.

@@ -240,3 +240,19 @@ type Prober interface {
 	// log a failure: the relay calls it while the database is down.
 	Probe(ctx context.Context) error
 }
+
+// BatchSkipper is an optional Store capability: reading a bucket's next
+// batch while the previous one's delete has not run yet. With it the
+// relay takes a bucket's delete off the path to its next publish: once a
+// batch is acknowledged, its delete runs alongside the read of the next
+// batch and that batch's publish (see the package documentation, "The
+// batch cycle").
+type BatchSkipper interface {
+	// NextBatchExcept returns up to limit pending messages of bucket,
+	// oldest first, as NextBatch does, leaving out the messages of except
+	// (matched by ID): what NextBatch would return once except is deleted.
+	// A nil batch with a nil error says nothing was read (the store cannot
+	// leave that many out in one read): the relay deletes first and reads
+	// with NextBatch.
+	NextBatchExcept(ctx context.Context, bucket, limit int, except []Message) ([]Message, error)
+}

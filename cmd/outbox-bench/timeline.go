@@ -84,6 +84,13 @@ func (s timedStore) NextBatch(ctx context.Context, bucket, limit int) ([]relay.M
 	return m, err
 }
 
+func (s timedStore) NextBatchExcept(ctx context.Context, bucket, limit int, except []relay.Message) ([]relay.Message, error) {
+	st := time.Now()
+	m, err := s.Store.NextBatchExcept(ctx, bucket, limit, except)
+	s.tl.op("read", bucket, st, len(m))
+	return m, err
+}
+
 func (s timedStore) MarkPublished(ctx context.Context, id string, l relay.Lease, msgs []relay.Message) error {
 	st := time.Now()
 	err := s.Store.MarkPublished(ctx, id, l, msgs)

@@ -95,6 +95,7 @@ func Run(t *testing.T, h Harness) {
 		{"LeaseRenewer", testRenewer},
 		{"FailureRecorder", testRecorder},
 		{"BatchAdvancer", testAdvancer},
+		{"BatchSkipper", testSkipper},
 		{"LargeBatches", testLargeBatches},
 		{"BucketCounter", testBucketCounter},
 		{"StartChecker", testStartChecker},
@@ -492,6 +493,55 @@ func testAdvancer(t *testing.T, h Harness) {
 	require.Empty(t, last)
 	require.Empty(t, next(t, s, 1, 10))
 	require.Len(t, next(t, s, 0, 10), 1, "other buckets untouched")
+}
+
+func testSkipper(t *testing.T, h Harness) {
+	s := h.New(t, 2)
+	sk, ok := s.(relay.BatchSkipper)
+	if !ok {
+		t.Skip("the store does not implement relay.BatchSkipper")
+	}
+	h.Insert(t, s, msgs(1, 0, 7))
+	h.Insert(t, s, msgs(0, 0, 1))
+	l := leaseOf(t, acquire(t, s, "a", 2, long), 1)
+	first := next(t, s, 1, 3)
+
+	got, err := sk.NextBatchExcept(t.Context(), 1, 3, first)
+	require.NoError(t, err)
+	require.Equal(t, []string{"1/3", "1/4", "1/5"}, values(got), "the next batch, from the head, without the batch left out")
+	require.Len(t, next(t, s, 1, 10), 7, "reads only")
+	require.NoError(t, s.MarkPublished(t.Context(), "a", l, first))
+	require.Equal(t, next(t, s, 1, 3), got, "what NextBatch reads once the batch is deleted, with every field")
+
+	// Ids, never a range: what is not left out is read, holes and all.
+	rest := next(t, s, 1, 10)
+	got, err = sk.NextBatchExcept(t.Context(), 1, 10, []relay.Message{rest[0], rest[2]})
+	require.NoError(t, err)
+	require.Equal(t, []string{"1/4", "1/6"}, values(got))
+	got, err = sk.NextBatchExcept(t.Context(), 1, 10, rest)
+	require.NoError(t, err)
+	require.NotNil(t, got, "nothing left reads as an empty, non-nil batch")
+	require.Empty(t, got)
+	got, err = sk.NextBatchExcept(t.Context(), 0, 10, rest)
+	require.NoError(t, err)
+	require.Len(t, got, 1, "other buckets: their own rows")
+
+	// Hundreds left out, with holes among the ids.
+	h.Insert(t, s, msgs(1, 100, 900))
+	all := next(t, s, 1, 1000)
+	require.Len(t, all, 904)
+	var odd []relay.Message
+	for i := 1; i < 801; i += 2 {
+		odd = append(odd, all[i])
+	}
+	got, err = sk.NextBatchExcept(t.Context(), 1, 500, odd)
+	require.NoError(t, err)
+	if got != nil { // nil: the store reads nothing past so many ids
+		require.Len(t, got, 500)
+		require.Equal(t, values(all[0:1]), values(got[:1]))
+		require.Equal(t, values(all[2:3]), values(got[1:2]), "ids, never a range")
+		require.Equal(t, values(all[800:900]), values(got[400:]))
+	}
 }
 
 // interleaved returns, in one slice to insert at once, n messages of each

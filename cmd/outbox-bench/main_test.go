@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 // TestMain lets the test binary play the broker and relay processes the
@@ -178,6 +179,7 @@ func TestParseFlags(t *testing.T) {
 	c, err := parseFlags([]string{"-growth", "1_000,2000", "-driver", "sqlite"})
 	require.NoError(t, err)
 	require.Equal(t, []int{1000, 2000}, c.Growth)
+	require.Equal(t, relay.BatchSizeDefault, c.BatchSize, "-batch follows the relay's default")
 	_, err = parseFlags([]string{"-flush-frequency", "-1ms"})
 	require.ErrorContains(t, err, "-flush-frequency must not be negative")
 	c, err = parseFlags([]string{"-flush-frequency", "1ms"})

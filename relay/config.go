@@ -23,10 +23,11 @@ const (
 	// Every batch pays fixed costs (a read, a delete, produce round trips,
 	// and in strict mode a Kafka transaction: three replicated writes on a
 	// three-node cluster) that a larger batch spreads over more messages;
-	// on Apache Kafka 2000 drained faster than 500 in both modes, and
-	// narrowed strict mode's gap to the default (BENCHMARKS.md, "Batch
-	// size"). A relay that keeps up with its writers is unaffected: a
-	// batch holds what is pending, up to BatchSize.
+	// on three Apache Kafka nodes 2000 drained faster than 500 in both
+	// modes and narrowed strict mode's gap to the default (BENCHMARKS.md,
+	// "Batch size 2000 by default"). A relay that keeps up with its
+	// writers is unaffected: a batch holds what is pending, up to
+	// BatchSize.
 	BatchSizeDefault = 2000
 	// BatchSizeMax is the largest accepted BatchSize.
 	BatchSizeMax = 10_000

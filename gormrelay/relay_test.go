@@ -748,7 +748,7 @@ func TestRelayTwoOutboxes(t *testing.T) {
 
 // BenchmarkDrainPostgres measures the drain rate of one relay with a
 // function publisher on PostgreSQL: 20k prefilled messages over 8 buckets,
-// batches of 500.
+// batches of the default size (relay.BatchSizeDefault).
 //
 //	go test -run '^$' -bench DrainPostgres -benchtime 5x .
 func BenchmarkDrainPostgres(b *testing.B) {

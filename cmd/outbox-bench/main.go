@@ -30,6 +30,7 @@ import (
 	"time"
 
 	"github.com/gorm-outbox/outbox/internal/devbroker"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 // config is what the flags set.
@@ -168,7 +169,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.ValueSize, "value-size", 200, "value bytes")
 	fs.IntVar(&c.Buckets, "buckets", 8, "outbox buckets")
 	fs.IntVar(&c.Partitions, "partitions", 8, "topic partitions")
-	fs.IntVar(&c.BatchSize, "batch", 500, "relay batch size")
+	fs.IntVar(&c.BatchSize, "batch", relay.BatchSizeDefault, "relay batch size (the relay's default, relay.BatchSizeDefault)")
 	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
 	fs.IntVar(&c.Producers, "producers", 0, "Kafka publisher's Producers (0: the publisher's default)")
 	fs.IntVar(&c.LingerBatch, "linger-batch", 0, "Kafka publisher's LingerBatch, the smallest batch sent through a slot's lingering producer (0: the publisher's default; negative: no routing by size)")

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 // TestMain lets the test binary play the broker and relay processes the
@@ -178,6 +179,7 @@ func TestParseFlags(t *testing.T) {
 	c, err := parseFlags([]string{"-growth", "1_000,2000", "-driver", "sqlite"})
 	require.NoError(t, err)
 	require.Equal(t, []int{1000, 2000}, c.Growth)
+	require.Equal(t, relay.BatchSizeDefault, c.BatchSize, "-batch follows the relay's default")
 	_, err = parseFlags([]string{"-flush-frequency", "-1ms"})
 	require.ErrorContains(t, err, "-flush-frequency must not be negative")
 	c, err = parseFlags([]string{"-flush-frequency", "1ms"})
@@ -243,4 +245,44 @@ func TestParseFlagsWAL(t *testing.T) {
 	require.Equal(t, 5, c.Rounds)
 	_, err = parseFlags([]string{"-rounds", "0"})
 	require.Error(t, err)
+}
+
+// TestCeilingDelete checks that the database ceiling's deletes, in every
+// shape (a PostgreSQL array parameter, a literal within bounds, chunks of
+// ceilingChunk ids), delete exactly the listed rows of the bucket.
+func TestCeilingDelete(t *testing.T) {
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		require.NoError(t, db.Exec("CREATE TABLE ceiling_rows (id BIGINT PRIMARY KEY, bucket INT NOT NULL)").Error)
+		const n = 2*ceilingChunk + 300
+		rows := make([]map[string]any, 0, n)
+		for i := 1; i <= n; i++ {
+			rows = append(rows, map[string]any{"id": int64(i), "bucket": i % 2})
+		}
+		require.NoError(t, db.Table("ceiling_rows").CreateInBatches(rows, 500).Error)
+		sqlDB, err := db.DB.DB()
+		require.NoError(t, err)
+		// Bucket 0's even ids: two full chunks and a literal-sized rest,
+		// then a few (below ceilingLiteralMin) of bucket 1's odd ids.
+		var even, odd []any
+		for i := int64(2); i <= n; i += 2 {
+			even = append(even, i)
+		}
+		for i := int64(1); i < 2*ceilingLiteralMin-2; i += 2 {
+			odd = append(odd, i)
+		}
+		require.Greater(t, len(even), ceilingChunk)
+		require.Less(t, len(odd), ceilingLiteralMin)
+		require.NoError(t, ceilingDelete(ctx, sqlDB, db.Dialect, "ceiling_rows", 0, even))
+		require.NoError(t, ceilingDelete(ctx, sqlDB, db.Dialect, "ceiling_rows", 1, odd))
+		// An id of the other bucket is not deleted.
+		require.NoError(t, ceilingDelete(ctx, sqlDB, db.Dialect, "ceiling_rows", 0, []any{int64(n - 1)}))
+		var left []int64
+		require.NoError(t, db.Raw("SELECT id FROM ceiling_rows ORDER BY id").Scan(&left).Error)
+		var want []int64
+		for i := int64(2*ceilingLiteralMin - 1); i <= n; i += 2 {
+			want = append(want, i)
+		}
+		require.Equal(t, want, left)
+	})
 }

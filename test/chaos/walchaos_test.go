@@ -295,7 +295,9 @@ func scanWALLogs(paths []string) walLogStats {
 				s.terms++
 			case strings.HasPrefix(line.Msg, "pgwal: reading the slot failed"):
 				s.retries++
-			case strings.HasPrefix(line.Msg, "pgwal: publish failed"):
+			case strings.HasPrefix(line.Msg, "relay: publish failed"):
+				// The reader publishes through the relay engine, which
+				// logs each failed publish (retried, possibly written).
 				s.publishFailed++
 			}
 		}

@@ -555,8 +555,8 @@ func (p *leaseAwarePub) LeasesReleased(_ context.Context, ls []relay.Lease) {
 // names the lease's bucket and term.
 type reconcilingPub struct{ *leaseAwarePub }
 
-func (reconcilingPub) Reconcile(_ context.Context, l relay.Lease) ([]int64, error) {
-	return []int64{int64(l.Bucket), l.Term}, nil
+func (reconcilingPub) Reconcile(_ context.Context, l relay.Lease) (relay.Committed, error) {
+	return relay.Committed{IDs: []int64{int64(l.Bucket), l.Term}}, nil
 }
 
 // reconcilingOnly is a Reconciler that is not LeaseAware.
@@ -566,7 +566,7 @@ func (r reconcilingOnly) Publish(ctx context.Context, msgs []relay.Message) (int
 	return r.p.Publish(ctx, msgs)
 }
 
-func (r reconcilingOnly) Reconcile(ctx context.Context, l relay.Lease) ([]int64, error) {
+func (r reconcilingOnly) Reconcile(ctx context.Context, l relay.Lease) (relay.Committed, error) {
 	return r.p.Reconcile(ctx, l)
 }
 
@@ -597,9 +597,9 @@ func TestTracingPublisherWrapping(t *testing.T) {
 		wrapped := publisher.TracingPublisher(inner, &recordingTP{})
 		rc, ok := wrapped.(relay.Reconciler)
 		require.True(t, ok, name)
-		ids, err := rc.Reconcile(t.Context(), relay.Lease{Bucket: 3, Term: 4})
+		c, err := rc.Reconcile(t.Context(), relay.Lease{Bucket: 3, Term: 4})
 		require.NoError(t, err, name)
-		require.Equal(t, []int64{3, 4}, ids, name)
+		require.Equal(t, []int64{3, 4}, c.IDs, name)
 		_, isLA := wrapped.(relay.LeaseAware)
 		require.Equal(t, name == "both", isLA, name)
 	}

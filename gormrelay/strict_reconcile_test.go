@@ -127,3 +127,41 @@ func TestStrictFailedDeleteNotRepublished(t *testing.T) {
 		requireExactlyOnce(t, c, topic, keys, 10)
 	})
 }
+
+// Two outboxes that share a TransactionalIDPrefix (here two outbox tables
+// of one database, whose row ids both start at 1) read each other's
+// progress markers. A marker names ids the other outbox's table holds too,
+// but other messages: the relay deletes none of them, and every message of
+// both outboxes is published. (Before the marker carried the digest of its
+// messages, the second outbox's rows were deleted unpublished.)
+func TestStrictSharedPrefixLosesNothing(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		c, topic, first, keys := strictPending(t, db)
+		second := newStoreBundle(t, db, outbox.Config{BucketCount: 2, Tables: outbox.WithPrefix("other_")})
+		otherTopic := c.Topic(t, 3)
+		rows := keyed(keys, 10)
+		for i := range rows {
+			rows[i].MessageID = "other-" + rows[i].MessageID // message ids are unique (UUIDs), ids are not
+		}
+		second.insert(t, withTopic(otherTopic, rows)...)
+		prefix := strictPrefix(t)
+		cfg := func(id string) relay.Config {
+			cfg := fastConfig(t, id)
+			cfg.BucketCount = 2
+			cfg.BatchSize = 100 // one batch per bucket: the marker names every row
+			return cfg
+		}
+
+		a := startRelay(t, first.store, newStrictPublisher(t, c, prefix, 0), cfg("a"))
+		first.requireDrained(t)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		require.NoError(t, a.Stop(ctx))
+
+		startRelay(t, second.store, newStrictPublisher(t, c, prefix, 0), cfg("b"))
+		second.requireDrained(t)
+		requireExactlyOnce(t, c, topic, keys, 10)
+		requireExactlyOnce(t, c, otherTopic, keys, 10)
+	})
+}

@@ -219,12 +219,16 @@
 //     bucket's progress group (Transactional.ProgressGroup, a consumer
 //     group without members) whose value is the bucket's transaction
 //     sequence number and whose metadata lists the row ids the
-//     transaction carried. A producer reads the marker when it starts,
+//     transaction carried and a digest of their message ids
+//     (relay.MessagesDigest). A producer reads the marker when it starts,
 //     after its InitProducerID fenced the previous owner (whose last
 //     transaction is then committed or aborted), with an OffsetFetch that
 //     requires stable offsets; Reconcile (relay.Reconciler) hands the ids
-//     to the relay, which deletes those rows before it reads the bucket,
-//     and again after any batch that ended in doubt. A batch committed but
+//     and the digest to the relay, which deletes those rows before it
+//     reads the bucket, and again after any batch that ended in doubt,
+//     if they are all there and hold those messages: a marker of another
+//     outbox sharing the prefix, or one left before the database was
+//     recreated, deletes nothing. A batch committed but
 //     not deleted (the relay died, lost the database or its lease just
 //     after the commit) is therefore not published again. The row ids of
 //     a batch must fit TransactionalConfig.MarkerMaxBytes (the brokers'

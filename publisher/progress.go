@@ -30,19 +30,27 @@ import (
 // the bucket's previous owner (so that owner's last transaction is
 // committed or aborted), with an OffsetFetch that requires stable offsets
 // (a transactional commit still being written is waited for, not missed).
-// Reconcile hands the ids to the relay, which deletes them from the store
-// before it reads the bucket: they are in Kafka already.
+// Reconcile hands the ids and the digest of the batch's message ids
+// (relay.MessagesDigest) to the relay, which deletes those rows from the
+// store before it reads the bucket, if they hold those messages: they are
+// in Kafka already. The digest keeps a marker that is not this outbox's
+// (another outbox with the same TransactionalIDPrefix, or this outbox's
+// database recreated while the marker lived on) from deleting rows that
+// merely have the same ids.
 
 // MarkerMaxBytesDefault is TransactionalConfig.MarkerMaxBytes' default: the
 // broker's default offset.metadata.max.bytes.
 const MarkerMaxBytesDefault = 4096
 
 // markerMinBytes is the smallest MarkerMaxBytes: room for one id of any
-// size and the header, encoded.
+// size and the header (version and digest), encoded.
 const markerMinBytes = 64
 
 // markerVersion is the first byte of an encoded marker.
-const markerVersion = 1
+const markerVersion = 2
+
+// markerHeader is the version byte and the eight-byte digest.
+const markerHeader = 1 + 8
 
 // ErrBadMarker is wrapped by the error of a producer that found, in its
 // bucket's progress group, a committed offset whose metadata is not a
@@ -53,14 +61,16 @@ var ErrBadMarker = errors.New("publisher: the progress group holds metadata that
 
 // encodeMarker encodes as many leading ids as fit in limit bytes of
 // metadata and returns the metadata and how many ids it holds (at least
-// one, limit permitting). The encoding is base64 (standard alphabet, no
-// padding) of: the version byte, then the first id and each following
-// id's difference from the one before it, as zigzag varints. Ids in a
-// batch are ascending, so the differences are small: an id within 63 of
-// the one before costs one byte, 8191 two.
-func encodeMarker(ids []int64, limit int) (string, int) {
+// one, limit permitting); digest(n) is the digest of the first n ids'
+// messages (relay.MessagesDigest). The encoding is base64 (standard
+// alphabet, no padding) of: the version byte, the digest (eight bytes,
+// big-endian), then the first id and each following id's difference from
+// the one before it, as zigzag varints. Ids in a batch are ascending, so
+// the differences are small: an id within 63 of the one before costs one
+// byte, 8191 two.
+func encodeMarker(ids []int64, limit int, digest func(n int) uint64) (string, int) {
 	maxRaw := limit * 3 / 4 // base64 of k bytes takes ceil(4k/3) characters
-	raw := make([]byte, 1, min(maxRaw, 1+len(ids)*2))
+	raw := make([]byte, markerHeader, min(maxRaw, markerHeader+len(ids)*2))
 	raw[0] = markerVersion
 	var (
 		prev int64
@@ -80,19 +90,21 @@ func encodeMarker(ids []int64, limit int) (string, int) {
 		prev = id
 		n++
 	}
+	binary.BigEndian.PutUint64(raw[1:markerHeader], digest(n))
 	return base64.RawStdEncoding.EncodeToString(raw), n
 }
 
-// decodeMarker decodes what encodeMarker encoded.
-func decodeMarker(s string) ([]int64, error) {
+// decodeMarker decodes what encodeMarker encoded: the ids and the digest.
+func decodeMarker(s string) ([]int64, uint64, error) {
 	raw, err := base64.RawStdEncoding.DecodeString(s)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrBadMarker, err)
+		return nil, 0, fmt.Errorf("%w: %v", ErrBadMarker, err)
 	}
-	if len(raw) == 0 || raw[0] != markerVersion {
-		return nil, fmt.Errorf("%w: unknown version", ErrBadMarker)
+	if len(raw) < markerHeader || raw[0] != markerVersion {
+		return nil, 0, fmt.Errorf("%w: unknown version", ErrBadMarker)
 	}
-	raw = raw[1:]
+	digest := binary.BigEndian.Uint64(raw[1:markerHeader])
+	raw = raw[markerHeader:]
 	var (
 		ids  []int64
 		prev int64
@@ -100,7 +112,7 @@ func decodeMarker(s string) ([]int64, error) {
 	for len(raw) > 0 {
 		d, w := binary.Varint(raw)
 		if w <= 0 {
-			return nil, fmt.Errorf("%w: truncated id %d", ErrBadMarker, len(ids))
+			return nil, 0, fmt.Errorf("%w: truncated id %d", ErrBadMarker, len(ids))
 		}
 		raw = raw[w:]
 		if len(ids) > 0 {
@@ -109,7 +121,7 @@ func decodeMarker(s string) ([]int64, error) {
 		ids = append(ids, d)
 		prev = d
 	}
-	return ids, nil
+	return ids, digest, nil
 }
 
 // ProgressGroup returns the consumer group whose committed offset records
@@ -124,8 +136,9 @@ func (t *Transactional) ProgressGroup(bucket int) string {
 // marker is what a bucket's progress group holds: the sequence number of
 // its last committed transaction (0 for none) and the row ids it carried.
 type marker struct {
-	seq int64
-	ids []int64
+	seq    int64
+	ids    []int64
+	digest uint64
 }
 
 // readMarker reads bucket's marker from its progress group with a stable
@@ -210,38 +223,39 @@ func (t *Transactional) fetchMarker(client sarama.Client, group string) (m marke
 	if best == nil {
 		return marker{}, false, nil // never committed (or expired): nothing to reconcile
 	}
-	ids, err := decodeMarker(best.Metadata)
+	ids, digest, err := decodeMarker(best.Metadata)
 	if err != nil {
 		return marker{}, false, &relay.MisconfigurationError{Setting: "TransactionalIDPrefix",
 			Reason: "the group " + group + " is used by something else than this outbox's relays; choose a prefix no other application's groups start with",
 			Err:    err}
 	}
-	return marker{seq: best.Offset, ids: ids}, false, nil
+	return marker{seq: best.Offset, ids: ids, digest: digest}, false, nil
 }
 
 var _ relay.Reconciler = (*Transactional)(nil)
 
 // Reconcile implements relay.Reconciler: it returns the row ids that the
-// last transaction committed for lease's bucket carried, which the relay
-// deletes before it reads the bucket. It waits for the bucket's producer
-// (starting it if needed: its InitProducerID fences the previous owner
-// and ends its open transaction, and its start reads the marker the last
-// committed transaction left, see ProgressGroup) and for a transaction in
-// progress on it. The ids may name rows deleted long ago; the relay
-// ignores those.
-func (t *Transactional) Reconcile(ctx context.Context, lease relay.Lease) ([]int64, error) {
+// last transaction committed for lease's bucket carried, and the digest
+// of their message ids, which the relay deletes before it reads the
+// bucket if the store's rows of those ids hold those messages. It waits
+// for the bucket's producer (starting it if needed: its InitProducerID
+// fences the previous owner and ends its open transaction, and its start
+// reads the marker the last committed transaction left, see
+// ProgressGroup) and for a transaction in progress on it. The ids may name
+// rows deleted long ago; the relay ignores those.
+func (t *Transactional) Reconcile(ctx context.Context, lease relay.Lease) (relay.Committed, error) {
 	t.mu.Lock()
 	started := t.started
 	t.mu.Unlock()
 	if !started {
-		return nil, errTransactionalNotStarted
+		return relay.Committed{}, errTransactionalNotStarted
 	}
 	p, err := t.acquire(ctx, lease.Bucket)
 	if err != nil {
-		return nil, err
+		return relay.Committed{}, err
 	}
-	ids := p.last.ids
+	c := relay.Committed{IDs: p.last.ids, Digest: p.last.digest}
 	<-p.sem
 	t.bg.Done()
-	return ids, nil
+	return c, nil
 }

@@ -27,12 +27,13 @@ func TestMarkerRoundTrip(t *testing.T) {
 		"extremes":   {math.MaxInt64, math.MinInt64, 0, -1, 1},
 		"wal":        {-123456789, -123456700, -123400000},
 	} {
-		meta, n := encodeMarker(ids, MarkerMaxBytesDefault)
+		meta, n := encodeMarker(ids, MarkerMaxBytesDefault, func(n int) uint64 { return uint64(n) << 40 })
 		require.Equal(t, len(ids), n, name)
 		require.LessOrEqual(t, len(meta), MarkerMaxBytesDefault, name)
-		got, err := decodeMarker(meta)
+		got, digest, err := decodeMarker(meta)
 		require.NoError(t, err, name)
 		require.Equal(t, ids, got, name)
+		require.Equal(t, uint64(len(ids))<<40, digest, name)
 	}
 }
 
@@ -44,10 +45,11 @@ func TestMarkerSize(t *testing.T) {
 	for i := range ids {
 		ids[i] = 1_000_000_000 + int64(i)*8 // eight buckets, round robin
 	}
-	meta, n := encodeMarker(ids, MarkerMaxBytesDefault)
+	meta, n := encodeMarker(ids, MarkerMaxBytesDefault, noDigest)
 	require.Equal(t, 500, n)
-	// version byte, a five-byte first id, 499 one-byte deltas; base64.
-	require.Equal(t, (4*(1+5+499)+2)/3, len(meta))
+	// version byte, eight-byte digest, a five-byte first id, 499 one-byte
+	// deltas; base64.
+	require.Equal(t, (4*(1+8+5+499)+2)/3, len(meta))
 }
 
 // Ids that do not fit are left out from the first one that does not: the
@@ -59,27 +61,34 @@ func TestMarkerPrefix(t *testing.T) {
 		ids[i] = int64(i) * 1_000_000 // four-byte deltas
 	}
 	for _, limit := range []int{markerMinBytes, 100, 1000, MarkerMaxBytesDefault} {
-		meta, n := encodeMarker(ids, limit)
+		var digested int
+		meta, n := encodeMarker(ids, limit, func(n int) uint64 { digested = n; return 7 })
 		require.Positive(t, n, "limit %d", limit)
 		require.Less(t, n, len(ids), "limit %d", limit)
+		require.Equal(t, n, digested, "limit %d: the digest covers the prefix", limit)
 		require.LessOrEqual(t, len(meta), limit, "limit %d", limit)
-		got, err := decodeMarker(meta)
+		got, digest, err := decodeMarker(meta)
 		require.NoError(t, err)
 		require.Equal(t, ids[:n], got, "limit %d", limit)
+		require.Equal(t, uint64(7), digest, "limit %d", limit)
 		// One more id would not have fit.
-		more, _ := encodeMarker(ids[:n+1], 1<<20)
+		more, _ := encodeMarker(ids[:n+1], 1<<20, noDigest)
 		require.Greater(t, len(more), limit, "limit %d: the prefix stopped early", limit)
 	}
 	// The largest possible id fits even at the smallest limit.
-	_, n := encodeMarker([]int64{math.MinInt64, math.MaxInt64}, markerMinBytes)
+	_, n := encodeMarker([]int64{math.MinInt64, math.MaxInt64}, markerMinBytes, noDigest)
 	require.Equal(t, 2, n)
 }
 
 // Metadata that is no marker is a typed error.
 func TestMarkerBad(t *testing.T) {
 	t.Parallel()
-	for _, s := range []string{"", "not base64!", "AA", "AYA"} {
-		_, err := decodeMarker(s)
+	v1, _ := encodeMarker([]int64{1, 2}, MarkerMaxBytesDefault, noDigest)
+	v1 = "AQ" + v1[2:] // a version 1 marker had no digest: never trusted
+	for _, s := range []string{"", "not base64!", "AA", "AYA", "AgAAAAAAAAA", v1} {
+		_, _, err := decodeMarker(s)
 		require.ErrorIs(t, err, ErrBadMarker, "%q", s)
 	}
 }
+
+func noDigest(int) uint64 { return 0 }

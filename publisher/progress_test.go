@@ -34,7 +34,7 @@ func TestTransactionalReconcile(t *testing.T) {
 
 	got, err := a.Reconcile(testCtx(t), relay.Lease{Bucket: 3, Term: 1})
 	require.NoError(t, err)
-	require.Empty(t, got, "first acquisition: nothing committed yet")
+	require.Zero(t, got, "first acquisition: nothing committed yet")
 
 	acked, err := a.Publish(testCtx(t), inBucket(withIDs(publishertest.Messages(topicA, "a1", 4), 10, 8), 3))
 	require.NoError(t, err)
@@ -45,7 +45,7 @@ func TestTransactionalReconcile(t *testing.T) {
 	require.Equal(t, 3, acked)
 	got, err = a.Reconcile(testCtx(t), relay.Lease{Bucket: 3, Term: 1})
 	require.NoError(t, err)
-	require.Equal(t, []int64{50, 1_000_053, 2_000_056}, got, "the producer remembers its last commit")
+	require.Equal(t, relay.Committed{IDs: []int64{50, 1_000_053, 2_000_056}, Digest: relay.MessagesDigest(second)}, got, "the producer remembers its last commit")
 	// A batch that fails before its commit leaves the marker as it was.
 	bad := inBucket(withIDs(publishertest.Messages(topicA, "bad", 2), 9_000_000, 1), 3)
 	bad[1].Partition = ptr(int32(7)) // topicA has one partition
@@ -59,16 +59,18 @@ func TestTransactionalReconcile(t *testing.T) {
 	require.NoError(t, b.LeasesAcquired(testCtx(t), []relay.Lease{{Bucket: 3, Term: 2}}))
 	got, err = b.Reconcile(testCtx(t), relay.Lease{Bucket: 3, Term: 2})
 	require.NoError(t, err)
-	require.Equal(t, []int64{50, 1_000_053, 2_000_056}, got)
+	require.Equal(t, relay.Committed{IDs: []int64{50, 1_000_053, 2_000_056}, Digest: relay.MessagesDigest(second)}, got,
+		"the marker carries the digest of the batch's message ids")
 
 	// b's commits continue the sequence: a third owner reads b's.
-	acked, err = b.Publish(testCtx(t), inBucket(withIDs(publishertest.Messages(topicA, "b1", 2), 70, 1), 3))
+	fromB := inBucket(withIDs(publishertest.Messages(topicA, "b1", 2), 70, 1), 3)
+	acked, err = b.Publish(testCtx(t), fromB)
 	require.NoError(t, err)
 	require.Equal(t, 2, acked)
 	third := newTransactional(t, c, sameID)
 	got, err = third.Reconcile(testCtx(t), relay.Lease{Bucket: 3, Term: 3})
 	require.NoError(t, err)
-	require.Equal(t, []int64{70, 71}, got, "the newest entry wins, not the other topic's")
+	require.Equal(t, relay.Committed{IDs: []int64{70, 71}, Digest: relay.MessagesDigest(fromB)}, got, "the newest entry wins, not the other topic's")
 
 	want := append(ids(publishertest.Messages(topicA, "a1", 4)), ids(publishertest.Messages(topicA, "b1", 2))...)
 	require.Equal(t, want, ids(readCommitted(t, c, topicA)))
@@ -91,8 +93,9 @@ func TestTransactionalMarkerTruncates(t *testing.T) {
 	require.Less(t, acked, len(msgs))
 	got, err := tx.Reconcile(testCtx(t), relay.Lease{Bucket: 0, Term: 1})
 	require.NoError(t, err)
-	require.Len(t, got, acked)
-	require.Equal(t, msgs[acked-1].ID, got[len(got)-1])
+	require.Len(t, got.IDs, acked)
+	require.Equal(t, msgs[acked-1].ID, got.IDs[len(got.IDs)-1])
+	require.Equal(t, relay.MessagesDigest(msgs[:acked]), got.Digest, "the digest covers the prefix published")
 	require.Equal(t, ids(msgs[:acked]), ids(readCommitted(t, c, topic)))
 
 	_, err = publisher.NewTransactional(publisher.TransactionalConfig{Brokers: c.Brokers(), TransactionalIDPrefix: "p", MarkerMaxBytes: 10})

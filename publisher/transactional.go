@@ -621,7 +621,11 @@ func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int,
 	for i := range msgs {
 		ids[i] = msgs[i].ID
 	}
-	meta, fit := encodeMarker(ids, t.cfg.MarkerMaxBytes)
+	var digest uint64
+	meta, fit := encodeMarker(ids, t.cfg.MarkerMaxBytes, func(n int) uint64 {
+		digest = relay.MessagesDigest(msgs[:n])
+		return digest
+	})
 	var cut error
 	if fit < len(msgs) {
 		cut = relay.Truncated(fmt.Errorf("publisher: the row ids of %d of the batch's %d messages fit in MarkerMaxBytes %d; the rest follows in the next transaction",
@@ -633,7 +637,7 @@ func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int,
 		t.logFailure(msgs, err)
 		return 0, err
 	}
-	b.marker, b.ids = meta, ids[:fit]
+	b.marker, b.ids, b.digest = meta, ids[:fit], digest
 	p, err := t.acquire(ctx, bucket)
 	if err != nil {
 		return 0, err
@@ -710,6 +714,7 @@ type txBatch struct {
 	// marker is the encoded progress marker of ids, the batch's row ids.
 	marker string
 	ids    []int64
+	digest uint64
 }
 
 // build converts msgs to producer messages and checks each against what no
@@ -881,7 +886,7 @@ wait:
 		log.Debug("commit failed", slog.Int("batch", len(msgs)), slog.Any("error", err))
 		return txOutcome{err: t.commitError(p, err)}
 	}
-	p.last = marker{seq: seq, ids: b.ids}
+	p.last = marker{seq: seq, ids: b.ids, digest: b.digest}
 	return txOutcome{acked: len(msgs)}
 }
 

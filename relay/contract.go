@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"errors"
+	"hash/fnv"
 	"time"
 
 	"github.com/gorm-outbox/outbox/wire"
@@ -278,13 +279,18 @@ func IsBatchRejected(err error) bool {
 // of it under a lease (after LeasesAcquired, for a LeaseAware publisher),
 // and again before the next batch whenever a batch of the bucket ended in
 // doubt: a publish that failed or was cancelled, or a delete that failed.
-// It then deletes the returned ids from the store, by MarkPublished under
-// the lease, before it reads the bucket; ids of rows already gone are
-// ignored. A publisher must therefore return only ids of the bucket that
-// the sink holds for good, and must, before it returns, have made sure
-// that no earlier owner of the bucket can still make a batch visible (the
-// strict-mode publisher fences it first). Store ids must never be reused:
-// the relay deletes by id.
+// It then reads the bucket's oldest rows and deletes, by MarkPublished
+// under the lease, the rows of the returned ids, but only when every one
+// of them is there and the digest of their MessageIDs, in the order the
+// ids are given, is Committed.Digest (MessagesDigest): a record that does
+// not match the store (another outbox shares the sink's identity, or row
+// ids were reused after the database was recreated or restored) deletes
+// nothing and is logged at Warn, so it can cause a duplicate, never a
+// loss. None of the rows there is the usual case: the batch was deleted.
+// A publisher must return only a batch of the bucket that the sink holds
+// for good, and must, before it returns, have made sure that no earlier
+// owner of the bucket can still make a batch visible (the strict-mode
+// publisher fences it first).
 //
 // An error is logged and the bucket is retried after its backoff, without
 // reading or publishing anything; a *MisconfigurationError stops the relay,
@@ -292,7 +298,28 @@ func IsBatchRejected(err error) bool {
 // concurrently for different buckets, never concurrently with a Publish of
 // the same bucket.
 type Reconciler interface {
-	Reconcile(ctx context.Context, lease Lease) (ids []int64, err error)
+	Reconcile(ctx context.Context, lease Lease) (Committed, error)
+}
+
+// Committed is a Reconciler's record of the last batch of a bucket the
+// sink committed: its messages' IDs, in the batch's order, and the
+// MessagesDigest of those messages. The zero value records nothing.
+type Committed struct {
+	IDs    []int64
+	Digest uint64
+}
+
+// MessagesDigest is the 64-bit FNV-1a hash of msgs' MessageIDs, in order,
+// each followed by a zero byte: what a Reconciler records of a batch so
+// that the relay deletes the rows it names only when they hold those
+// messages.
+func MessagesDigest(msgs []Message) uint64 {
+	h := fnv.New64a()
+	for i := range msgs {
+		h.Write([]byte(msgs[i].MessageID))
+		h.Write([]byte{0})
+	}
+	return h.Sum64()
 }
 
 // TruncatedError marks a publish that the sink took only a prefix of, on

@@ -178,7 +178,9 @@
 // TestStrictFailedDeleteNotRepublished check it on every database,
 // against kfake or the Apache Kafka of KAFKA_BROKERS). This relies on
 // store ids never being reused: the relay deletes the ids the publisher
-// names.
+// names, and only when they are all in the bucket and hold the messages
+// the record's digest names (MessagesDigest), so a record that is not
+// this store's deletes nothing (TestStrictSharedPrefixLosesNothing).
 //
 // # Buckets and ordering
 //

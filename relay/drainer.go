@@ -335,11 +335,13 @@ func (p *drainers) settle(pd *pendingDelete, r batchResult) batchResult {
 }
 
 // reconcile deletes the rows of the bucket that the sink already holds,
-// as the publisher's Reconciler names them, guarded by the lease: a
+// as the publisher's Reconciler records them, guarded by the lease: a
 // previous owner, or this relay, published them and did not delete them.
+// The rows are deleted only when they are all there and hold the
+// messages the record's digest names.
 func (p *drainers) reconcile(ctx context.Context, b *batch) (batchResult, bool) {
 	lease := b.hl.Lease
-	ids, err := p.reconciler.Reconcile(b.hl.ctx, lease)
+	c, err := p.reconciler.Reconcile(b.hl.ctx, lease)
 	switch {
 	case err == nil:
 	case ctx.Err() != nil:
@@ -352,27 +354,64 @@ func (p *drainers) reconcile(ctx context.Context, b *batch) (batchResult, bool) 
 		p.log.Warn("relay: reconcile with the sink failed; not publishing the bucket until it succeeds", "bucket", lease.Bucket, "err", err)
 		return batchResult{out: outFailed, err: err}, true
 	}
-	if len(ids) > 0 {
-		msgs := make([]Message, len(ids))
-		for i, id := range ids {
-			msgs[i] = Message{ID: id, Bucket: lease.Bucket}
+	if len(c.IDs) > 0 {
+		held, err := p.committedRows(ctx, lease, c)
+		if err == nil && len(held) > 0 {
+			err = p.store.MarkPublished(context.WithoutCancel(ctx), p.cfg.RelayID, lease, held)
 		}
-		err := p.store.MarkPublished(context.WithoutCancel(ctx), p.cfg.RelayID, lease, msgs)
 		switch {
 		case err == nil:
+		case isStop(ctx, err):
+			return batchResult{out: outStopped}, true
 		case errors.Is(err, ErrLeaseLost):
 			return batchResult{out: outLost, err: err}, true
 		case IsMisconfiguration(err):
 			return batchResult{out: outFailed, err: err}, true
 		default:
 			p.log.Warn("relay: delete of rows the sink already holds failed; not publishing the bucket until it succeeds",
-				"bucket", lease.Bucket, "ids", len(ids), "err", err)
+				"bucket", lease.Bucket, "ids", len(c.IDs), "err", err)
 			return batchResult{out: outFailed, err: err}, true
 		}
-		p.log.Debug("relay: deleted the rows the sink already holds", "bucket", lease.Bucket, "term", lease.Term, "ids", len(ids))
+		if len(held) > 0 {
+			p.log.Info("relay: deleted rows the sink already held (a batch committed but not deleted)",
+				"bucket", lease.Bucket, "term", lease.Term, "deleted", len(held))
+		}
 	}
 	b.settled = true
 	return batchResult{}, false
+}
+
+// committedRows returns the rows of the bucket that c records, read from
+// the bucket's oldest rows (a batch committed but not deleted is at the
+// head, behind at most a batch of rows committed late with smaller ids),
+// if every one is there and their digest is c's; otherwise none. Some
+// rows missing, or other messages under those ids, is a record that is
+// not this store's: it is logged, and nothing is deleted.
+func (p *drainers) committedRows(ctx context.Context, lease Lease, c Committed) ([]Message, error) {
+	rows, err := p.store.NextBatch(ctx, lease.Bucket, min(len(c.IDs)+p.batchLimit(), BatchSizeMax))
+	if err != nil {
+		return nil, err
+	}
+	byID := make(map[int64]Message, len(rows))
+	for _, m := range rows {
+		byID[m.ID] = m
+	}
+	held := make([]Message, 0, len(c.IDs))
+	for _, id := range c.IDs {
+		if m, ok := byID[id]; ok {
+			held = append(held, m)
+		}
+	}
+	switch {
+	case len(held) == 0:
+		return nil, nil // the usual case: the batch was deleted
+	case len(held) == len(c.IDs) && MessagesDigest(held) == c.Digest:
+		return held, nil
+	}
+	p.log.Warn("relay: the sink's record of the bucket's last batch does not match the store's rows; deleting none of them, so they may be published again: "+
+		"another outbox shares the publisher's identity (a strict-mode TransactionalIDPrefix), or row ids were reused (the database recreated or restored)",
+		"bucket", lease.Bucket, "recorded", len(c.IDs), "found", len(held))
+	return nil, nil
 }
 
 // read takes the bucket's batch: the one read ahead with the previous

@@ -21,20 +21,22 @@ import (
 // as a publish cancelled after its commit does.
 type sinkLedger struct {
 	mu              sync.Mutex
-	last            []int64
+	last            []relay.Message
 	committed       []int64 // every id committed, in order
 	reconciles      int
 	failAfterCommit int64
+	// forge, when set, is what Reconcile reports instead of the last
+	// batch: a record that is not this store's.
+	forge *relay.Committed
 }
 
 func (l *sinkLedger) Publish(_ context.Context, msgs []relay.Message) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.last = l.last[:0:0]
+	l.last = slices.Clone(msgs)
 	for _, m := range msgs {
-		l.last = append(l.last, m.ID)
+		l.committed = append(l.committed, m.ID)
 	}
-	l.committed = append(l.committed, l.last...)
 	if msgs[0].ID == l.failAfterCommit {
 		l.failAfterCommit = 0 // once
 		return 0, errors.New("committed, but the acknowledgement was lost")
@@ -42,11 +44,18 @@ func (l *sinkLedger) Publish(_ context.Context, msgs []relay.Message) (int, erro
 	return len(msgs), nil
 }
 
-func (l *sinkLedger) Reconcile(_ context.Context, _ relay.Lease) ([]int64, error) {
+func (l *sinkLedger) Reconcile(_ context.Context, _ relay.Lease) (relay.Committed, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.reconciles++
-	return slices.Clone(l.last), nil
+	if l.forge != nil {
+		return *l.forge, nil
+	}
+	c := relay.Committed{Digest: relay.MessagesDigest(l.last)}
+	for _, m := range l.last {
+		c.IDs = append(c.IDs, m.ID)
+	}
+	return c, nil
 }
 
 // drainAll runs a relay until s is empty, stops it, and returns the
@@ -75,7 +84,9 @@ func TestReconcileDeletesWhatTheSinkHolds(t *testing.T) {
 		s := newFakeStore(8)
 		s.add(4, 7) // ids 1..7
 		// A previous owner committed ids 1 and 2 and died before deleting.
-		sink := &sinkLedger{last: []int64{1, 2}, failAfterCommit: 3}
+		head, err := s.NextBatch(t.Context(), 4, 2)
+		require.NoError(t, err)
+		sink := &sinkLedger{last: head, failAfterCommit: 3}
 		cfg := config("a")
 		cfg.BatchSize = 2
 		failures := drainAll(t, s, sink, cfg)
@@ -84,6 +95,31 @@ func TestReconcileDeletesWhatTheSinkHolds(t *testing.T) {
 		require.Equal(t, 2, sink.reconciles, "before the first batch, and after the one that ended in doubt")
 		require.Len(t, failures, 1, "the lost acknowledgement is a failure like any other")
 	})
+}
+
+// A record that is not this store's deletes nothing: the same ids holding
+// other messages (another outbox with the sink's identity, or ids reused
+// after the database was recreated), or only some of its ids there. Every
+// message is published; the worst a foreign record can cause is a
+// duplicate, never a loss.
+func TestReconcileIgnoresAForeignRecord(t *testing.T) {
+	t.Parallel()
+	for name, forge := range map[string]relay.Committed{
+		"other messages": {IDs: []int64{1, 2}, Digest: relay.MessagesDigest([]relay.Message{{MessageID: "x1"}, {MessageID: "x2"}})},
+		"some ids gone":  {IDs: []int64{1, 99}, Digest: relay.MessagesDigest([]relay.Message{{MessageID: "m1"}, {MessageID: "m99"}})},
+	} {
+		t.Run(name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				s := newFakeStore(8)
+				s.add(4, 7)
+				sink := &sinkLedger{forge: &forge}
+				cfg := config("a")
+				cfg.BatchSize = 2
+				require.Empty(t, drainAll(t, s, sink, cfg))
+				require.Equal(t, []int64{1, 2, 3, 4, 5, 6, 7}, sink.committed, "nothing deleted unpublished")
+			})
+		})
+	}
 }
 
 // A publisher that takes a prefix on purpose (relay.Truncated) has the

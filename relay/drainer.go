@@ -190,37 +190,36 @@ func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) (r ba
 	// The result reports whether the bucket stays reconciled, and the
 	// marks the last read covered, so that only a hint after it readies
 	// the bucket again.
-	defer func() { r.settled, r.settledTerm = b.settled && !b.doubt, hl.Term }()
-	ret := func(r batchResult) batchResult { r.marks = b.marks; return r }
+	defer func() { r.settled, r.settledTerm, r.marks = b.settled && !b.doubt, hl.Term, b.marks }()
 	// Each step says whether the batch ends there, and with what.
 	if !b.settled {
 		if r, done := p.reconcile(ctx, b); done {
-			return ret(r)
+			return r
 		}
 		d.st.next = nil // read afresh what the delete left
 	}
 	if r, done := p.read(ctx, b, d.st); done {
-		return ret(r)
+		return r
 	}
 	var prev *batch // published, its delete to run alongside b's publish
 	for turn := 1; ; turn++ {
 		if r, done := p.filter(ctx, b); done {
-			return ret(p.settle(p.startDelete(ctx, prev), r))
+			return p.settle(p.startDelete(ctx, prev), r)
 		}
 		if r, done := p.admit(ctx, b); done {
-			return ret(p.settle(p.startDelete(ctx, prev), r))
+			return p.settle(p.startDelete(ctx, prev), r)
 		}
 		pending := p.startDelete(ctx, prev)
 		p.publish(ctx, b)
 		if r, done := p.awaitDelete(pending); done {
-			return ret(r)
+			return r
 		}
 		if r, done := p.fenced(b); done {
-			return ret(r)
+			return r
 		}
 		next, r, done := p.alongside(ctx, b, turn)
 		if done {
-			return ret(r)
+			return r
 		}
 		if next == nil {
 			break
@@ -228,23 +227,23 @@ func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) (r ba
 		b, prev = next, b
 	}
 	if r, done := p.deleteAcked(ctx, b); done {
-		return ret(r)
+		return r
 	}
 	if r, done := p.leaseEnded(b); done {
-		return ret(r)
+		return r
 	}
 	if b.perr != nil {
-		return ret(p.failurePolicy(ctx, b))
+		return p.failurePolicy(ctx, b)
 	}
 	switch {
 	case b.next != nil && len(b.next) == 0:
-		return ret(batchResult{out: outDrained}) // read ahead: the bucket is empty
+		return batchResult{out: outDrained} // read ahead: the bucket is empty
 	case b.next != nil:
-		return ret(batchResult{out: outFull, next: b.next, term: b.hl.Term})
+		return batchResult{out: outFull, next: b.next, term: b.hl.Term}
 	case b.full:
-		return ret(batchResult{out: outFull})
+		return batchResult{out: outFull}
 	}
-	return ret(batchResult{out: outDrained})
+	return batchResult{out: outDrained}
 }
 
 // maxTurns bounds the batches one drainer publishes of a bucket before

@@ -174,3 +174,40 @@ func TestTruncatedPublishesTheRest(t *testing.T) {
 		require.Nil(t, relay.Truncated(nil))
 	})
 }
+
+// A relay given a Reconciler publisher (strict mode's) without a
+// BatchSize reads batches of BatchSizeReconcilerDefault; any other
+// publisher's batches are BatchSizeDefault, and a BatchSize given is
+// kept.
+func TestBatchSizeDefaultFollowsThePublisher(t *testing.T) {
+	t.Parallel()
+	pending := relay.BatchSizeReconcilerDefault + 5
+	for name, tc := range map[string]struct {
+		pub       func(*pubLog) relay.Publisher
+		batchSize int
+		want      int
+	}{
+		"reconciler":            {func(l *pubLog) relay.Publisher { return reconcilingLog{l.publisher(nil)} }, 0, relay.BatchSizeReconcilerDefault},
+		"reconciler, batch set": {func(l *pubLog) relay.Publisher { return reconcilingLog{l.publisher(nil)} }, 300, 300},
+		"other":                 {func(l *pubLog) relay.Publisher { return l.publisher(nil) }, 0, relay.BatchSizeDefault},
+	} {
+		t.Run(name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				s := newFakeStore(8)
+				s.add(4, pending)
+				var log pubLog
+				cfg := config("a")
+				cfg.BatchSize = tc.batchSize
+				require.Empty(t, drainAll(t, s, tc.pub(&log), cfg))
+				require.Len(t, log.call(0), tc.want)
+			})
+		})
+	}
+}
+
+// reconcilingLog is a Reconciler publisher with nothing to reconcile.
+type reconcilingLog struct{ relay.Publisher }
+
+func (reconcilingLog) Reconcile(context.Context, relay.Lease) (relay.Committed, error) {
+	return relay.Committed{}, nil
+}

@@ -394,11 +394,11 @@ func (p *drainers) committedRows(ctx context.Context, lease Lease, c Committed) 
 	if recorded == 0 {
 		recorded = c.Count
 	}
-	rows, err := p.store.NextBatch(ctx, lease.Bucket, min(recorded+p.batchLimit(), 2*BatchSizeMax))
+	rows, err := p.store.NextBatch(ctx, lease.Bucket, min(recorded, BatchSizeMax)+p.batchLimit())
 	if err != nil {
 		return nil, err
 	}
-	held := make([]Message, 0, recorded)
+	held := make([]Message, 0, min(recorded, len(rows))) // a Count from the sink bounds nothing
 	if len(c.IDs) > 0 {
 		byID := make(map[int64]Message, len(rows))
 		for _, m := range rows {

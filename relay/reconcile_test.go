@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"errors"
+	"math"
 	"slices"
 	"sync"
 	"testing"
@@ -128,6 +129,7 @@ func TestReconcileIgnoresAForeignRecord(t *testing.T) {
 			Digest: relay.MessagesDigest([]relay.Message{{MessageID: "m1"}, {MessageID: "m2"}, {MessageID: "m3"}, {MessageID: "m4"}, {MessageID: "m5"}, {MessageID: "m6"}, {MessageID: "m7"}})},
 		"span, its first row gone": {First: 0, Last: 2, Count: 2,
 			Digest: relay.MessagesDigest([]relay.Message{{MessageID: "m1"}, {MessageID: "m2"}})},
+		"span, a count no batch has": {First: 1, Last: math.MaxInt64, Count: math.MaxInt, Digest: 1},
 	} {
 		t.Run(name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {

@@ -317,8 +317,8 @@ type Reconciler interface {
 // bucket's rows with ids from First to Last only if they are exactly
 // Count rows, the first First and the last Last, holding the messages
 // of Digest: a row the batch did not carry inside the span (committed
-// late by a slower transaction, or held back by the failure policy)
-// deletes nothing, so the batch may be published again, never lost.
+// late by a slower transaction) deletes nothing, so the batch may be
+// published again, never lost.
 type Committed struct {
 	IDs    []int64
 	Digest uint64

@@ -425,7 +425,7 @@ func (p *drainers) committedRows(ctx context.Context, lease Lease, c Committed) 
 	}
 	if len(c.IDs) == 0 {
 		p.log.Warn("relay: the sink's record of the bucket's last batch, a span of ids, does not match the store's rows; deleting none of them, so they may be published again: "+
-			"rows the batch did not carry lie inside the span (committed late by a slower transaction, or held back by the failure policy), "+
+			"a row the batch did not carry lies inside the span (committed late by a slower transaction), "+
 			"another outbox shares the publisher's identity (a strict-mode TransactionalIDPrefix), or row ids were reused (the database recreated or restored)",
 			"bucket", lease.Bucket, "recorded", c.Count, "found", len(held), "first", c.First, "last", c.Last)
 		return nil, nil

@@ -422,6 +422,12 @@ func (p *drainers) committedRows(ctx context.Context, lease Lease, c Committed) 
 	case len(held) == recorded && MessagesDigest(held) == c.Digest &&
 		(len(c.IDs) > 0 || held[0].ID == c.First && held[len(held)-1].ID == c.Last):
 		return held, nil
+	case len(c.IDs) == 0 && held[len(held)-1].ID != c.Last:
+		// The span's last row, the batch's, is gone: the batch was
+		// deleted (the GORM store deletes a batch in id order), and the
+		// rows inside its span were committed late by slower
+		// transactions. Also the usual case.
+		return nil, nil
 	}
 	if len(c.IDs) == 0 {
 		p.log.Warn("relay: the sink's record of the bucket's last batch, a span of ids, does not match the store's rows; deleting none of them, so they may be published again: "+

@@ -41,6 +41,10 @@ type bucketQ struct {
 	// quarantined holds the keys of this bucket with a dead letter: their
 	// later messages are parked behind it.
 	quarantined map[string]struct{}
+	// held is Kafka's record of the bucket's last committed batch while
+	// the replay is not decided (reconcile.go): nothing of the bucket is
+	// published meanwhile.
+	held *relay.Committed
 }
 
 // stream is one term of reading: the replication connection, the
@@ -80,6 +84,11 @@ type stream struct {
 	rel bridgeRelation
 	// touched is enqueue's list of the buckets a transaction filled.
 	touched []int
+	// start is where the term reads from, walEnd the server's WAL end
+	// once the publisher fenced the previous owners, holding the count of
+	// held buckets (reconcile.go).
+	start, walEnd pglogrepl.LSN
+	holding       int
 }
 
 // newStream returns the stream of term, whose lease was last renewed by
@@ -272,6 +281,9 @@ func (s *stream) receive(ctx context.Context) error {
 		if renewing != nil {
 			until = time.Now().Add(renewPoll)
 		}
+		if s.full() && s.holding > 0 && 2*s.heldEntries() >= s.r.cfg.MaxPending {
+			s.giveUp()
+		}
 		if s.full() {
 			// Backpressure: stop reading, keep the lease and status going.
 			t := time.NewTimer(time.Until(until))
@@ -310,6 +322,7 @@ func (s *stream) receive(ctx context.Context) error {
 				}
 				if !s.inTxn && ka.ServerWALEnd > s.done {
 					s.done = ka.ServerWALEnd
+					s.settle()
 				}
 				if ka.ReplyRequested {
 					next = time.Now()
@@ -386,7 +399,7 @@ func (s *stream) decode(data []byte) error {
 		s.txn = append(s.txn, entry{commit: s.txnCommit, xid: s.txnXid, msg: relay.Message{
 			// The negated LSN of the message's own record: unique, and
 			// never a messages table id, so dead letters keep a unique id.
-			ID: -int64(m.LSN), MessageID: env.ID, Bucket: env.Bucket, Topic: env.Topic, Key: env.Key, Value: env.Value,
+			ID: -int64(m.LSN), Position: uint64(s.txnCommit), MessageID: env.ID, Bucket: env.Bucket, Topic: env.Topic, Key: env.Key, Value: env.Value,
 			Headers: hs, Partition: env.Partition, CreatedAt: time.UnixMilli(env.CreatedAtMs)}})
 		s.r.received.Add(1)
 	case *pglogrepl.RelationMessage:
@@ -396,6 +409,7 @@ func (s *stream) decode(data []byte) error {
 	case *pglogrepl.CommitMessage:
 		s.enqueue(s.txn)
 		s.txn, s.inTxn, s.done = s.txn[:0], false, m.TransactionEndLSN
+		s.settle()
 	}
 	return nil
 }

@@ -1,0 +1,147 @@
+package pgwal_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gorm-outbox/outbox"
+	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/internal/kafkatest"
+	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/relay"
+)
+
+// strictPublisher starts a strict-mode publisher with prefix, stopped when
+// the test ends.
+func (e *env) strictPublisher(t *testing.T, prefix string) *publisher.Transactional {
+	t.Helper()
+	tx, err := publisher.NewTransactional(publisher.TransactionalConfig{
+		Brokers: e.kafka.Brokers(), TransactionalIDPrefix: prefix, Logger: dbtest.Logger(t)})
+	require.NoError(t, err)
+	require.NoError(t, tx.Start(t.Context()))
+	t.Cleanup(func() { _ = tx.Stop(context.Background()) })
+	return tx
+}
+
+// dieAfterCommits is a strict-mode publisher whose reader dies after its
+// n-th committed Kafka transaction, before the reader learns of it: the
+// reader's context is cancelled and the publish reports a failure, so
+// nothing of the batch is marked published or confirmed. Every later
+// publish fails without reaching Kafka.
+type dieAfterCommits struct {
+	*publisher.Transactional
+	left   atomic.Int64
+	dead   atomic.Bool
+	die    context.CancelFunc
+	killed atomic.Int64 // the size of the batch committed last
+}
+
+func (d *dieAfterCommits) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
+	if d.dead.Load() {
+		return 0, errors.New("test: the reader is dead")
+	}
+	n, err := d.Transactional.Publish(ctx, msgs)
+	if err == nil && n > 0 && d.left.Add(-1) == 0 {
+		d.dead.Store(true)
+		d.killed.Store(int64(n))
+		d.die()
+		return 0, errors.New("test: the reader died after the Kafka commit")
+	}
+	return n, err
+}
+
+// checkExactlyOnce waits until a read_committed consumer of e's topic sees
+// every value 0..n-1 of every key, then requires each exactly once and in
+// order per key.
+func (e *env) checkExactlyOnce(t *testing.T, keys, n int) {
+	t.Helper()
+	var recs []kafkatest.Record
+	require.Eventually(t, func() bool {
+		recs = e.kafka.ReadLog(t, e.topic, 30*time.Second, kafkatest.ReadCommitted())
+		return len(recs) >= keys*n
+	}, 60*time.Second, 100*time.Millisecond, "every message reaches Kafka")
+	next := map[string]int{}
+	for _, r := range recs { // ordered by partition, then offset: per-key order
+		key, seqText, _ := strings.Cut(string(r.Value), ":")
+		seq, err := strconv.Atoi(seqText)
+		require.NoError(t, err)
+		require.Equal(t, next[key], seq, "key %s: %d follows %d (a duplicate or a gap)", key, seq, next[key]-1)
+		next[key]++
+	}
+	for k := range keys {
+		require.Equal(t, n, next["k"+strconv.Itoa(k)], "key k%d", k)
+	}
+	require.Len(t, recs, keys*n, "nothing twice")
+}
+
+// TestStrictTakeoverPublishesNothingTwice: a strict-mode reader dies
+// after a Kafka transaction committed and before its position was
+// confirmed; the reader that takes the slot over replays those messages
+// and publishes none of them again: a read_committed consumer sees every
+// message once, in order per key.
+func TestStrictTakeoverPublishesNothingTwice(t *testing.T) {
+	e := setup(t)
+	prefix := fmt.Sprintf("wal-strict-%d-", time.Now().UnixNano())
+	ctx, die := context.WithCancel(t.Context())
+	first := &dieAfterCommits{Transactional: e.strictPublisher(t, prefix), die: die}
+	first.left.Store(3)
+	r1 := e.reader(t, first, "first")
+	e.write(t, 4, 0, 60)
+	go func() { _ = r1.Run(ctx) }()
+	<-r1.Stopped()
+	require.NoError(t, r1.Err())
+	require.True(t, first.dead.Load(), "the reader died after its third commit")
+
+	r2 := e.reader(t, e.strictPublisher(t, prefix), "second")
+	stop := run(r2)
+	e.write(t, 4, 60, 80)
+	e.checkExactlyOnce(t, 4, 80)
+	st := r2.Stats()
+	require.GreaterOrEqual(t, st.Reconciled, uint64(first.killed.Load()), "the batch committed last was replayed and skipped")
+	require.Equal(t, st.Received, st.Published+st.Reconciled, "every replayed message published or skipped")
+	require.NoError(t, stop())
+}
+
+// TestStrictForeignRecordDropsNothing: two outboxes (two databases of one
+// server) share a TransactionalIDPrefix. The second one's messages were
+// written before the first one's last Kafka transaction, whose record the
+// second one's reader finds for its buckets: it names messages that are
+// not in its replay, so the reader skips nothing and publishes every
+// message of its own.
+func TestStrictForeignRecordDropsNothing(t *testing.T) {
+	a := setup(t)
+	b := a.sibling(t)
+	prefix := fmt.Sprintf("wal-foreign-%d-", time.Now().UnixNano())
+	ra := a.reader(t, a.strictPublisher(t, prefix), "a")
+	rb := b.reader(t, b.strictPublisher(t, prefix), "b")
+	b.write(t, 4, 0, 30) // before a's records' positions
+	stopA := run(ra)
+	a.write(t, 4, 0, 30)
+	a.checkExactlyOnce(t, 4, 30)
+	require.NoError(t, stopA())
+
+	stopB := run(rb)
+	b.checkExactlyOnce(t, 4, 30)
+	require.Zero(t, rb.Stats().Reconciled)
+	require.NoError(t, stopB())
+}
+
+// sibling is another WAL-mode outbox, in its own database of the same
+// server, publishing to its own topic of e's Kafka cluster.
+func (e *env) sibling(t *testing.T) *env {
+	t.Helper()
+	dbt := dbtest.OpenWAL(t)
+	p, err := outbox.NewPlugin(outbox.Config{Name: dbtest.Name("o_"), Mode: outbox.ModeWAL})
+	require.NoError(t, err)
+	require.NoError(t, dbt.DB.Use(p))
+	require.NoError(t, p.AutoMigrate(context.Background(), dbt.DB))
+	return &env{db: dbt, plugin: p, kafka: e.kafka, topic: e.kafka.Topic(t, 4), pub: e.pub}
+}

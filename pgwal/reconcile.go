@@ -45,10 +45,11 @@ import (
 // the TransactionalIDPrefix), logged at Warn; a replay that holds bridged
 // rows up to that message (their messages are read from the table later;
 // a duplicate at worst). Dropped messages leave their queue as published
-// ones do, so the confirmed position moves past them. A bucket whose held
-// replay grows to half of MaxPending before the record is decided is
-// released undecided, published in full (a duplicate at worst), rather
-// than stall the slot.
+// ones do, so the confirmed position moves past them. Held messages count
+// against MaxPending: when the held buckets alone fill it before their
+// records are decided, they are released undecided and published in full
+// (a duplicate at worst) rather than stall the stream, and the reader
+// logs it at Warn.
 
 // holdReplays hands each bucket's record to its queue: the bucket is held
 // until settle decides it. from is where the term reads from, walEnd the
@@ -68,7 +69,7 @@ func (s *stream) holdReplays(records []relay.Committed, from, walEnd pglogrepl.L
 	s.settle()
 }
 
-// held reports whether q waits for its replay to be decided.
+// isHeld reports whether q waits for its replay to be decided.
 func (q *bucketQ) isHeld() bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -95,8 +96,9 @@ func (s *stream) settle() {
 	}
 }
 
-// giveUp releases every held bucket undecided, dropping nothing: its
-// replay filled the queues before reaching the record's position.
+// giveUp releases every held bucket undecided, dropping nothing: the
+// held replays filled the queues (MaxPending) before reaching their
+// records' positions.
 func (s *stream) giveUp() {
 	for _, q := range s.buckets {
 		if q.isHeld() {

@@ -144,17 +144,17 @@ func TestReplayBridgedRowsDropNothing(t *testing.T) {
 	require.Len(t, s.buckets[0].q, 6)
 }
 
-// TestReplayHeldOutgrowsMaxPending: a held bucket whose replay fills half
-// the queues before the record's position is released undecided, in
-// full, rather than stall the stream.
+// TestReplayHeldOutgrowsMaxPending: held buckets whose replays fill the
+// queues (MaxPending) before their records' positions are released
+// undecided, in full, rather than stall the stream.
 func TestReplayHeldOutgrowsMaxPending(t *testing.T) {
 	s := replayStream(t, 50, 250)
-	s.r.cfg.MaxPending = 14
+	s.r.cfg.MaxPending = 7
 	s.holdReplays([]relay.Committed{record(300, 190, 290)}, 50, 1000)
 	require.True(t, s.buckets[0].isHeld())
-	require.Less(t, 2*s.heldEntries(), s.r.cfg.MaxPending)
+	require.Less(t, s.heldEntries(), s.r.cfg.MaxPending)
 	s.enqueue([]entry{{commit: 240, msg: walMsg(0, 239, 240)}})
-	require.GreaterOrEqual(t, 2*s.heldEntries(), s.r.cfg.MaxPending)
+	require.Equal(t, s.heldEntries(), s.r.cfg.MaxPending)
 	s.giveUp()
 	require.False(t, s.buckets[0].isHeld())
 	require.Len(t, s.buckets[0].q, 7, "nothing dropped")

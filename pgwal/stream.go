@@ -281,7 +281,7 @@ func (s *stream) receive(ctx context.Context) error {
 		if renewing != nil {
 			until = time.Now().Add(renewPoll)
 		}
-		if s.full() && s.holding > 0 && 2*s.heldEntries() >= s.r.cfg.MaxPending {
+		if s.full() && s.holding > 0 && s.heldEntries() >= s.r.cfg.MaxPending {
 			s.giveUp()
 		}
 		if s.full() {

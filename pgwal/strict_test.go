@@ -145,3 +145,37 @@ func (e *env) sibling(t *testing.T) *env {
 	require.NoError(t, p.AutoMigrate(context.Background(), dbt.DB))
 	return &env{db: dbt, plugin: p, kafka: e.kafka, topic: e.kafka.Topic(t, 4), pub: e.pub}
 }
+
+// loseCommitOutcome is a strict-mode publisher whose n-th committed
+// Kafka transaction is reported as failed (an outage): the commit's
+// outcome is lost, as when the connection breaks during EndTxn.
+type loseCommitOutcome struct {
+	*publisher.Transactional
+	left atomic.Int64
+	lost atomic.Int64 // the size of the batch reported failed
+}
+
+func (l *loseCommitOutcome) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
+	n, err := l.Transactional.Publish(ctx, msgs)
+	if err == nil && n > 0 && l.left.Add(-1) == 0 {
+		l.lost.Store(int64(n))
+		return 0, relay.Unavailable(errors.New("test: the commit's outcome is lost"))
+	}
+	return n, err
+}
+
+// TestStrictDoubtfulCommitNotRepublished: within a reading term, a batch
+// whose commit succeeded but was reported failed is not published again:
+// the engine reconciles the bucket before its next batch, and Kafka's
+// record takes the batch out of the queue.
+func TestStrictDoubtfulCommitNotRepublished(t *testing.T) {
+	e := setup(t)
+	pub := &loseCommitOutcome{Transactional: e.strictPublisher(t, fmt.Sprintf("wal-doubt-%d-", time.Now().UnixNano()))}
+	pub.left.Store(2)
+	r := e.reader(t, pub, "doubt")
+	e.write(t, 4, 0, 40)
+	stop := run(r)
+	e.checkExactlyOnce(t, 4, 40)
+	require.Positive(t, pub.lost.Load(), "a commit's outcome was lost")
+	require.NoError(t, stop())
+}

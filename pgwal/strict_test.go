@@ -11,10 +11,12 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
+	"github.com/gorm-outbox/outbox/pgwal"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -32,16 +34,18 @@ func (e *env) strictPublisher(t *testing.T, prefix string) *publisher.Transactio
 }
 
 // dieAfterCommits is a strict-mode publisher whose reader dies after its
-// n-th committed Kafka transaction, before the reader learns of it: the
-// reader's context is cancelled and the publish reports a failure, so
-// nothing of the batch is marked published or confirmed. Every later
-// publish fails without reaching Kafka.
+// n-th committed Kafka transaction (counting those of at least minBatch
+// messages), before the reader learns of it: the reader's context is
+// cancelled and the publish reports a failure, so nothing of the batch is
+// marked published or confirmed. Every later publish fails without
+// reaching Kafka.
 type dieAfterCommits struct {
 	*publisher.Transactional
-	left   atomic.Int64
-	dead   atomic.Bool
-	die    context.CancelFunc
-	killed atomic.Int64 // the size of the batch committed last
+	left     atomic.Int64
+	minBatch int
+	dead     atomic.Bool
+	die      context.CancelFunc
+	killed   atomic.Int64 // the size of the batch committed last
 }
 
 func (d *dieAfterCommits) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
@@ -49,7 +53,7 @@ func (d *dieAfterCommits) Publish(ctx context.Context, msgs []relay.Message) (in
 		return 0, errors.New("test: the reader is dead")
 	}
 	n, err := d.Transactional.Publish(ctx, msgs)
-	if err == nil && n > 0 && d.left.Add(-1) == 0 {
+	if err == nil && n > 0 && n >= d.minBatch && d.left.Add(-1) == 0 {
 		d.dead.Store(true)
 		d.killed.Store(int64(n))
 		d.die()
@@ -180,5 +184,37 @@ func TestStrictDoubtfulCommitNotRepublished(t *testing.T) {
 	stop := run(r)
 	e.checkExactlyOnce(t, 4, 40)
 	require.Positive(t, pub.lost.Load(), "a commit's outcome was lost")
+	require.NoError(t, stop())
+}
+
+// TestStrictHeldReplayOutgrowsMaxPending: the replay of a bucket up to
+// Kafka's record of its last batch is longer than the taking-over
+// reader's MaxPending: the held bucket is released undecided and
+// published in full rather than stall the stream. Every message arrives,
+// in order per key; the batch committed last is published again.
+func TestStrictHeldReplayOutgrowsMaxPending(t *testing.T) {
+	e := setup(t)
+	prefix := fmt.Sprintf("wal-outgrow-%d-", time.Now().UnixNano())
+	ctx, die := context.WithCancel(t.Context())
+	// The batch committed last spans at least 4 transactions of one
+	// message: its replay holds more than MaxPending 1 before its
+	// position.
+	first := &dieAfterCommits{Transactional: e.strictPublisher(t, prefix), die: die, minBatch: 4}
+	first.left.Store(1)
+	r1 := e.reader(t, first, "first")
+	for i := range 200 {
+		require.NoError(t, e.db.Transaction(func(tx *gorm.DB) error {
+			return outbox.Enqueue(tx, &outbox.Message{Topic: e.topic, Key: []byte("k0"), Value: []byte("k0:" + strconv.Itoa(i))})
+		}))
+	}
+	go func() { _ = r1.Run(ctx) }()
+	<-r1.Stopped()
+	require.True(t, first.dead.Load())
+
+	r2 := e.reader(t, e.strictPublisher(t, prefix), "second", func(c *pgwal.Config) { c.BatchSize, c.MaxPending = 1, 1 })
+	stop := run(r2)
+	records := e.checkDelivered(t, 1, 200)
+	require.GreaterOrEqual(t, records, 200+int(first.killed.Load()), "the batch committed last is published again")
+	require.Zero(t, r2.Stats().Reconciled)
 	require.NoError(t, stop())
 }

@@ -47,9 +47,10 @@ import (
 // a duplicate at worst). Dropped messages leave their queue as published
 // ones do, so the confirmed position moves past them. Held messages count
 // against MaxPending: when the held buckets alone fill it before their
-// records are decided, they are released undecided and published in full
-// (a duplicate at worst) rather than stall the stream, and the reader
-// logs it at Warn.
+// records are decided, the one with the longest replay is released
+// undecided and published in full (a duplicate at worst) rather than
+// stall the stream, and the reader logs it at Warn; then the next, while
+// they still fill it.
 
 // holdReplays hands each bucket's record to its queue: the bucket is held
 // until settle decides it. from is where the term reads from, walEnd the
@@ -96,17 +97,30 @@ func (s *stream) settle() {
 	}
 }
 
-// giveUp releases every held bucket undecided, dropping nothing: the
-// held replays filled the queues (MaxPending) before reaching their
-// records' positions.
+// giveUp releases the held bucket with the longest replay undecided,
+// dropping nothing: the held replays filled the queues (MaxPending)
+// before reaching their records' positions. Once its messages are
+// published the stream reads on, and the other held buckets may still be
+// decided; the receiving loop calls giveUp again while the held replays
+// alone fill the queues.
 func (s *stream) giveUp() {
+	var (
+		longest *bucketQ
+		n       int
+	)
 	for _, q := range s.buckets {
-		if q.isHeld() {
-			s.r.log.Warn("pgwal: the replay of a bucket before its last batch committed to Kafka outgrew MaxPending; publishing it in full, so messages may be published again",
-				"bucket", q.bucket, "max_pending", s.r.cfg.MaxPending)
-			s.release(q, nil)
+		q.mu.Lock()
+		if q.held != nil && (longest == nil || len(q.q) > n) {
+			longest, n = q, len(q.q)
 		}
+		q.mu.Unlock()
 	}
+	if longest == nil {
+		return
+	}
+	s.r.log.Warn("pgwal: the replay of a bucket before its last batch committed to Kafka outgrew MaxPending; publishing it in full, so messages may be published again",
+		"bucket", longest.bucket, "held", n, "max_pending", s.r.cfg.MaxPending)
+	s.release(longest, nil)
 }
 
 // heldEntries counts the messages queued in held buckets.

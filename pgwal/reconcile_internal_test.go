@@ -144,18 +144,22 @@ func TestReplayBridgedRowsDropNothing(t *testing.T) {
 	require.Len(t, s.buckets[0].q, 6)
 }
 
-// TestReplayHeldOutgrowsMaxPending: held buckets whose replays fill the
-// queues (MaxPending) before their records' positions are released
-// undecided, in full, rather than stall the stream.
+// TestReplayHeldOutgrowsMaxPending: when held replays fill the queues
+// (MaxPending) before their records' positions, the longest is released
+// undecided, in full, rather than stall the stream; the others stay held.
 func TestReplayHeldOutgrowsMaxPending(t *testing.T) {
 	s := replayStream(t, 50, 250)
-	s.r.cfg.MaxPending = 7
-	s.holdReplays([]relay.Committed{record(300, 190, 290)}, 50, 1000)
+	s.r.cfg.MaxPending = 8
+	other := relay.Committed{IDs: []int64{-999}, Position: 900}
+	s.holdReplays([]relay.Committed{record(300, 190, 290), other}, 50, 1000)
 	require.True(t, s.buckets[0].isHeld())
-	require.Less(t, s.heldEntries(), s.r.cfg.MaxPending)
+	require.True(t, s.buckets[1].isHeld())
+	require.Equal(t, 7, s.heldEntries())
 	s.enqueue([]entry{{commit: 240, msg: walMsg(0, 239, 240)}})
 	require.Equal(t, s.heldEntries(), s.r.cfg.MaxPending)
 	s.giveUp()
-	require.False(t, s.buckets[0].isHeld())
+	require.False(t, s.buckets[0].isHeld(), "the longest replay is released")
 	require.Len(t, s.buckets[0].q, 7, "nothing dropped")
+	require.True(t, s.buckets[1].isHeld(), "the other stays held")
+	require.Equal(t, 1, s.holding)
 }

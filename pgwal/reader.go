@@ -45,6 +45,10 @@ type Reader struct {
 	received, published, deadLettered atomic.Uint64
 	confirmed, reconciled             atomic.Uint64
 
+	// notOurs holds the records of Kafka that a term found not to be
+	// this outbox's (reconcile.go); read and written by Run's goroutine.
+	notOurs map[recordKey]struct{}
+
 	// cur is the stream of the term being read; nil between terms.
 	cur atomic.Pointer[stream]
 	// done is closed when Run first returns, with its error in runErr.
@@ -89,7 +93,7 @@ func New(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, cfg Config) (*
 	}
 	db = gormlog.Session(db) // the reader's statements log only when they fail
 	r := &Reader{db: db, ocfg: ocfg, cfg: cfg, pub: pub, log: cfg.Logger.With("outbox", ocfg.Name, "slot", cfg.Slot),
-		dead: ocfg.Tables.DeadLettersTable(), prefix: ocfg.WALPrefix(), done: make(chan struct{})}
+		dead: ocfg.Tables.DeadLettersTable(), prefix: ocfg.WALPrefix(), done: make(chan struct{}), notOurs: map[recordKey]struct{}{}}
 	r.leases = leases{db: db, table: cfg.LeaseTable, slot: cfg.Slot, me: cfg.RelayID, dur: cfg.LeaseDuration}
 	return r, nil
 }

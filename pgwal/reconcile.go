@@ -2,6 +2,7 @@ package pgwal
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/jackc/pglogrepl"
@@ -23,38 +24,60 @@ import (
 // in Kafka, what follows is not.
 //
 // After the publisher fenced the previous owners (announce), the term
-// reads every bucket's record (relay.Committed) and holds the bucket:
-// nothing of it is published until the replay has passed the record's
-// position. Then it drops the bucket's replayed messages up to the
-// record's last message, but only when the record is shown to be this
-// outbox's:
+// reads every bucket's record (relay.Committed) and holds the bucket
+// until its replay reaches the record's last message. Meanwhile the
+// bucket's replayed messages are set aside, not queued: only the last
+// len(IDs) of them are kept (their ids and message ids), to verify the
+// record, and the position to confirm stays before the first one set
+// aside, so the slot keeps them. When the record's last message arrives
+// (by its commit and its ID), the record is shown to be this outbox's
+// if
 //
-//   - the batch lies in the replay entirely: its IDs are the replayed
-//     messages' up to the last one, and their digest is the record's;
+//   - the batch lies in the replay entirely: its IDs are the last
+//     messages set aside, and their digest is the record's;
 //   - the replay starts inside the batch (the previous term confirmed a
-//     position between two of its transactions): the replayed messages up
-//     to the last one are the tail of the record's IDs, and the digest of
-//     the last one alone is the record's LastDigest.
+//     position between two of its transactions): the messages set aside
+//     are the tail of the record's IDs, and the digest of the last one
+//     alone is the record's LastDigest.
 //
-// Anything else drops nothing: a record without a position (written by a
-// table-mode relay, or by an earlier version); a position before the
-// term's start (the batch was confirmed before the restart point); a
-// position beyond the server's WAL when the term began (no reader of
-// this server can have published it); a record whose last message is not
-// in the replay or whose digest does not match (another outbox shares
-// the TransactionalIDPrefix), logged at Warn; a replay that holds bridged
-// rows up to that message (their messages are read from the table later;
-// a duplicate at worst). Dropped messages leave their queue as published
-// ones do, so the confirmed position moves past them. Held messages count
-// against MaxPending: when the held buckets alone fill it before their
-// records are decided, the one with the longest replay is released
-// undecided and published in full (a duplicate at worst) rather than
-// stall the stream, and the reader logs it at Warn; then the next, while
-// they still fill it.
+// Then the messages set aside are skipped for good (counted in
+// Stats.Reconciled) and the bucket is queued from the next message on.
+// Memory stays bounded by the record's size however long the replay up
+// to it: what earlier terms published past the slot's confirmed position,
+// which trails the slowest bucket's head.
+//
+// A record that does not hold skips nothing. Decided at once: a record
+// without a position (written by a table-mode relay, or by an earlier
+// version); a position before the term's start (the batch was confirmed
+// before the restart point); a position beyond the server's WAL when the
+// term began (no reader of this server can have published it), logged at
+// Warn. Decided when the replay passes the record's position without its
+// last message, when that message does not match (another outbox shares
+// the TransactionalIDPrefix), or when a bridged row is replayed before it
+// (its message is read from the table later): logged at Warn. If
+// messages were set aside by then, they are no longer in memory: the term
+// ends (errRecordNotOurs), the reader remembers the record as not its
+// own, and the next term, which replays them from the position held back,
+// publishes the bucket in full.
+
+// errRecordNotOurs ends a term that set aside replayed messages for a
+// record that proved not to be this outbox's: the next term reads them
+// again from the slot and publishes them.
+var errRecordNotOurs = errors.New("pgwal: Kafka's record of a bucket's last batch is not this outbox's; reading the slot again to publish the messages set aside")
+
+// recordKey identifies a record the reader found not to be its own.
+type recordKey struct {
+	position, digest, lastDigest uint64
+	last                         int64
+}
+
+func keyOf(c *relay.Committed) recordKey {
+	return recordKey{position: c.Position, digest: c.Digest, lastDigest: c.LastDigest, last: c.IDs[len(c.IDs)-1]}
+}
 
 // holdReplays hands each bucket's record to its queue: the bucket is held
-// until settle decides it. from is where the term reads from, walEnd the
-// server's WAL end once the publisher fenced the previous owners.
+// until its replay is decided. from is where the term reads from, walEnd
+// the server's WAL end once the publisher fenced the previous owners.
 func (s *stream) holdReplays(records []relay.Committed, from, walEnd pglogrepl.LSN) {
 	s.start, s.walEnd = from, walEnd
 	for b, c := range records {
@@ -62,12 +85,24 @@ func (s *stream) holdReplays(records []relay.Committed, from, walEnd pglogrepl.L
 			continue
 		}
 		q := s.buckets[b]
+		pos := pglogrepl.LSN(c.Position)
+		switch {
+		case c.Position == 0, pos < from:
+			continue // no position, or confirmed before the restart point
+		case pos > walEnd:
+			s.r.log.Warn("pgwal: Kafka's record of the bucket's last batch lies beyond this server's WAL; skipping nothing: "+
+				"another outbox shares the publisher's TransactionalIDPrefix",
+				"bucket", b, "position", pos, "wal_end", walEnd)
+			continue
+		}
+		if _, ok := s.r.notOurs[keyOf(&c)]; ok {
+			continue
+		}
 		q.mu.Lock()
 		q.held = &c
 		q.mu.Unlock()
 		s.holding++
 	}
-	s.settle()
 }
 
 // isHeld reports whether q waits for its replay to be decided.
@@ -77,136 +112,85 @@ func (q *bucketQ) isHeld() bool {
 	return q.held != nil
 }
 
-// settle decides the held buckets whose record's position the replay has
-// passed (or that it will never reach). It runs on the receiving
-// goroutine, after each transaction it queued and each advance of done.
-func (s *stream) settle() {
-	if s.holding == 0 {
-		return
-	}
-	for _, q := range s.buckets {
-		q.mu.Lock()
-		c := q.held
-		q.mu.Unlock()
-		if c == nil {
-			continue
-		}
-		if drop, ok := s.decide(q, c); ok {
-			s.release(q, drop)
-		}
-	}
-}
-
-// giveUp releases the held bucket with the longest replay undecided,
-// dropping nothing: the held replays filled the queues (MaxPending)
-// before reaching their records' positions. Once its messages are
-// published the stream reads on, and the other held buckets may still be
-// decided; the receiving loop calls giveUp again while the held replays
-// alone fill the queues.
-func (s *stream) giveUp() {
-	var (
-		longest *bucketQ
-		n       int
-	)
-	for _, q := range s.buckets {
-		q.mu.Lock()
-		if q.held != nil && (longest == nil || len(q.q) > n) {
-			longest, n = q, len(q.q)
-		}
-		q.mu.Unlock()
-	}
-	if longest == nil {
-		return
-	}
-	s.r.log.Warn("pgwal: the replay of a bucket before its last batch committed to Kafka outgrew MaxPending; publishing it in full, so messages may be published again",
-		"bucket", longest.bucket, "held", n, "max_pending", s.r.cfg.MaxPending)
-	s.release(longest, nil)
-}
-
-// heldEntries counts the messages queued in held buckets.
-func (s *stream) heldEntries() int {
-	n := 0
-	for _, q := range s.buckets {
-		q.mu.Lock()
-		if q.held != nil {
-			n += len(q.q)
-		}
-		q.mu.Unlock()
-	}
-	return n
-}
-
-// release ends q's hold: drop, its leading messages, leave the queue as
-// published ones do, and the engine is woken for the bucket.
-func (s *stream) release(q *bucketQ, drop []relay.Message) {
-	q.mu.Lock()
-	q.held = nil
-	q.mu.Unlock()
-	s.holding--
-	if len(drop) > 0 {
-		n, _ := s.take(q, drop)
-		s.r.reconciled.Add(uint64(n))
-		s.r.log.Info("pgwal: skipped replayed messages Kafka already holds (published by an earlier term, not confirmed)",
-			"bucket", q.bucket, "term", s.term, "skipped", n)
-	}
-	s.hints.add(q.bucket)
-}
-
-// decide returns the leading messages of q that Kafka holds by record c,
-// with ok true once that is decided; ok false while the replay has not
-// passed c's position.
-func (s *stream) decide(q *bucketQ, c *relay.Committed) (drop []relay.Message, ok bool) {
-	pos := pglogrepl.LSN(c.Position)
-	switch {
-	case c.Position == 0, pos < s.start:
-		return nil, true // no position, or confirmed before the restart point
-	case pos > s.walEnd:
-		s.r.log.Warn("pgwal: Kafka's record of the bucket's last batch lies beyond this server's WAL; skipping nothing: "+
-			"another outbox shares the publisher's TransactionalIDPrefix",
-			"bucket", q.bucket, "position", pos, "wal_end", s.walEnd)
-		return nil, true
-	case s.done <= pos:
-		return nil, false // its transaction is not queued yet
-	}
-	last := c.IDs[len(c.IDs)-1]
+// replayHeld takes the messages es of held bucket q, in order, and
+// returns those to queue: the ones after the record's last message once
+// the record is decided; none while it is not.
+func (s *stream) replayHeld(q *bucketQ, es []entry) []entry {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	k := -1
-	for i := range q.q {
-		e := &q.q[i]
-		if e.commit > pos {
-			break
+	c := q.held
+	pos, last := pglogrepl.LSN(c.Position), c.IDs[len(c.IDs)-1]
+	for k := range es {
+		e := &es[k]
+		if e.commit > pos || e.bridged {
+			s.notOurs(q, "the replay passed the record's position without its last message, or holds bridged rows before it")
+			if s.restart != nil {
+				return nil // the term ends: nothing of the bucket may go before what was set aside
+			}
+			return es[k:]
 		}
+		if q.setAside == 0 {
+			q.floor = e.commit
+		}
+		q.setAside++
+		if len(q.aside) == len(c.IDs) {
+			q.aside = append(q.aside[:0], q.aside[1:]...)
+		}
+		q.aside = append(q.aside, relay.Message{ID: e.msg.ID, MessageID: e.msg.MessageID})
 		if e.commit == pos && e.msg.ID == last {
-			k = i
-			break
+			if !matches(q.aside, c) {
+				s.notOurs(q, "the replayed messages do not match it")
+				return nil // the term ends (messages were set aside)
+			}
+			s.r.reconciled.Add(uint64(q.setAside))
+			s.r.log.Info("pgwal: skipped replayed messages Kafka already holds (published by an earlier term, not confirmed)",
+				"bucket", q.bucket, "term", s.term, "skipped", q.setAside)
+			s.unhold(q)
+			return es[k+1:]
 		}
 	}
-	if k < 0 {
-		s.r.log.Warn("pgwal: Kafka's record of the bucket's last batch names a message the replay does not hold; skipping nothing: "+
-			"another outbox shares the publisher's TransactionalIDPrefix",
-			"bucket", q.bucket, "position", pos, "recorded", len(c.IDs))
-		return nil, true
+	return nil
+}
+
+// notOurs decides that q's record is not this outbox's, under q.mu: the
+// bucket is released, and if messages were set aside the term must end
+// to read them again.
+func (s *stream) notOurs(q *bucketQ, why string) {
+	s.r.log.Warn("pgwal: Kafka's record of the bucket's last batch is not this outbox's; skipping nothing, so messages may be published again: "+
+		"another outbox shares the publisher's TransactionalIDPrefix, or the server was restored to an earlier point",
+		"bucket", q.bucket, "position", pglogrepl.LSN(q.held.Position), "recorded", len(q.held.IDs), "reason", why)
+	if q.setAside > 0 {
+		s.r.notOurs[keyOf(q.held)] = struct{}{}
+		if s.restart == nil || q.floor < s.keepFrom {
+			s.keepFrom = q.floor
+		}
+		s.restart = errRecordNotOurs
 	}
-	es := q.q[:k+1]
-	for i := range es {
-		if es[i].bridged {
-			s.r.log.Warn("pgwal: the replay up to Kafka's record of the bucket's last batch holds bridged rows, which it cannot verify; skipping nothing, so messages may be published again",
-				"bucket", q.bucket, "position", pos)
-			return nil, true
+	s.unhold(q)
+}
+
+// unhold ends q's hold, under q.mu.
+func (s *stream) unhold(q *bucketQ) {
+	q.held, q.aside, q.setAside, q.floor = nil, nil, 0, 0
+	s.holding--
+}
+
+// settle decides the held buckets whose record's position the replay has
+// passed without reaching its last message. It runs on the receiving
+// goroutine after each advance of done, and returns errRecordNotOurs
+// when the term must end.
+func (s *stream) settle() error {
+	if s.holding > 0 {
+		for _, q := range s.buckets {
+			q.mu.Lock()
+			if q.held != nil && s.done > pglogrepl.LSN(q.held.Position) {
+				s.notOurs(q, "the replay passed the record's position without its last message")
+				s.hints.add(q.bucket)
+			}
+			q.mu.Unlock()
 		}
 	}
-	msgs := make([]relay.Message, len(es))
-	for i := range es {
-		msgs[i] = es[i].msg
-	}
-	if matches(msgs, c) {
-		return msgs, true
-	}
-	s.r.log.Warn("pgwal: Kafka's record of the bucket's last batch does not match the replayed messages; skipping nothing, so they may be published again: "+
-		"another outbox shares the publisher's TransactionalIDPrefix",
-		"bucket", q.bucket, "position", pos, "recorded", len(c.IDs), "replayed", len(msgs))
-	return nil, true
+	return s.restart
 }
 
 // matches reports whether msgs, the replay of a bucket up to the message

@@ -42,9 +42,13 @@ type bucketQ struct {
 	// later messages are parked behind it.
 	quarantined map[string]struct{}
 	// held is Kafka's record of the bucket's last committed batch while
-	// the replay is not decided (reconcile.go): nothing of the bucket is
-	// published meanwhile.
-	held *relay.Committed
+	// the replay is not decided (reconcile.go): the bucket's replayed
+	// messages are set aside meanwhile (setAside of them, the last ones in
+	// aside, the first committed at floor), not queued.
+	held     *relay.Committed
+	aside    []relay.Message
+	setAside int
+	floor    pglogrepl.LSN
 }
 
 // stream is one term of reading: the replication connection, the
@@ -86,9 +90,12 @@ type stream struct {
 	touched []int
 	// start is where the term reads from, walEnd the server's WAL end
 	// once the publisher fenced the previous owners, holding the count of
-	// held buckets (reconcile.go).
-	start, walEnd pglogrepl.LSN
-	holding       int
+	// held buckets, restart set when the term must end to read set-aside
+	// messages again, the first of them committed at keepFrom
+	// (reconcile.go).
+	start, walEnd, keepFrom pglogrepl.LSN
+	holding                 int
+	restart                 error
 }
 
 // newStream returns the stream of term, whose lease was last renewed by
@@ -159,7 +166,13 @@ func (s *stream) position() pglogrepl.LSN {
 		if len(q.q) > 0 && q.q[0].commit < pos {
 			pos = q.q[0].commit
 		}
+		if q.setAside > 0 && q.floor < pos {
+			pos = q.floor // set aside while its record is undecided
+		}
 		q.mu.Unlock()
+	}
+	if s.restart != nil && s.keepFrom < pos {
+		pos = s.keepFrom // set aside for a record that is not this outbox's
 	}
 	return max(pos, s.confirmed)
 }
@@ -281,9 +294,6 @@ func (s *stream) receive(ctx context.Context) error {
 		if renewing != nil {
 			until = time.Now().Add(renewPoll)
 		}
-		if s.full() && s.holding > 0 && s.heldEntries() >= s.r.cfg.MaxPending {
-			s.giveUp()
-		}
 		if s.full() {
 			// Backpressure: stop reading, keep the lease and status going.
 			t := time.NewTimer(time.Until(until))
@@ -322,7 +332,9 @@ func (s *stream) receive(ctx context.Context) error {
 				}
 				if !s.inTxn && ka.ServerWALEnd > s.done {
 					s.done = ka.ServerWALEnd
-					s.settle()
+					if err := s.settle(); err != nil {
+						return err
+					}
 				}
 				if ka.ReplyRequested {
 					next = time.Now()
@@ -409,7 +421,7 @@ func (s *stream) decode(data []byte) error {
 	case *pglogrepl.CommitMessage:
 		s.enqueue(s.txn)
 		s.txn, s.inTxn, s.done = s.txn[:0], false, m.TransactionEndLSN
-		s.settle()
+		return s.settle()
 	}
 	return nil
 }
@@ -426,6 +438,7 @@ func (s *stream) enqueue(es []entry) {
 	// the engine is woken once for the transaction, after its messages
 	// are queued.
 	s.touched = s.touched[:0]
+	aside := 0
 	for i := 0; i < len(es); {
 		b := es[i].msg.Bucket
 		j := i + 1
@@ -433,12 +446,20 @@ func (s *stream) enqueue(es []entry) {
 			j++
 		}
 		q := s.buckets[b]
+		run := es[i:j]
+		if s.holding > 0 && q.isHeld() {
+			// Replayed messages of a held bucket are set aside until its
+			// record is decided (reconcile.go).
+			run = s.replayHeld(q, run)
+			aside += j - i - len(run)
+		}
 		q.mu.Lock()
-		q.q = append(q.q, es[i:j]...)
+		q.q = append(q.q, run...)
 		q.mu.Unlock()
 		s.touched = append(s.touched, b)
 		i = j
 	}
+	s.removed(aside)
 	s.hints.add(s.touched...)
 }
 

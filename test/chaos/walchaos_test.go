@@ -227,13 +227,13 @@ func runWALChaos(t *testing.T, p params) {
 	dupBound := walDuplicateBound(wl, p)
 	t.Logf("chaos wal summary: mode=%s messages=%d committed=%d keys=%d readers=%d buckets=%d"+
 		" | kills=%d graceful_stops=%d pauses=%d backend_kills=%d (backends=%d) restarts_fast=%d restarts_immediate=%d broker_faults=%d"+
-		" | reading_terms=%d reconnects=%d publish_failures_logged=%d replayed_skipped=%d replays_undecided=%d"+
+		" | reading_terms=%d reconnects=%d publish_failures_logged=%d replayed_skipped=%d records_not_ours=%d"+
 		" | lost=%d duplicates=%d (records=%d, max_copies=%d, bound %d) order_violations=%d dead_letters=%d"+
 		" | resumed after %s (bound %s), caught up after %s | total=%s seed=%d",
 		mode, p.messages, len(expected), p.keys, p.relays, p.buckets,
 		events.count(evKill), events.count(evTerm), events.count(evPause), events.count(evBackendKill), in.backends,
 		events.count(evPGRestartFast), events.count(evPGRestartImmediate)+1, events.count(walBrokerKinds...),
-		wl.terms, wl.retries, wl.publishFailed, wl.skipped, wl.undecided,
+		wl.terms, wl.retries, wl.publishFailed, wl.skipped, wl.notOurs,
 		len(lost), dups, got.records, got.maxCopies, dupBound, len(got.violations), dead,
 		live.resumed.Round(10*time.Millisecond), bound, live.caughtUp.Round(10*time.Millisecond), time.Since(start).Round(time.Second), p.seed)
 	events.mu.Lock()
@@ -277,7 +277,7 @@ type walLogStats struct {
 	retries       int // terms that ended with an error and were retried
 	publishFailed int // failed publishes, each retried: its batch may be delivered again
 	skipped       int // replayed messages a strict reader did not publish again: Kafka held them
-	undecided     int // held replays released undecided (published in full)
+	notOurs       int // records a strict reader found not to be this outbox's (skipped nothing)
 }
 
 func scanWALLogs(paths []string) walLogStats {
@@ -305,8 +305,8 @@ func scanWALLogs(paths []string) walLogStats {
 				s.retries++
 			case strings.HasPrefix(line.Msg, "pgwal: skipped replayed messages"):
 				s.skipped += line.Skipped
-			case strings.HasPrefix(line.Msg, "pgwal: the replay of a bucket before its last batch"):
-				s.undecided++
+			case strings.HasPrefix(line.Msg, "pgwal: Kafka's record of the bucket's last batch"):
+				s.notOurs++
 			case strings.HasPrefix(line.Msg, "relay: publish failed"):
 				// The reader publishes through the relay engine, which
 				// logs each failed publish (retried, possibly written).

@@ -133,12 +133,16 @@ func (s *stream) replayHeld(q *bucketQ, es []entry) []entry {
 			q.floor = e.commit
 		}
 		q.setAside++
-		if len(q.aside) == len(c.IDs) {
-			q.aside = append(q.aside[:0], q.aside[1:]...)
+		slim := relay.Message{ID: e.msg.ID, MessageID: e.msg.MessageID}
+		if len(q.aside) < len(c.IDs) {
+			q.aside = append(q.aside, slim)
+		} else { // a ring of the last len(c.IDs), the oldest at asideAt
+			q.aside[q.asideAt] = slim
+			q.asideAt = (q.asideAt + 1) % len(q.aside)
 		}
-		q.aside = append(q.aside, relay.Message{ID: e.msg.ID, MessageID: e.msg.MessageID})
 		if e.commit == pos && e.msg.ID == last {
-			if !matches(q.aside, c) {
+			window := append(q.aside[q.asideAt:len(q.aside):len(q.aside)], q.aside[:q.asideAt]...)
+			if !matches(window, c) {
 				s.notOurs(q, "the replayed messages do not match it")
 				return nil // the term ends (messages were set aside)
 			}
@@ -171,7 +175,7 @@ func (s *stream) notOurs(q *bucketQ, why string) {
 
 // unhold ends q's hold, under q.mu.
 func (s *stream) unhold(q *bucketQ) {
-	q.held, q.aside, q.setAside, q.floor = nil, nil, 0, 0
+	q.held, q.aside, q.asideAt, q.setAside, q.floor = nil, nil, 0, 0, 0
 	s.holding--
 }
 

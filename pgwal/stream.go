@@ -44,9 +44,11 @@ type bucketQ struct {
 	// held is Kafka's record of the bucket's last committed batch while
 	// the replay is not decided (reconcile.go): the bucket's replayed
 	// messages are set aside meanwhile (setAside of them, the last ones in
-	// aside, the first committed at floor), not queued.
+	// aside, a ring whose oldest is at asideAt once full, the first
+	// committed at floor), not queued.
 	held     *relay.Committed
 	aside    []relay.Message
+	asideAt  int
 	setAside int
 	floor    pglogrepl.LSN
 }

@@ -43,14 +43,28 @@ import (
 const MarkerMaxBytesDefault = 4096
 
 // markerMinBytes is the smallest MarkerMaxBytes: room for one id of any
-// size and the header (version and digest), encoded.
+// size and the largest header (version, digest, position and the last
+// message's digest), encoded.
 const markerMinBytes = 64
 
-// markerVersion is the first byte of an encoded marker.
-const markerVersion = 2
+// markerVersion is the first byte of an encoded marker of a batch whose
+// messages have no position (table mode); markerVersionPositioned, of
+// one whose last message has one (WAL mode). A version-3 marker also
+// holds the last message's relay.Message.Position and the digest of that
+// message alone (relay.Committed.Position, LastDigest). Table mode keeps
+// writing version 2, which relays of every version read.
+const (
+	markerVersion           = 2
+	markerVersionPositioned = 3
+)
 
-// markerHeader is the version byte and the eight-byte digest.
-const markerHeader = 1 + 8
+// markerHeader is the version byte and the eight-byte digest;
+// markerHeaderPositioned adds the eight-byte position and the eight-byte
+// digest of the last message.
+const (
+	markerHeader           = 1 + 8
+	markerHeaderPositioned = markerHeader + 8 + 8
+)
 
 // ErrBadMarker is wrapped by the error of a producer that found, in its
 // bucket's progress group, a committed offset whose metadata is not a
@@ -59,19 +73,38 @@ const markerHeader = 1 + 8
 // until that is resolved; the error is a *relay.MisconfigurationError.
 var ErrBadMarker = errors.New("publisher: the progress group holds metadata that is not a progress marker")
 
-// encodeMarker encodes as many leading ids as fit in limit bytes of
-// metadata and returns the metadata and how many ids it holds (at least
-// one, limit permitting); digest(n) is the digest of the first n ids'
-// messages (relay.MessagesDigest). The encoding is base64 (standard
-// alphabet, no padding) of: the version byte, the digest (eight bytes,
-// big-endian), then the first id and each following id's difference from
-// the one before it, as zigzag varints. Ids in a batch are ascending, so
-// the differences are small: an id within 63 of the one before costs one
-// byte, 8191 two.
+// markerSums is what a marker holds of its batch's first n messages
+// besides their ids: the digest of their message ids
+// (relay.MessagesDigest), and, for a positioned marker, the position of
+// the n-th message and the digest of its message id alone.
+type markerSums struct {
+	digest, position, last uint64
+}
+
+// encodeMarker encodes a version-2 marker (no position) of as many
+// leading ids as fit in limit bytes; see encodeMarkerSums.
 func encodeMarker(ids []int64, limit int, digest func(n int) uint64) (string, int) {
+	return encodeMarkerSums(ids, limit, false, func(n int) markerSums { return markerSums{digest: digest(n)} })
+}
+
+// encodeMarkerSums encodes as many leading ids as fit in limit bytes of
+// metadata and returns the metadata and how many ids it holds (at least
+// one, limit permitting); sums(n) is what the marker records of the first
+// n ids' messages. The encoding is base64 (standard alphabet, no padding)
+// of: the version byte, the digest (eight bytes, big-endian), when
+// positioned the position and the last message's digest (eight bytes
+// each, big-endian), then the first id and each following id's
+// difference from the one before it, as zigzag varints. Ids in a batch
+// are ascending, so the differences are small: an id within 63 of the one
+// before costs one byte, 8191 two.
+func encodeMarkerSums(ids []int64, limit int, positioned bool, sums func(n int) markerSums) (string, int) {
+	header, version := markerHeader, byte(markerVersion)
+	if positioned {
+		header, version = markerHeaderPositioned, markerVersionPositioned
+	}
 	maxRaw := limit * 3 / 4 // base64 of k bytes takes ceil(4k/3) characters
-	raw := make([]byte, markerHeader, min(maxRaw, markerHeader+len(ids)*2))
-	raw[0] = markerVersion
+	raw := make([]byte, header, min(maxRaw, header+len(ids)*2))
+	raw[0] = version
 	var (
 		prev int64
 		tmp  [binary.MaxVarintLen64]byte
@@ -90,38 +123,54 @@ func encodeMarker(ids []int64, limit int, digest func(n int) uint64) (string, in
 		prev = id
 		n++
 	}
-	binary.BigEndian.PutUint64(raw[1:markerHeader], digest(n))
+	sum := sums(n)
+	binary.BigEndian.PutUint64(raw[1:markerHeader], sum.digest)
+	if positioned {
+		binary.BigEndian.PutUint64(raw[markerHeader:markerHeader+8], sum.position)
+		binary.BigEndian.PutUint64(raw[markerHeader+8:markerHeaderPositioned], sum.last)
+	}
 	return base64.RawStdEncoding.EncodeToString(raw), n
 }
 
 // decodeMarker decodes what encodeMarker encoded: the ids and the digest.
 func decodeMarker(s string) ([]int64, uint64, error) {
+	m, err := parseMarker(s)
+	return m.ids, m.digest, err
+}
+
+// parseMarker decodes a marker of either version; its seq is left 0.
+func parseMarker(s string) (marker, error) {
 	raw, err := base64.RawStdEncoding.DecodeString(s)
 	if err != nil {
-		return nil, 0, fmt.Errorf("%w: %v", ErrBadMarker, err)
+		return marker{}, fmt.Errorf("%w: %v", ErrBadMarker, err)
 	}
-	if len(raw) < markerHeader || raw[0] != markerVersion {
-		return nil, 0, fmt.Errorf("%w: unknown version", ErrBadMarker)
+	var m marker
+	switch {
+	case len(raw) >= markerHeader && raw[0] == markerVersion:
+		m.digest = binary.BigEndian.Uint64(raw[1:markerHeader])
+		raw = raw[markerHeader:]
+	case len(raw) >= markerHeaderPositioned && raw[0] == markerVersionPositioned:
+		m.digest = binary.BigEndian.Uint64(raw[1:markerHeader])
+		m.position = binary.BigEndian.Uint64(raw[markerHeader : markerHeader+8])
+		m.last = binary.BigEndian.Uint64(raw[markerHeader+8 : markerHeaderPositioned])
+		raw = raw[markerHeaderPositioned:]
+	default:
+		return marker{}, fmt.Errorf("%w: unknown version", ErrBadMarker)
 	}
-	digest := binary.BigEndian.Uint64(raw[1:markerHeader])
-	raw = raw[markerHeader:]
-	var (
-		ids  []int64
-		prev int64
-	)
+	var prev int64
 	for len(raw) > 0 {
 		d, w := binary.Varint(raw)
 		if w <= 0 {
-			return nil, 0, fmt.Errorf("%w: truncated id %d", ErrBadMarker, len(ids))
+			return marker{}, fmt.Errorf("%w: truncated id %d", ErrBadMarker, len(m.ids))
 		}
 		raw = raw[w:]
-		if len(ids) > 0 {
+		if len(m.ids) > 0 {
 			d += prev
 		}
-		ids = append(ids, d)
+		m.ids = append(m.ids, d)
 		prev = d
 	}
-	return ids, digest, nil
+	return m, nil
 }
 
 // ProgressGroup returns the consumer group whose committed offset records
@@ -134,11 +183,14 @@ func (t *Transactional) ProgressGroup(bucket int) string {
 }
 
 // marker is what a bucket's progress group holds: the sequence number of
-// its last committed transaction (0 for none) and the row ids it carried.
+// its last committed transaction (0 for none), the row ids it carried and
+// their digest, and for a positioned batch its last message's position
+// and digest (0 otherwise).
 type marker struct {
-	seq    int64
-	ids    []int64
-	digest uint64
+	seq            int64
+	ids            []int64
+	digest         uint64
+	position, last uint64
 }
 
 // readMarker reads bucket's marker from its progress group with a stable
@@ -223,20 +275,22 @@ func (t *Transactional) fetchMarker(client sarama.Client, group string) (m marke
 	if best == nil {
 		return marker{}, false, nil // never committed (or expired): nothing to reconcile
 	}
-	ids, digest, err := decodeMarker(best.Metadata)
+	m, err = parseMarker(best.Metadata)
 	if err != nil {
 		return marker{}, false, &relay.MisconfigurationError{Setting: "TransactionalIDPrefix",
 			Reason: "the group " + group + " is used by something else than this outbox's relays; choose a prefix no other application's groups start with",
 			Err:    err}
 	}
-	return marker{seq: best.Offset, ids: ids, digest: digest}, false, nil
+	m.seq = best.Offset
+	return m, false, nil
 }
 
 var _ relay.Reconciler = (*Transactional)(nil)
 
 // Reconcile implements relay.Reconciler: it returns the row ids that the
 // last transaction committed for lease's bucket carried, and the digest
-// of their message ids, which the relay deletes before it reads the
+// of their message ids (with, for a batch of positioned messages, the
+// last one's position and digest: relay.Committed), which the relay deletes before it reads the
 // bucket if the store's rows of those ids hold those messages. It waits
 // for the bucket's producer (starting it if needed: its InitProducerID
 // fences the previous owner and ends its open transaction, and its start
@@ -254,7 +308,7 @@ func (t *Transactional) Reconcile(ctx context.Context, lease relay.Lease) (relay
 	if err != nil {
 		return relay.Committed{}, err
 	}
-	c := relay.Committed{IDs: p.last.ids, Digest: p.last.digest}
+	c := relay.Committed{IDs: p.last.ids, Digest: p.last.digest, Position: p.last.position, LastDigest: p.last.last}
 	<-p.sem
 	t.bg.Done()
 	return c, nil

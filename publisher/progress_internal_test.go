@@ -92,3 +92,38 @@ func TestMarkerBad(t *testing.T) {
 }
 
 func noDigest(int) uint64 { return 0 }
+
+// A positioned marker (WAL mode, version 3) round-trips its ids, digest,
+// the position and the digest of its last recorded message, of the prefix
+// that fits; a version-2 marker still decodes, with no position; a
+// version-3 marker cut inside its header is a typed error.
+func TestMarkerPositioned(t *testing.T) {
+	t.Parallel()
+	ids := make([]int64, 3000)
+	for i := range ids {
+		ids[i] = -int64(1_000_000_000 + i*1_000_000)
+	}
+	for _, limit := range []int{markerMinBytes, 1000, MarkerMaxBytesDefault} {
+		meta, n := encodeMarkerSums(ids, limit, true, func(n int) markerSums {
+			return markerSums{digest: uint64(n), position: uint64(n) << 32, last: uint64(n) << 16}
+		})
+		require.Positive(t, n, "limit %d", limit)
+		require.LessOrEqual(t, len(meta), limit, "limit %d", limit)
+		m, err := parseMarker(meta)
+		require.NoError(t, err, "limit %d", limit)
+		require.Equal(t, ids[:n], m.ids, "limit %d", limit)
+		require.Equal(t, marker{ids: m.ids, digest: uint64(n), position: uint64(n) << 32, last: uint64(n) << 16}, m, "limit %d", limit)
+	}
+	_, n := encodeMarkerSums([]int64{math.MinInt64, math.MaxInt64}, markerMinBytes, true, func(int) markerSums { return markerSums{} })
+	require.Equal(t, 2, n, "the largest ids fit a positioned marker at the smallest limit")
+
+	v2, _ := encodeMarker([]int64{5, 6}, MarkerMaxBytesDefault, func(int) uint64 { return 9 })
+	m, err := parseMarker(v2)
+	require.NoError(t, err)
+	require.Equal(t, marker{ids: []int64{5, 6}, digest: 9}, m)
+
+	v3, _ := encodeMarkerSums([]int64{5}, MarkerMaxBytesDefault, true, func(int) markerSums { return markerSums{digest: 1, position: 2, last: 3} })
+	short := v3[:(markerHeaderPositioned-1)*4/3] // the header without its last bytes
+	_, err = parseMarker(short)
+	require.ErrorIs(t, err, ErrBadMarker)
+}

@@ -621,10 +621,14 @@ func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int,
 	for i := range msgs {
 		ids[i] = msgs[i].ID
 	}
-	var digest uint64
-	meta, fit := encodeMarker(ids, t.cfg.MarkerMaxBytes, func(n int) uint64 {
-		digest = relay.MessagesDigest(msgs[:n])
-		return digest
+	var sums markerSums
+	positioned := msgs[len(msgs)-1].Position != 0
+	meta, fit := encodeMarkerSums(ids, t.cfg.MarkerMaxBytes, positioned, func(n int) markerSums {
+		sums.digest = relay.MessagesDigest(msgs[:n])
+		if positioned && n > 0 {
+			sums.position, sums.last = msgs[n-1].Position, relay.MessagesDigest(msgs[n-1:n])
+		}
+		return sums
 	})
 	var cut error
 	if fit < len(msgs) {
@@ -637,7 +641,7 @@ func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int,
 		t.logFailure(msgs, err)
 		return 0, err
 	}
-	b.marker, b.ids, b.digest = meta, ids[:fit], digest
+	b.marker, b.ids, b.sums = meta, ids[:fit], sums
 	p, err := t.acquire(ctx, bucket)
 	if err != nil {
 		return 0, err
@@ -711,10 +715,11 @@ type txBatch struct {
 	pms  []sarama.ProducerMessage
 	envs []envelope
 	call *call
-	// marker is the encoded progress marker of ids, the batch's row ids.
+	// marker is the encoded progress marker of ids, the batch's row ids,
+	// and of sums.
 	marker string
 	ids    []int64
-	digest uint64
+	sums   markerSums
 }
 
 // build converts msgs to producer messages and checks each against what no
@@ -886,7 +891,7 @@ wait:
 		log.Debug("commit failed", slog.Int("batch", len(msgs)), slog.Any("error", err))
 		return txOutcome{err: t.commitError(p, err)}
 	}
-	p.last = marker{seq: seq, ids: b.ids, digest: b.digest}
+	p.last = marker{seq: seq, ids: b.ids, digest: b.sums.digest, position: b.sums.position, last: b.sums.last}
 	return txOutcome{acked: len(msgs)}
 }
 

@@ -253,9 +253,11 @@
 // PREFIXED group ACL on TransactionalIDPrefix) and on the outbox's
 // topics, which the broker requires for a transactional offset commit. A
 // refused marker is a *relay.MisconfigurationError and aborts the
-// transaction: nothing is lost. The WAL reader (pgwal) publishes through
-// this publisher but does not reconcile: in WAL mode a batch committed
-// before the reader confirmed its position is published again.
+// transaction: nothing is lost. In WAL mode (pgwal) the marker of a batch
+// of positioned messages (relay.Message.Position) also records its last
+// message's position and digest (relay.Committed.Position, LastDigest):
+// the reader that takes the slot over skips, in its replay, what the
+// record shows Kafka holds (docs/strict-mode.md, "WAL mode").
 //
 // read_uncommitted consumers (the default of most clients) see aborted
 // records too, so none of this holds for them.

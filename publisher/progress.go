@@ -44,27 +44,38 @@ import (
 const MarkerMaxBytesDefault = 4096
 
 // markerMinBytes is the smallest MarkerMaxBytes: room for one id of any
-// size and the header (version and digest), encoded.
+// size and the largest header (version, digest, position and the last
+// message's digest), encoded.
 const markerMinBytes = 64
 
 // The first byte of an encoded marker is its version, which is also its
-// form. Version 2 (markerList2) was written by earlier releases and is
-// still read; the publisher writes markerList for ascending ids that fit
-// and markerSpan for ascending ids that do not.
+// form. The publisher writes markerList for ascending ids of a batch
+// without positions (table mode: the relay reads a batch ORDER BY id)
+// that fit, markerSpan for those that do not, markerPositioned for a batch
+// whose last message has a position (WAL mode), and markerList2 for any
+// other. Every version is read.
 const (
 	// markerList2: the ids as zigzag varint differences, any order.
 	markerList2 = 2
+	// markerPositioned: as markerList2, after the header the position of
+	// the batch's last message and the digest of that message alone.
+	markerPositioned = 3
 	// markerList: the first id as a zigzag varint, then each following
 	// id's difference from the one before as an unsigned varint (ids
 	// strictly ascending, every difference at least 1).
-	markerList = 3
+	markerList = 4
 	// markerSpan: the first id as a zigzag varint, then the last id's
 	// difference from it and the count of ids, unsigned varints.
-	markerSpan = 4
+	markerSpan = 5
 )
 
-// markerHeader is the version byte and the eight-byte digest.
-const markerHeader = 1 + 8
+// markerHeader is the version byte and the eight-byte digest;
+// markerHeaderPositioned adds the eight-byte position and the eight-byte
+// digest of the last message.
+const (
+	markerHeader           = 1 + 8
+	markerHeaderPositioned = markerHeader + 8 + 8
+)
 
 // ErrBadMarker is wrapped by the error of a producer that found, in its
 // bucket's progress group, a committed offset whose metadata is not a
@@ -73,25 +84,42 @@ const markerHeader = 1 + 8
 // until that is resolved; the error is a *relay.MisconfigurationError.
 var ErrBadMarker = errors.New("publisher: the progress group holds metadata that is not a progress marker")
 
-// encodeMarker encodes the progress marker of a batch whose row ids are
-// ids, within limit bytes of metadata, and returns the metadata and how
-// many leading ids it covers; digest(n) is the digest of the first n
-// ids' messages (relay.MessagesDigest). The encoding is base64 (standard
-// alphabet, no padding) of the version byte, the digest (eight bytes,
-// big-endian) and the form's body (see markerList, markerSpan).
-//
-// Ids strictly ascending (the relay reads a batch ORDER BY id) are
-// listed if the list fits, a byte per id within 127 of the one before,
-// two within 16383: the relay then deletes exactly those rows. Otherwise
-// the marker holds their span (first, last, count), at most 34 bytes
-// whatever the batch's size, and covers every id: the relay then deletes
-// the rows of the span only if they are exactly count rows with that
-// digest (relay.Committed). Ids in any other order are listed as far as
-// they fit (markerList2), and the caller publishes only those.
+// markerSums is what a marker holds of its batch's first n messages
+// besides their ids: the digest of their message ids
+// (relay.MessagesDigest), and, for a positioned marker, the position of
+// the n-th message and the digest of its message id alone.
+type markerSums struct {
+	digest, position, last uint64
+}
+
+// encodeMarker encodes the marker of a batch without positions; see
+// encodeMarkerSums.
 func encodeMarker(ids []int64, limit int, digest func(n int) uint64) (string, int) {
+	return encodeMarkerSums(ids, limit, false, func(n int) markerSums { return markerSums{digest: digest(n)} })
+}
+
+// encodeMarkerSums encodes the progress marker of a batch whose row ids
+// are ids, within limit bytes of metadata, and returns the metadata and
+// how many leading ids it covers; sums(n) is what the marker records of
+// the first n ids' messages. The encoding is base64 (standard alphabet,
+// no padding) of the version byte, the digest (eight bytes, big-endian),
+// when positioned the position and the last message's digest (eight
+// bytes each, big-endian), and the form's body.
+//
+// Ids strictly ascending of a batch without positions (the relay's table
+// mode) are listed if the list fits, a byte per id within 127 of the one
+// before, two within 16383 (markerList): the relay then deletes exactly
+// those rows. Otherwise the marker holds their span (first, last, count;
+// markerSpan), at most 46 bytes whatever the batch's size, and covers
+// every id: the relay then deletes the rows of the span only if they are
+// exactly count rows with that digest (relay.Committed). Ids in any other
+// order, and a positioned batch (WAL mode, whose reader needs the ids),
+// are listed as zigzag differences as far as they fit (markerList2,
+// markerPositioned), and the caller publishes only those.
+func encodeMarkerSums(ids []int64, limit int, positioned bool, sums func(n int) markerSums) (string, int) {
 	maxRaw := limit * 3 / 4 // base64 of k bytes takes ceil(4k/3) characters
-	if len(ids) == 0 || !ascending(ids) {
-		return encodeList2(ids, maxRaw, digest)
+	if positioned || len(ids) == 0 || !ascending(ids) {
+		return encodeZigzag(ids, maxRaw, positioned, sums)
 	}
 	raw := make([]byte, markerHeader, min(maxRaw, markerHeader+binary.MaxVarintLen64+len(ids)*2))
 	raw[0] = markerList
@@ -106,7 +134,7 @@ func encodeMarker(ids []int64, limit int, digest func(n int) uint64) (string, in
 		raw = binary.AppendUvarint(raw, uint64(ids[len(ids)-1]-ids[0]))
 		raw = binary.AppendUvarint(raw, uint64(len(ids)))
 	}
-	binary.BigEndian.PutUint64(raw[1:markerHeader], digest(len(ids)))
+	binary.BigEndian.PutUint64(raw[1:markerHeader], sums(len(ids)).digest)
 	return base64.RawStdEncoding.EncodeToString(raw), len(ids)
 }
 
@@ -120,11 +148,15 @@ func ascending(ids []int64) bool {
 	return true
 }
 
-// encodeList2 lists as many leading ids as fit in maxRaw bytes (before
-// base64) as a markerList2.
-func encodeList2(ids []int64, maxRaw int, digest func(n int) uint64) (string, int) {
-	raw := make([]byte, markerHeader, min(maxRaw, markerHeader+len(ids)*2))
-	raw[0] = markerList2
+// encodeZigzag lists as many leading ids as fit in maxRaw bytes (before
+// base64) as a markerList2, or a markerPositioned when positioned.
+func encodeZigzag(ids []int64, maxRaw int, positioned bool, sums func(n int) markerSums) (string, int) {
+	header, version := markerHeader, byte(markerList2)
+	if positioned {
+		header, version = markerHeaderPositioned, markerPositioned
+	}
+	raw := make([]byte, header, min(maxRaw, header+len(ids)*2))
+	raw[0] = version
 	var (
 		prev int64
 		tmp  [binary.MaxVarintLen64]byte
@@ -143,13 +175,17 @@ func encodeList2(ids []int64, maxRaw int, digest func(n int) uint64) (string, in
 		prev = id
 		n++
 	}
-	binary.BigEndian.PutUint64(raw[1:markerHeader], digest(n))
+	sum := sums(n)
+	binary.BigEndian.PutUint64(raw[1:markerHeader], sum.digest)
+	if positioned {
+		binary.BigEndian.PutUint64(raw[markerHeader:markerHeader+8], sum.position)
+		binary.BigEndian.PutUint64(raw[markerHeader+8:markerHeaderPositioned], sum.last)
+	}
 	return base64.RawStdEncoding.EncodeToString(raw), n
 }
 
-// decodeMarker decodes what encodeMarker encoded (and the version 2
-// markers of earlier releases) into the record the relay reconciles
-// with.
+// decodeMarker decodes a marker of any version into the record the relay
+// reconciles with.
 func decodeMarker(s string) (relay.Committed, error) {
 	raw, err := base64.RawStdEncoding.DecodeString(s)
 	if err != nil {
@@ -164,7 +200,15 @@ func decodeMarker(s string) (relay.Committed, error) {
 		return relay.Committed{}, fmt.Errorf("%w: version %d: %s", ErrBadMarker, version, what)
 	}
 	switch version {
-	case markerList2:
+	case markerList2, markerPositioned:
+		if version == markerPositioned {
+			if len(raw) < markerHeaderPositioned {
+				return bad("shorter than its header")
+			}
+			c.Position = binary.BigEndian.Uint64(raw[markerHeader : markerHeader+8])
+			c.LastDigest = binary.BigEndian.Uint64(raw[markerHeader+8 : markerHeaderPositioned])
+			body = raw[markerHeaderPositioned:]
+		}
 		var prev int64
 		for len(body) > 0 {
 			d, w := binary.Varint(body)
@@ -214,6 +258,12 @@ func decodeMarker(s string) (relay.Committed, error) {
 		return relay.Committed{}, fmt.Errorf("%w: unknown version %d", ErrBadMarker, version)
 	}
 	return c, nil
+}
+
+// parseMarker decodes a marker of any version; its seq is left 0.
+func parseMarker(s string) (marker, error) {
+	rec, err := decodeMarker(s)
+	return marker{rec: rec}, err
 }
 
 // ProgressGroup returns the consumer group whose committed offset records
@@ -315,20 +365,22 @@ func (t *Transactional) fetchMarker(client sarama.Client, group string) (m marke
 	if best == nil {
 		return marker{}, false, nil // never committed (or expired): nothing to reconcile
 	}
-	rec, err := decodeMarker(best.Metadata)
+	m, err = parseMarker(best.Metadata)
 	if err != nil {
 		return marker{}, false, &relay.MisconfigurationError{Setting: "TransactionalIDPrefix",
 			Reason: "the group " + group + " is used by something else than this outbox's relays; choose a prefix no other application's groups start with",
 			Err:    err}
 	}
-	return marker{seq: best.Offset, rec: rec}, false, nil
+	m.seq = best.Offset
+	return m, false, nil
 }
 
 var _ relay.Reconciler = (*Transactional)(nil)
 
 // Reconcile implements relay.Reconciler: it returns the row ids that the
 // last transaction committed for lease's bucket carried, and the digest
-// of their message ids, which the relay deletes before it reads the
+// of their message ids (with, for a batch of positioned messages, the
+// last one's position and digest: relay.Committed), which the relay deletes before it reads the
 // bucket if the store's rows of those ids hold those messages. It waits
 // for the bucket's producer (starting it if needed: its InitProducerID
 // fences the previous owner and ends its open transaction, and its start

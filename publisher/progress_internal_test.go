@@ -141,7 +141,7 @@ func TestMarkerPrefix(t *testing.T) {
 // differences, any order), are still read.
 func TestMarkerVersion2(t *testing.T) {
 	t.Parallel()
-	// Written by the encoder of the release before version 3: ids 10, 18,
+	// Written by the encoder of the releases before versions 4 and 5: ids 10, 18,
 	// 26, 5, digest 0x0102030405060708.
 	meta := "AgECAwQFBgcIFBAQKQ"
 	rec, err := decodeMarker(meta)
@@ -164,18 +164,18 @@ func TestMarkerBad(t *testing.T) {
 	maxVarint := binary.AppendVarint(nil, math.MaxInt64)
 	for _, s := range []string{"", "not base64!", "AA", "AYA", "AgAAAAAAAAA", v1,
 		header(2, 0x80),                       // version 2, a truncated id
-		header(3),                             // list: no first id
-		header(3, 2, 0),                       // list: a zero difference (ids repeat)
-		header(3, 2, 0x80),                    // list: a truncated difference
-		header(3, append(maxVarint, 1)...),    // list: past the largest id
-		header(4),                             // span: no first id
-		header(4, 2),                          // span: no last id
-		header(4, 2, 5),                       // span: no count
-		header(4, 2, 5, 0),                    // span: no ids
-		header(4, 2, 5, 7),                    // span: more ids than the span holds
-		header(4, 2, 5, 3, 1),                 // span: trailing bytes
-		header(4, append(maxVarint, 1, 1)...), // span: past the largest id
-		header(5, 2, 5, 3),                    // an unknown version
+		header(4),                             // list: no first id
+		header(4, 2, 0),                       // list: a zero difference (ids repeat)
+		header(4, 2, 0x80),                    // list: a truncated difference
+		header(4, append(maxVarint, 1)...),    // list: past the largest id
+		header(5),                             // span: no first id
+		header(5, 2),                          // span: no last id
+		header(5, 2, 5),                       // span: no count
+		header(5, 2, 5, 0),                    // span: no ids
+		header(5, 2, 5, 7),                    // span: more ids than the span holds
+		header(5, 2, 5, 3, 1),                 // span: trailing bytes
+		header(5, append(maxVarint, 1, 1)...), // span: past the largest id
+		header(6, 2, 5, 3),                    // an unknown version
 	} {
 		_, err := decodeMarker(s)
 		require.ErrorIs(t, err, ErrBadMarker, "%q", s)
@@ -225,3 +225,52 @@ func FuzzDecodeMarker(f *testing.F) {
 }
 
 func noDigest(int) uint64 { return 0 }
+
+// A positioned marker (WAL mode, version 3) round-trips its ids, digest,
+// the position and the digest of its last recorded message, of the prefix
+// that fits; a version-2 marker still decodes, with no position; a
+// version-3 marker cut inside its header is a typed error.
+func TestMarkerPositioned(t *testing.T) {
+	t.Parallel()
+	ids := make([]int64, 3000)
+	for i := range ids {
+		ids[i] = -int64(1_000_000_000 + i*1_000_000)
+	}
+	for _, limit := range []int{markerMinBytes, 1000, MarkerMaxBytesDefault} {
+		meta, n := encodeMarkerSums(ids, limit, true, func(n int) markerSums {
+			return markerSums{digest: uint64(n), position: uint64(n) << 32, last: uint64(n) << 16}
+		})
+		require.Positive(t, n, "limit %d", limit)
+		require.LessOrEqual(t, len(meta), limit, "limit %d", limit)
+		m, err := parseMarker(meta)
+		require.NoError(t, err, "limit %d", limit)
+		require.Equal(t, ids[:n], m.rec.IDs, "limit %d", limit)
+		require.Equal(t, marker{rec: relay.Committed{IDs: m.rec.IDs, Digest: uint64(n), Position: uint64(n) << 32, LastDigest: uint64(n) << 16}}, m, "limit %d", limit)
+	}
+	_, n := encodeMarkerSums([]int64{math.MinInt64, math.MaxInt64}, markerMinBytes, true, func(int) markerSums { return markerSums{} })
+	require.Equal(t, 2, n, "the largest ids fit a positioned marker at the smallest limit")
+
+	v2, _ := encodeMarker([]int64{6, 5}, MarkerMaxBytesDefault, func(int) uint64 { return 9 })
+	require.Equal(t, byte('A'), v2[0], "version 2: ids not ascending")
+	m, err := parseMarker(v2)
+	require.NoError(t, err)
+	require.Equal(t, marker{rec: relay.Committed{IDs: []int64{6, 5}, Digest: 9}}, m)
+
+	// Ascending positioned ids are listed too, cut where the limit is:
+	// the WAL reader needs the ids.
+	asc := make([]int64, 3000)
+	for i := range asc {
+		asc[i] = int64(i) * 1_000_000
+	}
+	meta, n := encodeMarkerSums(asc, MarkerMaxBytesDefault, true, func(int) markerSums { return markerSums{position: 1} })
+	require.Less(t, n, len(asc))
+	m, err = parseMarker(meta)
+	require.NoError(t, err)
+	require.Equal(t, asc[:n], m.rec.IDs)
+	require.Zero(t, m.rec.Count)
+
+	v3, _ := encodeMarkerSums([]int64{5}, MarkerMaxBytesDefault, true, func(int) markerSums { return markerSums{digest: 1, position: 2, last: 3} })
+	short := v3[:(markerHeaderPositioned-1)*4/3] // the header without its last bytes
+	_, err = parseMarker(short)
+	require.ErrorIs(t, err, ErrBadMarker)
+}

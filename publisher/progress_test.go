@@ -130,3 +130,44 @@ func TestTransactionalMarkerTruncates(t *testing.T) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// A batch of positioned messages (WAL mode) records its last message's
+// position and digest; when the batch is truncated, those of the last
+// message published. The next owner reads them back from the marker; a
+// batch without positions (table mode) records none.
+func TestTransactionalMarkerRecordsPosition(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	topic := c.Topic(t, 1)
+	prefix := txnPrefix(t)
+	sameID := func(cfg *publisher.TransactionalConfig) { cfg.TransactionalIDPrefix = prefix; cfg.MarkerMaxBytes = 64 }
+	a := newTransactional(t, c, sameID)
+	msgs := inBucket(withIDs(publishertest.Messages(topic, "wal", 40), -1_000_000_000, -1_000_000), 1)
+	for i := range msgs {
+		msgs[i].Position = uint64(5_000_000_000 + i/3*1000) // three messages per transaction
+	}
+	acked, err := a.Publish(testCtx(t), msgs)
+	require.True(t, relay.IsTruncated(err), "%v", err)
+	require.Positive(t, acked)
+	last := msgs[acked-1]
+	want := relay.Committed{Digest: relay.MessagesDigest(msgs[:acked]),
+		Position: last.Position, LastDigest: relay.MessagesDigest([]relay.Message{last})}
+	want.IDs = make([]int64, acked)
+	for i := range want.IDs {
+		want.IDs[i] = msgs[i].ID
+	}
+	b := newTransactional(t, c, sameID)
+	require.NoError(t, b.LeasesAcquired(testCtx(t), []relay.Lease{{Bucket: 1, Term: 2}}))
+	got, err := b.Reconcile(testCtx(t), relay.Lease{Bucket: 1, Term: 2})
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+
+	plain := inBucket(withIDs(publishertest.Messages(topic, "table", 2), 10, 1), 1)
+	acked, err = b.Publish(testCtx(t), plain)
+	require.NoError(t, err)
+	require.Equal(t, 2, acked)
+	third := newTransactional(t, c, sameID)
+	got, err = third.Reconcile(testCtx(t), relay.Lease{Bucket: 1, Term: 3})
+	require.NoError(t, err)
+	require.Equal(t, relay.Committed{IDs: []int64{10, 11}, Digest: relay.MessagesDigest(plain)}, got)
+}

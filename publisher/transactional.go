@@ -624,7 +624,14 @@ func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int,
 	for i := range msgs {
 		ids[i] = msgs[i].ID
 	}
-	meta, fit := encodeMarker(ids, t.cfg.MarkerMaxBytes, func(n int) uint64 { return relay.MessagesDigest(msgs[:n]) })
+	positioned := msgs[len(msgs)-1].Position != 0
+	meta, fit := encodeMarkerSums(ids, t.cfg.MarkerMaxBytes, positioned, func(n int) markerSums {
+		sums := markerSums{digest: relay.MessagesDigest(msgs[:n])}
+		if positioned && n > 0 {
+			sums.position, sums.last = msgs[n-1].Position, relay.MessagesDigest(msgs[n-1:n])
+		}
+		return sums
+	})
 	var cut error
 	if fit < len(msgs) {
 		cut = relay.Truncated(fmt.Errorf("publisher: the row ids of %d of the batch's %d messages fit in MarkerMaxBytes %d; the rest follows in the next transaction",
@@ -638,7 +645,7 @@ func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int,
 	}
 	b.marker = meta
 	if b.rec, err = decodeMarker(meta); err != nil {
-		return 0, err // cannot happen: encodeMarker's own output
+		return 0, err // cannot happen: encodeMarkerSums' own output
 	}
 	p, err := t.acquire(ctx, bucket)
 	if err != nil {
@@ -713,7 +720,8 @@ type txBatch struct {
 	pms  []sarama.ProducerMessage
 	envs []envelope
 	call *call
-	// marker is the encoded progress marker of ids, the batch's row ids.
+	// marker is the encoded progress marker of the batch, rec what it
+	// records.
 	marker string
 	rec    relay.Committed
 }

@@ -36,6 +36,13 @@ type Message struct {
 	CreatedAt time.Time
 	// Attempts counts failed publish attempts recorded for this row.
 	Attempts int
+	// Position is the store's opaque position of the message, for a store
+	// whose IDs alone do not order a bucket's messages across a restart:
+	// WAL mode (package pgwal) sets it to the log position of the
+	// message's transaction's commit. A Reconciler records the position
+	// of a batch's last message (Committed.Position). 0 means none: table
+	// mode leaves it 0.
+	Position uint64
 }
 
 // Publisher delivers a batch of messages to a sink.
@@ -318,10 +325,21 @@ type Reconciler interface {
 // Count rows, the first First and the last Last, holding the messages
 // of Digest: a row the batch did not carry inside the span (committed
 // late by a slower transaction) deletes nothing, so the batch may be
-// published again, never lost.
+// published again, never lost. A batch whose last message has a
+// Position is always a list.
+//
+// Position and LastDigest are recorded for a batch whose last message has
+// a Position (WAL mode): that Position, and the MessagesDigest of the last
+// message alone. They let a store that replays its log from a restart
+// point (package pgwal) tell which replayed messages are at or before the
+// batch, and that the batch is its own when the replay begins inside the
+// batch. Both are 0 otherwise, and for a record written before they were
+// recorded. The relay engine does not use them.
 type Committed struct {
-	IDs    []int64
-	Digest uint64
+	IDs        []int64
+	Digest     uint64
+	Position   uint64
+	LastDigest uint64
 
 	First, Last int64
 	Count       int

@@ -181,6 +181,12 @@
 // names, and only when they are all in the bucket and hold the messages
 // the record's digest names (MessagesDigest), so a record that is not
 // this store's deletes nothing (TestStrictSharedPrefixLosesNothing).
+// A store that replays a log from a restart point rather than deleting
+// rows (WAL mode) sets Message.Position; the publisher records the
+// batch's last message's position and digest (Committed.Position,
+// LastDigest), and the store skips, before the engine reads the bucket,
+// the replayed messages up to that message (package pgwal,
+// docs/strict-mode.md "WAL mode"). The engine itself ignores them.
 //
 // # Buckets and ordering
 //

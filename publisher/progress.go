@@ -19,8 +19,9 @@ import (
 // database what they committed. Every transaction of bucket b also commits,
 // atomically with its records (TxnOffsetCommit), an offset in the consumer
 // group ProgressGroup(b): the offset is the bucket's sequence number, one
-// more for every committed transaction, and its metadata is the exact set
-// of row ids (relay.Message.ID) the transaction carried. The group has no
+// more for every committed transaction, and its metadata records the row
+// ids (relay.Message.ID) the transaction carried: their list, or their
+// span when the list does not fit (encodeMarkerSums). The group has no
 // members; it is only a place the broker stores a value transactionally.
 // The offset is committed under the topic of the batch's first record,
 // partition 0 (the broker only stores offsets of partitions that exist);

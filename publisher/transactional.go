@@ -75,10 +75,11 @@ type TransactionalConfig struct {
 	// of the offset every transaction commits in its bucket's progress
 	// group (ProgressGroup), which lists the row ids the transaction
 	// carried, a byte or two per id for ids close together, or, for
-	// ascending ids (the relay's batches) that do not fit, their span:
-	// the first and last id, the count and the digest, at most 46 bytes.
-	// A batch of ids in another order that do not fit is published up to
-	// the last id that fits, and the rest follows in the next transaction
+	// ascending ids (a table-mode relay's batches) that do not fit, their
+	// span: the first and last id, the count and the digest, at most 46
+	// bytes. A WAL-mode batch (its messages have a Position), or one of
+	// ids in another order, that does not fit is published up to the last
+	// id that fits, and the rest follows in the next transaction
 	// (relay.Truncated). Keep it at or below the brokers'
 	// offset.metadata.max.bytes. Default MarkerMaxBytesDefault, the
 	// broker's default; at least 64.

@@ -230,13 +230,19 @@
 //     outbox sharing the prefix, or one left before the database was
 //     recreated, deletes nothing. A batch committed but
 //     not deleted (the relay died, lost the database or its lease just
-//     after the commit) is therefore not published again. The row ids of
-//     a batch must fit TransactionalConfig.MarkerMaxBytes (the brokers'
-//     offset.metadata.max.bytes, 4096 by default; ids close together cost
-//     a byte each): a batch whose ids do not is published up to the last
-//     id that fits, and Publish returns that prefix with an error for
-//     which relay.IsTruncated reports true; the relay deletes it and
-//     publishes the rest at once.
+//     after the commit) is therefore not published again. The marker is
+//     bounded by TransactionalConfig.MarkerMaxBytes (the brokers'
+//     offset.metadata.max.bytes, 4096 by default). Ascending ids (a
+//     table-mode relay's batches) are listed while they fit, a byte per id within
+//     127 of the one before; a batch whose list does not fit is recorded
+//     as its span (first id, last id, count, digest), committed whole,
+//     and the relay deletes the rows of the span only if they are
+//     exactly that batch's (a row committed late inside the span deletes
+//     nothing: a duplicate, never a loss). A WAL-mode batch (its messages
+//     have a Position), and ids in another order, that do not fit are
+//     published up to the last id that fits, and Publish
+//     returns that prefix with an error for which relay.IsTruncated
+//     reports true; the relay deletes it and publishes the rest at once.
 //
 // This rests on: read_committed consumers; the relay calling Reconcile (a
 // wrapper must forward relay.Reconciler; TracingPublisher does); store

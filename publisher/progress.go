@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 
@@ -18,8 +19,9 @@ import (
 // database what they committed. Every transaction of bucket b also commits,
 // atomically with its records (TxnOffsetCommit), an offset in the consumer
 // group ProgressGroup(b): the offset is the bucket's sequence number, one
-// more for every committed transaction, and its metadata is the exact set
-// of row ids (relay.Message.ID) the transaction carried. The group has no
+// more for every committed transaction, and its metadata records the row
+// ids (relay.Message.ID) the transaction carried: their list, or their
+// span when the list does not fit (encodeMarkerSums). The group has no
 // members; it is only a place the broker stores a value transactionally.
 // The offset is committed under the topic of the batch's first record,
 // partition 0 (the broker only stores offsets of partitions that exist);
@@ -47,15 +49,25 @@ const MarkerMaxBytesDefault = 4096
 // message's digest), encoded.
 const markerMinBytes = 64
 
-// markerVersion is the first byte of an encoded marker of a batch whose
-// messages have no position (table mode); markerVersionPositioned, of
-// one whose last message has one (WAL mode). A version-3 marker also
-// holds the last message's relay.Message.Position and the digest of that
-// message alone (relay.Committed.Position, LastDigest). Table mode keeps
-// writing version 2, which relays of every version read.
+// The first byte of an encoded marker is its version, which is also its
+// form. The publisher writes markerList for ascending ids of a batch
+// without positions (table mode: the relay reads a batch ORDER BY id)
+// that fit, markerSpan for those that do not, markerPositioned for a batch
+// whose last message has a position (WAL mode), and markerList2 for any
+// other. Every version is read.
 const (
-	markerVersion           = 2
-	markerVersionPositioned = 3
+	// markerList2: the ids as zigzag varint differences, any order.
+	markerList2 = 2
+	// markerPositioned: as markerList2, after the header the position of
+	// the batch's last message and the digest of that message alone.
+	markerPositioned = 3
+	// markerList: the first id as a zigzag varint, then each following
+	// id's difference from the one before as an unsigned varint (ids
+	// strictly ascending, every difference at least 1).
+	markerList = 4
+	// markerSpan: the first id as a zigzag varint, then the last id's
+	// difference from it and the count of ids, unsigned varints.
+	markerSpan = 5
 )
 
 // markerHeader is the version byte and the eight-byte digest;
@@ -81,28 +93,69 @@ type markerSums struct {
 	digest, position, last uint64
 }
 
-// encodeMarker encodes a version-2 marker (no position) of as many
-// leading ids as fit in limit bytes; see encodeMarkerSums.
+// encodeMarker encodes the marker of a batch without positions; see
+// encodeMarkerSums.
 func encodeMarker(ids []int64, limit int, digest func(n int) uint64) (string, int) {
 	return encodeMarkerSums(ids, limit, false, func(n int) markerSums { return markerSums{digest: digest(n)} })
 }
 
-// encodeMarkerSums encodes as many leading ids as fit in limit bytes of
-// metadata and returns the metadata and how many ids it holds (at least
-// one, limit permitting); sums(n) is what the marker records of the first
-// n ids' messages. The encoding is base64 (standard alphabet, no padding)
-// of: the version byte, the digest (eight bytes, big-endian), when
-// positioned the position and the last message's digest (eight bytes
-// each, big-endian), then the first id and each following id's
-// difference from the one before it, as zigzag varints. Ids in a batch
-// are ascending, so the differences are small: an id within 63 of the one
-// before costs one byte, 8191 two.
+// encodeMarkerSums encodes the progress marker of a batch whose row ids
+// are ids, within limit bytes of metadata, and returns the metadata and
+// how many leading ids it covers; sums(n) is what the marker records of
+// the first n ids' messages. The encoding is base64 (standard alphabet,
+// no padding) of the version byte, the digest (eight bytes, big-endian),
+// when positioned the position and the last message's digest (eight
+// bytes each, big-endian), and the form's body.
+//
+// Ids strictly ascending of a batch without positions (the relay's table
+// mode) are listed if the list fits, a byte per id within 127 of the one
+// before, two within 16383 (markerList): the relay then deletes exactly
+// those rows. Otherwise the marker holds their span (first, last, count;
+// markerSpan), at most 46 bytes whatever the batch's size, and covers
+// every id: the relay then deletes the rows of the span only if they are
+// exactly count rows with that digest (relay.Committed). Ids in any other
+// order, and a positioned batch (WAL mode, whose reader needs the ids),
+// are listed as zigzag differences as far as they fit (markerList2,
+// markerPositioned), and the caller publishes only those.
 func encodeMarkerSums(ids []int64, limit int, positioned bool, sums func(n int) markerSums) (string, int) {
-	header, version := markerHeader, byte(markerVersion)
-	if positioned {
-		header, version = markerHeaderPositioned, markerVersionPositioned
-	}
 	maxRaw := limit * 3 / 4 // base64 of k bytes takes ceil(4k/3) characters
+	if positioned || len(ids) == 0 || !ascending(ids) {
+		return encodeZigzag(ids, maxRaw, positioned, sums)
+	}
+	raw := make([]byte, markerHeader, min(maxRaw, markerHeader+binary.MaxVarintLen64+len(ids)*2))
+	raw[0] = markerList
+	raw = binary.AppendVarint(raw, ids[0])
+	for i := 1; i < len(ids) && len(raw) <= maxRaw; i++ {
+		raw = binary.AppendUvarint(raw, uint64(ids[i]-ids[i-1]))
+	}
+	if len(raw) > maxRaw {
+		raw = raw[:markerHeader]
+		raw[0] = markerSpan
+		raw = binary.AppendVarint(raw, ids[0])
+		raw = binary.AppendUvarint(raw, uint64(ids[len(ids)-1]-ids[0]))
+		raw = binary.AppendUvarint(raw, uint64(len(ids)))
+	}
+	binary.BigEndian.PutUint64(raw[1:markerHeader], sums(len(ids)).digest)
+	return base64.RawStdEncoding.EncodeToString(raw), len(ids)
+}
+
+// ascending reports whether ids are strictly ascending.
+func ascending(ids []int64) bool {
+	for i := 1; i < len(ids); i++ {
+		if ids[i] <= ids[i-1] {
+			return false
+		}
+	}
+	return true
+}
+
+// encodeZigzag lists as many leading ids as fit in maxRaw bytes (before
+// base64) as a markerList2, or a markerPositioned when positioned.
+func encodeZigzag(ids []int64, maxRaw int, positioned bool, sums func(n int) markerSums) (string, int) {
+	header, version := markerHeader, byte(markerList2)
+	if positioned {
+		header, version = markerHeaderPositioned, markerPositioned
+	}
 	raw := make([]byte, header, min(maxRaw, header+len(ids)*2))
 	raw[0] = version
 	var (
@@ -132,45 +185,86 @@ func encodeMarkerSums(ids []int64, limit int, positioned bool, sums func(n int) 
 	return base64.RawStdEncoding.EncodeToString(raw), n
 }
 
-// decodeMarker decodes what encodeMarker encoded: the ids and the digest.
-func decodeMarker(s string) ([]int64, uint64, error) {
-	m, err := parseMarker(s)
-	return m.ids, m.digest, err
-}
-
-// parseMarker decodes a marker of either version; its seq is left 0.
-func parseMarker(s string) (marker, error) {
+// decodeMarker decodes a marker of any version into the record the relay
+// reconciles with.
+func decodeMarker(s string) (relay.Committed, error) {
 	raw, err := base64.RawStdEncoding.DecodeString(s)
 	if err != nil {
-		return marker{}, fmt.Errorf("%w: %v", ErrBadMarker, err)
+		return relay.Committed{}, fmt.Errorf("%w: %v", ErrBadMarker, err)
 	}
-	var m marker
-	switch {
-	case len(raw) >= markerHeader && raw[0] == markerVersion:
-		m.digest = binary.BigEndian.Uint64(raw[1:markerHeader])
-		raw = raw[markerHeader:]
-	case len(raw) >= markerHeaderPositioned && raw[0] == markerVersionPositioned:
-		m.digest = binary.BigEndian.Uint64(raw[1:markerHeader])
-		m.position = binary.BigEndian.Uint64(raw[markerHeader : markerHeader+8])
-		m.last = binary.BigEndian.Uint64(raw[markerHeader+8 : markerHeaderPositioned])
-		raw = raw[markerHeaderPositioned:]
-	default:
-		return marker{}, fmt.Errorf("%w: unknown version", ErrBadMarker)
+	if len(raw) < markerHeader {
+		return relay.Committed{}, fmt.Errorf("%w: shorter than its header", ErrBadMarker)
 	}
-	var prev int64
-	for len(raw) > 0 {
-		d, w := binary.Varint(raw)
+	c := relay.Committed{Digest: binary.BigEndian.Uint64(raw[1:markerHeader])}
+	version, body := raw[0], raw[markerHeader:]
+	bad := func(what string) (relay.Committed, error) {
+		return relay.Committed{}, fmt.Errorf("%w: version %d: %s", ErrBadMarker, version, what)
+	}
+	switch version {
+	case markerList2, markerPositioned:
+		if version == markerPositioned {
+			if len(raw) < markerHeaderPositioned {
+				return bad("shorter than its header")
+			}
+			c.Position = binary.BigEndian.Uint64(raw[markerHeader : markerHeader+8])
+			c.LastDigest = binary.BigEndian.Uint64(raw[markerHeader+8 : markerHeaderPositioned])
+			body = raw[markerHeaderPositioned:]
+		}
+		var prev int64
+		for len(body) > 0 {
+			d, w := binary.Varint(body)
+			if w <= 0 {
+				return bad(fmt.Sprintf("truncated id %d", len(c.IDs)))
+			}
+			body = body[w:]
+			if len(c.IDs) > 0 {
+				d += prev
+			}
+			c.IDs = append(c.IDs, d)
+			prev = d
+		}
+	case markerList:
+		first, w := binary.Varint(body)
 		if w <= 0 {
-			return marker{}, fmt.Errorf("%w: truncated id %d", ErrBadMarker, len(m.ids))
+			return bad("no first id")
 		}
-		raw = raw[w:]
-		if len(m.ids) > 0 {
-			d += prev
+		body = body[w:]
+		c.IDs = append(c.IDs, first)
+		for len(body) > 0 {
+			d, w := binary.Uvarint(body)
+			prev := c.IDs[len(c.IDs)-1]
+			if w <= 0 || d == 0 || d > uint64(math.MaxInt64-prev) {
+				return bad(fmt.Sprintf("bad id %d", len(c.IDs)))
+			}
+			body = body[w:]
+			c.IDs = append(c.IDs, prev+int64(d))
 		}
-		m.ids = append(m.ids, d)
-		prev = d
+	case markerSpan:
+		first, w := binary.Varint(body)
+		if w <= 0 {
+			return bad("no first id")
+		}
+		body = body[w:]
+		width, w := binary.Uvarint(body)
+		if w <= 0 || width > uint64(math.MaxInt64-first) {
+			return bad("bad last id")
+		}
+		body = body[w:]
+		count, w := binary.Uvarint(body)
+		if w <= 0 || count == 0 || count-1 > width || count > math.MaxInt32 || w != len(body) {
+			return bad("bad count")
+		}
+		c.First, c.Last, c.Count = first, first+int64(width), int(count)
+	default:
+		return relay.Committed{}, fmt.Errorf("%w: unknown version %d", ErrBadMarker, version)
 	}
-	return m, nil
+	return c, nil
+}
+
+// parseMarker decodes a marker of any version; its seq is left 0.
+func parseMarker(s string) (marker, error) {
+	rec, err := decodeMarker(s)
+	return marker{rec: rec}, err
 }
 
 // ProgressGroup returns the consumer group whose committed offset records
@@ -183,14 +277,11 @@ func (t *Transactional) ProgressGroup(bucket int) string {
 }
 
 // marker is what a bucket's progress group holds: the sequence number of
-// its last committed transaction (0 for none), the row ids it carried and
-// their digest, and for a positioned batch its last message's position
-// and digest (0 otherwise).
+// its last committed transaction (0 for none) and the record of the rows
+// it carried.
 type marker struct {
-	seq            int64
-	ids            []int64
-	digest         uint64
-	position, last uint64
+	seq int64
+	rec relay.Committed
 }
 
 // readMarker reads bucket's marker from its progress group with a stable
@@ -308,7 +399,7 @@ func (t *Transactional) Reconcile(ctx context.Context, lease relay.Lease) (relay
 	if err != nil {
 		return relay.Committed{}, err
 	}
-	c := relay.Committed{IDs: p.last.ids, Digest: p.last.digest, Position: p.last.position, LastDigest: p.last.last}
+	c := p.last.rec
 	<-p.sem
 	t.bg.Done()
 	return c, nil

@@ -309,8 +309,24 @@ type Reconciler interface {
 }
 
 // Committed is a Reconciler's record of the last batch of a bucket the
-// sink committed: its messages' IDs, in the batch's order, and the
-// MessagesDigest of those messages. The zero value records nothing.
+// sink committed, in one of two forms, and the MessagesDigest of the
+// batch's messages, in the batch's order. The zero value records
+// nothing.
+//
+// A list names the batch's rows: IDs, in the batch's order. The relay
+// deletes them if every one is among the bucket's oldest rows and they
+// hold the messages of Digest.
+//
+// A span, when IDs is empty and Count positive, records a batch of
+// Count rows in ascending id order from First to Last inclusive, for a
+// sink that cannot hold the whole list (the strict-mode publisher's
+// progress marker is bounded by the broker). The relay deletes the
+// bucket's rows with ids from First to Last only if they are exactly
+// Count rows, the first First and the last Last, holding the messages
+// of Digest: a row the batch did not carry inside the span (committed
+// late by a slower transaction) deletes nothing, so the batch may be
+// published again, never lost. A batch whose last message has a
+// Position is always a list.
 //
 // Position and LastDigest are recorded for a batch whose last message has
 // a Position (WAL mode): that Position, and the MessagesDigest of the last
@@ -324,7 +340,13 @@ type Committed struct {
 	Digest     uint64
 	Position   uint64
 	LastDigest uint64
+
+	First, Last int64
+	Count       int
 }
+
+// IsZero reports whether c records nothing.
+func (c Committed) IsZero() bool { return len(c.IDs) == 0 && c.Count <= 0 }
 
 // MessagesDigest is the 64-bit FNV-1a hash of msgs' MessageIDs, in order,
 // each followed by a zero byte: what a Reconciler records of a batch so

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -21,8 +22,68 @@ var (
 // answers an ApiVersions request (see probeBrokers). It uses none of the
 // producers' connections or cached metadata, so it fails while no broker
 // answers and succeeds once one does. It works before Start and after
-// Stop, and logs nothing.
-func (k *Kafka) ProbeSink(ctx context.Context) error { return probeBrokers(ctx, k.brokers, k.sc) }
+// Stop, and logs no failure.
+//
+// When a broker answers, every producer whose publishes have failed since
+// its last acknowledgement is replaced first (ReplaceBrokersBack), and
+// ProbeSink returns once the replacements are done or ctx ends: after an
+// outage, sarama's circuit breakers of the producer's topics and
+// partitions are open and would fail its publishes for up to 10s more,
+// while a new producer publishes at once. A producer failing only on
+// unknown topics or messages refused for good is not failing.
+func (k *Kafka) ProbeSink(ctx context.Context) error {
+	if err := probeBrokers(ctx, k.brokers, k.sc); err != nil {
+		return err
+	}
+	k.replaceFailing(ctx)
+	return nil
+}
+
+// replaceFailing replaces every producer failing since its last
+// acknowledgement, and waits for the replacements or the end of ctx.
+func (k *Kafka) replaceFailing(ctx context.Context) {
+	type failing struct {
+		slot, lane int
+		failingFor time.Duration
+	}
+	now := time.Now()
+	var fs []failing
+	k.mu.Lock()
+	if !k.closed {
+		for i := range k.slots {
+			for l := range k.lanes {
+				h := &k.slots[i].lanes[l].health
+				if h.failingSince.IsZero() || h.replacing {
+					continue
+				}
+				h.replacing, h.lastReplace = true, now
+				fs = append(fs, failing{i, l, now.Sub(h.failingSince)})
+				k.retired.Add(1)
+			}
+		}
+	}
+	k.mu.Unlock()
+	if len(fs) == 0 {
+		return
+	}
+	var wg sync.WaitGroup
+	for _, f := range fs {
+		wg.Go(func() { k.replace(f.slot, f.lane, ReplaceBrokersBack, errBrokersBack, f.failingFor) })
+	}
+	done := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done(): // the replacements go on; Close waits for them
+	}
+}
+
+// errBrokersBack is the cause logged with a ReplaceBrokersBack
+// replacement.
+var errBrokersBack = errors.New("a broker answered a probe while the producer's publishes failed")
 
 // ProbeSink implements relay.SinkProber as Kafka.ProbeSink does.
 func (t *Transactional) ProbeSink(ctx context.Context) error {

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
@@ -34,7 +35,8 @@ func TestProbeSinkSeesTheBrokersGoAndReturn(t *testing.T) {
 		}
 		return nil, nil, false
 	})
-	k := newKafka(t, c)
+	obs := &replacedCounter{}
+	k := newKafka(t, c, func(cfg *publisher.KafkaConfig) { cfg.Observer = obs; cfg.Producers = 1 })
 	tx, err := publisher.NewTransactional(publisher.TransactionalConfig{Brokers: c.Brokers(), Configure: fastConfig, TransactionalIDPrefix: "probe-"})
 	require.NoError(t, err)
 	probers := map[string]relay.SinkProber{"kafka": k, "transactional": tx,
@@ -55,13 +57,51 @@ func TestProbeSinkSeesTheBrokersGoAndReturn(t *testing.T) {
 		cancel()
 	}
 	require.NoError(t, k.CheckReady(ctx), "CheckReady reads the publisher's state only")
-	_, err = k.Publish(ctx, publishertest.Messages(topic, "during", 1))
-	require.True(t, relay.IsUnavailable(err), "a publish fails as unavailable meanwhile: %v", err)
+	// Enough failed publishes to open sarama's circuit breakers.
+	for range 4 {
+		_, err = k.Publish(ctx, publishertest.Messages(topic, "during", 1))
+		require.True(t, relay.IsUnavailable(err), "a publish fails as unavailable meanwhile: %v", err)
+	}
+	require.Zero(t, k.Replacements())
 
 	down.Store(false)
 	for name, p := range probers {
 		require.NoError(t, p.ProbeSink(ctx), name)
 	}
+	// The failing producer was replaced by the probe that answered: the
+	// next publish goes through, not held back by the old producer's open
+	// breakers.
+	require.Equal(t, []string{publisher.ReplaceBrokersBack}, obs.get())
+	n, err = k.Publish(ctx, publishertest.Messages(topic, "after", 1))
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.NoError(t, k.ProbeSink(ctx))
+	require.Equal(t, int64(1), k.Replacements(), "a probe replaces only a failing producer")
+}
+
+// A topic that does not exist fails its messages, but says nothing about
+// the producer: however long it lasts, the producer is not replaced.
+func TestKafkaNoReplacementForUnknownTopic(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	if c.AutoCreatesTopics(t) {
+		t.Skip("the cluster creates topics on first use")
+	}
+	topic := c.Topic(t, 1)
+	obs := &replacedCounter{}
+	k := newKafka(t, c, func(cfg *publisher.KafkaConfig) {
+		cfg.Observer = obs
+		cfg.StallTimeout = time.Millisecond
+		cfg.Producers = 1
+	})
+	for range 5 {
+		_, err := k.Publish(testCtx(t), publishertest.Messages(topic+"-missing", "m", 1))
+		require.ErrorIs(t, err, sarama.ErrUnknownTopicOrPartition)
+	}
+	require.Zero(t, k.Replacements(), "replaced for %v", obs.get())
+	n, err := k.Publish(testCtx(t), publishertest.Messages(topic, "ok", 1))
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
 }
 
 // A probe of brokers that are not there fails within its context, names

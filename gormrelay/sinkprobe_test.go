@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -69,18 +68,9 @@ func kafkaOutage(t *testing.T, db *dbtest.DB, probe bool) recovery {
 	topic := cluster.Topic(t, 1)
 	down := newOutage(cluster.RequireFake(t))
 	k := publishertest.StartKafka(t, publisher.KafkaConfig{
-		Brokers: cluster.Brokers(),
-		Logger:  dbtest.Logger(t),
-		Configure: func(sc *sarama.Config) error {
-			sc.Producer.Retry.Max = 1
-			sc.Producer.Retry.Backoff = 10 * time.Millisecond
-			sc.Metadata.Retry.Max = 1
-			sc.Metadata.Retry.Backoff = 10 * time.Millisecond
-			sc.Net.DialTimeout = time.Second
-			sc.Net.ReadTimeout = time.Second
-			sc.Net.WriteTimeout = time.Second
-			return nil
-		},
+		Brokers:   cluster.Brokers(),
+		Logger:    dbtest.Logger(t),
+		Configure: outageSarama,
 	})
 	var pub relay.Publisher = k
 	if !probe {

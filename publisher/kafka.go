@@ -253,6 +253,7 @@ type Kafka struct {
 	retired sync.WaitGroup // replacements and retired producers closing
 
 	replacements atomic.Int64
+	probeFailed  atomic.Int64  // when ProbeSink last failed, Unix ns; see replaceFailing
 	unknown      unknownTopics // topics that failed as unknown, for classify
 	// retries counts the retries sarama started (it asks for a backoff
 	// before each one), for the order gate: see call.retriesAtStart.

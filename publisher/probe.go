@@ -24,24 +24,36 @@ var (
 // answers and succeeds once one does. It works before Start and after
 // Stop, and logs no failure.
 //
-// When a broker answers, every producer whose publishes have failed since
-// its last acknowledgement is replaced first (ReplaceBrokersBack), and
+// When a broker answers after a probe failed, every producer whose
+// publishes have failed since before that failed probe, with no
+// acknowledgement since, is replaced first (ReplaceBrokersBack), and
 // ProbeSink returns once the replacements are done or ctx ends: after an
 // outage, sarama's circuit breakers of the producer's topics and
 // partitions are open and would fail its publishes for up to 10s more,
-// while a new producer publishes at once. A producer failing only on
-// unknown topics or messages refused for good is not failing.
+// while a new producer publishes at once. A producer is so replaced once
+// per outage: failures while every probe answers (partitions without a
+// leader on brokers that are up) replace nothing here. A producer failing
+// only on unknown topics or messages refused for good is not failing.
 func (k *Kafka) ProbeSink(ctx context.Context) error {
 	if err := probeBrokers(ctx, k.brokers, k.sc); err != nil {
+		if ctx.Err() == nil {
+			k.probeFailed.Store(time.Now().UnixNano())
+		}
 		return err
 	}
 	k.replaceFailing(ctx)
 	return nil
 }
 
-// replaceFailing replaces every producer failing since its last
-// acknowledgement, and waits for the replacements or the end of ctx.
+// replaceFailing replaces every producer that has failed, without an
+// acknowledgement, since before the last failed probe, and waits for the
+// replacements or the end of ctx.
 func (k *Kafka) replaceFailing(ctx context.Context) {
+	last := k.probeFailed.Load()
+	if last == 0 {
+		return
+	}
+	down := time.Unix(0, last)
 	type failing struct {
 		slot, lane int
 		failingFor time.Duration
@@ -53,7 +65,7 @@ func (k *Kafka) replaceFailing(ctx context.Context) {
 		for i := range k.slots {
 			for l := range k.lanes {
 				h := &k.slots[i].lanes[l].health
-				if h.failingSince.IsZero() || h.replacing {
+				if h.failingSince.IsZero() || h.failingSince.After(down) || h.replacing {
 					continue
 				}
 				h.replacing, h.lastReplace = true, now

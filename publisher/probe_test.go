@@ -10,6 +10,7 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
@@ -51,17 +52,17 @@ func TestProbeSinkSeesTheBrokersGoAndReturn(t *testing.T) {
 	}
 
 	down.Store(true)
+	// Enough failed publishes to open sarama's circuit breakers.
+	for range 4 {
+		_, err = k.Publish(ctx, publishertest.Messages(topic, "during", 1))
+		require.True(t, relay.IsUnavailable(err), "a publish fails as unavailable meanwhile: %v", err)
+	}
 	for name, p := range probers {
 		pctx, cancel := context.WithTimeout(ctx, time.Second)
 		require.Error(t, p.ProbeSink(pctx), name)
 		cancel()
 	}
 	require.NoError(t, k.CheckReady(ctx), "CheckReady reads the publisher's state only")
-	// Enough failed publishes to open sarama's circuit breakers.
-	for range 4 {
-		_, err = k.Publish(ctx, publishertest.Messages(topic, "during", 1))
-		require.True(t, relay.IsUnavailable(err), "a publish fails as unavailable meanwhile: %v", err)
-	}
 	require.Zero(t, k.Replacements())
 
 	down.Store(false)
@@ -77,6 +78,32 @@ func TestProbeSinkSeesTheBrokersGoAndReturn(t *testing.T) {
 	require.Equal(t, 1, n)
 	require.NoError(t, k.ProbeSink(ctx))
 	require.Equal(t, int64(1), k.Replacements(), "a probe replaces only a failing producer")
+}
+
+// A producer that fails while the brokers answer every probe (here the
+// cluster refuses its produce requests with NOT_LEADER_FOR_PARTITION) is
+// not replaced by the probes: only one that failed through an outage is.
+func TestProbeSinkKeepsAProducerFailingWhileBrokersAnswer(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	fake := c.RequireFake(t)
+	topic := c.Topic(t, 1)
+	wedge(fake, kerr.NotLeaderForPartition)
+	k := newKafka(t, c, func(cfg *publisher.KafkaConfig) {
+		cfg.Producers = 1
+		cfg.Configure = func(sc *sarama.Config) error {
+			_ = fastConfig(sc)
+			sc.Producer.Retry.Max = 1
+			return nil
+		}
+	})
+	ctx := testCtx(t)
+	for range 3 {
+		_, err := k.Publish(ctx, publishertest.Messages(topic, "m", 1))
+		require.True(t, relay.IsUnavailable(err), "%v", err)
+		require.NoError(t, k.ProbeSink(ctx))
+	}
+	require.Zero(t, k.Replacements())
 }
 
 // A topic that does not exist fails its messages, but says nothing about

@@ -91,9 +91,9 @@ func (e *engine) run(ctx context.Context, stopping <-chan struct{}) error {
 		e.sched.close()
 		waitPool()
 	}()
-	// Discovery and the store's and the sink's probes run beside the loop, so that hints
-	// are taken while the store looks for pending rows; deferred last,
-	// they end first (a probe is cancelled).
+	// Discovery and the probes of the store and the sink run beside the
+	// loop, so that hints are taken while the store looks for pending
+	// rows; deferred last, they end first (a probe is cancelled).
 	l := &loop{discovered: make(chan error, 1), probed: make(chan error, 1),
 		timer: time.NewTimer(time.Hour), hintsC: e.caps.hints.Ready()}
 	l.sink.probed = make(chan error, 1)

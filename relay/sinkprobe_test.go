@@ -99,6 +99,26 @@ func TestSinkProbeEndsTheBackoffWhenTheSinkAnswers(t *testing.T) {
 	})
 }
 
+// publishesAtBackoffMax runs a relay whose publisher fails for good from
+// the start, waits until bucket 1's backoff reached BackoffMax (10ms
+// doubled to 4s within about 5s of failures), and returns the publishes
+// and probes of the next window.
+func publishesAtBackoffMax(t *testing.T, pub *probedSink, window time.Duration) (publishes, probes []time.Time) {
+	s := newFakeStore(8)
+	r := start(t, s, pub, probeConfig())
+	synctest.Wait()
+	pub.set(true)
+	s.add(1, 1)
+	time.Sleep(10 * time.Second)
+	from := time.Now()
+	time.Sleep(window)
+	publishes = since(&pub.mu, &pub.publishes, from)
+	probes = since(&pub.mu, &pub.probes, from)
+	pub.set(false)
+	stop(t, r)
+	return publishes, probes
+}
+
 // A publish that fails as unavailable while the probe answers (a failure
 // the probe cannot see: a partition without a leader on a broker that is
 // up) keeps its plain backoff: once the backoff reached BackoffMax,
@@ -107,25 +127,12 @@ func TestSinkProbeEndsTheBackoffWhenTheSinkAnswers(t *testing.T) {
 func TestSinkProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		s := newFakeStore(8)
-		pub := &probedSink{fail: errBrokerDown, probesOK: true}
-		cfg := probeConfig()
-		r := start(t, s, pub, cfg)
-		synctest.Wait()
-
-		pub.set(true)
-		s.add(1, 1)
-		time.Sleep(10 * time.Second) // the backoff reaches BackoffMax
-		from := time.Now()
 		const window = 10 * time.Second
-		time.Sleep(window)
-		publishes := since(&pub.mu, &pub.publishes, from)
+		publishes, probes := publishesAtBackoffMax(t, &probedSink{fail: errBrokerDown, probesOK: true}, window)
 		require.NotEmpty(t, publishes)
-		require.LessOrEqual(t, len(publishes), int(window/(cfg.BackoffMax/2))+2,
+		require.LessOrEqual(t, len(publishes), int(window/(probeConfig().BackoffMax/2))+2,
 			"publishes at least BackoffMax/2 apart, bar one early retry: %v", publishes)
-		require.NotEmpty(t, since(&pub.mu, &pub.probes, from), "the sink was probed meanwhile")
-		pub.set(false)
-		stop(t, r)
+		require.NotEmpty(t, probes, "the sink was probed meanwhile")
 	})
 }
 
@@ -135,28 +142,15 @@ func TestSinkProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee(t *testing.T) {
 func TestSinkProbeIgnoresFailuresAboutTheMessage(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		s := newFakeStore(8)
-		pub := &probedSink{fail: relay.Permanent(errors.New("record too large"))}
-		cfg := probeConfig()
-		r := start(t, s, pub, cfg)
-		synctest.Wait()
-
-		pub.set(true)
-		s.add(1, 1)
-		time.Sleep(10 * time.Second)
-		from := time.Now()
 		const window = 10 * time.Second
-		time.Sleep(window)
-		publishes := since(&pub.mu, &pub.publishes, from)
+		pub := &probedSink{fail: relay.Permanent(errors.New("record too large"))}
+		publishes, _ := publishesAtBackoffMax(t, pub, window)
 		require.NotEmpty(t, publishes)
-		require.LessOrEqual(t, len(publishes), int(window/(cfg.BackoffMax/2))+1,
+		require.LessOrEqual(t, len(publishes), int(window/(probeConfig().BackoffMax/2))+1,
 			"publishes at least BackoffMax/2 apart: %v", publishes)
 		pub.mu.Lock()
-		probes := len(pub.probes)
-		pub.mu.Unlock()
-		require.Zero(t, probes, "no probe for a failure about the message")
-		pub.set(false)
-		stop(t, r)
+		defer pub.mu.Unlock()
+		require.Empty(t, pub.probes, "no probe for a failure about the message")
 	})
 }
 

@@ -2,11 +2,13 @@ package gormrelay_test
 
 import (
 	"os"
+	"os/exec"
 	"slices"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -141,5 +143,85 @@ func TestMeasureKafkaReturn(t *testing.T) {
 		return ds[len(ds)/2]
 	}
 	t.Logf("from the brokers answering again to the first publish: without the probe %v (median %s), with it %v (median %s)",
+		without, median(without).Round(time.Millisecond), with, median(with).Round(time.Millisecond))
+}
+
+// TestMeasureKafkaNodeReturn measures, when OUTBOX_MEASURE_KAFKA_NODE is
+// set, the same as TestMeasureKafkaReturn against the one-node Apache
+// Kafka of scripts/kafka.sh (KAFKA_BROKERS, OUTBOX_KAFKA_DIR and
+// OUTBOX_KAFKA_PORT set for it), which it kills and starts again, with the
+// relay's default backoff (500ms doubling to 30s): the node is started
+// once seven publishes failed, the time is taken from the first
+// ApiVersions answer of the restarted node.
+func TestMeasureKafkaNodeReturn(t *testing.T) {
+	if os.Getenv("OUTBOX_MEASURE_KAFKA_NODE") == "" || os.Getenv(kafkatest.EnvBrokers) == "" {
+		t.Skip("set OUTBOX_MEASURE_KAFKA_NODE=1 and KAFKA_BROKERS to measure")
+	}
+	script := func(args ...string) {
+		out, err := exec.Command("../scripts/kafka.sh", args...).CombinedOutput()
+		require.NoError(t, err, "kafka.sh %v: %s", args, out)
+	}
+	answers := func(addr string) bool {
+		b := sarama.NewBroker(addr)
+		if b.Open(nil) != nil {
+			return false
+		}
+		defer func() { _ = b.Close() }()
+		_, err := b.ApiVersions(&sarama.ApiVersionsRequest{})
+		return err == nil
+	}
+	var without, with []time.Duration
+	for i := range 6 {
+		probe := i%2 == 1
+		t.Run(map[bool]string{false: "without", true: "with"}[probe], func(t *testing.T) {
+			b := newStoreBundle(t, dbtest.Open(t, dbtest.SQLite), outbox.Config{})
+			cluster := kafkatest.Start(t)
+			topic := cluster.Topic(t, 1)
+			k := publishertest.StartKafka(t, publisher.KafkaConfig{Brokers: cluster.Brokers(), Logger: dbtest.Logger(t)})
+			var pub relay.Publisher = k
+			if !probe {
+				pub = relay.PublisherFunc(k.Publish)
+			}
+			times := &outageTimes{}
+			cfg := b.relayConfig(t, "node")
+			cfg.BackoffMin, cfg.BackoffMax = relay.BackoffMinDefault, relay.BackoffMaxDefault
+			cfg.Observer = times
+			startRelay(t, b.store, pub, cfg)
+			b.insert(t, outbox.MessageRow{Topic: topic, Key: []byte("k"), Value: []byte("before")})
+			b.requireDrained(t)
+
+			script("kill", "1")
+			b.insert(t, outbox.MessageRow{Topic: topic, Key: []byte("k"), Value: []byte("during")})
+			require.EventuallyWithT(t, func(c *assert.CollectT) {
+				failed, _ := times.get()
+				assert.GreaterOrEqual(c, len(failed), 7)
+			}, 5*time.Minute, 10*time.Millisecond)
+			script("start-node", "1")
+			require.Eventually(t, func() bool { return answers(cluster.Brokers()[0]) }, 2*time.Minute, 20*time.Millisecond)
+			back := time.Now()
+			b.requireDrained(t)
+			_, ok := times.get()
+			var first time.Time
+			for _, at := range ok {
+				if at.After(back) {
+					first = at
+					break
+				}
+			}
+			require.False(t, first.IsZero())
+			d := first.Sub(back)
+			t.Logf("first publish %s after the node answered", d.Round(time.Millisecond))
+			if probe {
+				with = append(with, d)
+			} else {
+				without = append(without, d)
+			}
+		})
+	}
+	median := func(ds []time.Duration) time.Duration {
+		slices.Sort(ds)
+		return ds[len(ds)/2]
+	}
+	t.Logf("from the node answering again to the first publish: without the probe %v (median %s), with it %v (median %s)",
 		without, median(without).Round(time.Millisecond), with, median(with).Round(time.Millisecond))
 }

@@ -626,6 +626,15 @@ func (p publisherOnly) CheckReady(ctx context.Context) error {
 	return nil
 }
 
+// ProbeSink forwards the publisher's relay.SinkProber; without one the
+// probe fails, and the engine sleeps its backoffs out.
+func (p publisherOnly) ProbeSink(ctx context.Context) error {
+	if sp, ok := p.pub.(relay.SinkProber); ok {
+		return sp.ProbeSink(ctx)
+	}
+	return errors.New("pgwal: the publisher cannot probe its sink")
+}
+
 // announce hands the term's leases to the publisher, renewing the slot's
 // lease meanwhile: the strict-mode publisher fences the previous owners
 // here, which can take longer than LeaseDuration on a recovering

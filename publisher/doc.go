@@ -334,7 +334,13 @@
 // replaces it (only the one of its producers concerned) with a new
 // producer (a new producer id): at once when the
 // brokers refuse its state, and after KafkaConfig.StallTimeout (default
-// 30s) of publishes that all failed without one acknowledgement. The new
+// 30s) of publishes that all failed without one acknowledgement
+// (failures on an unknown topic, or of messages refused for good, are
+// about the message and do not count), and, through ProbeSink
+// (relay.SinkProber), when a broker answers again after a failed probe
+// while the producer's publishes had been failing since before it
+// (ReplaceBrokersBack): sarama's circuit breakers, opened by the outage,
+// would fail its next publishes for up to 10s more. The new
 // producer serves the next Publish; the old one is closed once the
 // messages it holds have their results. Replacements are at least 1s
 // apart, doubling while they do not help, are logged at Warn, counted by

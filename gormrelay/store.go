@@ -490,17 +490,43 @@ func (s *Store) liveRelays(db *gorm.DB, now, dur int64) (int, error) {
 	return max(live, 1), nil
 }
 
-// checkBuckets fails when rows or leases exist outside 0..BucketCount-1:
-// a writer or another relay uses a larger BucketCount, and those rows
-// would never be published. Both probes are one index seek.
+// checkBuckets fails when messages exist outside 0..BucketCount-1 (a
+// writer uses a larger BucketCount, and those rows would never be
+// published) or when the lease table defines another BucketCount
+// (checkLeaseBuckets). Both probes are one index seek.
 func (s *Store) checkBuckets(db *gorm.DB) error {
 	if err := s.checkMessageBuckets(db); err != nil {
 		return err
 	}
-	return s.checkTableBuckets(db, s.leases, func(bucket int32) string {
-		return fmt.Sprintf("table %s has a lease for bucket %d, outside 0..%d: another relay uses a BucketCount of at least %d, this one %d; changing it requires draining the outbox and deleting the lease rows",
-			s.tables.LeasesTable(), bucket, s.buckets-1, bucket+1, s.buckets)
-	})
+	return s.checkLeaseBuckets(db)
+}
+
+// checkLeaseBuckets fails unless the lease table is empty or defines this
+// store's BucketCount: the first relay of an outbox creates the rows of
+// buckets 0..BucketCount-1 (createLeaseRows), so the highest bucket with
+// a row, plus one, is the count the running relays use. A relay with
+// another count fails here before it writes anything (no heartbeat, no
+// lease row), in either direction: with a larger count it would create
+// rows that stop the relays already running, with a smaller one it would
+// leave their higher buckets without an owner.
+func (s *Store) checkLeaseBuckets(db *gorm.DB) error {
+	var top []int32
+	if err := db.Raw("SELECT bucket FROM " + s.leases + " ORDER BY bucket DESC LIMIT 1").Scan(&top).Error; err != nil {
+		return err
+	}
+	if len(top) == 0 || int(top[0]) == s.buckets-1 {
+		return nil
+	}
+	return s.leaseCountMismatch(int(top[0]) + 1)
+}
+
+// leaseCountMismatch is the misconfiguration of a lease table whose rows
+// define have buckets while this store uses another BucketCount.
+func (s *Store) leaseCountMismatch(have int) error {
+	return &relay.MisconfigurationError{Setting: "BucketCount", Reason: fmt.Sprintf(
+		"table %s defines %d buckets (rows up to bucket %d), this relay's BucketCount is %d: every relay and writer of an outbox must use the count its lease table defines; "+
+			"to change the count, stop every relay and follow \"Changing BucketCount\" in docs/operations.md (the lease rows are deleted while no relay runs)",
+		s.tables.LeasesTable(), have, have-1, s.buckets)}
 }
 
 // checkMessageBuckets fails when messages exist outside 0..BucketCount-1
@@ -538,16 +564,35 @@ func (s *Store) checkTableBuckets(db *gorm.DB, table string, reason func(bucket 
 	return &relay.MisconfigurationError{Setting: "BucketCount", Reason: reason(found[0])}
 }
 
-// leaseRows reads every lease row, creating the missing ones first.
+// leaseRows reads every lease row, creating the missing ones first: all
+// of them in an empty table (createLeaseRows), otherwise those missing
+// below the highest one. It fails like checkLeaseBuckets when the rows
+// define another BucketCount.
 func (s *Store) leaseRows(db *gorm.DB) ([]outbox.LeaseRow, error) {
 	read := func() ([]outbox.LeaseRow, error) {
 		var rows []outbox.LeaseRow
 		err := db.Raw("SELECT bucket, owner, term, expires_at_ms, paused FROM " + s.leases + " ORDER BY bucket").Scan(&rows).Error
+		if err == nil && len(rows) > 0 && int(rows[len(rows)-1].Bucket) != s.buckets-1 {
+			err = s.leaseCountMismatch(int(rows[len(rows)-1].Bucket) + 1)
+		}
 		return rows, err
 	}
 	rows, err := read()
 	if err != nil || len(rows) == s.buckets {
 		return rows, err
+	}
+	if len(rows) == 0 {
+		if err := s.createLeaseRows(db); err != nil {
+			// Another relay created them first, or is creating them:
+			// what it committed decides (a mismatch if its count is
+			// another).
+			rows, rerr := read()
+			if rerr != nil || len(rows) > 0 {
+				return rows, rerr
+			}
+			return nil, err
+		}
+		return read()
 	}
 	have := make(map[int32]bool, len(rows))
 	for _, r := range rows {
@@ -566,6 +611,28 @@ func (s *Store) leaseRows(db *gorm.DB) ([]outbox.LeaseRow, error) {
 		return nil, err
 	}
 	return read()
+}
+
+// createLeaseRows creates the lease rows of buckets 0..BucketCount-1 in
+// an empty lease table, in one transaction, with plain inserts: when
+// relays with different counts start together on an empty table, the
+// first to commit defines the count and the others' inserts fail on its
+// rows (their transactions then create nothing), rather than the largest
+// count's rows being added to the smallest's.
+func (s *Store) createLeaseRows(db *gorm.DB) error {
+	return createLeaseRows(db, s.tables.LeasesTable(), s.buckets)
+}
+
+// createLeaseRows creates the rows of buckets 0..n-1 in table, all or
+// none.
+func createLeaseRows(db *gorm.DB, table string, n int) error {
+	rows := make([]outbox.LeaseRow, n)
+	for b := range rows {
+		rows[b].Bucket = int32(b)
+	}
+	return db.Transaction(func(tx *gorm.DB) error {
+		return tx.Table(table).CreateInBatches(rows, storeChunk).Error
+	})
 }
 
 // leaseGuard appends "(bucket = ? AND term = ?) OR ..." for leases.

@@ -552,7 +552,7 @@ func (s *Store) lockLease(tx *gorm.DB, relayID string, lease relay.Lease) error 
 		return err
 	}
 	if len(terms) == 0 {
-		return fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+		return s.lostLease(tx, relayID, lease)
 	}
 	return nil
 }

@@ -1073,9 +1073,55 @@ func (s *Store) checkLease(db *gorm.DB, relayID string, lease relay.Lease) error
 		return err
 	}
 	if n == 0 {
-		return fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+		return s.lostLease(db, relayID, lease)
 	}
 	return nil
+}
+
+// lostLease is the error of a lease-guarded operation that found lease no
+// longer held by relayID: ErrLeaseLost, and ErrLeaseRevoked too when the
+// row still names relayID, unexpired, under a later term. Only the admin
+// API advances a term without claiming the row (Admin.advanceTerm); a
+// claim, by this relay or another, needs the lease expired or free.
+func (s *Store) lostLease(db *gorm.DB, relayID string, lease relay.Lease) error {
+	revoked, err := s.revokedLeases(db, relayID, []relay.Lease{lease})
+	if err == nil && len(revoked) == 1 {
+		return fmt.Errorf("%w: %w: bucket %d term %d: the term is now %d", relay.ErrLeaseLost, relay.ErrLeaseRevoked, lease.Bucket, lease.Term, revoked[0].Term)
+	}
+	return fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+}
+
+var _ relay.RevocationChecker = (*Store)(nil)
+
+// RevokedLeases implements relay.RevocationChecker: those of lost whose
+// row names relayID, unexpired, under a later term, each with that term.
+func (s *Store) RevokedLeases(ctx context.Context, relayID string, lost []relay.Lease) ([]relay.Lease, error) {
+	db, ctx, cancel := s.op(ctx, "check revoked leases")
+	defer cancel()
+	out, err := s.revokedLeases(db, relayID, lost)
+	if err != nil {
+		return nil, s.fail(ctx, "check revoked leases", err)
+	}
+	return out, nil
+}
+
+func (s *Store) revokedLeases(db *gorm.DB, relayID string, lost []relay.Lease) ([]relay.Lease, error) {
+	var out []relay.Lease
+	for chunk := range slices.Chunk(lost, probeChunk) {
+		var rows []outbox.LeaseRow
+		if err := db.Raw("SELECT bucket, term FROM "+s.leases+" WHERE owner = ? AND expires_at_ms > ? AND bucket IN ?",
+			relayID, nowMs(), buckets(chunk)).Scan(&rows).Error; err != nil {
+			return nil, err
+		}
+		for _, r := range rows {
+			for _, l := range chunk {
+				if l.Bucket == int(r.Bucket) && r.Term > l.Term {
+					out = append(out, relay.Lease{Bucket: l.Bucket, Term: r.Term})
+				}
+			}
+		}
+	}
+	return out, nil
 }
 
 // MarkPublished implements relay.Store: it deletes msgs by id, in the same

@@ -160,6 +160,18 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 		}
 		next[l.Bucket] = l.Term
 	}
+	// A held bucket the acquisition did not return was given up (fair
+	// share, pause) or lost; its renewal there may have met a term an
+	// operator advanced meanwhile: ask the store.
+	k.mu.Lock()
+	var gone []Lease
+	for b, hl := range k.held {
+		if _, ok := next[b]; !ok {
+			gone = append(gone, hl.Lease)
+		}
+	}
+	k.mu.Unlock()
+	revokedGone := k.revoked(ctx, gone, nil)
 	var gained, released, revoked []int
 	k.mu.Lock()
 	for b, hl := range k.held {
@@ -172,6 +184,9 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 			// than the one it trusted: the term was advanced under it (an
 			// operator's requeue, purge or discard), not taken over.
 			hl.cancel(fmt.Errorf("%w: %w: bucket %d term %d, now %d", ErrLeaseLost, ErrLeaseRevoked, b, hl.Term, t))
+			revoked = append(revoked, b)
+		case !ok && revokedGone[b]:
+			hl.cancel(fmt.Errorf("%w: %w: bucket %d term %d (found at acquisition)", ErrLeaseLost, ErrLeaseRevoked, b, hl.Term))
 			revoked = append(revoked, b)
 		default:
 			hl.cancel(errReleased)

@@ -259,7 +259,8 @@ type BatchSkipper interface {
 
 // RevocationChecker is implemented by a store whose operator tools revoke
 // leases (the GORM store's admin API advances a bucket's lease term). The
-// relay calls it with the leases a renewal no longer found held, to tell
+// relay calls it with the leases a renewal or an acquisition no longer
+// found held (an acquisition's renewal is guarded by the term too), to tell
 // an operator's revocation from an expiry or a takeover in its log and
 // its Observer (RevocationObserver). It returns those of lost whose row
 // still names relayID, unexpired, under a later term. An error is logged

@@ -624,13 +624,15 @@ func (s *Store) createLeaseRows(db *gorm.DB) error {
 }
 
 // createLeaseRows creates the rows of buckets 0..n-1 in table, all or
-// none.
+// none. Its failure is not logged: relays starting together on an empty
+// table expect the duplicate keys of all but the first, and the caller
+// reads the table again.
 func createLeaseRows(db *gorm.DB, table string, n int) error {
 	rows := make([]outbox.LeaseRow, n)
 	for b := range rows {
 		rows[b].Bucket = int32(b)
 	}
-	return db.Transaction(func(tx *gorm.DB) error {
+	return db.Session(&gorm.Session{Logger: logger.Discard}).Transaction(func(tx *gorm.DB) error {
 		return tx.Table(table).CreateInBatches(rows, storeChunk).Error
 	})
 }

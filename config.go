@@ -78,8 +78,11 @@ type Config struct {
 	// BucketCount is the number of ordering buckets, 1 to 4096. Default 8.
 	// Every writer and every relay sharing the tables must use the same
 	// value: a writer with a larger count writes rows into buckets no relay
-	// owns, which the relay reports as a misconfiguration and stops.
-	// Changing it requires draining the table and deleting the lease rows.
+	// owns, which the relay reports as a misconfiguration and stops. The
+	// first relay records the count in the lease table (one row per
+	// bucket); a relay with another count is refused. Changing it requires
+	// stopping the relays, draining the table and deleting the lease rows
+	// (docs/operations.md, "Changing BucketCount").
 	BucketCount int
 	// MaxMessageBytes is the largest message, counted by Limits.Size (by
 	// default Message.Size, as the Kafka producer counts the record it

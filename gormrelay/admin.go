@@ -229,7 +229,10 @@ func (a *Admin) Status(ctx context.Context) (Status, error) {
 	for _, l := range leases {
 		if inRange(l.Bucket) {
 			st.Buckets[l.Bucket].Lease = l
+		} else {
+			st.LeasesBeyond = append(st.LeasesBeyond, l)
 		}
+		st.LeaseBuckets = max(st.LeaseBuckets, l.Bucket+1)
 		if l.Held {
 			held[l.Owner]++
 		}
@@ -691,8 +694,27 @@ func (a *Admin) advanceTerm(tx *gorm.DB, bucket int) error {
 	return tx.Exec("UPDATE "+a.quote(a.cfg.Tables.LeasesTable())+" SET term = term + 1 WHERE bucket = ?", bucket).Error
 }
 
+// ensureLease creates the bucket's lease row if missing. In an empty lease
+// table it creates the rows of every bucket of the configured BucketCount,
+// as the first relay does, so that the table defines the count; a bucket
+// beyond the rows the table has is refused, since its row would stop the
+// running relays (see Store.checkLeaseBuckets).
 func (a *Admin) ensureLease(tx *gorm.DB, bucket int) error {
-	return tx.Table(a.cfg.Tables.LeasesTable()).Clauses(clause.OnConflict{DoNothing: true}).
+	table := a.cfg.Tables.LeasesTable()
+	var top []int32
+	if err := tx.Raw("SELECT bucket FROM " + a.quote(table) + " ORDER BY bucket DESC LIMIT 1").Scan(&top).Error; err != nil {
+		return err
+	}
+	switch {
+	case len(top) == 0:
+		if createLeaseRows(tx, table, a.cfg.BucketCount) == nil {
+			return nil
+		}
+		// A relay created them meanwhile: its rows count.
+	case bucket > int(top[0]):
+		return fmt.Errorf("%w: bucket %d outside 0..%d, the buckets table %s defines (the relays' BucketCount is %d)", ErrInvalidRequest, bucket, top[0], table, top[0]+1)
+	}
+	return tx.Table(table).Clauses(clause.OnConflict{DoNothing: true}).
 		Create(&outbox.LeaseRow{Bucket: int32(bucket)}).Error
 }
 

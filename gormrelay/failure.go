@@ -3,12 +3,15 @@ package gormrelay
 import (
 	"context"
 	"database/sql"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
 	"strings"
 	"sync"
+	"unicode"
+	"unicode/utf8"
 
 	"gorm.io/gorm"
 
@@ -258,10 +261,12 @@ func (p *FailurePolicy) FilterBatch(ctx context.Context, relayID string, lease r
 		return msgs, err
 	}
 	var park []int64
+	var parked []relay.Message
 	keep := msgs[:0:0]
 	for _, m := range msgs {
 		if _, q := keys[string(m.Key)]; q && m.Key != nil {
 			park = append(park, m.ID)
+			parked = append(parked, m)
 			continue
 		}
 		keep = append(keep, m)
@@ -272,8 +277,58 @@ func (p *FailurePolicy) FilterBatch(ctx context.Context, relayID string, lease r
 	if _, err := p.move(ctx, "park messages", relayID, lease, park, DeadLetterParked, nil); err != nil {
 		return nil, err
 	}
-	p.log.Info("outbox: messages parked behind a dead letter of their key", "bucket", lease.Bucket, "parked", len(park))
+	p.log.Info("outbox: messages parked behind a dead letter of their key", parkedAttrs(lease.Bucket, parked)...)
 	return keep, nil
+}
+
+// parkLogLimit bounds the ids and keys the line of a park names; the
+// line counts the ones left out.
+const parkLogLimit = 20
+
+// parkedAttrs are the attributes of the log line of a park: the bucket,
+// how many were parked, the first parkLogLimit of their dead-letter ids
+// (outboxctl dead-letters show ID) and message ids, their distinct keys
+// (up to parkLogLimit; a key that is not printable text as base64:...),
+// and how many ids and keys were left out.
+func parkedAttrs(bucket int, parked []relay.Message) []any {
+	n := min(len(parked), parkLogLimit)
+	ids := make([]int64, n)
+	messageIDs := make([]string, n)
+	for i, m := range parked[:n] {
+		ids[i], messageIDs[i] = m.ID, m.MessageID
+	}
+	var keys []string
+	seen := map[string]bool{}
+	keysOmitted := 0
+	for _, m := range parked {
+		if seen[string(m.Key)] {
+			continue
+		}
+		seen[string(m.Key)] = true
+		if len(keys) == parkLogLimit {
+			keysOmitted++
+			continue
+		}
+		keys = append(keys, keyText(m.Key))
+	}
+	attrs := []any{"bucket", bucket, "parked", len(parked), "ids", ids, "message_ids", messageIDs, "keys", keys}
+	if omitted := len(parked) - n; omitted > 0 {
+		attrs = append(attrs, "ids_omitted", omitted)
+	}
+	if keysOmitted > 0 {
+		attrs = append(attrs, "keys_omitted", keysOmitted)
+	}
+	return attrs
+}
+
+// keyText is a message key for a log line: the key itself when it is
+// printable UTF-8, else base64:... of its bytes.
+func keyText(key []byte) string {
+	s := string(key)
+	if utf8.ValidString(s) && !strings.ContainsFunc(s, func(r rune) bool { return !unicode.IsPrint(r) }) {
+		return s
+	}
+	return "base64:" + base64.StdEncoding.EncodeToString(key)
 }
 
 // quarantined returns the quarantined keys of lease's bucket, reading
@@ -497,7 +552,7 @@ func (s *Store) lockLease(tx *gorm.DB, relayID string, lease relay.Lease) error 
 		return err
 	}
 	if len(terms) == 0 {
-		return fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+		return s.lostLease(tx, relayID, lease)
 	}
 	return nil
 }

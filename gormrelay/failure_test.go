@@ -3,6 +3,7 @@ package gormrelay_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"slices"
 	"strconv"
 	"strings"
@@ -535,4 +536,76 @@ func ExampleNewFailurePolicy() {
 		panic(err)
 	}
 	_ = r.Start(context.Background())
+}
+
+// The line of a park names the parked messages: their dead-letter ids
+// and message ids (the first 20, counting the rest) and their keys (a
+// binary key as base64), so an operator can find them.
+func TestFailurePolicyParkLogNamesMessages(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		const binary = "\xff\x00"
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
+		rows := keyed([]string{"k", binary, "j"}, 25)
+		for i := range rows {
+			rows[i].MessageID = strings.ReplaceAll(rows[i].MessageID, binary, "bin")
+		}
+		b.insert(t, rows...)
+		logger, records := dbtest.WatchLog(t, "outbox: messages parked behind a dead letter of their key")
+		policy, err := gormrelay.NewFailurePolicy(b.store, gormrelay.FailurePolicyConfig{Logger: logger})
+		require.NoError(t, err)
+		pois := newPoison(relay.Permanent(errors.New("rejected")), "k/0", binary+"/0")
+		rec := newRecorder()
+		cfg := b.relayConfig(t, "a")
+		cfg.BatchSize = 100
+		cfg.FailureHandler = policy
+		startRelay(t, b.store, rec.publisher("a", pois.hook), cfg)
+		b.requireDrained(t)
+
+		parked := map[int64]outbox.DeadLetterRow{}
+		for _, d := range b.deadRows(t) {
+			if d.State == "parked" {
+				parked[d.ID] = d
+			}
+		}
+		require.Len(t, parked, 48)
+		logged, omitted := map[int64]bool{}, 0
+		keys := map[string]bool{}
+		for len(logged)+omitted < len(parked) {
+			var r slog.Record
+			select {
+			case r = <-records:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("park lines name %d and omit %d of %d parked messages", len(logged), omitted, len(parked))
+			}
+			attr := func(key string) slog.Value {
+				v, ok := dbtest.Attr(r, key)
+				require.True(t, ok, "attribute %s", key)
+				return v
+			}
+			n := int(attr("parked").Int64())
+			ids := attr("ids").Any().([]int64)
+			messageIDs := attr("message_ids").Any().([]string)
+			require.Len(t, ids, min(n, 20))
+			require.Len(t, messageIDs, len(ids))
+			if n > 20 {
+				require.EqualValues(t, n-20, attr("ids_omitted").Int64())
+				omitted += n - 20
+			} else {
+				_, ok := dbtest.Attr(r, "ids_omitted")
+				require.False(t, ok)
+			}
+			for i, id := range ids {
+				d, ok := parked[id]
+				require.True(t, ok, "id %d is a parked dead letter", id)
+				require.Equal(t, d.MessageID, messageIDs[i])
+				require.False(t, logged[id], "id %d logged twice", id)
+				logged[id] = true
+			}
+			for _, k := range attr("keys").Any().([]string) {
+				keys[k] = true
+			}
+		}
+		require.Equal(t, map[string]bool{"k": true, "base64:/wA=": true}, keys)
+	})
 }

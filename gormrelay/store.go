@@ -490,17 +490,43 @@ func (s *Store) liveRelays(db *gorm.DB, now, dur int64) (int, error) {
 	return max(live, 1), nil
 }
 
-// checkBuckets fails when rows or leases exist outside 0..BucketCount-1:
-// a writer or another relay uses a larger BucketCount, and those rows
-// would never be published. Both probes are one index seek.
+// checkBuckets fails when messages exist outside 0..BucketCount-1 (a
+// writer uses a larger BucketCount, and those rows would never be
+// published) or when the lease table defines another BucketCount
+// (checkLeaseBuckets). Both probes are one index seek.
 func (s *Store) checkBuckets(db *gorm.DB) error {
 	if err := s.checkMessageBuckets(db); err != nil {
 		return err
 	}
-	return s.checkTableBuckets(db, s.leases, func(bucket int32) string {
-		return fmt.Sprintf("table %s has a lease for bucket %d, outside 0..%d: another relay uses a BucketCount of at least %d, this one %d; changing it requires draining the outbox and deleting the lease rows",
-			s.tables.LeasesTable(), bucket, s.buckets-1, bucket+1, s.buckets)
-	})
+	return s.checkLeaseBuckets(db)
+}
+
+// checkLeaseBuckets fails unless the lease table is empty or defines this
+// store's BucketCount: the first relay of an outbox creates the rows of
+// buckets 0..BucketCount-1 (createLeaseRows), so the highest bucket with
+// a row, plus one, is the count the running relays use. A relay with
+// another count fails here before it writes anything (no heartbeat, no
+// lease row), in either direction: with a larger count it would create
+// rows that stop the relays already running, with a smaller one it would
+// leave their higher buckets without an owner.
+func (s *Store) checkLeaseBuckets(db *gorm.DB) error {
+	var top []int32
+	if err := db.Raw("SELECT bucket FROM " + s.leases + " ORDER BY bucket DESC LIMIT 1").Scan(&top).Error; err != nil {
+		return err
+	}
+	if len(top) == 0 || int(top[0]) == s.buckets-1 {
+		return nil
+	}
+	return s.leaseCountMismatch(int(top[0]) + 1)
+}
+
+// leaseCountMismatch is the misconfiguration of a lease table whose rows
+// define have buckets while this store uses another BucketCount.
+func (s *Store) leaseCountMismatch(have int) error {
+	return &relay.MisconfigurationError{Setting: "BucketCount", Reason: fmt.Sprintf(
+		"table %s defines %d buckets (rows up to bucket %d), this relay's BucketCount is %d: every relay and writer of an outbox must use the count its lease table defines; "+
+			"to change the count, stop every relay and follow \"Changing BucketCount\" in docs/operations.md (the lease rows are deleted while no relay runs)",
+		s.tables.LeasesTable(), have, have-1, s.buckets)}
 }
 
 // checkMessageBuckets fails when messages exist outside 0..BucketCount-1
@@ -538,16 +564,35 @@ func (s *Store) checkTableBuckets(db *gorm.DB, table string, reason func(bucket 
 	return &relay.MisconfigurationError{Setting: "BucketCount", Reason: reason(found[0])}
 }
 
-// leaseRows reads every lease row, creating the missing ones first.
+// leaseRows reads every lease row, creating the missing ones first: all
+// of them in an empty table (createLeaseRows), otherwise those missing
+// below the highest one. It fails like checkLeaseBuckets when the rows
+// define another BucketCount.
 func (s *Store) leaseRows(db *gorm.DB) ([]outbox.LeaseRow, error) {
 	read := func() ([]outbox.LeaseRow, error) {
 		var rows []outbox.LeaseRow
 		err := db.Raw("SELECT bucket, owner, term, expires_at_ms, paused FROM " + s.leases + " ORDER BY bucket").Scan(&rows).Error
+		if err == nil && len(rows) > 0 && int(rows[len(rows)-1].Bucket) != s.buckets-1 {
+			err = s.leaseCountMismatch(int(rows[len(rows)-1].Bucket) + 1)
+		}
 		return rows, err
 	}
 	rows, err := read()
 	if err != nil || len(rows) == s.buckets {
 		return rows, err
+	}
+	if len(rows) == 0 {
+		if err := s.createLeaseRows(db); err != nil {
+			// Another relay created them first, or is creating them:
+			// what it committed decides (a mismatch if its count is
+			// another).
+			rows, rerr := read()
+			if rerr != nil || len(rows) > 0 {
+				return rows, rerr
+			}
+			return nil, err
+		}
+		return read()
 	}
 	have := make(map[int32]bool, len(rows))
 	for _, r := range rows {
@@ -566,6 +611,30 @@ func (s *Store) leaseRows(db *gorm.DB) ([]outbox.LeaseRow, error) {
 		return nil, err
 	}
 	return read()
+}
+
+// createLeaseRows creates the lease rows of buckets 0..BucketCount-1 in
+// an empty lease table, in one transaction, with plain inserts: when
+// relays with different counts start together on an empty table, the
+// first to commit defines the count and the others' inserts fail on its
+// rows (their transactions then create nothing), rather than the largest
+// count's rows being added to the smallest's.
+func (s *Store) createLeaseRows(db *gorm.DB) error {
+	return createLeaseRows(db, s.tables.LeasesTable(), s.buckets)
+}
+
+// createLeaseRows creates the rows of buckets 0..n-1 in table, all or
+// none. Its failure is not logged: relays starting together on an empty
+// table expect the duplicate keys of all but the first, and the caller
+// reads the table again.
+func createLeaseRows(db *gorm.DB, table string, n int) error {
+	rows := make([]outbox.LeaseRow, n)
+	for b := range rows {
+		rows[b].Bucket = int32(b)
+	}
+	return db.Session(&gorm.Session{Logger: logger.Discard}).Transaction(func(tx *gorm.DB) error {
+		return tx.Table(table).CreateInBatches(rows, storeChunk).Error
+	})
 }
 
 // leaseGuard appends "(bucket = ? AND term = ?) OR ..." for leases.
@@ -1006,9 +1075,55 @@ func (s *Store) checkLease(db *gorm.DB, relayID string, lease relay.Lease) error
 		return err
 	}
 	if n == 0 {
-		return fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+		return s.lostLease(db, relayID, lease)
 	}
 	return nil
+}
+
+// lostLease is the error of a lease-guarded operation that found lease no
+// longer held by relayID: ErrLeaseLost, and ErrLeaseRevoked too when the
+// row still names relayID, unexpired, under a later term. Only the admin
+// API advances a term without claiming the row (Admin.advanceTerm); a
+// claim, by this relay or another, needs the lease expired or free.
+func (s *Store) lostLease(db *gorm.DB, relayID string, lease relay.Lease) error {
+	revoked, err := s.revokedLeases(db, relayID, []relay.Lease{lease})
+	if err == nil && len(revoked) == 1 {
+		return fmt.Errorf("%w: %w: bucket %d term %d: the term is now %d", relay.ErrLeaseLost, relay.ErrLeaseRevoked, lease.Bucket, lease.Term, revoked[0].Term)
+	}
+	return fmt.Errorf("%w: bucket %d term %d is no longer held by %s", relay.ErrLeaseLost, lease.Bucket, lease.Term, relayID)
+}
+
+var _ relay.RevocationChecker = (*Store)(nil)
+
+// RevokedLeases implements relay.RevocationChecker: those of lost whose
+// row names relayID, unexpired, under a later term, each with that term.
+func (s *Store) RevokedLeases(ctx context.Context, relayID string, lost []relay.Lease) ([]relay.Lease, error) {
+	db, ctx, cancel := s.op(ctx, "check revoked leases")
+	defer cancel()
+	out, err := s.revokedLeases(db, relayID, lost)
+	if err != nil {
+		return nil, s.fail(ctx, "check revoked leases", err)
+	}
+	return out, nil
+}
+
+func (s *Store) revokedLeases(db *gorm.DB, relayID string, lost []relay.Lease) ([]relay.Lease, error) {
+	var out []relay.Lease
+	for chunk := range slices.Chunk(lost, probeChunk) {
+		var rows []outbox.LeaseRow
+		if err := db.Raw("SELECT bucket, term FROM "+s.leases+" WHERE owner = ? AND expires_at_ms > ? AND bucket IN ?",
+			relayID, nowMs(), buckets(chunk)).Scan(&rows).Error; err != nil {
+			return nil, err
+		}
+		for _, r := range rows {
+			for _, l := range chunk {
+				if l.Bucket == int(r.Bucket) && r.Term > l.Term {
+					out = append(out, relay.Lease{Bucket: l.Bucket, Term: r.Term})
+				}
+			}
+		}
+	}
+	return out, nil
 }
 
 // MarkPublished implements relay.Store: it deletes msgs by id, in the same

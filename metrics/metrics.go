@@ -38,6 +38,7 @@ const (
 	NameOwnedBuckets        = "outbox_owned_buckets"
 	NameLeaseAcquisitions   = "outbox_lease_acquisitions_total"
 	NameLeaseExpirations    = "outbox_lease_expirations_total"
+	NameLeaseRevocations    = "outbox_lease_revocations_total"
 	NameAcknowledged        = "outbox_messages_acknowledged_total"
 	NamePublishFailures     = "outbox_publish_failures_total"
 	NameDeadLettered        = "outbox_messages_dead_lettered_total"
@@ -177,6 +178,7 @@ type Collector struct {
 	owned        prometheus.Gauge
 	acquisitions prometheus.Counter
 	expirations  prometheus.Counter
+	revocations  prometheus.Counter
 	acknowledged prometheus.Counter
 	failures     *prometheus.CounterVec
 	deadLettered *prometheus.CounterVec
@@ -192,8 +194,9 @@ type Collector struct {
 }
 
 var (
-	_ prometheus.Collector  = (*Collector)(nil)
-	_ relay.BacklogObserver = (*Collector)(nil)
+	_ prometheus.Collector     = (*Collector)(nil)
+	_ relay.BacklogObserver    = (*Collector)(nil)
+	_ relay.RevocationObserver = (*Collector)(nil)
 )
 
 // New returns a Collector for cfg, completed with WithDefaults. It fails,
@@ -218,7 +221,9 @@ func New(cfg Config) (*Collector, error) {
 		acquisitions: counter(NameLeaseAcquisitions,
 			"Bucket leases this relay acquired, counting re-acquisitions under a new term."),
 		expirations: counter(NameLeaseExpirations,
-			"Bucket leases this relay lost without releasing them: expired without renewal or taken over."),
+			"Bucket leases this relay lost without releasing them: expired without renewal or taken over. Leases an operator revoked are counted apart."),
+		revocations: counter(NameLeaseRevocations,
+			"Bucket leases an operator revoked from this relay (a requeue, purge or discard of the bucket's dead letters advanced the lease term); the relay takes the bucket again under the new term."),
 		acknowledged: counter(NameAcknowledged,
 			"Messages the sink acknowledged (the contiguous prefix of each batch), counted again when republished."),
 		failures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: NamePublishFailures, ConstLabels: cl,
@@ -268,7 +273,7 @@ func New(cfg Config) (*Collector, error) {
 func (c *Collector) Outbox() string { return c.cfg.Outbox }
 
 func (c *Collector) instruments() []prometheus.Collector {
-	return []prometheus.Collector{c.owned, c.acquisitions, c.expirations, c.acknowledged,
+	return []prometheus.Collector{c.owned, c.acquisitions, c.expirations, c.revocations, c.acknowledged,
 		c.failures, c.deadLettered, c.replaced, c.publishDur, c.cycleDur}
 }
 
@@ -355,6 +360,9 @@ func (c *Collector) LeasesAcquired(n int) { c.acquisitions.Add(float64(n)) }
 
 // LeasesExpired implements relay.Observer.
 func (c *Collector) LeasesExpired(n int) { c.expirations.Add(float64(n)) }
+
+// LeasesRevoked implements relay.RevocationObserver.
+func (c *Collector) LeasesRevoked(n int) { c.revocations.Add(float64(n)) }
 
 // Published implements relay.Observer: acknowledged messages, a failure
 // by kind, and the duration of every call.

@@ -78,6 +78,14 @@ type Status struct {
 	DeadLetters DeadLetterCounts `json:"dead_letters"`
 	// Buckets lists every bucket, 0 to BucketCount-1.
 	Buckets []BucketStatus `json:"buckets"`
+	// LeaseBuckets is the BucketCount the lease table defines: its
+	// highest bucket plus one, 0 while it has no row. The relays refuse
+	// to run with another count; a value other than BucketCount means
+	// the status was read with the wrong count.
+	LeaseBuckets int `json:"lease_buckets"`
+	// LeasesBeyond lists the lease rows of buckets at or beyond
+	// BucketCount, which Buckets leaves out; empty when the counts agree.
+	LeasesBeyond []LeaseInfo `json:"leases_beyond,omitempty"`
 	// Relays lists the relays with a heartbeat, by id.
 	Relays []RelayInfo `json:"relays"`
 	// LiveRelays counts the live relays.

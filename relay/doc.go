@@ -234,6 +234,18 @@
 // drops the bucket and leaves the rows to the current owner. No transaction
 // or row lock is held while the publisher runs.
 //
+// An operator can revoke a tenure without ending the ownership: the GORM
+// store's admin API advances the term of a bucket whose dead letters it
+// requeues, purges or discards, and the row still names the relay. The old
+// term is refused like any lost one, the error wraps ErrLeaseRevoked too,
+// and the relay takes the bucket under the new term at its next
+// acquisition. It logs that at Info and reports it to a RevocationObserver,
+// not as an expired lease.
+//
+// The first relay of an outbox creates the lease rows of every bucket in an
+// empty lease table; from then on the table defines BucketCount, and a
+// relay with another count is refused before it writes anything.
+//
 // # Trusting a lease locally
 //
 // The database is the authority, but a relay also bounds how long it

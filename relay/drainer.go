@@ -568,6 +568,9 @@ func (p *drainers) deleted(lease Lease, acked int, err error) (batchResult, bool
 	case err == nil:
 		p.published.Add(int64(acked))
 		return batchResult{}, false
+	case errors.Is(err, ErrLeaseRevoked):
+		p.log.Info("relay: lease revoked by an operator before delete; the rows are published again under the new term", "bucket", lease.Bucket, "term", lease.Term, "acked", acked)
+		return batchResult{out: outLost, err: err}, true
 	case errors.Is(err, ErrLeaseLost):
 		p.log.Info("relay: lease lost before delete; the new owner publishes the rows again", "bucket", lease.Bucket, "term", lease.Term, "acked", acked)
 		return batchResult{out: outLost, err: err}, true
@@ -583,8 +586,13 @@ func (p *drainers) leaseEnded(b *batch) (batchResult, bool) {
 	if !b.lost {
 		return batchResult{}, false
 	}
-	p.log.Warn("relay: lease lost during publish; leaving the rest of the batch to the new owner", "bucket", b.hl.Bucket, "term", b.hl.Term, "acked", b.acked)
-	return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d during publish: %w", ErrLeaseLost, b.hl.Bucket, context.Cause(b.hl.ctx))}, true
+	cause := context.Cause(b.hl.ctx)
+	if errors.Is(cause, ErrLeaseRevoked) {
+		p.log.Info("relay: lease revoked by an operator during publish; the rest of the batch is published under the new term", "bucket", b.hl.Bucket, "term", b.hl.Term, "acked", b.acked)
+	} else {
+		p.log.Warn("relay: lease lost during publish; leaving the rest of the batch to the new owner", "bucket", b.hl.Bucket, "term", b.hl.Term, "acked", b.acked)
+	}
+	return batchResult{out: outLost, err: fmt.Errorf("%w: bucket %d during publish: %w", ErrLeaseLost, b.hl.Bucket, cause)}, true
 }
 
 // failurePolicy meets a failed publish. A stop or a misconfiguration

@@ -18,6 +18,15 @@ var (
 	// owner.
 	ErrLeaseLost = errors.New("relay: lease lost")
 
+	// ErrLeaseRevoked is wrapped, beside ErrLeaseLost, by the error of a
+	// lease-guarded store operation that found the lease revoked by an
+	// operator: the bucket's lease term was advanced (a requeue, purge or
+	// discard of its dead letters) while the row still names this relay,
+	// unexpired. Nobody else took the bucket; the relay takes it again
+	// under the new term at its next acquisition. The fencing is the same
+	// as for any lost lease: nothing was changed under the old term.
+	ErrLeaseRevoked = errors.New("relay: lease revoked by an operator")
+
 	// ErrInvalidConfig is wrapped by every *ConfigError. It is
 	// wire.ErrInvalidConfig.
 	ErrInvalidConfig = wire.ErrInvalidConfig

@@ -160,15 +160,40 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 		}
 		next[l.Bucket] = l.Term
 	}
-	var gained, released []int
+	// A held bucket the acquisition did not return was given up (fair
+	// share, pause) or lost; its renewal there may have met a term an
+	// operator advanced meanwhile: ask the store.
+	k.mu.Lock()
+	var gone []Lease
+	for b, hl := range k.held {
+		if _, ok := next[b]; !ok {
+			gone = append(gone, hl.Lease)
+		}
+	}
+	k.mu.Unlock()
+	revokedGone := k.revoked(ctx, gone, nil)
+	var gained, released, revoked []int
 	k.mu.Lock()
 	for b, hl := range k.held {
-		if t, ok := next[b]; !ok || t != hl.Term {
+		t, ok := next[b]
+		switch {
+		case ok && t == hl.Term:
+			continue
+		case ok && t > hl.Term:
+			// The store kept the bucket for this relay under a later term
+			// than the one it trusted: the term was advanced under it (an
+			// operator's requeue, purge or discard), not taken over.
+			hl.cancel(fmt.Errorf("%w: %w: bucket %d term %d, now %d", ErrLeaseLost, ErrLeaseRevoked, b, hl.Term, t))
+			revoked = append(revoked, b)
+		case !ok && revokedGone[b]:
+			hl.cancel(fmt.Errorf("%w: %w: bucket %d term %d (found at acquisition)", ErrLeaseLost, ErrLeaseRevoked, b, hl.Term))
+			revoked = append(revoked, b)
+		default:
 			hl.cancel(errReleased)
-			delete(k.held, b)
-			if !ok {
-				released = append(released, b)
-			}
+		}
+		delete(k.held, b)
+		if !ok {
+			released = append(released, b)
 		}
 	}
 	for b, t := range next {
@@ -191,10 +216,18 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 		k.log.Info("relay: leases changed", "owned", len(next), "acquired", gained, "released", released,
 			"live_relays", res.LiveRelays, "fair_share", res.FairShare)
 	}
+	if len(revoked) > 0 {
+		slices.Sort(revoked)
+		k.log.Info(msgRevoked, "buckets", revoked, "found_at", "acquisition")
+	}
 	k.logWaiting(res.Waiting)
 	k.observe(len(gained), 0)
+	k.observeRevoked(len(revoked))
 	return nil
 }
+
+// msgRevoked is the line of leases an operator revoked.
+const msgRevoked = "relay: leases revoked by an operator (a requeue, purge or discard of the bucket's dead letters advanced the lease term); the relay publishes them under the new term"
 
 // renew extends the held leases through lr. It runs
 // concurrently with drainers; a lease it finds lost has its context ended,
@@ -219,28 +252,79 @@ func (k *keeper) renew(ctx context.Context, lr LeaseRenewer) error {
 	for _, l := range still {
 		kept[l] = true
 	}
-	var lost []int
+	revoked := k.revoked(ctx, held, kept)
+	var lost, lostRevoked []int
 	k.mu.Lock()
 	for _, l := range held {
 		if kept[l] {
 			continue
 		}
 		if hl, ok := k.held[l.Bucket]; ok && hl.Term == l.Term {
-			hl.cancel(fmt.Errorf("%w: bucket %d taken over (found at renewal)", ErrLeaseLost, l.Bucket))
+			if revoked[l.Bucket] {
+				hl.cancel(fmt.Errorf("%w: %w: bucket %d (found at renewal)", ErrLeaseLost, ErrLeaseRevoked, l.Bucket))
+				lostRevoked = append(lostRevoked, l.Bucket)
+			} else {
+				hl.cancel(fmt.Errorf("%w: bucket %d taken over (found at renewal)", ErrLeaseLost, l.Bucket))
+				lost = append(lost, l.Bucket)
+			}
 			delete(k.held, l.Bucket)
-			lost = append(lost, l.Bucket)
 		}
 	}
 	k.extendTrust(start)
-	if len(lost) > 0 {
-		k.reportLocked(leaseEvents{ended: lost, acquire: true})
+	if ended := append(slices.Clone(lost), lostRevoked...); len(ended) > 0 {
+		k.reportLocked(leaseEvents{ended: ended, acquire: true})
 	}
 	k.mu.Unlock()
 	if len(lost) > 0 {
 		k.log.Warn("relay: leases lost at renewal", "buckets", lost)
 	}
+	if len(lostRevoked) > 0 {
+		k.log.Info(msgRevoked, "buckets", lostRevoked, "found_at", "renewal")
+	}
 	k.observe(0, len(lost))
+	k.observeRevoked(len(lostRevoked))
 	return nil
+}
+
+// revoked returns the buckets of the leases of held missing from kept
+// that the store reports revoked by an operator (RevocationChecker); none
+// when the store cannot tell or its check fails (logged).
+func (k *keeper) revoked(ctx context.Context, held []Lease, kept map[Lease]bool) map[int]bool {
+	rc, ok := k.store.(RevocationChecker)
+	if !ok {
+		return nil
+	}
+	var missing []Lease
+	for _, l := range held {
+		if !kept[l] {
+			missing = append(missing, l)
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	found, err := rc.RevokedLeases(ctx, k.cfg.RelayID, missing)
+	if err != nil {
+		k.log.Warn("relay: could not tell whether lost leases were revoked by an operator; counting them as lost", "err", err)
+		return nil
+	}
+	out := make(map[int]bool, len(found))
+	for _, l := range found {
+		out[l.Bucket] = true
+	}
+	return out
+}
+
+// observeRevoked reports n leases an operator revoked to a
+// RevocationObserver.
+func (k *keeper) observeRevoked(n int) {
+	if n == 0 {
+		return
+	}
+	if o, ok := k.cfg.Observer.(RevocationObserver); ok {
+		o.LeasesRevoked(n)
+	}
+	k.cfg.Observer.OwnedBuckets(k.ownedCount())
 }
 
 // renewLoop renews the leases whenever the renewal is due and no
@@ -328,7 +412,12 @@ func (k *keeper) drop(l Lease, cause error) {
 	// its rows are looked for again.
 	k.reportLocked(leaseEvents{acquire: true, discover: newer})
 	k.mu.Unlock()
-	if held {
+	switch {
+	case !held:
+	case errors.Is(cause, ErrLeaseRevoked):
+		k.log.Info(msgRevoked, "buckets", []int{l.Bucket}, "found_at", "guarded write")
+		k.observeRevoked(1)
+	default:
 		k.observe(0, 1)
 	}
 }

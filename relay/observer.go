@@ -45,7 +45,8 @@ type Observer interface {
 	// them: the local lease deadline passed without a successful renewal,
 	// or a renewal, delete or failure record found the lease taken over.
 	// Each lost bucket is reported once. Buckets given up voluntarily (fair
-	// share, pause, Stop) are not expirations.
+	// share, pause, Stop) are not expirations, nor are leases an operator
+	// revoked (see RevocationObserver).
 	LeasesExpired(n int)
 
 	// Published reports one call of the Publisher, successful, failed or
@@ -198,6 +199,21 @@ type BacklogSampling struct {
 	// aggregate backlog metrics across relays with max, not sum. Default
 	// false: every relay samples.
 	BucketZeroOwnerOnly bool
+}
+
+// RevocationObserver is an Observer that also wants to know of leases an
+// operator revoked: a renewal, delete or failure record found the
+// bucket's lease term advanced by the admin API (a requeue, purge or
+// discard of the bucket's dead letters) while the lease row still names
+// this relay (ErrLeaseRevoked; the store tells them apart through
+// RevocationChecker). The relay stops publishing the bucket under the old
+// term, as for any lost lease, and takes it again under the new one at
+// its next acquisition. Such buckets are not reported to LeasesExpired,
+// with or without this interface.
+type RevocationObserver interface {
+	Observer
+	// LeasesRevoked reports n buckets whose lease an operator revoked.
+	LeasesRevoked(n int)
 }
 
 // BacklogObserver is an Observer that also wants backlog samples. When

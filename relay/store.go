@@ -256,3 +256,16 @@ type BatchSkipper interface {
 	// with NextBatch.
 	NextBatchExcept(ctx context.Context, bucket, limit int, except []Message) ([]Message, error)
 }
+
+// RevocationChecker is implemented by a store whose operator tools revoke
+// leases (the GORM store's admin API advances a bucket's lease term). The
+// relay calls it with the leases a renewal or an acquisition no longer
+// found held (an acquisition's renewal is guarded by the term too), to tell
+// an operator's revocation from an expiry or a takeover in its log and
+// its Observer (RevocationObserver). It returns those of lost whose row
+// still names relayID, unexpired, under a later term. An error is logged
+// and the leases are reported as expired. The store's lease-guarded
+// operations report the same finding by wrapping ErrLeaseRevoked.
+type RevocationChecker interface {
+	RevokedLeases(ctx context.Context, relayID string, lost []Lease) ([]Lease, error)
+}

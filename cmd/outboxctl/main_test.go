@@ -278,6 +278,21 @@ func TestCLIEndToEnd(t *testing.T) {
 	require.Equal(t, exitFail, code)
 	require.Contains(t, errOut, "outside 0..3")
 
+	// Read with another count than the relays': the lease table's count
+	// is shown, with its rows beyond --buckets; the name the metrics use
+	// labels the outbox.
+	require.Equal(t, 4, st.LeaseBuckets)
+	code, out, errOut = c.run("status", "--buckets", "2", "--name", "orders")
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "outbox orders (table ctl_outbox_messages): 2 buckets")
+	require.Contains(t, out, "WARNING: table ctl_outbox_leases defines 4 buckets (rows up to bucket 3), not --buckets 2")
+	require.Regexp(t, `(?m)^3\s+-\s+\d+\s+-\s+no$`, out, "the lease row of bucket 3")
+	c.runJSON(&st, "status", "--buckets", "2")
+	require.Equal(t, 4, st.LeaseBuckets)
+	require.Len(t, st.LeasesBeyond, 2)
+	require.Equal(t, 3, st.LeasesBeyond[1].Bucket)
+	t.Logf("outboxctl status --buckets 2:\n%s", out)
+
 	// Flags instead of the environment, and the driver spelled out.
 	flags := cli{t: t, bin: bin, env: []string{"OUTBOX_DSN=", "OUTBOX_PREFIX="}}
 	flags.runJSON(&st, "--driver", "postgres", "--dsn", dsn, "--prefix", "ctl_", "--buckets", "4", "status")

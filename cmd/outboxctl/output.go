@@ -37,7 +37,7 @@ func age(d time.Duration) string {
 }
 
 func printStatus(w io.Writer, st ops.Status, cfg outbox.Config) {
-	fmt.Fprintf(w, "outbox %s: %d buckets, %d pending", cfg.Tables.MessagesTable(), st.BucketCount, st.Pending)
+	fmt.Fprintf(w, "outbox %s: %d buckets, %d pending", outboxLabel(cfg), st.BucketCount, st.Pending)
 	if st.Pending > 0 {
 		fmt.Fprintf(w, ", oldest %s old", age(st.OldestAge()))
 	}
@@ -46,23 +46,12 @@ func printStatus(w io.Writer, st ops.Status, cfg outbox.Config) {
 	tw := newTable(w)
 	fmt.Fprintln(tw, "BUCKET\tPENDING\tOLDEST\tFAILED\tPARKED\tOWNER\tTERM\tEXPIRES IN\tPAUSED")
 	for _, b := range st.Buckets {
-		owner, expires := "-", "-"
-		if b.Lease.Owner != "" {
-			owner = b.Lease.Owner
-			if b.Lease.Held {
-				expires = age(b.Lease.ExpiresAt.Sub(st.SampledAt))
-			} else {
-				expires = "expired"
-			}
-		}
-		paused := "no"
-		if b.Lease.Paused {
-			paused = "PAUSED"
-		}
+		owner, expires, paused := leaseCells(b.Lease, st.SampledAt)
 		fmt.Fprintf(tw, "%d\t%d\t%s\t%d\t%d\t%s\t%d\t%s\t%s\n", b.Bucket, b.Pending, age(time.Duration(b.OldestAgeMs)*time.Millisecond),
 			b.DeadLetters.Failed, b.DeadLetters.Parked, owner, b.Lease.Term, expires, paused)
 	}
 	tw.Flush()
+	printLeaseCount(w, st, cfg)
 
 	fmt.Fprintln(w)
 	if len(st.Relays) == 0 {
@@ -77,6 +66,51 @@ func printStatus(w io.Writer, st ops.Status, cfg outbox.Config) {
 			live = "yes"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%s ago\t%s\n", r.ID, live, r.Buckets, age(st.SampledAt.Sub(r.LastSeen)), age(r.LastSeen.Sub(r.StartedAt)))
+	}
+	tw.Flush()
+}
+
+// leaseCells are the OWNER, EXPIRES IN and PAUSED cells of a lease row.
+func leaseCells(l ops.LeaseInfo, at time.Time) (owner, expires, paused string) {
+	owner, expires, paused = "-", "-", "no"
+	if l.Owner != "" {
+		owner, expires = l.Owner, "expired"
+		if l.Held {
+			expires = age(l.ExpiresAt.Sub(at))
+		}
+	}
+	if l.Paused {
+		paused = "PAUSED"
+	}
+	return owner, expires, paused
+}
+
+// outboxLabel names the outbox as its metrics and logs do (Config.Name,
+// --name), with its messages table when the two differ.
+func outboxLabel(cfg outbox.Config) string {
+	table := cfg.Tables.MessagesTable()
+	if cfg.Name == "" || cfg.Name == table {
+		return table
+	}
+	return cfg.Name + " (table " + table + ")"
+}
+
+// printLeaseCount prints the lease rows beyond --buckets, and says so
+// when the lease table defines another count than --buckets.
+func printLeaseCount(w io.Writer, st ops.Status, cfg outbox.Config) {
+	if st.LeaseBuckets == 0 || st.LeaseBuckets == st.BucketCount {
+		return
+	}
+	fmt.Fprintf(w, "\nWARNING: table %s defines %d buckets (rows up to bucket %d), not --buckets %d: the relays' BucketCount is %d; read the status with --buckets %d\n",
+		cfg.Tables.LeasesTable(), st.LeaseBuckets, st.LeaseBuckets-1, st.BucketCount, st.LeaseBuckets, st.LeaseBuckets)
+	if len(st.LeasesBeyond) == 0 {
+		return
+	}
+	tw := newTable(w)
+	fmt.Fprintln(tw, "BUCKET\tOWNER\tTERM\tEXPIRES IN\tPAUSED")
+	for _, l := range st.LeasesBeyond {
+		owner, expires, paused := leaseCells(l, st.SampledAt)
+		fmt.Fprintf(tw, "%d\t%s\t%d\t%s\t%s\n", l.Bucket, owner, l.Term, expires, paused)
 	}
 	tw.Flush()
 }

@@ -47,7 +47,8 @@ type Config struct {
 	KafkaBrokers string
 	// Topic receives the order events. Default "orders".
 	Topic string
-	// HealthMaxAge is the oldest-pending age above which /healthz fails.
+	// HealthMaxAge is the oldest-pending age above which /healthz (the
+	// outbox's delivery check, not the API's readiness) fails.
 	HealthMaxAge time.Duration
 	// Consume runs the demo consumer that logs every event once.
 	Consume bool
@@ -292,14 +293,21 @@ func (a *App) routes() (http.Handler, error) {
 		}
 		admin, runs = wal, a.reader
 	}
-	// Kubernetes probes. Liveness: 503 once the relay (or WAL reader)
-	// stopped on an error or could not start. Readiness (and /healthz): 503 then too, and
-	// while the oldest pending event is older than HealthMaxAge or the
-	// database does not answer; in WAL mode also while the slot is lost,
-	// missing, has no reader or retains too much WAL.
+	// Kubernetes probes. Liveness (/livez): 503 once the relay (or WAL
+	// reader) stopped on an error or could not start. Readiness (/readyz)
+	// is the API's: 503 while the database does not answer. It leaves out
+	// the outbox's delivery on purpose: during a Kafka outage the API keeps
+	// taking orders, their events wait in the outbox, and a readiness that
+	// failed on the backlog's age would take every pod out of the load
+	// balancer, turning a delivery delay into an outage of the API.
+	// The outbox's delivery check (/healthz), for monitoring and alerts:
+	// 503 when the relay stopped, while the oldest pending event is older
+	// than HealthMaxAge or the database does not answer; in WAL mode also
+	// while the slot is lost, missing, has no reader or retains too much
+	// WAL.
 	health := opshttp.Health{Operator: admin, Relay: runs, MaxAge: a.cfg.HealthMaxAge, Logger: a.log}
 	r.GET("/livez", gin.WrapH(health.Liveness()))
-	r.GET("/readyz", gin.WrapH(health.Readiness()))
+	r.GET("/readyz", a.ready)
 	r.GET("/healthz", gin.WrapH(health.Readiness()))
 	// The operational API, read-only: it must sit behind the service's own
 	// authentication before AllowMutations is ever turned on.
@@ -311,6 +319,23 @@ func (a *App) routes() (http.Handler, error) {
 		Logger: a.log, Published: a.metrics.Acknowledged}))
 	r.Any("/admin/outbox-ui/*path", gin.WrapH(ui))
 	return r, nil
+}
+
+// ready answers /readyz: 200 while the database answers a ping within
+// opshttp.HealthTimeoutDefault, else 503.
+func (a *App) ready(c *gin.Context) {
+	ctx, cancel := context.WithTimeout(c.Request.Context(), opshttp.HealthTimeoutDefault)
+	defer cancel()
+	sqlDB, err := a.db.DB()
+	if err == nil {
+		err = sqlDB.PingContext(ctx)
+	}
+	if err != nil {
+		a.log.WarnContext(ctx, "readiness: the database does not answer", "err", err)
+		c.JSON(http.StatusServiceUnavailable, gin.H{"status": "error"})
+		return
+	}
+	c.JSON(http.StatusOK, gin.H{"status": "ok"})
 }
 
 // Close releases what Start opened, once Run returned (or if it never

@@ -311,6 +311,22 @@ func createTopic(t *testing.T, brokers, base string) string {
 	return name
 }
 
+// serveInBackground runs Serve with cfg on a goroutine and returns the
+// service once it is up, and the channel of Serve's result.
+func serveInBackground(t *testing.T, ctx context.Context, cfg Config) (*App, <-chan error) {
+	t.Helper()
+	up := make(chan *App, 1)
+	served := make(chan error, 1)
+	go func() { served <- Serve(ctx, cfg, func(a *App) { up <- a }) }()
+	select {
+	case app := <-up:
+		return app, served
+	case err := <-served:
+		t.Fatalf("Serve: %v", err)
+		return nil, nil
+	}
+}
+
 // A relay that stops on an error ends the service: here a writer with a
 // larger BucketCount (64, the service's relay has 8) commits to the same
 // outbox, the relay stops on the misconfiguration, and Serve returns its
@@ -319,20 +335,10 @@ func createTopic(t *testing.T, brokers, base string) string {
 func TestRelayFailureEndsTheService(t *testing.T) {
 	t.Parallel()
 	dbPath := filepath.Join(t.TempDir(), "orders.db")
-	up := make(chan *App, 1)
-	served := make(chan error, 1)
-	go func() {
-		served <- Serve(context.Background(), Config{
-			Addr: "127.0.0.1:0", DatabaseURL: dbPath, Topic: "orders_fail",
-			Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-		}, func(a *App) { up <- a })
-	}()
-	var app *App
-	select {
-	case app = <-up:
-	case err := <-served:
-		t.Fatalf("Serve: %v", err)
-	}
+	app, served := serveInBackground(t, context.Background(), Config{
+		Addr: "127.0.0.1:0", DatabaseURL: dbPath, Topic: "orders_fail",
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
 	c := client{t: t, base: "http://" + app.Addr()}
 	c.do("POST", "/orders", map[string]any{"customer": "c1", "total": 100}, http.StatusCreated)
 

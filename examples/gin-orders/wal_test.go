@@ -110,7 +110,7 @@ func TestOrdersFlowInWALMode(t *testing.T) {
 	}
 	require.Equal(t, []string{"OrderPlaced", "OrderStatusChanged", "OrderStatusChanged", "OrderCancelled"}, types, "%+v", events)
 
-	requireProbesOK(t, app.Addr(), "/livez", "/readyz")
+	requireProbesOK(t, app.Addr(), "/livez", "/readyz", "/healthz")
 	// The admin API is the slot's: its reader holds the lease and has
 	// confirmed a position.
 	var wal map[string]any

@@ -56,7 +56,13 @@ type healthBody struct {
 //     Operator that is an ops.WALOperator) also when the replication slot
 //     is lost or missing, retains more WAL than MaxRetainedWALBytes, or
 //     no reader has held its lease for longer than the lease duration
-//     (ops.CheckWAL), with Reason and Error saying which.
+//     (ops.CheckWAL), with Reason and Error saying which. That is the
+//     readiness of a process that only relays. In a service whose API
+//     writes to the outbox, mount it on a path of its own and leave it
+//     out of the API's readiness: the API keeps taking writes during a
+//     sink outage, and failing its readiness on the backlog's age takes
+//     every pod out of the load balancer (docs/observability.md, Health
+//     check).
 //
 // Bodies are small JSON objects:
 //

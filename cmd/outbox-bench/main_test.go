@@ -78,9 +78,9 @@ func TestSmoke(t *testing.T) {
 				requireRelayProfiles(t, cfg)
 			}
 			if cfg.CPUProfile != "" {
-				// The drain's profile, one per latency mode run and one per
-				// strict round and mode.
-				files := []string{cfg.CPUProfile, cfg.CPUProfile + ".notify", cfg.CPUProfile + ".direct.1", cfg.CPUProfile + ".direct.2"}
+				// The drain's profile, one over the latency modes' turns and
+				// one per strict round and mode.
+				files := []string{cfg.CPUProfile, cfg.CPUProfile + ".sliced"}
 				for round := range cfg.Rounds {
 					files = append(files, fmt.Sprintf("%s.default.%d", cfg.CPUProfile, round+1), fmt.Sprintf("%s.strict.%d", cfg.CPUProfile, round+1))
 				}
@@ -119,6 +119,12 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 	runs := map[string]int{}
 	for _, name := range cfg.LatencyModes {
 		runs[name]++
+		if cfg.LatencySlice > 0 {
+			runs[name] = 1 // in turns, a mode runs once
+		}
+	}
+	if cfg.LatencySlice > 0 {
+		require.Positive(t, r.Params["latency_turns"], "the modes ran in turns")
 	}
 	for _, m := range latencyModes {
 		if m.listen && cfg.Driver != dbtest.Postgres {
@@ -128,7 +134,7 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 		}
 		// A mode run more than once pools its runs' messages.
 		require.Equal(t, float64(runs[m.name])*written, r.Values[m.name+"_messages"], m.name)
-		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max", "_write_lag_p50", "_write_lag_p99"} {
+		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max", "_write_lag_p50", "_write_lag_p99", "_sched_p50", "_sched_p99"} {
 			require.Contains(t, r.Values, m.name+f)
 		}
 		for k := 1; runs[m.name] > 1 && k <= runs[m.name]; k++ {
@@ -138,6 +144,7 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 	require.Contains(t, r.Values, "notify_p99/poll10_p99")
 	require.Contains(t, r.Values, "rules8_p99/poll10_p99")
 	require.Contains(t, r.Values, "notify_p99/direct_p99")
+	require.Contains(t, r.Values, "notify_sched_p99/direct_sched_p99")
 	if cfg.Timeline == "" {
 		return
 	}
@@ -195,6 +202,12 @@ func TestParseFlags(t *testing.T) {
 	require.ErrorContains(t, err, `-latency-modes: unknown mode "fast"`)
 	_, err = parseFlags([]string{"-latency-modes", ","})
 	require.ErrorContains(t, err, "-latency-modes: no mode named")
+	require.Equal(t, time.Second, c.LatencySlice, "the modes run in turns of a second by default")
+	c, err = parseFlags([]string{"-latency-slice", "0"})
+	require.NoError(t, err)
+	require.Zero(t, c.LatencySlice)
+	_, err = parseFlags([]string{"-latency-slice", "-1s"})
+	require.ErrorContains(t, err, "-latency-slice must not be negative")
 }
 
 // TestSmokeWAL runs the wal scenario at a tiny size on the WAL mode
@@ -285,4 +298,53 @@ func TestCeilingDelete(t *testing.T) {
 		}
 		require.Equal(t, want, left)
 	})
+}
+
+// TestLatencySlicedTurns runs two latency modes side by side in turns
+// (measureSliced) on PostgreSQL: the modes take turns of -latency-slice's
+// worth of messages, the turns' order reversed every rotation, each turn
+// delivered before the next starts, until every mode wrote its warm-up and
+// its counted messages; every counted message arrives and is measured.
+func TestLatencySlicedTurns(t *testing.T) {
+	dbtest.Require(t, dbtest.Postgres)
+	cfg, err := parseFlags([]string{"-smoke", "-driver", dbtest.Postgres, "-latency-modes", "direct,notify,direct", "-latency-slice", "50ms"})
+	require.NoError(t, err)
+	cfg.TmpDir = t.TempDir()
+	useExternalBrokers(cfg.Brokers)
+	t.Cleanup(func() { externalBrokers = nil })
+	ctx := context.Background()
+	broker, brokers, err := startBroker(ctx, cfg.Partitions, false)
+	require.NoError(t, err)
+	defer broker.stop()
+
+	var notes []string
+	pooled, lags, scheds, closed := map[string][]time.Duration{}, map[string][]time.Duration{}, map[string][]time.Duration{}, map[string]int64{}
+	turns, err := measureSliced(ctx, cfg, brokers, []string{"direct", "notify"}, &notes, pooled, lags, scheds, closed)
+	require.NoError(t, err)
+
+	per := sliceMessages(cfg) // 200 tx/s for 50 ms
+	require.Equal(t, 10, per)
+	total := int(float64(cfg.Rate) * (cfg.Warmup + cfg.Duration).Seconds())
+	require.Len(t, turns, 2*total/per)
+	next := map[string]int{}
+	for i, turn := range turns {
+		// direct notify, notify direct, direct notify, ...
+		want := []string{"direct", "notify", "notify", "direct"}[i%4]
+		require.Equal(t, want, turn.mode, "turn %d", i)
+		require.Equal(t, next[turn.mode], turn.from, "turn %d continues its mode's messages", i)
+		require.Equal(t, per, turn.to-turn.from, "turn %d", i)
+		next[turn.mode] = turn.to
+		if i > 0 {
+			require.False(t, turn.start.Before(turns[i-1].end), "turn %d starts after turn %d was delivered", i, i-1)
+		}
+	}
+	counted := int(float64(cfg.Rate) * cfg.Duration.Seconds())
+	for _, m := range []string{"direct", "notify"} {
+		require.Equal(t, total, next[m], m)
+		require.Len(t, pooled[m], counted, "%s: every counted message measured", m)
+		require.Len(t, lags[m], counted, m)
+		require.Len(t, scheds[m], counted, m)
+		// From the schedule is the lag and commit → receipt together.
+		require.GreaterOrEqual(t, scheds[m][counted-1], pooled[m][counted-1], m)
+	}
 }

@@ -167,6 +167,16 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 			return err
 		}
 		r.Params["latency_turns"] = len(turns)
+		// The same comparison turn by turn: each rotation's turn of the
+		// mode against direct's turn of the same rotation, the median over
+		// the rotations. An event of a few hundred milliseconds (a stall
+		// of the machine or the broker) sets a 10 s run's p99 by itself,
+		// in whichever mode it falls; it moves one rotation's ratio here.
+		for _, m := range []string{"notify", "rules8", "listen", "poll10"} {
+			if v, ok := turnRatio(turns, m, "direct"); ok {
+				r.add(m+"_turn_p99/direct_turn_p99", v, "ratio")
+			}
+		}
 	} else {
 		runs := map[string]int{}
 		for _, name := range names {
@@ -328,16 +338,71 @@ func measureSliced(ctx context.Context, cfg config, brokers []string, order []st
 		}
 		pooled[lr.mode.name], closed[lr.mode.name] = lat, idleClosed
 		lags[lr.mode.name], scheds[lr.mode.name] = w.lag, w.fromSchedule
+		for i := range turns {
+			if turns[i].mode == lr.mode.name {
+				turns[i].p99 = lr.p99(turns[i].from, turns[i].to)
+			}
+		}
 	}
 	return turns, nil
 }
 
 // latencyTurn is one turn of measureSliced: mode wrote its messages
-// from..to-1 between start and end, and they were delivered by end.
+// from..to-1 between start and end, and they were delivered by end. p99
+// is commit → receipt of its counted messages (0 for a turn of the
+// warm-up).
 type latencyTurn struct {
 	mode       string
 	from, to   int
 	start, end time.Time
+	p99        time.Duration
+}
+
+// p99 is commit → receipt p99 of the counted messages from..to-1 that
+// arrived; 0 if there are none.
+func (lr *latencyRun) p99(from, to int) time.Duration {
+	lr.mu.Lock()
+	defer lr.mu.Unlock()
+	var lat []time.Duration
+	for i := max(from, lr.warm); i < to; i++ {
+		if at, ok := lr.recv[lr.ids[i]]; ok && !lr.committed[i].IsZero() {
+			lat = append(lat, max(0, at.Sub(lr.committed[i])))
+		}
+	}
+	if len(lat) == 0 {
+		return 0
+	}
+	sortDurations(lat)
+	return percentile(lat, 0.99)
+}
+
+// turnRatio pairs mode's counted turns with base's, the k-th with the
+// k-th (the same rotation), and returns the median of mode's turn p99 ÷
+// base's; false if the two have no pair of counted turns.
+func turnRatio(turns []latencyTurn, mode, base string) (float64, bool) {
+	var a, b []time.Duration
+	for _, t := range turns {
+		switch {
+		case t.p99 <= 0:
+		case t.mode == mode:
+			a = append(a, t.p99)
+		case t.mode == base:
+			b = append(b, t.p99)
+		}
+	}
+	n := min(len(a), len(b))
+	if n == 0 {
+		return 0, false
+	}
+	ratios := make([]float64, n)
+	for k := range n {
+		ratios[k] = float64(a[k]) / float64(b[k])
+	}
+	slices.Sort(ratios)
+	if n%2 == 1 {
+		return ratios[n/2], true
+	}
+	return (ratios[n/2-1] + ratios[n/2]) / 2, true
 }
 
 // sliceMessages is how many messages one turn of measureSliced writes:

@@ -125,6 +125,7 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 	}
 	if cfg.LatencySlice > 0 {
 		require.Positive(t, r.Params["latency_turns"], "the modes ran in turns")
+		require.Positive(t, r.Values["notify_turn_p99/direct_turn_p99"])
 	}
 	for _, m := range latencyModes {
 		if m.listen && cfg.Driver != dbtest.Postgres {
@@ -334,6 +335,12 @@ func TestLatencySlicedTurns(t *testing.T) {
 		require.Equal(t, next[turn.mode], turn.from, "turn %d continues its mode's messages", i)
 		require.Equal(t, per, turn.to-turn.from, "turn %d", i)
 		next[turn.mode] = turn.to
+		// Its own p99, but for the warm-up's turns.
+		if turn.to <= int(float64(cfg.Rate)*cfg.Warmup.Seconds()) {
+			require.Zero(t, turn.p99, "turn %d is the warm-up's", i)
+		} else {
+			require.Positive(t, turn.p99, "turn %d", i)
+		}
 		if i > 0 {
 			require.False(t, turn.start.Before(turns[i-1].end), "turn %d starts after turn %d was delivered", i, i-1)
 		}
@@ -347,4 +354,29 @@ func TestLatencySlicedTurns(t *testing.T) {
 		// From the schedule is the lag and commit → receipt together.
 		require.GreaterOrEqual(t, scheds[m][counted-1], pooled[m][counted-1], m)
 	}
+}
+
+// TestTurnRatio checks the turn-by-turn ratio: the k-th counted turn of
+// a mode against the k-th of the base, the median of the ratios, so that
+// one slow turn of either moves one ratio and not the result.
+func TestTurnRatio(t *testing.T) {
+	turn := func(mode string, p99ms int) latencyTurn {
+		return latencyTurn{mode: mode, p99: time.Duration(p99ms) * time.Millisecond}
+	}
+	turns := []latencyTurn{
+		turn("direct", 0), turn("notify", 0), // the warm-up's: not counted
+		turn("notify", 20), turn("direct", 10), // 2
+		turn("direct", 10), turn("notify", 400), // 40: a stall in notify's turn
+		turn("notify", 30), turn("direct", 10), // 3
+		turn("direct", 500), turn("notify", 25), // 0.05: a stall in direct's
+		turn("notify", 25), turn("direct", 10), // 2.5
+	}
+	v, ok := turnRatio(turns, "notify", "direct")
+	require.True(t, ok)
+	require.InDelta(t, 2.5, v, 1e-9, "the median of 2, 40, 3, 0.05, 2.5")
+	v, ok = turnRatio(turns[:6], "notify", "direct")
+	require.True(t, ok)
+	require.InDelta(t, 21, v, 1e-9, "an even count: the mean of the middle two")
+	_, ok = turnRatio(turns, "listen", "direct")
+	require.False(t, ok, "a mode without turns")
 }

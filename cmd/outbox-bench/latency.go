@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -152,8 +153,9 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 	pooled := map[string][]time.Duration{}
 	lags := map[string][]time.Duration{}   // the writers' lag behind their schedule
 	scheds := map[string][]time.Duration{} // schedule → receipt
-	closed := map[string]int64{}           // summed over a mode's runs
-	var order []string                     // the modes' first runs, in order
+	poolWaits, poolWaited := map[string]int64{}, map[string]time.Duration{}
+	closed := map[string]int64{} // summed over a mode's runs
+	var order []string           // the modes' first runs, in order
 	if cfg.LatencySlice > 0 {
 		seen := map[string]bool{}
 		for _, name := range names {
@@ -162,7 +164,7 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 				order = append(order, name)
 			}
 		}
-		turns, err := measureSliced(ctx, cfg, brokers, order, &r.Notes, pooled, lags, scheds, closed)
+		turns, err := measureSliced(ctx, cfg, brokers, order, &r.Notes, pooled, lags, scheds, closed, poolWaits, poolWaited)
 		if err != nil {
 			return err
 		}
@@ -203,6 +205,8 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 			pooled[name] = append(pooled[name], lat...)
 			lags[name] = append(lags[name], w.lag...)
 			scheds[name] = append(scheds[name], w.fromSchedule...)
+			poolWaits[name] += w.poolWaits
+			poolWaited[name] += w.poolWaited
 			if runs[name] > 1 {
 				// Each run of a repeated mode on its own; the mode's figures
 				// below pool them.
@@ -233,6 +237,8 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 		sp99[name] = ms(percentile(sched, 0.99))
 		r.add(name+"_sched_p50", ms(percentile(sched, 0.50)), "ms")
 		r.add(name+"_sched_p99", sp99[name], "ms")
+		r.add(name+"_pool_waits", float64(poolWaits[name]), "waits")
+		r.add(name+"_pool_wait_ms", ms(poolWaited[name]), "ms")
 	}
 	r.Params["latency_modes"] = strings.Join(cfg.LatencyModes, ",")
 	// A hint-driven relay should have no worse a tail than a relay polling
@@ -278,7 +284,7 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 // of the modes not writing stay up, idle, as they would between bursts.
 // With cfg.CPUProfile, one profile covers all the turns:
 // CPUProfile.sliced. It returns the turns in the order they ran.
-func measureSliced(ctx context.Context, cfg config, brokers []string, order []string, notes *[]string, pooled, lags, scheds map[string][]time.Duration, closed map[string]int64) ([]latencyTurn, error) {
+func measureSliced(ctx context.Context, cfg config, brokers []string, order []string, notes *[]string, pooled, lags, scheds map[string][]time.Duration, closed, poolWaits map[string]int64, poolWaited map[string]time.Duration) ([]latencyTurn, error) {
 	runs := make([]*latencyRun, 0, len(order))
 	defer func() {
 		for i := len(runs) - 1; i >= 0; i-- {
@@ -318,6 +324,9 @@ func measureSliced(ctx context.Context, cfg config, brokers []string, order []st
 				return nil, err
 			}
 			t.to, t.end = lr.written, time.Now()
+			lr.mu.Lock()
+			t.arrived = len(lr.recv)
+			lr.mu.Unlock()
 			turns = append(turns, t)
 		}
 		if !wrote {
@@ -338,6 +347,7 @@ func measureSliced(ctx context.Context, cfg config, brokers []string, order []st
 		}
 		pooled[lr.mode.name], closed[lr.mode.name] = lat, idleClosed
 		lags[lr.mode.name], scheds[lr.mode.name] = w.lag, w.fromSchedule
+		poolWaits[lr.mode.name], poolWaited[lr.mode.name] = w.poolWaits, w.poolWaited
 		for i := range turns {
 			if turns[i].mode == lr.mode.name {
 				turns[i].p99 = lr.p99(turns[i].from, turns[i].to)
@@ -348,13 +358,15 @@ func measureSliced(ctx context.Context, cfg config, brokers []string, order []st
 }
 
 // latencyTurn is one turn of measureSliced: mode wrote its messages
-// from..to-1 between start and end, and they were delivered by end. p99
-// is commit → receipt of its counted messages (0 for a turn of the
-// warm-up).
+// from..to-1 between start and end; arrived is how many of the mode's
+// messages had arrived by end (all of them, to, unless the delivery
+// stalled). p99 is commit → receipt of its counted messages (0 for a
+// turn of the warm-up).
 type latencyTurn struct {
 	mode       string
 	from, to   int
 	start, end time.Time
+	arrived    int
 	p99        time.Duration
 }
 
@@ -623,6 +635,7 @@ type latencyRun struct {
 	ids                  []string
 	werr                 atomic.Value
 	closedAtStart        int64
+	poolAtStart          sql.DBStats
 	closers              []func() // run in reverse by close
 	mu                   sync.Mutex
 	recv                 map[string]time.Time
@@ -755,6 +768,7 @@ func openLatencyRun(ctx context.Context, cfg config, brokers []string, mode late
 	lr.scheduled = make([]time.Time, lr.total)
 	lr.ids = make([]string, lr.total)
 	lr.closedAtStart = maxIdleClosed(e.db)
+	lr.poolAtStart = poolStats(e.db)
 	return lr, nil
 }
 
@@ -803,8 +817,15 @@ func (lr *latencyRun) slice(ctx context.Context, n int) error {
 // written because the writers were busy, which commit → receipt does not
 // count); fromSchedule, its place in the schedule → receipt, the lag
 // included.
+//
+// poolWaits and poolWaited are how often and how long, in all, the bench
+// process's pool of the run (the writers' and, but for listen, the
+// relay's connections) made a caller wait for a connection at its open
+// limit while the run wrote and delivered its messages.
 type latencyWaits struct {
 	lag, fromSchedule []time.Duration
+	poolWaits         int64
+	poolWaited        time.Duration
 }
 
 // result is commit return → receipt of every counted message the run
@@ -838,6 +859,9 @@ func (lr *latencyRun) result(notes *[]string, idleClosed *int64, waits *latencyW
 		return nil, lost, errors.New("no message arrived")
 	}
 	if waits != nil {
+		now := poolStats(lr.e.db)
+		waits.poolWaits = now.WaitCount - lr.poolAtStart.WaitCount
+		waits.poolWaited = now.WaitDuration - lr.poolAtStart.WaitDuration
 		for i := warm; i < len(ids); i++ {
 			if lr.committed[i].IsZero() {
 				continue // its transaction failed: werr
@@ -1063,6 +1087,15 @@ func runConsumerRole() int {
 			}
 		}
 	}
+}
+
+// poolStats returns db's pool statistics; zero if it has no *sql.DB.
+func poolStats(db *gorm.DB) sql.DBStats {
+	sqlDB, err := db.DB()
+	if err != nil {
+		return sql.DBStats{}
+	}
+	return sqlDB.Stats()
 }
 
 // maxIdleClosed returns how many connections db's pool has closed at its

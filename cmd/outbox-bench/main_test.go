@@ -135,7 +135,7 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 		}
 		// A mode run more than once pools its runs' messages.
 		require.Equal(t, float64(runs[m.name])*written, r.Values[m.name+"_messages"], m.name)
-		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max", "_write_lag_p50", "_write_lag_p99", "_sched_p50", "_sched_p99"} {
+		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max", "_write_lag_p50", "_write_lag_p99", "_sched_p50", "_sched_p99", "_pool_waits", "_pool_wait_ms"} {
 			require.Contains(t, r.Values, m.name+f)
 		}
 		for k := 1; runs[m.name] > 1 && k <= runs[m.name]; k++ {
@@ -319,8 +319,9 @@ func TestLatencySlicedTurns(t *testing.T) {
 	defer broker.stop()
 
 	var notes []string
-	pooled, lags, scheds, closed := map[string][]time.Duration{}, map[string][]time.Duration{}, map[string][]time.Duration{}, map[string]int64{}
-	turns, err := measureSliced(ctx, cfg, brokers, []string{"direct", "notify"}, &notes, pooled, lags, scheds, closed)
+	pooled, lags, scheds := map[string][]time.Duration{}, map[string][]time.Duration{}, map[string][]time.Duration{}
+	closed, poolWaits, poolWaited := map[string]int64{}, map[string]int64{}, map[string]time.Duration{}
+	turns, err := measureSliced(ctx, cfg, brokers, []string{"direct", "notify"}, &notes, pooled, lags, scheds, closed, poolWaits, poolWaited)
 	require.NoError(t, err)
 
 	per := sliceMessages(cfg) // 200 tx/s for 50 ms
@@ -334,6 +335,7 @@ func TestLatencySlicedTurns(t *testing.T) {
 		require.Equal(t, want, turn.mode, "turn %d", i)
 		require.Equal(t, next[turn.mode], turn.from, "turn %d continues its mode's messages", i)
 		require.Equal(t, per, turn.to-turn.from, "turn %d", i)
+		require.Equal(t, turn.to, turn.arrived, "turn %d: its messages, and its mode's before, delivered before the next turn", i)
 		next[turn.mode] = turn.to
 		// Its own p99, but for the warm-up's turns.
 		if turn.to <= int(float64(cfg.Rate)*cfg.Warmup.Seconds()) {
@@ -379,4 +381,31 @@ func TestTurnRatio(t *testing.T) {
 	require.InDelta(t, 21, v, 1e-9, "an even count: the mean of the middle two")
 	_, ok = turnRatio(turns, "listen", "direct")
 	require.False(t, ok, "a mode without turns")
+}
+
+// TestLatencyPoolWaits checks that a latency run reports its pool's waits
+// for a connection: with one connection for the 8 writers and the relay,
+// callers wait, and the run counts the waits and their time.
+func TestLatencyPoolWaits(t *testing.T) {
+	dbtest.Require(t, dbtest.Postgres)
+	cfg, err := parseFlags([]string{"-smoke", "-driver", dbtest.Postgres, "-max-idle-conns", "1"})
+	require.NoError(t, err)
+	cfg.TmpDir = t.TempDir()
+	useExternalBrokers(cfg.Brokers)
+	t.Cleanup(func() { externalBrokers = nil })
+	ctx := context.Background()
+	broker, brokers, err := startBroker(ctx, cfg.Partitions, false)
+	require.NoError(t, err)
+	defer broker.stop()
+
+	var (
+		notes      []string
+		idleClosed int64
+		w          latencyWaits
+	)
+	lat, err := measureAll(ctx, cfg, brokers, latencyModeNamed("notify"), &notes, &idleClosed, &w)
+	require.NoError(t, err)
+	require.Len(t, lat, int(float64(cfg.Rate)*cfg.Duration.Seconds()))
+	require.Positive(t, w.poolWaits, "8 writers and a relay on one connection wait for it")
+	require.Positive(t, w.poolWaited)
 }

@@ -301,22 +301,31 @@ func TestCeilingDelete(t *testing.T) {
 	})
 }
 
+// latencyTestSetup is the configuration of -smoke on PostgreSQL with
+// args, and the brokers of a Kafka-protocol broker process (or of
+// KAFKA_BROKERS's cluster), stopped when the test ends.
+func latencyTestSetup(t *testing.T, args ...string) (config, []string) {
+	t.Helper()
+	dbtest.Require(t, dbtest.Postgres)
+	cfg, err := parseFlags(append([]string{"-smoke", "-driver", dbtest.Postgres}, args...))
+	require.NoError(t, err)
+	cfg.TmpDir = t.TempDir()
+	useExternalBrokers(cfg.Brokers)
+	t.Cleanup(func() { externalBrokers = nil })
+	broker, brokers, err := startBroker(context.Background(), cfg.Partitions, false)
+	require.NoError(t, err)
+	t.Cleanup(broker.stop)
+	return cfg, brokers
+}
+
 // TestLatencySlicedTurns runs two latency modes side by side in turns
 // (measureSliced) on PostgreSQL: the modes take turns of -latency-slice's
 // worth of messages, the turns' order reversed every rotation, each turn
 // delivered before the next starts, until every mode wrote its warm-up and
 // its counted messages; every counted message arrives and is measured.
 func TestLatencySlicedTurns(t *testing.T) {
-	dbtest.Require(t, dbtest.Postgres)
-	cfg, err := parseFlags([]string{"-smoke", "-driver", dbtest.Postgres, "-latency-modes", "direct,notify,direct", "-latency-slice", "50ms"})
-	require.NoError(t, err)
-	cfg.TmpDir = t.TempDir()
-	useExternalBrokers(cfg.Brokers)
-	t.Cleanup(func() { externalBrokers = nil })
+	cfg, brokers := latencyTestSetup(t, "-latency-modes", "direct,notify,direct", "-latency-slice", "50ms")
 	ctx := context.Background()
-	broker, brokers, err := startBroker(ctx, cfg.Partitions, false)
-	require.NoError(t, err)
-	defer broker.stop()
 
 	var notes []string
 	pooled, lags, scheds := map[string][]time.Duration{}, map[string][]time.Duration{}, map[string][]time.Duration{}
@@ -387,16 +396,8 @@ func TestTurnRatio(t *testing.T) {
 // for a connection: with one connection for the 8 writers and the relay,
 // callers wait, and the run counts the waits and their time.
 func TestLatencyPoolWaits(t *testing.T) {
-	dbtest.Require(t, dbtest.Postgres)
-	cfg, err := parseFlags([]string{"-smoke", "-driver", dbtest.Postgres, "-max-idle-conns", "1"})
-	require.NoError(t, err)
-	cfg.TmpDir = t.TempDir()
-	useExternalBrokers(cfg.Brokers)
-	t.Cleanup(func() { externalBrokers = nil })
+	cfg, brokers := latencyTestSetup(t, "-max-idle-conns", "1")
 	ctx := context.Background()
-	broker, brokers, err := startBroker(ctx, cfg.Partitions, false)
-	require.NoError(t, err)
-	defer broker.stop()
 
 	var (
 		notes      []string

@@ -281,7 +281,8 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 // what the machine, PostgreSQL and the broker do over the run (another
 // process's burst, a checkpoint, a log segment rolled) falls on every
 // mode alike, and so does the run's start on fresh topics. The relays
-// of the modes not writing stay up, idle, as they would between bursts.
+// of the modes not writing stay up, idle but for their polls and lease
+// renewals, as they would between bursts.
 // With cfg.CPUProfile, one profile covers all the turns:
 // CPUProfile.sliced. It returns the turns in the order they ran.
 func measureSliced(ctx context.Context, cfg config, brokers []string, order []string, notes *[]string, pooled, lags, scheds map[string][]time.Duration, closed, poolWaits map[string]int64, poolWaited map[string]time.Duration) ([]latencyTurn, error) {

@@ -41,6 +41,20 @@ func newOutage(fake *kfake.Cluster) *outage {
 	return o
 }
 
+// outageSarama keeps the producer's retries and timeouts short, so that
+// a publish fails within seconds of an outage.
+func outageSarama(sc *sarama.Config) error {
+	sc.Producer.Retry.Max = 2
+	sc.Producer.Retry.Backoff = 10 * time.Millisecond
+	sc.Producer.Timeout = time.Second
+	sc.Metadata.Retry.Max = 1
+	sc.Metadata.Retry.Backoff = 10 * time.Millisecond
+	sc.Net.DialTimeout = time.Second
+	sc.Net.ReadTimeout = time.Second
+	sc.Net.WriteTimeout = time.Second
+	return nil
+}
+
 // publishStats counts the relay's publish outcomes.
 type publishStats struct {
 	relay.NopObserver
@@ -83,19 +97,9 @@ func TestBrokerOutageIsNotPoison(t *testing.T) {
 		down := newOutage(fake)
 
 		k := publishertest.StartKafka(t, publisher.KafkaConfig{
-			Brokers: cluster.Brokers(),
-			Logger:  dbtest.Logger(t),
-			Configure: func(sc *sarama.Config) error {
-				sc.Producer.Retry.Max = 2
-				sc.Producer.Retry.Backoff = 10 * time.Millisecond
-				sc.Producer.Timeout = time.Second
-				sc.Metadata.Retry.Max = 1
-				sc.Metadata.Retry.Backoff = 10 * time.Millisecond
-				sc.Net.DialTimeout = time.Second
-				sc.Net.ReadTimeout = time.Second
-				sc.Net.WriteTimeout = time.Second
-				return nil
-			},
+			Brokers:   cluster.Brokers(),
+			Logger:    dbtest.Logger(t),
+			Configure: outageSarama,
 		})
 
 		const maxAttempts = 3

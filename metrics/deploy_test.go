@@ -212,7 +212,7 @@ func TestAlertRules(t *testing.T) {
 	}
 	// What the alerts are for.
 	for _, want := range []string{
-		"OutboxOldestPendingMessageTooOld", "OutboxPublishFailing", "OutboxPermanentPublishFailure",
+		"OutboxOldestPendingMessageTooOld", "OutboxSinkUnavailable", "OutboxPublishFailing", "OutboxPermanentPublishFailure",
 		"OutboxLeaseExpirations", "OutboxBacklogSampleUnavailable", "OutboxDeadLettersGrowing",
 		"OutboxInboxProcessingFailing",
 	} {

@@ -66,9 +66,11 @@ const (
 	StateFailed     = "failed"
 	StateParked     = "parked"
 	// Reasons of outbox_publisher_producer_replacements_total, as
-	// publisher.ReplaceProducerState and publisher.ReplaceStalled.
+	// publisher.ReplaceProducerState, publisher.ReplaceStalled and
+	// publisher.ReplaceBrokersBack.
 	ReasonProducerState = "producer_state"
 	ReasonStalled       = "stalled"
+	ReasonBrokersBack   = "brokers_back"
 )
 
 // Config configures a Collector. The zero value is usable.
@@ -258,6 +260,7 @@ func New(cfg Config) (*Collector, error) {
 	c.deadLettered.WithLabelValues(StateParked)
 	c.replaced.WithLabelValues(ReasonProducerState)
 	c.replaced.WithLabelValues(ReasonStalled)
+	c.replaced.WithLabelValues(ReasonBrokersBack)
 	return c, nil
 }
 

@@ -172,7 +172,7 @@ func (s *stream) decodeInsert(m *pglogrepl.InsertMessage) error {
 		return &relay.MisconfigurationError{Setting: "BucketCount", Reason: fmt.Sprintf(
 			"row %d of %s is in bucket %d, outside 0..%d: a writer uses a larger BucketCount; use one BucketCount everywhere", id, s.r.ocfg.Tables.Messages, bucket, len(s.buckets)-1)}
 	}
-	s.txn = append(s.txn, entry{commit: s.txnCommit, bridged: true, xid: s.txnXid, msg: relay.Message{ID: id, Bucket: bucket}})
+	s.txn = append(s.txn, entry{commit: s.txnCommit, bridged: true, xid: s.txnXid, msg: relay.Message{ID: id, Bucket: bucket, Position: uint64(s.txnCommit)}})
 	s.r.received.Add(1)
 	return nil
 }
@@ -234,7 +234,8 @@ func (s *stream) loadBridged(ctx context.Context, q *bucketQ, es []entry) ([]ent
 			return nil, 0, &relay.MisconfigurationError{Setting: "pgwal.Config.Bridge", Reason: fmt.Sprintf("row %d of %s: %v", row.ID, s.r.ocfg.Tables.Messages, err), Err: err}
 		}
 		es[i].msg = relay.Message{ID: row.ID, MessageID: row.MessageID, Bucket: int(row.Bucket), Topic: row.Topic, Key: row.Key, Value: row.Value,
-			Headers: hs, Partition: row.Partition, CreatedAt: time.UnixMilli(row.CreatedAtMs), Attempts: int(row.Attempts)}
+			Headers: hs, Partition: row.Partition, CreatedAt: time.UnixMilli(row.CreatedAtMs), Attempts: int(row.Attempts),
+			Position: uint64(es[i].commit)}
 	}
 	return es, 0, nil
 }

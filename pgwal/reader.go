@@ -43,7 +43,11 @@ type Reader struct {
 	prefix string
 
 	received, published, deadLettered atomic.Uint64
-	confirmed                         atomic.Uint64
+	confirmed, reconciled             atomic.Uint64
+
+	// notOurs holds the records of Kafka that a term found not to be
+	// this outbox's (reconcile.go); read and written by Run's goroutine.
+	notOurs map[recordKey]struct{}
 
 	// cur is the stream of the term being read; nil between terms.
 	cur atomic.Pointer[stream]
@@ -65,6 +69,10 @@ type Stats struct {
 	DeadLettered uint64
 	// Confirmed is the last position confirmed to the server.
 	Confirmed pglogrepl.LSN
+	// Reconciled counts the replayed messages a strict-mode reader did
+	// not publish because Kafka already held them: an earlier reading
+	// term published them and did not confirm their position.
+	Reconciled uint64
 }
 
 // New returns a reader of the outbox of plugin, which must be in
@@ -85,7 +93,7 @@ func New(db *gorm.DB, plugin *outbox.Plugin, pub relay.Publisher, cfg Config) (*
 	}
 	db = gormlog.Session(db) // the reader's statements log only when they fail
 	r := &Reader{db: db, ocfg: ocfg, cfg: cfg, pub: pub, log: cfg.Logger.With("outbox", ocfg.Name, "slot", cfg.Slot),
-		dead: ocfg.Tables.DeadLettersTable(), prefix: ocfg.WALPrefix(), done: make(chan struct{})}
+		dead: ocfg.Tables.DeadLettersTable(), prefix: ocfg.WALPrefix(), done: make(chan struct{}), notOurs: map[recordKey]struct{}{}}
 	r.leases = leases{db: db, table: cfg.LeaseTable, slot: cfg.Slot, me: cfg.RelayID, dur: cfg.LeaseDuration}
 	return r, nil
 }
@@ -96,7 +104,7 @@ func (r *Reader) Config() Config { return r.cfg }
 // Stats returns the reader's counters.
 func (r *Reader) Stats() Stats {
 	return Stats{Received: r.received.Load(), Published: r.published.Load(), DeadLettered: r.deadLettered.Load(),
-		Confirmed: pglogrepl.LSN(r.confirmed.Load())}
+		Confirmed: pglogrepl.LSN(r.confirmed.Load()), Reconciled: r.reconciled.Load()}
 }
 
 // SlotStatus reads the slot's status: its confirmed position and the WAL
@@ -471,7 +479,8 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 		leases[b] = relay.Lease{Bucket: b, Term: term}
 	}
 	if la, ok := r.pub.(relay.LeaseAware); ok {
-		if err := r.announce(sctx, la, term, from, leases); err != nil {
+		records, err := r.announce(sctx, la, term, from, leases)
+		if err != nil {
 			la.LeasesReleased(context.WithoutCancel(ctx), leases)
 			if errors.Is(err, errLeaseLost) {
 				return err
@@ -479,8 +488,21 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 			return &publisherError{err}
 		}
 		defer la.LeasesReleased(context.WithoutCancel(ctx), leases)
+		if records != nil {
+			// Read after the previous owners were fenced: every batch
+			// they committed lies before this position.
+			walEnd, err := r.walEnd(ctx)
+			if err != nil {
+				return err
+			}
+			s.holdReplays(records, from, walEnd)
+		}
 	}
-	eng, err := relay.New(source{s}, publisherOnly{r.pub}, r.engineConfig(s))
+	var pub relay.Publisher = publisherOnly{r.pub}
+	if rc, ok := r.pub.(relay.Reconciler); ok {
+		pub = reconcilingPublisher{publisherOnly{r.pub}, rc}
+	}
+	eng, err := relay.New(source{s}, pub, r.engineConfig(s))
 	if err != nil {
 		return err
 	}
@@ -576,6 +598,26 @@ func (p publisherOnly) Publish(ctx context.Context, msgs []relay.Message) (int, 
 	return n, err
 }
 
+// reconcilingPublisher is publisherOnly for a publisher that is a
+// relay.Reconciler: the engine reconciles a bucket whose batch ended in
+// doubt during the term (a commit whose outcome the publisher could not
+// tell): the batch is at the head of the bucket's queue, and leaves it
+// when Kafka's record names it. A fenced reconcile is an outage, as a
+// fenced publish is.
+type reconcilingPublisher struct {
+	publisherOnly
+	rc relay.Reconciler
+}
+
+// Reconcile forwards to the publisher's relay.Reconciler.
+func (p reconcilingPublisher) Reconcile(ctx context.Context, lease relay.Lease) (relay.Committed, error) {
+	c, err := p.rc.Reconcile(ctx, lease)
+	if relay.IsFenced(err) {
+		err = relay.Unavailable(fmt.Errorf("pgwal: publisher fenced; retrying while the reader holds the slot: %v", err))
+	}
+	return c, err
+}
+
 // CheckReady forwards the publisher's relay.ReadyChecker, if it has one.
 func (p publisherOnly) CheckReady(ctx context.Context) error {
 	if rc, ok := p.pub.(relay.ReadyChecker); ok {
@@ -584,14 +626,26 @@ func (p publisherOnly) CheckReady(ctx context.Context) error {
 	return nil
 }
 
+// ProbeSink forwards the publisher's relay.SinkProber; without one the
+// probe fails, and the engine sleeps its backoffs out.
+func (p publisherOnly) ProbeSink(ctx context.Context) error {
+	if sp, ok := p.pub.(relay.SinkProber); ok {
+		return sp.ProbeSink(ctx)
+	}
+	return errors.New("pgwal: the publisher cannot probe its sink")
+}
+
 // announce hands the term's leases to the publisher, renewing the slot's
 // lease meanwhile: the strict-mode publisher fences the previous owners
 // here, which can take longer than LeaseDuration on a recovering
 // cluster, and a lease left to lapse meanwhile is taken by a waiting
 // reader that cannot stream the slot this reader holds, and that this
 // reader then loses at its first standby update. The publisher's context
-// ends when the lease is lost; announce then returns errLeaseLost.
-func (r *Reader) announce(ctx context.Context, la relay.LeaseAware, term int64, from pglogrepl.LSN, leases []relay.Lease) error {
+// ends when the lease is lost; announce then returns errLeaseLost. For a
+// publisher that is a relay.Reconciler it then reads, under the same
+// renewal, every bucket's record of its last batch committed to Kafka
+// (reconcile.go); records is nil for another publisher.
+func (r *Reader) announce(ctx context.Context, la relay.LeaseAware, term int64, from pglogrepl.LSN, leases []relay.Lease) (records []relay.Committed, err error) {
 	actx, stop := context.WithCancelCause(ctx)
 	var wg sync.WaitGroup
 	wg.Go(func() {
@@ -612,13 +666,28 @@ func (r *Reader) announce(ctx context.Context, la relay.LeaseAware, term int64, 
 			}
 		}
 	})
-	err := la.LeasesAcquired(actx, leases)
+	err = la.LeasesAcquired(actx, leases)
+	if rc, ok := r.pub.(relay.Reconciler); ok && err == nil {
+		records, err = readRecords(actx, rc, leases)
+	}
 	if errors.Is(context.Cause(actx), errLeaseLost) {
 		err = errLeaseLost
 	}
 	stop(nil)
 	wg.Wait()
-	return err
+	if err != nil {
+		return nil, err
+	}
+	return records, nil
+}
+
+// walEnd reads the server's current WAL position.
+func (r *Reader) walEnd(ctx context.Context) (pglogrepl.LSN, error) {
+	var text string
+	if err := r.sess(ctx).Raw("SELECT pg_current_wal_lsn()::text").Scan(&text).Error; err != nil {
+		return 0, fmt.Errorf("pgwal: read the WAL position: %w", err)
+	}
+	return pglogrepl.ParseLSN(text)
 }
 
 // createSlot creates the slot on the replication connection conn and

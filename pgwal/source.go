@@ -80,7 +80,7 @@ func (src source) RenewLeases(context.Context, string, []relay.Lease, time.Durat
 func (source) ReleaseLeases(context.Context, string, []relay.Lease) error { return nil }
 
 // PendingBuckets implements relay.Store: the buckets whose queue is not
-// empty.
+// empty, but for those held until their replay is decided.
 func (src source) PendingBuckets(_ context.Context, buckets []int) ([]int, error) {
 	var out []int
 	for _, b := range buckets {
@@ -90,6 +90,9 @@ func (src source) PendingBuckets(_ context.Context, buckets []int) ([]int, error
 		q := src.s.buckets[b]
 		q.mu.Lock()
 		n := len(q.q)
+		if q.held != nil {
+			n = 0 // published once its replay is decided
+		}
 		q.mu.Unlock()
 		if n > 0 {
 			out = append(out, b)
@@ -115,7 +118,8 @@ func pause(ctx context.Context, d time.Duration) error {
 }
 
 // NextBatch implements relay.Store: up to limit leading entries of the
-// bucket's queue, left in it. Bridged rows of the messages table are read
+// bucket's queue, left in it; none while the bucket is held until its
+// replay is decided (reconcile.go). Bridged rows of the messages table are read
 // when they reach the head; a head row that is gone (a table-mode relay
 // published or dead-lettered it) leaves the queue here.
 func (src source) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Message, error) {
@@ -124,6 +128,11 @@ func (src source) NextBatch(ctx context.Context, bucket, limit int) ([]relay.Mes
 		return nil, nil
 	}
 	q := s.buckets[bucket]
+	if q.isHeld() {
+		// Its replay is not decided (reconcile.go): the bucket is hinted
+		// once it is.
+		return []relay.Message{}, nil
+	}
 	for {
 		if msgs, ok := q.head(limit); ok {
 			return msgs, nil

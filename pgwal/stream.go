@@ -41,6 +41,16 @@ type bucketQ struct {
 	// quarantined holds the keys of this bucket with a dead letter: their
 	// later messages are parked behind it.
 	quarantined map[string]struct{}
+	// held is Kafka's record of the bucket's last committed batch while
+	// the replay is not decided (reconcile.go): the bucket's replayed
+	// messages are set aside meanwhile (setAside of them, the last ones in
+	// aside, a ring whose oldest is at asideAt once full, the first
+	// committed at floor), not queued.
+	held     *relay.Committed
+	aside    []relay.Message
+	asideAt  int
+	setAside int
+	floor    pglogrepl.LSN
 }
 
 // stream is one term of reading: the replication connection, the
@@ -80,6 +90,14 @@ type stream struct {
 	rel bridgeRelation
 	// touched is enqueue's list of the buckets a transaction filled.
 	touched []int
+	// start is where the term reads from, walEnd the server's WAL end
+	// once the publisher fenced the previous owners, holding the count of
+	// held buckets, restart set when the term must end to read set-aside
+	// messages again, the first of them committed at keepFrom
+	// (reconcile.go).
+	start, walEnd, keepFrom pglogrepl.LSN
+	holding                 int
+	restart                 error
 }
 
 // newStream returns the stream of term, whose lease was last renewed by
@@ -150,7 +168,13 @@ func (s *stream) position() pglogrepl.LSN {
 		if len(q.q) > 0 && q.q[0].commit < pos {
 			pos = q.q[0].commit
 		}
+		if q.setAside > 0 && q.floor < pos {
+			pos = q.floor // set aside while its record is undecided
+		}
 		q.mu.Unlock()
+	}
+	if s.restart != nil && s.keepFrom < pos {
+		pos = s.keepFrom // set aside for a record that is not this outbox's
 	}
 	return max(pos, s.confirmed)
 }
@@ -310,6 +334,9 @@ func (s *stream) receive(ctx context.Context) error {
 				}
 				if !s.inTxn && ka.ServerWALEnd > s.done {
 					s.done = ka.ServerWALEnd
+					if err := s.settle(); err != nil {
+						return err
+					}
 				}
 				if ka.ReplyRequested {
 					next = time.Now()
@@ -386,7 +413,7 @@ func (s *stream) decode(data []byte) error {
 		s.txn = append(s.txn, entry{commit: s.txnCommit, xid: s.txnXid, msg: relay.Message{
 			// The negated LSN of the message's own record: unique, and
 			// never a messages table id, so dead letters keep a unique id.
-			ID: -int64(m.LSN), MessageID: env.ID, Bucket: env.Bucket, Topic: env.Topic, Key: env.Key, Value: env.Value,
+			ID: -int64(m.LSN), Position: uint64(s.txnCommit), MessageID: env.ID, Bucket: env.Bucket, Topic: env.Topic, Key: env.Key, Value: env.Value,
 			Headers: hs, Partition: env.Partition, CreatedAt: time.UnixMilli(env.CreatedAtMs)}})
 		s.r.received.Add(1)
 	case *pglogrepl.RelationMessage:
@@ -396,6 +423,7 @@ func (s *stream) decode(data []byte) error {
 	case *pglogrepl.CommitMessage:
 		s.enqueue(s.txn)
 		s.txn, s.inTxn, s.done = s.txn[:0], false, m.TransactionEndLSN
+		return s.settle()
 	}
 	return nil
 }
@@ -412,6 +440,7 @@ func (s *stream) enqueue(es []entry) {
 	// the engine is woken once for the transaction, after its messages
 	// are queued.
 	s.touched = s.touched[:0]
+	aside := 0
 	for i := 0; i < len(es); {
 		b := es[i].msg.Bucket
 		j := i + 1
@@ -419,12 +448,20 @@ func (s *stream) enqueue(es []entry) {
 			j++
 		}
 		q := s.buckets[b]
+		run := es[i:j]
+		if s.holding > 0 && q.isHeld() {
+			// Replayed messages of a held bucket are set aside until its
+			// record is decided (reconcile.go).
+			run = s.replayHeld(q, run)
+			aside += j - i - len(run)
+		}
 		q.mu.Lock()
-		q.q = append(q.q, es[i:j]...)
+		q.q = append(q.q, run...)
 		q.mu.Unlock()
 		s.touched = append(s.touched, b)
 		i = j
 	}
+	s.removed(aside)
 	s.hints.add(s.touched...)
 }
 

@@ -230,13 +230,19 @@
 //     outbox sharing the prefix, or one left before the database was
 //     recreated, deletes nothing. A batch committed but
 //     not deleted (the relay died, lost the database or its lease just
-//     after the commit) is therefore not published again. The row ids of
-//     a batch must fit TransactionalConfig.MarkerMaxBytes (the brokers'
-//     offset.metadata.max.bytes, 4096 by default; ids close together cost
-//     a byte each): a batch whose ids do not is published up to the last
-//     id that fits, and Publish returns that prefix with an error for
-//     which relay.IsTruncated reports true; the relay deletes it and
-//     publishes the rest at once.
+//     after the commit) is therefore not published again. The marker is
+//     bounded by TransactionalConfig.MarkerMaxBytes (the brokers'
+//     offset.metadata.max.bytes, 4096 by default). Ascending ids (a
+//     table-mode relay's batches) are listed while they fit, a byte per id within
+//     127 of the one before; a batch whose list does not fit is recorded
+//     as its span (first id, last id, count, digest), committed whole,
+//     and the relay deletes the rows of the span only if they are
+//     exactly that batch's (a row committed late inside the span deletes
+//     nothing: a duplicate, never a loss). A WAL-mode batch (its messages
+//     have a Position), and ids in another order, that do not fit are
+//     published up to the last id that fits, and Publish
+//     returns that prefix with an error for which relay.IsTruncated
+//     reports true; the relay deletes it and publishes the rest at once.
 //
 // This rests on: read_committed consumers; the relay calling Reconcile (a
 // wrapper must forward relay.Reconciler; TracingPublisher does); store
@@ -248,9 +254,11 @@
 // PREFIXED group ACL on TransactionalIDPrefix) and on the outbox's
 // topics, which the broker requires for a transactional offset commit. A
 // refused marker is a *relay.MisconfigurationError and aborts the
-// transaction: nothing is lost. The WAL reader (pgwal) publishes through
-// this publisher but does not reconcile: in WAL mode a batch committed
-// before the reader confirmed its position is published again.
+// transaction: nothing is lost. In WAL mode (pgwal) the marker of a batch
+// of positioned messages (relay.Message.Position) also records its last
+// message's position and digest (relay.Committed.Position, LastDigest):
+// the reader that takes the slot over skips, in its replay, what the
+// record shows Kafka holds (docs/strict-mode.md, "WAL mode").
 //
 // read_uncommitted consumers (the default of most clients) see aborted
 // records too, so none of this holds for them.
@@ -326,7 +334,13 @@
 // replaces it (only the one of its producers concerned) with a new
 // producer (a new producer id): at once when the
 // brokers refuse its state, and after KafkaConfig.StallTimeout (default
-// 30s) of publishes that all failed without one acknowledgement. The new
+// 30s) of publishes that all failed without one acknowledgement
+// (failures on an unknown topic, or of messages refused for good, are
+// about the message and do not count), and, through ProbeSink
+// (relay.SinkProber), when a broker answers again after a failed probe
+// while the producer's publishes had been failing since before it
+// (ReplaceBrokersBack): sarama's circuit breakers, opened by the outage,
+// would fail its next publishes for up to 10s more. The new
 // producer serves the next Publish; the old one is closed once the
 // messages it holds have their results. Replacements are at least 1s
 // apart, doubling while they do not help, are logged at Warn, counted by

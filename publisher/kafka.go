@@ -253,6 +253,7 @@ type Kafka struct {
 	retired sync.WaitGroup // replacements and retired producers closing
 
 	replacements atomic.Int64
+	probeFailed  atomic.Int64  // when ProbeSink last failed, Unix ns; see replaceFailing
 	unknown      unknownTopics // topics that failed as unknown, for classify
 	// retries counts the retries sarama started (it asks for a backoff
 	// before each one), for the order gate: see call.retriesAtStart.
@@ -332,6 +333,11 @@ const (
 	// ReplaceStalled: every publish failed for StallTimeout without a
 	// single acknowledgement.
 	ReplaceStalled = "stalled"
+	// ReplaceBrokersBack: the producer's publishes failed, and then a
+	// broker answered a probe (ProbeSink): the producer's circuit breakers
+	// opened and its connections broke during the outage, and would hold
+	// its next publishes back for up to 10s more.
+	ReplaceBrokersBack = "brokers_back"
 )
 
 // replaceGapMin is the shortest time between two producer replacements;
@@ -1055,8 +1061,8 @@ func (k *Kafka) observe(p *producer, acked int, err error) {
 		h.gap = replaceGapMin
 		return
 	}
-	if relay.IsPermanent(err) && !isProducerState(err) {
-		return // about the message, not the producer
+	if (relay.IsPermanent(err) && !isProducerState(err)) || errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
+		return // about the message or its topic, not the producer
 	}
 	if h.failingSince.IsZero() {
 		h.failingSince = now
@@ -1109,7 +1115,7 @@ func (k *Kafka) replace(i, l int, reason string, cause error, failingFor time.Du
 	k.mu.Unlock()
 
 	n := k.replacements.Add(1)
-	k.logger.Warn("kafka producer could not make progress; replaced it with a new one (new producer id)",
+	k.logger.Warn(replacedMessage(reason),
 		slog.String("reason", reason), slog.Int("producer", i), slog.Bool("lingering", l == laneLinger),
 		slog.Duration("failing_for", failingFor), slog.Int64("replacements", n), slog.Any("cause", cause))
 	if k.observer != nil {
@@ -1117,6 +1123,18 @@ func (k *Kafka) replace(i, l int, reason string, cause error, failingFor time.Du
 	}
 	k.retired.Add(1)
 	go k.retire(old)
+}
+
+// replacedMessage is the log line of a replacement for reason: what the
+// publisher observed.
+func replacedMessage(reason string) string {
+	switch reason {
+	case ReplaceProducerState:
+		return "the brokers refused the kafka producer's idempotence state; replaced it with a new one (new producer id)"
+	case ReplaceBrokersBack:
+		return "the brokers answer again after the kafka producer's publishes failed; replaced it with a new one (new producer id), so that its open circuit breakers and broken connections do not hold the next publishes back"
+	}
+	return "every publish through the kafka producer failed for failing_for without an acknowledgement; replaced it with a new one (new producer id)"
 }
 
 // retire closes p once no Publish hands messages to it any more. Its

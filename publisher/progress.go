@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 
@@ -18,8 +19,9 @@ import (
 // database what they committed. Every transaction of bucket b also commits,
 // atomically with its records (TxnOffsetCommit), an offset in the consumer
 // group ProgressGroup(b): the offset is the bucket's sequence number, one
-// more for every committed transaction, and its metadata is the exact set
-// of row ids (relay.Message.ID) the transaction carried. The group has no
+// more for every committed transaction, and its metadata records the row
+// ids (relay.Message.ID) the transaction carried: their list, or their
+// span when the list does not fit (encodeMarkerSums). The group has no
 // members; it is only a place the broker stores a value transactionally.
 // The offset is committed under the topic of the batch's first record,
 // partition 0 (the broker only stores offsets of partitions that exist);
@@ -43,14 +45,38 @@ import (
 const MarkerMaxBytesDefault = 4096
 
 // markerMinBytes is the smallest MarkerMaxBytes: room for one id of any
-// size and the header (version and digest), encoded.
+// size and the largest header (version, digest, position and the last
+// message's digest), encoded.
 const markerMinBytes = 64
 
-// markerVersion is the first byte of an encoded marker.
-const markerVersion = 2
+// The first byte of an encoded marker is its version, which is also its
+// form. The publisher writes markerList for ascending ids of a batch
+// without positions (table mode: the relay reads a batch ORDER BY id)
+// that fit, markerSpan for those that do not, markerPositioned for a batch
+// whose last message has a position (WAL mode), and markerList2 for any
+// other. Every version is read.
+const (
+	// markerList2: the ids as zigzag varint differences, any order.
+	markerList2 = 2
+	// markerPositioned: as markerList2, after the header the position of
+	// the batch's last message and the digest of that message alone.
+	markerPositioned = 3
+	// markerList: the first id as a zigzag varint, then each following
+	// id's difference from the one before as an unsigned varint (ids
+	// strictly ascending, every difference at least 1).
+	markerList = 4
+	// markerSpan: the first id as a zigzag varint, then the last id's
+	// difference from it and the count of ids, unsigned varints.
+	markerSpan = 5
+)
 
-// markerHeader is the version byte and the eight-byte digest.
-const markerHeader = 1 + 8
+// markerHeader is the version byte and the eight-byte digest;
+// markerHeaderPositioned adds the eight-byte position and the eight-byte
+// digest of the last message.
+const (
+	markerHeader           = 1 + 8
+	markerHeaderPositioned = markerHeader + 8 + 8
+)
 
 // ErrBadMarker is wrapped by the error of a producer that found, in its
 // bucket's progress group, a committed offset whose metadata is not a
@@ -59,19 +85,79 @@ const markerHeader = 1 + 8
 // until that is resolved; the error is a *relay.MisconfigurationError.
 var ErrBadMarker = errors.New("publisher: the progress group holds metadata that is not a progress marker")
 
-// encodeMarker encodes as many leading ids as fit in limit bytes of
-// metadata and returns the metadata and how many ids it holds (at least
-// one, limit permitting); digest(n) is the digest of the first n ids'
-// messages (relay.MessagesDigest). The encoding is base64 (standard
-// alphabet, no padding) of: the version byte, the digest (eight bytes,
-// big-endian), then the first id and each following id's difference from
-// the one before it, as zigzag varints. Ids in a batch are ascending, so
-// the differences are small: an id within 63 of the one before costs one
-// byte, 8191 two.
+// markerSums is what a marker holds of its batch's first n messages
+// besides their ids: the digest of their message ids
+// (relay.MessagesDigest), and, for a positioned marker, the position of
+// the n-th message and the digest of its message id alone.
+type markerSums struct {
+	digest, position, last uint64
+}
+
+// encodeMarker encodes the marker of a batch without positions; see
+// encodeMarkerSums.
 func encodeMarker(ids []int64, limit int, digest func(n int) uint64) (string, int) {
+	return encodeMarkerSums(ids, limit, false, func(n int) markerSums { return markerSums{digest: digest(n)} })
+}
+
+// encodeMarkerSums encodes the progress marker of a batch whose row ids
+// are ids, within limit bytes of metadata, and returns the metadata and
+// how many leading ids it covers; sums(n) is what the marker records of
+// the first n ids' messages. The encoding is base64 (standard alphabet,
+// no padding) of the version byte, the digest (eight bytes, big-endian),
+// when positioned the position and the last message's digest (eight
+// bytes each, big-endian), and the form's body.
+//
+// Ids strictly ascending of a batch without positions (the relay's table
+// mode) are listed if the list fits, a byte per id within 127 of the one
+// before, two within 16383 (markerList): the relay then deletes exactly
+// those rows. Otherwise the marker holds their span (first, last, count;
+// markerSpan), at most 46 bytes whatever the batch's size, and covers
+// every id: the relay then deletes the rows of the span only if they are
+// exactly count rows with that digest (relay.Committed). Ids in any other
+// order, and a positioned batch (WAL mode, whose reader needs the ids),
+// are listed as zigzag differences as far as they fit (markerList2,
+// markerPositioned), and the caller publishes only those.
+func encodeMarkerSums(ids []int64, limit int, positioned bool, sums func(n int) markerSums) (string, int) {
 	maxRaw := limit * 3 / 4 // base64 of k bytes takes ceil(4k/3) characters
-	raw := make([]byte, markerHeader, min(maxRaw, markerHeader+len(ids)*2))
-	raw[0] = markerVersion
+	if positioned || len(ids) == 0 || !ascending(ids) {
+		return encodeZigzag(ids, maxRaw, positioned, sums)
+	}
+	raw := make([]byte, markerHeader, min(maxRaw, markerHeader+binary.MaxVarintLen64+len(ids)*2))
+	raw[0] = markerList
+	raw = binary.AppendVarint(raw, ids[0])
+	for i := 1; i < len(ids) && len(raw) <= maxRaw; i++ {
+		raw = binary.AppendUvarint(raw, uint64(ids[i]-ids[i-1]))
+	}
+	if len(raw) > maxRaw {
+		raw = raw[:markerHeader]
+		raw[0] = markerSpan
+		raw = binary.AppendVarint(raw, ids[0])
+		raw = binary.AppendUvarint(raw, uint64(ids[len(ids)-1]-ids[0]))
+		raw = binary.AppendUvarint(raw, uint64(len(ids)))
+	}
+	binary.BigEndian.PutUint64(raw[1:markerHeader], sums(len(ids)).digest)
+	return base64.RawStdEncoding.EncodeToString(raw), len(ids)
+}
+
+// ascending reports whether ids are strictly ascending.
+func ascending(ids []int64) bool {
+	for i := 1; i < len(ids); i++ {
+		if ids[i] <= ids[i-1] {
+			return false
+		}
+	}
+	return true
+}
+
+// encodeZigzag lists as many leading ids as fit in maxRaw bytes (before
+// base64) as a markerList2, or a markerPositioned when positioned.
+func encodeZigzag(ids []int64, maxRaw int, positioned bool, sums func(n int) markerSums) (string, int) {
+	header, version := markerHeader, byte(markerList2)
+	if positioned {
+		header, version = markerHeaderPositioned, markerPositioned
+	}
+	raw := make([]byte, header, min(maxRaw, header+len(ids)*2))
+	raw[0] = version
 	var (
 		prev int64
 		tmp  [binary.MaxVarintLen64]byte
@@ -90,38 +176,95 @@ func encodeMarker(ids []int64, limit int, digest func(n int) uint64) (string, in
 		prev = id
 		n++
 	}
-	binary.BigEndian.PutUint64(raw[1:markerHeader], digest(n))
+	sum := sums(n)
+	binary.BigEndian.PutUint64(raw[1:markerHeader], sum.digest)
+	if positioned {
+		binary.BigEndian.PutUint64(raw[markerHeader:markerHeader+8], sum.position)
+		binary.BigEndian.PutUint64(raw[markerHeader+8:markerHeaderPositioned], sum.last)
+	}
 	return base64.RawStdEncoding.EncodeToString(raw), n
 }
 
-// decodeMarker decodes what encodeMarker encoded: the ids and the digest.
-func decodeMarker(s string) ([]int64, uint64, error) {
+// decodeMarker decodes a marker of any version into the record the relay
+// reconciles with.
+func decodeMarker(s string) (relay.Committed, error) {
 	raw, err := base64.RawStdEncoding.DecodeString(s)
 	if err != nil {
-		return nil, 0, fmt.Errorf("%w: %v", ErrBadMarker, err)
+		return relay.Committed{}, fmt.Errorf("%w: %v", ErrBadMarker, err)
 	}
-	if len(raw) < markerHeader || raw[0] != markerVersion {
-		return nil, 0, fmt.Errorf("%w: unknown version", ErrBadMarker)
+	if len(raw) < markerHeader {
+		return relay.Committed{}, fmt.Errorf("%w: shorter than its header", ErrBadMarker)
 	}
-	digest := binary.BigEndian.Uint64(raw[1:markerHeader])
-	raw = raw[markerHeader:]
-	var (
-		ids  []int64
-		prev int64
-	)
-	for len(raw) > 0 {
-		d, w := binary.Varint(raw)
+	c := relay.Committed{Digest: binary.BigEndian.Uint64(raw[1:markerHeader])}
+	version, body := raw[0], raw[markerHeader:]
+	bad := func(what string) (relay.Committed, error) {
+		return relay.Committed{}, fmt.Errorf("%w: version %d: %s", ErrBadMarker, version, what)
+	}
+	switch version {
+	case markerList2, markerPositioned:
+		if version == markerPositioned {
+			if len(raw) < markerHeaderPositioned {
+				return bad("shorter than its header")
+			}
+			c.Position = binary.BigEndian.Uint64(raw[markerHeader : markerHeader+8])
+			c.LastDigest = binary.BigEndian.Uint64(raw[markerHeader+8 : markerHeaderPositioned])
+			body = raw[markerHeaderPositioned:]
+		}
+		var prev int64
+		for len(body) > 0 {
+			d, w := binary.Varint(body)
+			if w <= 0 {
+				return bad(fmt.Sprintf("truncated id %d", len(c.IDs)))
+			}
+			body = body[w:]
+			if len(c.IDs) > 0 {
+				d += prev
+			}
+			c.IDs = append(c.IDs, d)
+			prev = d
+		}
+	case markerList:
+		first, w := binary.Varint(body)
 		if w <= 0 {
-			return nil, 0, fmt.Errorf("%w: truncated id %d", ErrBadMarker, len(ids))
+			return bad("no first id")
 		}
-		raw = raw[w:]
-		if len(ids) > 0 {
-			d += prev
+		body = body[w:]
+		c.IDs = append(c.IDs, first)
+		for len(body) > 0 {
+			d, w := binary.Uvarint(body)
+			prev := c.IDs[len(c.IDs)-1]
+			if w <= 0 || d == 0 || d > uint64(math.MaxInt64-prev) {
+				return bad(fmt.Sprintf("bad id %d", len(c.IDs)))
+			}
+			body = body[w:]
+			c.IDs = append(c.IDs, prev+int64(d))
 		}
-		ids = append(ids, d)
-		prev = d
+	case markerSpan:
+		first, w := binary.Varint(body)
+		if w <= 0 {
+			return bad("no first id")
+		}
+		body = body[w:]
+		width, w := binary.Uvarint(body)
+		if w <= 0 || width > uint64(math.MaxInt64-first) {
+			return bad("bad last id")
+		}
+		body = body[w:]
+		count, w := binary.Uvarint(body)
+		if w <= 0 || count == 0 || count-1 > width || count > math.MaxInt32 || w != len(body) {
+			return bad("bad count")
+		}
+		c.First, c.Last, c.Count = first, first+int64(width), int(count)
+	default:
+		return relay.Committed{}, fmt.Errorf("%w: unknown version %d", ErrBadMarker, version)
 	}
-	return ids, digest, nil
+	return c, nil
+}
+
+// parseMarker decodes a marker of any version; its seq is left 0.
+func parseMarker(s string) (marker, error) {
+	rec, err := decodeMarker(s)
+	return marker{rec: rec}, err
 }
 
 // ProgressGroup returns the consumer group whose committed offset records
@@ -134,11 +277,11 @@ func (t *Transactional) ProgressGroup(bucket int) string {
 }
 
 // marker is what a bucket's progress group holds: the sequence number of
-// its last committed transaction (0 for none) and the row ids it carried.
+// its last committed transaction (0 for none) and the record of the rows
+// it carried.
 type marker struct {
-	seq    int64
-	ids    []int64
-	digest uint64
+	seq int64
+	rec relay.Committed
 }
 
 // readMarker reads bucket's marker from its progress group with a stable
@@ -223,20 +366,22 @@ func (t *Transactional) fetchMarker(client sarama.Client, group string) (m marke
 	if best == nil {
 		return marker{}, false, nil // never committed (or expired): nothing to reconcile
 	}
-	ids, digest, err := decodeMarker(best.Metadata)
+	m, err = parseMarker(best.Metadata)
 	if err != nil {
 		return marker{}, false, &relay.MisconfigurationError{Setting: "TransactionalIDPrefix",
 			Reason: "the group " + group + " is used by something else than this outbox's relays; choose a prefix no other application's groups start with",
 			Err:    err}
 	}
-	return marker{seq: best.Offset, ids: ids, digest: digest}, false, nil
+	m.seq = best.Offset
+	return m, false, nil
 }
 
 var _ relay.Reconciler = (*Transactional)(nil)
 
 // Reconcile implements relay.Reconciler: it returns the row ids that the
 // last transaction committed for lease's bucket carried, and the digest
-// of their message ids, which the relay deletes before it reads the
+// of their message ids (with, for a batch of positioned messages, the
+// last one's position and digest: relay.Committed), which the relay deletes before it reads the
 // bucket if the store's rows of those ids hold those messages. It waits
 // for the bucket's producer (starting it if needed: its InitProducerID
 // fences the previous owner and ends its open transaction, and its start
@@ -254,7 +399,7 @@ func (t *Transactional) Reconcile(ctx context.Context, lease relay.Lease) (relay
 	if err != nil {
 		return relay.Committed{}, err
 	}
-	c := relay.Committed{IDs: p.last.ids, Digest: p.last.digest}
+	c := p.last.rec
 	<-p.sem
 	t.bg.Done()
 	return c, nil

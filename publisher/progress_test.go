@@ -76,17 +76,42 @@ func TestTransactionalReconcile(t *testing.T) {
 	require.Equal(t, want, ids(readCommitted(t, c, topicA)))
 }
 
-// A batch whose row ids do not fit MarkerMaxBytes is published up to the
-// last id that fits; Publish returns that prefix with a Truncated error,
-// and nothing after it is visible.
+// A batch of ascending row ids (the relay's) that do not fit
+// MarkerMaxBytes is published whole: its marker records their span, which
+// the bucket's next owner reads.
+func TestTransactionalMarkerSpan(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	topic := c.Topic(t, 1)
+	prefix := txnPrefix(t)
+	small := func(cfg *publisher.TransactionalConfig) { cfg.MarkerMaxBytes, cfg.TransactionalIDPrefix = 64, prefix }
+	tx := newTransactional(t, c, small)
+	msgs := inBucket(withIDs(publishertest.Messages(topic, "span", 40), 1_000_000, 1_000_000), 0)
+	acked, err := tx.Publish(testCtx(t), msgs)
+	require.NoError(t, err)
+	require.Equal(t, len(msgs), acked)
+	want := relay.Committed{First: 1_000_000, Last: 40_000_000, Count: 40, Digest: relay.MessagesDigest(msgs)}
+	got, err := tx.Reconcile(testCtx(t), relay.Lease{Bucket: 0, Term: 1})
+	require.NoError(t, err)
+	require.Equal(t, want, got, "the producer remembers its last commit")
+	next := newTransactional(t, c, small)
+	got, err = next.Reconcile(testCtx(t), relay.Lease{Bucket: 0, Term: 2})
+	require.NoError(t, err)
+	require.Equal(t, want, got, "the next owner reads the span")
+	require.Equal(t, ids(msgs), ids(readCommitted(t, c, topic)))
+}
+
+// A batch whose row ids are not ascending and do not fit MarkerMaxBytes
+// is published up to the last id that fits; Publish returns that prefix
+// with a Truncated error, and nothing after it is visible.
 func TestTransactionalMarkerTruncates(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)
 	topic := c.Topic(t, 1)
 	tx := newTransactional(t, c, func(cfg *publisher.TransactionalConfig) { cfg.MarkerMaxBytes = 64 })
-	// 64 base64 characters hold 48 bytes: the version byte, then ids a
-	// million apart at three bytes each: 15 ids.
-	msgs := inBucket(withIDs(publishertest.Messages(topic, "cut", 40), 1_000_000, 1_000_000), 0)
+	// 64 base64 characters hold 48 bytes: the version byte and digest,
+	// then ids a million apart, descending, at three bytes each.
+	msgs := inBucket(withIDs(publishertest.Messages(topic, "cut", 40), 40_000_000, -1_000_000), 0)
 	acked, err := tx.Publish(testCtx(t), msgs)
 	require.True(t, relay.IsTruncated(err), "%v", err)
 	require.Greater(t, acked, 0)
@@ -105,3 +130,44 @@ func TestTransactionalMarkerTruncates(t *testing.T) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// A batch of positioned messages (WAL mode) records its last message's
+// position and digest; when the batch is truncated, those of the last
+// message published. The next owner reads them back from the marker; a
+// batch without positions (table mode) records none.
+func TestTransactionalMarkerRecordsPosition(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	topic := c.Topic(t, 1)
+	prefix := txnPrefix(t)
+	sameID := func(cfg *publisher.TransactionalConfig) { cfg.TransactionalIDPrefix = prefix; cfg.MarkerMaxBytes = 64 }
+	a := newTransactional(t, c, sameID)
+	msgs := inBucket(withIDs(publishertest.Messages(topic, "wal", 40), -1_000_000_000, -1_000_000), 1)
+	for i := range msgs {
+		msgs[i].Position = uint64(5_000_000_000 + i/3*1000) // three messages per transaction
+	}
+	acked, err := a.Publish(testCtx(t), msgs)
+	require.True(t, relay.IsTruncated(err), "%v", err)
+	require.Positive(t, acked)
+	last := msgs[acked-1]
+	want := relay.Committed{Digest: relay.MessagesDigest(msgs[:acked]),
+		Position: last.Position, LastDigest: relay.MessagesDigest([]relay.Message{last})}
+	want.IDs = make([]int64, acked)
+	for i := range want.IDs {
+		want.IDs[i] = msgs[i].ID
+	}
+	b := newTransactional(t, c, sameID)
+	require.NoError(t, b.LeasesAcquired(testCtx(t), []relay.Lease{{Bucket: 1, Term: 2}}))
+	got, err := b.Reconcile(testCtx(t), relay.Lease{Bucket: 1, Term: 2})
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+
+	plain := inBucket(withIDs(publishertest.Messages(topic, "table", 2), 10, 1), 1)
+	acked, err = b.Publish(testCtx(t), plain)
+	require.NoError(t, err)
+	require.Equal(t, 2, acked)
+	third := newTransactional(t, c, sameID)
+	got, err = third.Reconcile(testCtx(t), relay.Lease{Bucket: 1, Term: 3})
+	require.NoError(t, err)
+	require.Equal(t, relay.Committed{IDs: []int64{10, 11}, Digest: relay.MessagesDigest(plain)}, got)
+}

@@ -2,6 +2,7 @@ package publisher
 
 import (
 	"context"
+	"errors"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -35,7 +36,9 @@ const tracerName = "github.com/gorm-outbox/outbox"
 // publisher, forwarding to it. The
 // returned publisher implements relay.ReadyChecker, forwarding to next's
 // when it has one (the Kafka publishers do), so a relay still refuses to
-// start on a wrapped publisher that was never started.
+// start on a wrapped publisher that was never started, and
+// relay.SinkProber, forwarding to next's (the Kafka publishers have one;
+// without one the probe fails, and the relay sleeps its backoffs out).
 func TracingPublisher(next relay.Publisher, tp trace.TracerProvider) relay.Publisher {
 	p := &tracingPublisher{next: next, tp: tp}
 	la, isLA := next.(relay.LeaseAware)
@@ -85,6 +88,19 @@ func (p *tracingPublisher) CheckReady(ctx context.Context) error {
 	}
 	return nil
 }
+
+// ProbeSink implements relay.SinkProber: next's, or an error, so that a
+// relay never takes a publisher that cannot probe for a sink that answers.
+func (p *tracingPublisher) ProbeSink(ctx context.Context) error {
+	if sp, ok := p.next.(relay.SinkProber); ok {
+		return sp.ProbeSink(ctx)
+	}
+	return errCannotProbe
+}
+
+// errCannotProbe is a forwarding ProbeSink's error when the publisher
+// it wraps cannot probe its sink.
+var errCannotProbe = errors.New("publisher: the wrapped publisher cannot probe its sink")
 
 func (p *tracingPublisher) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
 	tp := p.tp

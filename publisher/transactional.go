@@ -74,11 +74,15 @@ type TransactionalConfig struct {
 	// MarkerMaxBytes bounds the progress marker, in bytes: the metadata
 	// of the offset every transaction commits in its bucket's progress
 	// group (ProgressGroup), which lists the row ids the transaction
-	// carried, a byte or two per id for ids close together. A batch whose
-	// ids do not fit is published up to the last id that fits, and the
-	// rest follows in the next transaction (relay.Truncated). Keep it at
-	// or below the brokers' offset.metadata.max.bytes. Default
-	// MarkerMaxBytesDefault, the broker's default; at least 64.
+	// carried, a byte or two per id for ids close together, or, for
+	// ascending ids (a table-mode relay's batches) that do not fit, their
+	// span: the first and last id, the count and the digest, at most 46
+	// bytes. A WAL-mode batch (its messages have a Position), or one of
+	// ids in another order, that does not fit is published up to the last
+	// id that fits, and the rest follows in the next transaction
+	// (relay.Truncated). Keep it at or below the brokers'
+	// offset.metadata.max.bytes. Default MarkerMaxBytesDefault, the
+	// broker's default; at least 64.
 	MarkerMaxBytes int
 
 	// Logger receives the publisher's logs: Debug for producer lifecycle
@@ -621,10 +625,13 @@ func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int,
 	for i := range msgs {
 		ids[i] = msgs[i].ID
 	}
-	var digest uint64
-	meta, fit := encodeMarker(ids, t.cfg.MarkerMaxBytes, func(n int) uint64 {
-		digest = relay.MessagesDigest(msgs[:n])
-		return digest
+	positioned := msgs[len(msgs)-1].Position != 0
+	meta, fit := encodeMarkerSums(ids, t.cfg.MarkerMaxBytes, positioned, func(n int) markerSums {
+		sums := markerSums{digest: relay.MessagesDigest(msgs[:n])}
+		if positioned && n > 0 {
+			sums.position, sums.last = msgs[n-1].Position, relay.MessagesDigest(msgs[n-1:n])
+		}
+		return sums
 	})
 	var cut error
 	if fit < len(msgs) {
@@ -637,7 +644,10 @@ func (t *Transactional) Publish(ctx context.Context, msgs []relay.Message) (int,
 		t.logFailure(msgs, err)
 		return 0, err
 	}
-	b.marker, b.ids, b.digest = meta, ids[:fit], digest
+	b.marker = meta
+	if b.rec, err = decodeMarker(meta); err != nil {
+		return 0, err // cannot happen: encodeMarkerSums' own output
+	}
 	p, err := t.acquire(ctx, bucket)
 	if err != nil {
 		return 0, err
@@ -711,10 +721,10 @@ type txBatch struct {
 	pms  []sarama.ProducerMessage
 	envs []envelope
 	call *call
-	// marker is the encoded progress marker of ids, the batch's row ids.
+	// marker is the encoded progress marker of the batch, rec what it
+	// records.
 	marker string
-	ids    []int64
-	digest uint64
+	rec    relay.Committed
 }
 
 // build converts msgs to producer messages and checks each against what no
@@ -886,7 +896,7 @@ wait:
 		log.Debug("commit failed", slog.Int("batch", len(msgs)), slog.Any("error", err))
 		return txOutcome{err: t.commitError(p, err)}
 	}
-	p.last = marker{seq: seq, ids: b.ids, digest: b.digest}
+	p.last = marker{seq: seq, rec: b.rec}
 	return txOutcome{acked: len(msgs)}
 }
 

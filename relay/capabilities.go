@@ -24,6 +24,10 @@ type parts struct {
 	// reconciler names the rows the sink already holds; nil if the
 	// publisher does not implement Reconciler.
 	reconciler Reconciler
+	// sinkProber tells whether the sink answers during its outage; nil
+	// if the publisher does not implement SinkProber: a backoff after an
+	// unavailable publish is slept out.
+	sinkProber SinkProber
 }
 
 // resolveParts resolves the capabilities of store, publisher and cfg.
@@ -31,6 +35,7 @@ func resolveParts(store Store, publisher Publisher, cfg Config) parts {
 	p := parts{cfg: cfg, store: store, publisher: publisher, caps: resolveCapabilities(store, cfg)}
 	p.leaseAware, _ = publisher.(LeaseAware)
 	p.reconciler, _ = publisher.(Reconciler)
+	p.sinkProber, _ = publisher.(SinkProber)
 	if p.leaseAware != nil || p.reconciler != nil {
 		// A LeaseAware or Reconciler publisher (the strict mode's) keeps
 		// each batch's delete before the next batch's publish: its

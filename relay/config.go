@@ -29,6 +29,13 @@ const (
 	// writers is unaffected: a batch holds what is pending, up to
 	// BatchSize.
 	BatchSizeDefault = 2000
+	// BatchSizeReconcilerDefault is BatchSize's default when the relay's
+	// publisher is a Reconciler (strict mode's, publisher.Transactional):
+	// its batch is a Kafka transaction, whose fixed cost (its coordinator
+	// round trips and replicated writes, one after another for a bucket)
+	// a larger batch spreads over more messages (BENCHMARKS.md, "Strict
+	// mode: a batch of 8000").
+	BatchSizeReconcilerDefault = 8000
 	// BatchSizeMax is the largest accepted BatchSize.
 	BatchSizeMax = 10_000
 	// PollIntervalDefault is the fallback discovery interval.
@@ -97,13 +104,16 @@ type Config struct {
 	BucketCount int
 
 	// BatchSize is how many rows one batch of a bucket reads, publishes
-	// and deletes, 1 to 10000. Default 2000 (BatchSizeDefault).
+	// and deletes, 1 to 10000. Default 2000 (BatchSizeDefault); 8000
+	// (BatchSizeReconcilerDefault) when New is given a Reconciler
+	// publisher (strict mode's).
 	//
 	// A batch has no byte bound: each drainer holds one batch's messages
 	// at a time, so a relay holds about BatchSize × Parallelism messages,
 	// each up to the outbox's MaxMessageBytes (1 MB by default). At the
 	// defaults that is 16,000 messages: 3.2 MB of 200-byte values, 16 GB
-	// in the worst case of messages all near 1 MB; lower BatchSize where
+	// in the worst case of messages all near 1 MB (in strict mode 64,000:
+	// 12.8 MB, 64 GB); lower BatchSize where
 	// messages are large. In strict mode a batch is one Kafka transaction:
 	// read_committed consumers see none of its records until all of them
 	// are written and the transaction commits.

@@ -36,6 +36,13 @@ type Message struct {
 	CreatedAt time.Time
 	// Attempts counts failed publish attempts recorded for this row.
 	Attempts int
+	// Position is the store's opaque position of the message, for a store
+	// whose IDs alone do not order a bucket's messages across a restart:
+	// WAL mode (package pgwal) sets it to the log position of the
+	// message's transaction's commit. A Reconciler records the position
+	// of a batch's last message (Committed.Position). 0 means none: table
+	// mode leaves it 0.
+	Position uint64
 }
 
 // Publisher delivers a batch of messages to a sink.
@@ -302,12 +309,44 @@ type Reconciler interface {
 }
 
 // Committed is a Reconciler's record of the last batch of a bucket the
-// sink committed: its messages' IDs, in the batch's order, and the
-// MessagesDigest of those messages. The zero value records nothing.
+// sink committed, in one of two forms, and the MessagesDigest of the
+// batch's messages, in the batch's order. The zero value records
+// nothing.
+//
+// A list names the batch's rows: IDs, in the batch's order. The relay
+// deletes them if every one is among the bucket's oldest rows and they
+// hold the messages of Digest.
+//
+// A span, when IDs is empty and Count positive, records a batch of
+// Count rows in ascending id order from First to Last inclusive, for a
+// sink that cannot hold the whole list (the strict-mode publisher's
+// progress marker is bounded by the broker). The relay deletes the
+// bucket's rows with ids from First to Last only if they are exactly
+// Count rows, the first First and the last Last, holding the messages
+// of Digest: a row the batch did not carry inside the span (committed
+// late by a slower transaction) deletes nothing, so the batch may be
+// published again, never lost. A batch whose last message has a
+// Position is always a list.
+//
+// Position and LastDigest are recorded for a batch whose last message has
+// a Position (WAL mode): that Position, and the MessagesDigest of the last
+// message alone. They let a store that replays its log from a restart
+// point (package pgwal) tell which replayed messages are at or before the
+// batch, and that the batch is its own when the replay begins inside the
+// batch. Both are 0 otherwise, and for a record written before they were
+// recorded. The relay engine does not use them.
 type Committed struct {
-	IDs    []int64
-	Digest uint64
+	IDs        []int64
+	Digest     uint64
+	Position   uint64
+	LastDigest uint64
+
+	First, Last int64
+	Count       int
 }
+
+// IsZero reports whether c records nothing.
+func (c Committed) IsZero() bool { return len(c.IDs) == 0 && c.Count <= 0 }
 
 // MessagesDigest is the 64-bit FNV-1a hash of msgs' MessageIDs, in order,
 // each followed by a zero byte: what a Reconciler records of a batch so

@@ -181,6 +181,12 @@
 // names, and only when they are all in the bucket and hold the messages
 // the record's digest names (MessagesDigest), so a record that is not
 // this store's deletes nothing (TestStrictSharedPrefixLosesNothing).
+// A store that replays a log from a restart point rather than deleting
+// rows (WAL mode) sets Message.Position; the publisher records the
+// batch's last message's position and digest (Committed.Position,
+// LastDigest), and the store skips, before the engine reads the bucket,
+// the replayed messages up to that message (package pgwal,
+// docs/strict-mode.md "WAL mode"). The engine itself ignores them.
 //
 // # Buckets and ordering
 //
@@ -345,6 +351,56 @@
 // backoffs slept out) with the engine of ccd5529, runs interleaved, load
 // average 8 to 11: CI=true go test -race -count=1 -v -run
 // 'TestRelay(Resumes|RetriesBuckets)WhenDatabaseAnswers' ./gormrelay/.
+//
+// A sink outage does not either. After a publish failed as unavailable
+// (IsUnavailable, below), a publisher that can be probed (SinkProber; the
+// Kafka publishers open a new connection to a bootstrap broker and send
+// it an ApiVersions request) is probed every max(BackoffMin,
+// ProbeIntervalMin) while buckets back off for that reason; the first
+// probe that answers after the sink was seen down (the failed publish, or
+// a failed probe since) retries those buckets at once instead of after
+// their backoff. As with the store, the buckets keep their failure
+// counts, and a publish that fails again while the probe answers keeps
+// its plain backoff until a probe fails; a failure that is not
+// unavailable (a message refused for good, an unknown topic) is never
+// probed for. ReadyChecker is no probe: it reads the publisher's own
+// state. A Kafka publisher whose probe answers first replaces its
+// producers that kept failing (publisher.ReplaceBrokersBack): sarama's
+// circuit breakers open during an outage and would fail the first
+// publishes after it for up to 10s more. The end of an outage is logged
+// once at Info ("relay: the sink answers again; retrying now", with
+// down_for). Tests: relay TestSinkProbeEndsTheBackoffWhenTheSinkAnswers,
+// TestSinkProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee,
+// TestSinkProbeIgnoresFailuresAboutTheMessage, TestSinkProbeSecondOutage;
+// publisher TestProbeSinkSeesTheBrokersGoAndReturn,
+// TestProbeSinkKeepsAProducerFailingWhileBrokersAnswer,
+// TestKafkaNoReplacementForUnknownTopic; gormrelay
+// TestKafkaReturnEndsTheBackoff (every database; kfake drops every
+// connection until four publishes failed, BackoffMin 2s, so the bucket
+// still backs off at least 8s: the message is published before that).
+// From the brokers answering again to the first publish, runs
+// alternating without the probe (the publisher's SinkProber hidden:
+// the relay before it) and with it, three of each, on SQLite: on kfake
+// (TestMeasureKafkaReturn, BackoffMin 2s, the outage held until four
+// publishes failed) 10.00 / 11.61 / 12.10s without (median 11.61s)
+// against 0.49 / 0.67 / 0.97s with (median 0.67s), load average 21.0 at
+// the start, 17.3 at the end: OUTBOX_MEASURE_SINK_PROBE=1 CI=true go test
+// -count=1 -run 'TestMeasureKafkaReturn$' -v ./gormrelay/.
+// On a one-node Apache Kafka 4.4 (scripts/kafka.sh) killed and started
+// again once seven publishes failed, with the default backoff
+// (TestMeasureKafkaNodeReturn, timed from the node's first ApiVersions
+// answer): 0.37 / 7.21 / 26.22s without (median 7.21s; what is left of a
+// 15 to 30s backoff when the node is back varies with its start) against
+// 0.63 / 0.69 / 0.72s with (median 0.69s; the probe interval is 500ms),
+// load average 17.3 at the start, 13.7 at the end:
+// OUTBOX_KAFKA_DIR=... OUTBOX_KAFKA_PORT=... KAFKA_BROKERS=...
+// OUTBOX_MEASURE_KAFKA_NODE=1 CI=true go test -count=1 -timeout 30m -run
+// TestMeasureKafkaNodeReturn -v ./gormrelay/. A probe costs a new
+// connection: 5.17 / 8.06 / 0.72ms (median 5.17ms) against 1.74 / 1.09 /
+// 1.07ms (median 1.09ms) for publishing one message, on the same node,
+// alternating, load average 15.4 to 17.3: KAFKA_BROKERS=... go test
+// -run '^$' -bench ProbeSink -benchtime 300x -count 1 ./publisher/, three
+// times.
 //
 // Two kinds of failure are not held against the message:
 //

@@ -353,7 +353,7 @@ func (p *drainers) reconcile(ctx context.Context, b *batch) (batchResult, bool) 
 		p.log.Warn("relay: reconcile with the sink failed; not publishing the bucket until it succeeds", "bucket", lease.Bucket, "err", err)
 		return batchResult{out: outFailed, err: err}, true
 	}
-	if len(c.IDs) > 0 {
+	if !c.IsZero() {
 		held, err := p.committedRows(ctx, lease, c)
 		if err == nil && len(held) > 0 {
 			err = p.store.MarkPublished(context.WithoutCancel(ctx), p.cfg.RelayID, lease, held)
@@ -368,7 +368,7 @@ func (p *drainers) reconcile(ctx context.Context, b *batch) (batchResult, bool) 
 			return batchResult{out: outFailed, err: err}, true
 		default:
 			p.log.Warn("relay: delete of rows the sink already holds failed; not publishing the bucket until it succeeds",
-				"bucket", lease.Bucket, "ids", len(c.IDs), "err", err)
+				"bucket", lease.Bucket, "ids", len(held), "err", err)
 			return batchResult{out: outFailed, err: err}, true
 		}
 		if len(held) > 0 {
@@ -385,27 +385,56 @@ func (p *drainers) reconcile(ctx context.Context, b *batch) (batchResult, bool) 
 // head, behind at most a batch of rows committed late with smaller ids),
 // if every one is there and their digest is c's; otherwise none. Some
 // rows missing, or other messages under those ids, is a record that is
-// not this store's: it is logged, and nothing is deleted.
+// not this store's: it is logged, and nothing is deleted. For a span
+// (see Committed), the rows are those with ids from c.First to c.Last,
+// which must be exactly c.Count rows from c.First to c.Last with c's
+// digest.
 func (p *drainers) committedRows(ctx context.Context, lease Lease, c Committed) ([]Message, error) {
-	rows, err := p.store.NextBatch(ctx, lease.Bucket, min(len(c.IDs)+p.batchLimit(), BatchSizeMax))
+	recorded := len(c.IDs)
+	if recorded == 0 {
+		recorded = c.Count
+	}
+	rows, err := p.store.NextBatch(ctx, lease.Bucket, min(recorded, BatchSizeMax)+p.batchLimit())
 	if err != nil {
 		return nil, err
 	}
-	byID := make(map[int64]Message, len(rows))
-	for _, m := range rows {
-		byID[m.ID] = m
-	}
-	held := make([]Message, 0, len(c.IDs))
-	for _, id := range c.IDs {
-		if m, ok := byID[id]; ok {
-			held = append(held, m)
+	held := make([]Message, 0, min(recorded, len(rows))) // a Count from the sink bounds nothing
+	if len(c.IDs) > 0 {
+		byID := make(map[int64]Message, len(rows))
+		for _, m := range rows {
+			byID[m.ID] = m
+		}
+		for _, id := range c.IDs {
+			if m, ok := byID[id]; ok {
+				held = append(held, m)
+			}
+		}
+	} else {
+		for _, m := range rows {
+			if m.ID >= c.First && m.ID <= c.Last {
+				held = append(held, m)
+			}
 		}
 	}
 	switch {
 	case len(held) == 0:
 		return nil, nil // the usual case: the batch was deleted
-	case len(held) == len(c.IDs) && MessagesDigest(held) == c.Digest:
+	case len(held) == recorded && MessagesDigest(held) == c.Digest &&
+		(len(c.IDs) > 0 || held[0].ID == c.First && held[len(held)-1].ID == c.Last):
 		return held, nil
+	case len(c.IDs) == 0 && held[len(held)-1].ID != c.Last:
+		// The span's last row, the batch's, is gone: the batch was
+		// deleted (the GORM store deletes a batch in id order), and the
+		// rows inside its span were committed late by slower
+		// transactions. Also the usual case.
+		return nil, nil
+	}
+	if len(c.IDs) == 0 {
+		p.log.Warn("relay: the sink's record of the bucket's last batch, a span of ids, does not match the store's rows; deleting none of them, so they may be published again: "+
+			"a row the batch did not carry lies inside the span (committed late by a slower transaction), "+
+			"another outbox shares the publisher's identity (a strict-mode TransactionalIDPrefix), or row ids were reused (the database recreated or restored)",
+			"bucket", lease.Bucket, "recorded", c.Count, "found", len(held), "first", c.First, "last", c.Last)
+		return nil, nil
 	}
 	p.log.Warn("relay: the sink's record of the bucket's last batch does not match the store's rows; deleting none of them, so they may be published again: "+
 		"another outbox shares the publisher's identity (a strict-mode TransactionalIDPrefix), or row ids were reused (the database recreated or restored)",

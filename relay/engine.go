@@ -45,6 +45,7 @@ func newEngine(ctx context.Context, p parts, oneShot bool) *engine {
 	e := &engine{parts: p, log: p.cfg.Logger}
 	e.k = newKeeper(ctx, p.cfg, p.store, p.leaseAware != nil)
 	e.sched = newScheduler(p.cfg)
+	e.sched.wakeOnSink = p.sinkProber != nil && !oneShot
 	e.pool = newDrainers(p, e.k, e.sched, oneShot)
 	return e
 }
@@ -90,11 +91,12 @@ func (e *engine) run(ctx context.Context, stopping <-chan struct{}) error {
 		e.sched.close()
 		waitPool()
 	}()
-	// Discovery and the store's probes run beside the loop, so that hints
-	// are taken while the store looks for pending rows; deferred last,
-	// they end first (a probe is cancelled).
+	// Discovery and the probes of the store and the sink run beside the
+	// loop, so that hints are taken while the store looks for pending
+	// rows; deferred last, they end first (a probe is cancelled).
 	l := &loop{discovered: make(chan error, 1), probed: make(chan error, 1),
 		timer: time.NewTimer(time.Hour), hintsC: e.caps.hints.Ready()}
+	l.sink.probed = make(chan error, 1)
 	defer l.timer.Stop()
 	defer l.discovery.Wait()
 	defer l.probes.Wait()
@@ -122,6 +124,7 @@ func (e *engine) run(ctx context.Context, stopping <-chan struct{}) error {
 		e.takeHints(l, owned, now)
 		e.startDiscovery(ctx, l, owned, now)
 		e.startProbe(probeCtx, l, time.Now())
+		e.watchSink(probeCtx, l, time.Now())
 		retry, retrying := e.sched.promote(time.Now())
 		if worked {
 			e.cfg.Observer.CycleFinished(time.Since(now))
@@ -155,6 +158,10 @@ type loop struct {
 	downSeen       bool      // a store call or probe failed since the last early retry
 	early          bool      // the last backoff ended early: the store answered
 	downSince      time.Time // the first failure of the outage; zero when none
+
+	// The sink's outage (SinkProber): while buckets back off after
+	// unavailable publishes, the loop probes the publisher.
+	sink sinkWatch
 }
 
 // backingOff reports whether a failed store call of the loop waits for
@@ -271,6 +278,9 @@ func (e *engine) sleep(ctx context.Context, stopping <-chan struct{}, l *loop, r
 	if e.probeDue(l) {
 		wake = earliest(wake, l.probeAt)
 	}
+	if l.sinkProbeDue() {
+		wake = earliest(wake, l.sink.probeAt)
+	}
 	l.timer.Reset(time.Until(wake))
 	select {
 	case <-ctx.Done():
@@ -286,6 +296,8 @@ func (e *engine) sleep(ctx context.Context, stopping <-chan struct{}, l *loop, r
 		return e.discovered(ctx, l, err)
 	case err := <-l.probed:
 		e.probeAnswered(ctx, l, err)
+	case err := <-l.sink.probed:
+		e.sinkProbeAnswered(ctx, l, err)
 	}
 	return false, nil
 }

@@ -71,6 +71,9 @@ func New(store Store, publisher Publisher, cfg Config) (*Relay, error) {
 	if err := takeBucketCount(store, &cfg); err != nil {
 		return nil, err
 	}
+	if _, ok := publisher.(Reconciler); ok && cfg.BatchSize == 0 {
+		cfg.BatchSize = BatchSizeReconcilerDefault
+	}
 	cfg = cfg.WithDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err

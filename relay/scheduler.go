@@ -44,6 +44,10 @@ type bucketState struct {
 	// wake asks done to wake the control loop: a lease announcement waits
 	// for this bucket's batch to end.
 	wake bool
+	// sinkDown: the bucket's last batch failed because the sink was
+	// unavailable (IsUnavailable); its backoff may end early when the
+	// sink answers again (SinkProber).
+	sinkDown bool
 }
 
 // batchResult is what a drainer reports after one batch.
@@ -92,6 +96,13 @@ type scheduler struct {
 	paused   bool // acquiring: hand out nothing
 	closed   bool // stopping: hand out nothing, drainers exit
 	oneShot  bool // DrainOnce: drainers exit when nothing is ready or in flight
+
+	// sinkFailed counts the batches that failed because the sink was
+	// unavailable; sinkDown the buckets whose last batch did. wakeOnSink:
+	// such a failure wakes the control loop, which probes the sink.
+	sinkFailed uint64
+	sinkDown   int
+	wakeOnSink bool
 }
 
 func newScheduler(cfg Config) *scheduler {
@@ -221,6 +232,7 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, now time.Time) {
 	s.inFlight--
 	hinted := st.marks != marks // a hint arrived during the batch
 	st.settled, st.settledTerm = r.settled, r.settledTerm
+	sinkWake := s.noteSinkLocked(st, r)
 	switch r.out {
 	case outEmpty, outDrained:
 		st.ready = hinted
@@ -250,7 +262,7 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, now time.Time) {
 	if quiet && s.oneShot && len(s.fifo) == 0 {
 		s.cond.Broadcast() // the other drainers exit
 	}
-	wake := st.wake
+	wake := st.wake || sinkWake
 	st.wake = false
 	s.mu.Unlock()
 	if quiet || wake {
@@ -282,6 +294,7 @@ func (s *scheduler) forget(b int) {
 
 func (s *scheduler) forgetLocked(b int) {
 	st := &s.buckets[b]
+	s.setSinkDownLocked(st, false)
 	st.ready = false
 	st.failures, st.retryAt = 0, time.Time{}
 	st.shrink = 0
@@ -299,6 +312,7 @@ func (s *scheduler) reset(b int) {
 	st := &s.buckets[b]
 	st.failures, st.retryAt = 0, time.Time{}
 	st.failed = false
+	s.setSinkDownLocked(st, false)
 }
 
 // retryNow ends the backoff of every bucket backing off, and queues the
@@ -311,6 +325,53 @@ func (s *scheduler) retryNow(now time.Time) {
 	for b := range s.buckets {
 		st := &s.buckets[b]
 		if st.retryAt.After(now) {
+			st.retryAt = time.Time{}
+			s.enqueueLocked(b, now)
+		}
+	}
+}
+
+// noteSinkLocked notes whether the batch r of bucket st failed because
+// the sink was unavailable, and reports whether that wakes the control
+// loop.
+func (s *scheduler) noteSinkLocked(st *bucketState, r batchResult) bool {
+	down := r.out == outFailed && !s.oneShot && IsUnavailable(r.err)
+	s.setSinkDownLocked(st, down)
+	if !down {
+		return false
+	}
+	s.sinkFailed++
+	return s.wakeOnSink
+}
+
+func (s *scheduler) setSinkDownLocked(st *bucketState, down bool) {
+	switch {
+	case down && !st.sinkDown:
+		s.sinkDown++
+	case !down && st.sinkDown:
+		s.sinkDown--
+	}
+	st.sinkDown = down
+}
+
+// sinkFailures returns how many batches failed so far because the sink
+// was unavailable, and whether a bucket's last batch did.
+func (s *scheduler) sinkFailures() (uint64, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.sinkFailed, s.sinkDown > 0
+}
+
+// retrySinkNow ends the backoff of every bucket backing off because the
+// sink was unavailable, and queues the ready ones: the sink answers
+// again. Their failure counts stay, so a bucket that fails again backs
+// off longer.
+func (s *scheduler) retrySinkNow(now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for b := range s.buckets {
+		st := &s.buckets[b]
+		if st.sinkDown && st.retryAt.After(now) {
 			st.retryAt = time.Time{}
 			s.enqueueLocked(b, now)
 		}

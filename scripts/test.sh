@@ -110,6 +110,15 @@ real_kafka_pass() {
   trap 'bash "$KAFKA_SH" stop >/dev/null 2>&1 || true; rm -rf "$OUTBOX_KAFKA_DIR"' EXIT
   echo "== Apache Kafka: one node"
   bootstrap=$(bash "$kafka" start --nodes 1)
+  # scripts/kafka.sh topic, as the docs use it: it creates a topic, accepts
+  # the same request again, and refuses one with another partition count.
+  echo "== scripts/kafka.sh topic"
+  bash "$kafka" topic gorm-outbox-topic-check 3 >/dev/null
+  bash "$kafka" topic gorm-outbox-topic-check 3 >/dev/null
+  if bash "$kafka" topic gorm-outbox-topic-check 2 >/dev/null 2>&1; then
+    echo "ERROR: scripts/kafka.sh topic accepted 2 partitions for a topic that has 3" >&2
+    return 1
+  fi
   echo "== go test on Apache Kafka ($bootstrap): strict mode and tracing, publisher, inbox, outboxtest, kafkatest, bad input, bench smoke, example"
   # Both go test runs must pass: && keeps the first one's failure (a
   # subshell on the left of || runs without set -e).

@@ -44,6 +44,10 @@ type config struct {
 	Buckets    int
 	Partitions int
 	BatchSize  int
+	// StrictBatch is the strict scenario's relay batch size; 0 takes the
+	// relay's default for a strict-mode publisher
+	// (relay.BatchSizeReconcilerDefault), or -batch if given.
+	StrictBatch int
 	// Parallelism is the relay's Config.Parallelism; 0 takes the relay's
 	// default.
 	Parallelism int
@@ -174,6 +178,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.Buckets, "buckets", 8, "outbox buckets")
 	fs.IntVar(&c.Partitions, "partitions", 8, "topic partitions")
 	fs.IntVar(&c.BatchSize, "batch", relay.BatchSizeDefault, "relay batch size (the relay's default, relay.BatchSizeDefault)")
+	fs.IntVar(&c.StrictBatch, "strict-batch", 0, "strict: the strict drain's relay batch size (0: -batch if given, else the relay's default for a strict-mode publisher, relay.BatchSizeReconcilerDefault)")
 	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
 	fs.IntVar(&c.Producers, "producers", 0, "Kafka publisher's Producers (0: the publisher's default)")
 	fs.IntVar(&c.LingerBatch, "linger-batch", 0, "Kafka publisher's LingerBatch, the smallest batch sent through a slot's lingering producer (0: the publisher's default; negative: no routing by size)")
@@ -204,6 +209,13 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&brokers, "brokers", os.Getenv("KAFKA_BROKERS"), "comma-separated brokers of a real Kafka cluster (env KAFKA_BROKERS); empty starts a kfake broker process")
 	if err := fs.Parse(args); err != nil {
 		return c, err
+	}
+	if c.StrictBatch == 0 {
+		fs.Visit(func(f *flag.Flag) {
+			if f.Name == "batch" {
+				c.StrictBatch = c.BatchSize // -batch sets both modes' batch
+			}
+		})
 	}
 	for _, b := range strings.Split(brokers, ",") {
 		if b = strings.TrimSpace(b); b != "" {
@@ -260,8 +272,8 @@ func parseFlags(args []string) (config, error) {
 	if c.MaxIdleConns == 0 || c.MaxIdleConns < -2 {
 		return c, fmt.Errorf("-max-idle-conns must be positive, -1 for database/sql's defaults or -2 for them set explicitly")
 	}
-	if c.Parallelism < 0 || c.WideBuckets < 1 {
-		return c, fmt.Errorf("-parallelism must be 0 or positive and -wide-buckets positive")
+	if c.Parallelism < 0 || c.StrictBatch < 0 || c.WideBuckets < 1 {
+		return c, fmt.Errorf("-parallelism and -strict-batch must be 0 or positive and -wide-buckets positive")
 	}
 	if c.Consumer != "process" && c.Consumer != "inline" {
 		return c, fmt.Errorf("-consumer must be process or inline, not %q", c.Consumer)

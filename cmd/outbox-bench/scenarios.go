@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -1006,6 +1007,7 @@ func strictScenario(ctx context.Context, cfg config, r *result) error {
 	defer broker.stop()
 	r.Params["messages"] = cfg.N
 	r.Params["rounds"] = cfg.Rounds
+	r.Params["strict_batch"] = cmp.Or(cfg.StrictBatch, relay.BatchSizeReconcilerDefault)
 	newStrict := func() (relay.Publisher, func(), error) {
 		p, err := publisher.NewTransactional(publisher.TransactionalConfig{
 			Brokers: brokers, TransactionalIDPrefix: "outbox-bench-" + randomSuffix() + ".", Logger: quiet,
@@ -1036,6 +1038,7 @@ func strictScenario(ctx context.Context, cfg config, r *result) error {
 	series := map[string][]float64{}
 	for round := range cfg.Rounds {
 		defCfg, strictCfg := cfg, cfg
+		strictCfg.BatchSize = cfg.StrictBatch // 0: the relay's default for a strict-mode publisher
 		if cfg.CPUProfile != "" {
 			defCfg.profile = fmt.Sprintf("%s.default.%d", cfg.CPUProfile, round+1)
 			strictCfg.profile = fmt.Sprintf("%s.strict.%d", cfg.CPUProfile, round+1)

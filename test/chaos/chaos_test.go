@@ -12,6 +12,7 @@
 package chaos_test
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -49,6 +50,9 @@ const (
 	// EnvLogDir keeps the relays' logs in this directory instead of a
 	// temporary one.
 	EnvLogDir = "OUTBOX_CHAOS_LOGDIR"
+	// EnvMarkerBytes sets the strict relays' MarkerMaxBytes: 64 records
+	// every batch of more than about 35 rows as its span.
+	EnvMarkerBytes = "OUTBOX_CHAOS_MARKER_BYTES"
 )
 
 // params sizes one chaos run.
@@ -289,6 +293,7 @@ func runChaos(t *testing.T, p params) {
 				"-poll", chaosPoll.String(),
 				"-backoff-min", "50ms",
 				"-backoff-max", "1s",
+				"-marker-max-bytes", cmp.Or(os.Getenv(EnvMarkerBytes), "0"),
 			},
 		},
 		slots: make([]*relayProc, p.relays),

@@ -64,6 +64,7 @@ type options struct {
 	mode        string
 	txnPrefix   string
 	txnTimeout  time.Duration
+	markerBytes int
 	stopAfter   time.Duration
 	logLevel    string
 	maxConns    int
@@ -86,6 +87,7 @@ func main() {
 	flag.StringVar(&o.mode, "mode", "default", "publisher: default (idempotent producer) or strict (one Kafka transaction per batch)")
 	flag.StringVar(&o.txnPrefix, "txn-prefix", "chaos-", "strict mode: transactional id prefix, shared by all relays")
 	flag.DurationVar(&o.txnTimeout, "txn-timeout", 10*time.Second, "strict mode: the brokers abort a transaction open longer than this")
+	flag.IntVar(&o.markerBytes, "marker-max-bytes", 0, "strict mode: TransactionalConfig.MarkerMaxBytes (0: the default); a small bound records most batches as their span")
 	flag.DurationVar(&o.stopAfter, "stop-timeout", 10*time.Second, "graceful stop budget")
 	flag.StringVar(&o.logLevel, "log", "info", "log level: debug, info, warn, error")
 	flag.IntVar(&o.maxConns, "max-conns", 4, "database connections")
@@ -175,6 +177,7 @@ func run(o options) int {
 	} else {
 		pub, err = publisher.NewTransactional(publisher.TransactionalConfig{
 			Brokers: brokers, TransactionalIDPrefix: o.txnPrefix, Configure: configure, Logger: log,
+			MarkerMaxBytes: o.markerBytes,
 		})
 	}
 	if err != nil {

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -136,15 +137,8 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 	r.Params["parallelism"] = cfg.Parallelism
 	r.Params["max_idle_conns"] = cfg.MaxIdleConns
 	cfg.latencyProfile = cfg.CPUProfile
-	runs := map[string]int{}
-	for _, name := range cfg.LatencyModes {
-		runs[name]++
-	}
-	pooled := map[string][]time.Duration{}
-	lags := map[string][]time.Duration{} // the writers' lag behind their schedule
-	closed := map[string]int64{}         // summed over a mode's runs
-	var order []string                   // the modes' first runs, in order
-	seen := map[string]int{}
+	r.Params["latency_slice_s"] = cfg.LatencySlice.Seconds()
+	var names []string // the modes this driver runs, in -latency-modes order
 	for _, name := range cfg.LatencyModes {
 		mode := latencyModeNamed(name)
 		if mode.listen && cfg.Driver != "postgres" {
@@ -154,33 +148,76 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 			}
 			continue
 		}
-		seen[name]++
-		if seen[name] == 1 {
-			order = append(order, name)
+		names = append(names, name)
+	}
+	pooled := map[string][]time.Duration{}
+	lags := map[string][]time.Duration{}   // the writers' lag behind their schedule
+	scheds := map[string][]time.Duration{} // schedule → receipt
+	poolWaits, poolWaited := map[string]int64{}, map[string]time.Duration{}
+	closed := map[string]int64{} // summed over a mode's runs
+	var order []string           // the modes' first runs, in order
+	if cfg.LatencySlice > 0 {
+		seen := map[string]bool{}
+		for _, name := range names {
+			if !seen[name] {
+				seen[name] = true
+				order = append(order, name)
+			}
 		}
-		if runs[name] > 1 {
-			mode.run = seen[name]
-		}
-		var (
-			idleClosed int64
-			lag        []time.Duration
-		)
-		lat, err := measureAll(ctx, cfg, brokers, mode, &r.Notes, &idleClosed, &lag)
+		turns, err := measureSliced(ctx, cfg, brokers, order, &r.Notes, pooled, lags, scheds, closed, poolWaits, poolWaited)
 		if err != nil {
 			return err
 		}
-		pooled[name] = append(pooled[name], lat...)
-		lags[name] = append(lags[name], lag...)
-		if runs[name] > 1 {
-			// Each run of a repeated mode on its own; the mode's figures
-			// below pool them.
-			k := mode.label()
-			r.add(k+"_p50", ms(percentile(lat, 0.50)), "ms")
-			r.add(k+"_p99", ms(percentile(lat, 0.99)), "ms")
+		r.Params["latency_turns"] = len(turns)
+		// The same comparison turn by turn: each rotation's turn of the
+		// mode against direct's turn of the same rotation, the median over
+		// the rotations. An event of a few hundred milliseconds (a stall
+		// of the machine or the broker) sets a 10 s run's p99 by itself,
+		// in whichever mode it falls; it moves one rotation's ratio here.
+		for _, m := range []string{"notify", "rules8", "listen", "poll10"} {
+			if v, ok := turnRatio(turns, m, "direct"); ok {
+				r.add(m+"_turn_p99/direct_turn_p99", v, "ratio")
+			}
 		}
-		closed[name] += idleClosed
+	} else {
+		runs := map[string]int{}
+		for _, name := range names {
+			runs[name]++
+		}
+		seen := map[string]int{}
+		for _, name := range names {
+			mode := latencyModeNamed(name)
+			seen[name]++
+			if seen[name] == 1 {
+				order = append(order, name)
+			}
+			if runs[name] > 1 {
+				mode.run = seen[name]
+			}
+			var (
+				idleClosed int64
+				w          latencyWaits
+			)
+			lat, err := measureAll(ctx, cfg, brokers, mode, &r.Notes, &idleClosed, &w)
+			if err != nil {
+				return err
+			}
+			pooled[name] = append(pooled[name], lat...)
+			lags[name] = append(lags[name], w.lag...)
+			scheds[name] = append(scheds[name], w.fromSchedule...)
+			poolWaits[name] += w.poolWaits
+			poolWaited[name] += w.poolWaited
+			if runs[name] > 1 {
+				// Each run of a repeated mode on its own; the mode's figures
+				// below pool them.
+				k := mode.label()
+				r.add(k+"_p50", ms(percentile(lat, 0.50)), "ms")
+				r.add(k+"_p99", ms(percentile(lat, 0.99)), "ms")
+			}
+			closed[name] += idleClosed
+		}
 	}
-	p99 := map[string]float64{}
+	p99, sp99 := map[string]float64{}, map[string]float64{}
 	for _, name := range order {
 		lat := pooled[name]
 		sortDurations(lat)
@@ -195,6 +232,13 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 		sortDurations(lag)
 		r.add(name+"_write_lag_p50", ms(percentile(lag, 0.50)), "ms")
 		r.add(name+"_write_lag_p99", ms(percentile(lag, 0.99)), "ms")
+		sched := scheds[name]
+		sortDurations(sched)
+		sp99[name] = ms(percentile(sched, 0.99))
+		r.add(name+"_sched_p50", ms(percentile(sched, 0.50)), "ms")
+		r.add(name+"_sched_p99", sp99[name], "ms")
+		r.add(name+"_pool_waits", float64(poolWaits[name]), "waits")
+		r.add(name+"_pool_wait_ms", ms(poolWaited[name]), "ms")
 	}
 	r.Params["latency_modes"] = strings.Join(cfg.LatencyModes, ",")
 	// A hint-driven relay should have no worse a tail than a relay polling
@@ -214,7 +258,170 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 			}
 		}
 	}
+	// The same from each message's place in the writers' schedule: a
+	// writer that falls behind (direct's publishes hold its next
+	// transactions back) counts its wait here too.
+	if base := sp99["direct"]; base > 0 {
+		for _, m := range []string{"notify", "rules8", "listen", "poll10"} {
+			if v, ok := sp99[m]; ok {
+				r.add(m+"_sched_p99/direct_sched_p99", v/base, "ratio")
+			}
+		}
+	}
 	return nil
+}
+
+// measureSliced runs the modes named in order side by side: it sets up
+// every mode's run (openLatencyRun: its own database, topic, consumer and
+// relay or publisher), then writes them in turns of cfg.LatencySlice
+// each, the order of the turns reversed every rotation, until every mode
+// wrote its cfg.Warmup + cfg.Duration; each turn's messages are
+// delivered before the next turn starts. A mode's figures then come from
+// slices spread over the whole run rather than from one stretch of it:
+// what the machine, PostgreSQL and the broker do over the run (another
+// process's burst, a checkpoint, a log segment rolled) falls on every
+// mode alike, and so does the run's start on fresh topics. The relays
+// of the modes not writing stay up, idle but for their polls and lease
+// renewals, as they would between bursts.
+// With cfg.CPUProfile, one profile covers all the turns:
+// CPUProfile.sliced. It returns the turns in the order they ran.
+func measureSliced(ctx context.Context, cfg config, brokers []string, order []string, notes *[]string, pooled, lags, scheds map[string][]time.Duration, closed, poolWaits map[string]int64, poolWaited map[string]time.Duration) ([]latencyTurn, error) {
+	runs := make([]*latencyRun, 0, len(order))
+	defer func() {
+		for i := len(runs) - 1; i >= 0; i-- {
+			runs[i].close()
+		}
+	}()
+	for _, name := range order {
+		mode := latencyModeNamed(name)
+		lr, err := openLatencyRun(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, notes)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", name, err)
+		}
+		runs = append(runs, lr)
+	}
+	if cfg.latencyProfile != "" {
+		stop, err := startCPUProfile(cfg.latencyProfile + ".sliced")
+		if err != nil {
+			return nil, err
+		}
+		defer stop()
+	}
+	per := sliceMessages(cfg)
+	var turns []latencyTurn
+	for turn := 0; ; turn++ {
+		rotation := slices.Clone(runs)
+		if turn%2 == 1 {
+			slices.Reverse(rotation)
+		}
+		wrote := false
+		for _, lr := range rotation {
+			if lr.remaining() == 0 {
+				continue
+			}
+			wrote = true
+			t := latencyTurn{mode: lr.mode.name, from: lr.written, start: time.Now()}
+			if err := lr.slice(ctx, per); err != nil {
+				return nil, err
+			}
+			t.to, t.end = lr.written, time.Now()
+			lr.mu.Lock()
+			t.arrived = len(lr.recv)
+			lr.mu.Unlock()
+			turns = append(turns, t)
+		}
+		if !wrote {
+			break
+		}
+	}
+	for _, lr := range runs {
+		var (
+			idleClosed int64
+			w          latencyWaits
+		)
+		lat, lost, err := lr.result(notes, &idleClosed, &w)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", lr.mode.name, err)
+		}
+		if lost > 0 {
+			return nil, fmt.Errorf("%s: %d messages never arrived", lr.mode.name, lost)
+		}
+		pooled[lr.mode.name], closed[lr.mode.name] = lat, idleClosed
+		lags[lr.mode.name], scheds[lr.mode.name] = w.lag, w.fromSchedule
+		poolWaits[lr.mode.name], poolWaited[lr.mode.name] = w.poolWaits, w.poolWaited
+		for i := range turns {
+			if turns[i].mode == lr.mode.name {
+				turns[i].p99 = lr.p99(turns[i].from, turns[i].to)
+			}
+		}
+	}
+	return turns, nil
+}
+
+// latencyTurn is one turn of measureSliced: mode wrote its messages
+// from..to-1 between start and end; arrived is how many of the mode's
+// messages had arrived by end (all of them, to, unless the delivery
+// stalled). p99 is commit → receipt of its counted messages (0 for a
+// turn of the warm-up).
+type latencyTurn struct {
+	mode       string
+	from, to   int
+	start, end time.Time
+	arrived    int
+	p99        time.Duration
+}
+
+// p99 is commit → receipt p99 of the counted messages from..to-1 that
+// arrived; 0 if there are none.
+func (lr *latencyRun) p99(from, to int) time.Duration {
+	lr.mu.Lock()
+	defer lr.mu.Unlock()
+	var lat []time.Duration
+	for i := max(from, lr.warm); i < to; i++ {
+		if at, ok := lr.recv[lr.ids[i]]; ok && !lr.committed[i].IsZero() {
+			lat = append(lat, max(0, at.Sub(lr.committed[i])))
+		}
+	}
+	if len(lat) == 0 {
+		return 0
+	}
+	sortDurations(lat)
+	return percentile(lat, 0.99)
+}
+
+// turnRatio pairs mode's counted turns with base's, the k-th with the
+// k-th (the same rotation), and returns the median of mode's turn p99 ÷
+// base's; false if the two have no pair of counted turns.
+func turnRatio(turns []latencyTurn, mode, base string) (float64, bool) {
+	var a, b []time.Duration
+	for _, t := range turns {
+		switch {
+		case t.p99 <= 0:
+		case t.mode == mode:
+			a = append(a, t.p99)
+		case t.mode == base:
+			b = append(b, t.p99)
+		}
+	}
+	n := min(len(a), len(b))
+	if n == 0 {
+		return 0, false
+	}
+	ratios := make([]float64, n)
+	for k := range n {
+		ratios[k] = float64(a[k]) / float64(b[k])
+	}
+	slices.Sort(ratios)
+	if n%2 == 1 {
+		return ratios[n/2], true
+	}
+	return (ratios[n/2-1] + ratios[n/2]) / 2, true
+}
+
+// sliceMessages is how many messages one turn of measureSliced writes:
+// cfg.LatencySlice at cfg.Rate, at least one.
+func sliceMessages(cfg config) int {
+	return max(1, int(float64(cfg.Rate)*cfg.LatencySlice.Seconds()))
 }
 
 // arrivalStall is how long the latency scenario waits, after the writers
@@ -224,8 +431,8 @@ const arrivalStall = 60 * time.Second
 
 // measureAll is measureLatency on mode's topic, failing unless every
 // message arrived.
-func measureAll(ctx context.Context, cfg config, brokers []string, mode latencyMode, notes *[]string, idleClosed *int64, lag *[]time.Duration) ([]time.Duration, error) {
-	lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, notes, idleClosed, lag)
+func measureAll(ctx context.Context, cfg config, brokers []string, mode latencyMode, notes *[]string, idleClosed *int64, waits *latencyWaits) ([]time.Duration, error) {
+	lat, lost, err := measureLatency(ctx, cfg, brokers, mode, benchTopic+"-latency-"+mode.name, notes, idleClosed, waits)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", mode.name, err)
 	}
@@ -379,21 +586,81 @@ func startNotifySender(ctx context.Context, e *env, channel string) (stop func()
 
 // measureLatency writes cfg.Rate one-message transactions per second for
 // cfg.Warmup + cfg.Duration while mode's relay runs, and measures commit
-// return → consumer receipt for each message written after the warm-up.
+// return → consumer receipt for each message written after the warm-up:
+// openLatencyRun, then every message in one slice.
 //
-// With cfg.Timeline it also records each message's path through the
-// relay (not for listen, whose relay runs elsewhere; for direct, the
-// writer's publish), writes it there and appends a summary of the slowest
-// messages to notes.
-//
-// A non-nil lag receives, sorted, how far behind its schedule each counted
-// message's commit returned: the time a message waited to be written
-// because the writers were busy, which commit → receipt does not count.
+// A non-nil waits receives the counted messages' latencyWaits.
 //
 // idleClosed receives how many connections the bench process's pool (the
 // writer's and, but for listen, the relay's) closed at its idle limit
 // while the messages were written and delivered (sql.DBStats.MaxIdleClosed).
-func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string, idleClosed *int64, lag *[]time.Duration) ([]time.Duration, int, error) {
+func measureLatency(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string, idleClosed *int64, waits *latencyWaits) ([]time.Duration, int, error) {
+	lr, err := openLatencyRun(ctx, cfg, brokers, mode, topic, notes)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer lr.close()
+	if cfg.latencyProfile != "" {
+		stop, err := startCPUProfile(cfg.latencyProfile + "." + mode.label())
+		if err != nil {
+			return nil, 0, err
+		}
+		defer stop()
+	}
+	if err := lr.slice(ctx, lr.total); err != nil {
+		return nil, 0, err
+	}
+	return lr.result(notes, idleClosed, waits)
+}
+
+// latencyRun is one mode's run of the latency scenario: its database,
+// relay, consumer and topic, set up once, and the messages it writes in
+// one or more slices (slice), each slice delivered before it returns.
+//
+// With cfg.Timeline it also records each message's path through the
+// relay (not for listen, whose relay runs elsewhere; for direct, the
+// writer's publish); result writes it there and appends a summary of the
+// slowest messages to the notes.
+type latencyRun struct {
+	cfg   config
+	mode  latencyMode
+	topic string
+	e     *env
+	// after publishes a committed message itself (direct).
+	after func(*outbox.Message) error
+	// warm of the total messages are written first and not counted.
+	warm, total int
+	// written is how many messages the slices wrote so far.
+	written              int
+	scheduled, committed []time.Time
+	ids                  []string
+	werr                 atomic.Value
+	closedAtStart        int64
+	poolAtStart          sql.DBStats
+	closers              []func() // run in reverse by close
+	mu                   sync.Mutex
+	recv                 map[string]time.Time
+}
+
+// close stops what openLatencyRun started, in reverse.
+func (lr *latencyRun) close() {
+	for i := len(lr.closers) - 1; i >= 0; i-- {
+		lr.closers[i]()
+	}
+	lr.closers = nil
+}
+
+// openLatencyRun sets up mode's run on topic: a fresh database with the
+// outbox, the consumer, the relay (owning every bucket) or the direct
+// publisher, and for listen the NOTIFY sender, so that the first measured
+// commit pays for none of them.
+func openLatencyRun(ctx context.Context, cfg config, brokers []string, mode latencyMode, topic string, notes *[]string) (_ *latencyRun, err error) {
+	lr := &latencyRun{cfg: cfg, mode: mode, topic: topic, recv: map[string]time.Time{}}
+	defer func() {
+		if err != nil {
+			lr.close()
+		}
+	}()
 	var rules []outbox.Rule
 	if mode.rules8 {
 		rules = append(rules, outbox.OnCreate(func(c outbox.Change[*LatencyOrder]) (*outbox.Message, error) {
@@ -404,26 +671,25 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	ecfg.walMode = mode.wal
 	e, err := newEnv(ctx, ecfg, rules...)
 	if err != nil {
-		return nil, 0, err
+		return nil, err
 	}
-	defer e.close()
+	lr.e = e
+	lr.closers = append(lr.closers, e.close)
 	if mode.rules8 {
 		if err := e.db.WithContext(ctx).AutoMigrate(&LatencyOrder{}); err != nil {
-			return nil, 0, err
+			return nil, err
 		}
 	}
-	var mu sync.Mutex
-	recv := map[string]time.Time{}
 	got := func(key string, at time.Time) {
-		mu.Lock()
-		recv[key] = at
-		mu.Unlock()
+		lr.mu.Lock()
+		lr.recv[key] = at
+		lr.mu.Unlock()
 	}
 	stopConsumer, err := startConsumer(ctx, cfg, brokers, topic, mode.rules8, got)
 	if err != nil {
-		return nil, 0, err
+		return nil, err
 	}
-	defer stopConsumer()
+	lr.closers = append(lr.closers, stopConsumer)
 	if cfg.Timeline != "" && !mode.listen {
 		e.tl = newTimeline(func(m relay.Message) string {
 			if mode.rules8 {
@@ -433,25 +699,22 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 		})
 		stopProbe := make(chan struct{})
 		go e.tl.probe(stopProbe)
-		defer close(stopProbe)
+		lr.closers = append(lr.closers, func() { close(stopProbe) })
 	}
-	var (
-		after func(m *outbox.Message) error
-		rl    latencyRelay
-	)
+	var rl latencyRelay
 	if mode.direct {
 		pub, err := newPublisher(ctx, brokers)
 		if err != nil {
-			return nil, 0, err
+			return nil, err
 		}
-		defer pub.Close()
+		lr.closers = append(lr.closers, func() { pub.Close() })
 		var dpub relay.Publisher = pub
 		if e.tl != nil {
 			// The writer's publishes, timed as the relay's are: the same
 			// produce → acknowledgement step without a relay.
 			dpub = timedPub{pub, e.tl}
 		}
-		after = func(m *outbox.Message) error {
+		lr.after = func(m *outbox.Message) error {
 			_, err := dpub.Publish(ctx, []relay.Message{{
 				MessageID: m.ID, Topic: m.Topic, Key: m.Key, Value: m.Value, CreatedAt: time.Now(),
 			}})
@@ -459,7 +722,6 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 		}
 	} else {
 		var before func() error
-		endRR := func() {}
 		if mode.rrBacklog > 0 {
 			before = func() error {
 				if err := e.prefill(ctx, mode.rrBacklog); err != nil {
@@ -467,30 +729,29 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 				}
 				end, err := e.startRR(ctx)
 				if err == nil {
-					endRR = end
+					lr.closers = append(lr.closers, end) // after the relay stops
 				}
 				return err
 			}
 		}
 		rl, err = startLatencyRelay(ctx, e, cfg, brokers, mode, before)
-		defer endRR() // after the relay stops
 		if err != nil {
-			return nil, 0, err
+			return nil, err
 		}
-		defer rl.stop()
+		lr.closers = append(lr.closers, rl.stop)
 		if mode.rrBacklog > 0 {
 			err := poll(ctx, 10*time.Minute, 20*time.Millisecond, func() (bool, error) { return rl.acked.acked.Load() >= int64(mode.rrBacklog), nil })
 			if err != nil {
-				return nil, 0, fmt.Errorf("backlog of %d not relayed: %w", mode.rrBacklog, err)
+				return nil, fmt.Errorf("backlog of %d not relayed: %w", mode.rrBacklog, err)
 			}
 		}
 	}
 	if mode.listen {
 		stopSender, err := startNotifySender(ctx, e, rl.channel)
 		if err != nil {
-			return nil, 0, err
+			return nil, err
 		}
-		defer stopSender()
+		lr.closers = append(lr.closers, stopSender)
 	}
 
 	// A checkpoint before the writes puts the next one checkpoint_timeout
@@ -502,27 +763,34 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 			*notes = append(*notes, mode.name+": no checkpoint before the writes: "+err.Error())
 		}
 	}
-	warm := int(float64(cfg.Rate) * cfg.Warmup.Seconds())
-	total := warm + int(float64(cfg.Rate)*cfg.Duration.Seconds())
-	committed := make([]time.Time, total)
-	scheduled := make([]time.Time, total)
-	ids := make([]string, total)
-	var werr atomic.Value
-	closedAtStart := maxIdleClosed(e.db)
-	if cfg.latencyProfile != "" {
-		stop, err := startCPUProfile(cfg.latencyProfile + "." + mode.label())
-		if err != nil {
-			return nil, 0, err
-		}
-		defer stop()
-	}
-	if mode.rules8 {
-		writeRules8(ctx, e, cfg, total, scheduled, committed, ids, &werr)
+	lr.warm = int(float64(cfg.Rate) * cfg.Warmup.Seconds())
+	lr.total = lr.warm + int(float64(cfg.Rate)*cfg.Duration.Seconds())
+	lr.committed = make([]time.Time, lr.total)
+	lr.scheduled = make([]time.Time, lr.total)
+	lr.ids = make([]string, lr.total)
+	lr.closedAtStart = maxIdleClosed(e.db)
+	lr.poolAtStart = poolStats(e.db)
+	return lr, nil
+}
+
+// remaining is how many of the run's messages no slice wrote yet.
+func (lr *latencyRun) remaining() int { return lr.total - lr.written }
+
+// slice writes the run's next n messages (fewer if fewer remain) at
+// cfg.Rate, on a schedule starting now, and returns once every message
+// the run wrote has arrived, or none arrived for arrivalStall (result
+// counts the missing ones as lost).
+func (lr *latencyRun) slice(ctx context.Context, n int) error {
+	from := lr.written
+	to := min(lr.total, from+n)
+	if lr.mode.rules8 {
+		writeRules8(ctx, lr.e, lr.cfg, from, to, lr.scheduled, lr.committed, lr.ids, &lr.werr)
 	} else {
-		writePaced(ctx, e, cfg, topic, total, scheduled, committed, ids, after, &werr)
+		writePaced(ctx, lr.e, lr.cfg, lr.topic, from, to, lr.scheduled, lr.committed, lr.ids, lr.after, &lr.werr)
 	}
-	if err, _ := werr.Load().(error); err != nil {
-		return nil, 0, err
+	lr.written = to
+	if err, _ := lr.werr.Load().(error); err != nil {
+		return fmt.Errorf("%s: %w", lr.mode.name, err)
 	}
 	// Wait for every message while they keep arriving: a relay that
 	// delivers nothing for arrivalStall has lost them (or is stuck).
@@ -530,26 +798,50 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	// measured rather than reported as losing messages.
 	last, stalled := -1, time.Now()
 	for {
-		mu.Lock()
-		n := len(recv)
-		mu.Unlock()
-		if n >= total || ctx.Err() != nil {
-			break
+		lr.mu.Lock()
+		n := len(lr.recv)
+		lr.mu.Unlock()
+		if n >= to || ctx.Err() != nil {
+			return ctx.Err()
 		}
 		if n != last {
 			last, stalled = n, time.Now()
 		} else if time.Since(stalled) > arrivalStall {
-			break
+			return nil
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	*idleClosed = maxIdleClosed(e.db) - closedAtStart
-	mu.Lock()
-	defer mu.Unlock()
-	lat := make([]time.Duration, 0, total-warm)
+}
+
+// latencyWaits are, per counted message of a latency run, sorted: lag, how
+// far behind its schedule its commit returned (the time it waited to be
+// written because the writers were busy, which commit → receipt does not
+// count); fromSchedule, its place in the schedule → receipt, the lag
+// included.
+//
+// poolWaits and poolWaited are how often and how long, in all, the bench
+// process's pool of the run (the writers' and, but for listen, the
+// relay's connections) made a caller wait for a connection at its open
+// limit while the run wrote and delivered its messages.
+type latencyWaits struct {
+	lag, fromSchedule []time.Duration
+	poolWaits         int64
+	poolWaited        time.Duration
+}
+
+// result is commit return → receipt of every counted message the run
+// wrote, sorted, and how many of its messages never arrived. A non-nil
+// waits receives the messages' latencyWaits; idleClosed what
+// measureLatency describes.
+func (lr *latencyRun) result(notes *[]string, idleClosed *int64, waits *latencyWaits) ([]time.Duration, int, error) {
+	*idleClosed = maxIdleClosed(lr.e.db) - lr.closedAtStart
+	lr.mu.Lock()
+	defer lr.mu.Unlock()
+	warm, ids := lr.warm, lr.ids[:lr.written]
+	lat := make([]time.Duration, 0, max(0, len(ids)-warm))
 	lost := 0
 	for i, id := range ids {
-		at, ok := recv[id]
+		at, ok := lr.recv[id]
 		if !ok {
 			lost++
 			continue
@@ -557,7 +849,7 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 		if i < warm {
 			continue // written during the warm-up: delivered, not counted
 		}
-		d := at.Sub(committed[i])
+		d := at.Sub(lr.committed[i])
 		if d < 0 {
 			d = 0 // received before the writer's goroutine read the clock
 		}
@@ -567,33 +859,41 @@ func measureLatency(ctx context.Context, cfg config, brokers []string, mode late
 	if len(lat) == 0 {
 		return nil, lost, errors.New("no message arrived")
 	}
-	if lag != nil {
-		for i := warm; i < total; i++ {
-			if committed[i].IsZero() {
+	if waits != nil {
+		now := poolStats(lr.e.db)
+		waits.poolWaits = now.WaitCount - lr.poolAtStart.WaitCount
+		waits.poolWaited = now.WaitDuration - lr.poolAtStart.WaitDuration
+		for i := warm; i < len(ids); i++ {
+			if lr.committed[i].IsZero() {
 				continue // its transaction failed: werr
 			}
-			*lag = append(*lag, max(0, committed[i].Sub(scheduled[i])))
+			waits.lag = append(waits.lag, max(0, lr.committed[i].Sub(lr.scheduled[i])))
+			if at, ok := lr.recv[ids[i]]; ok {
+				waits.fromSchedule = append(waits.fromSchedule, max(0, at.Sub(lr.scheduled[i])))
+			}
 		}
-		sortDurations(*lag)
+		sortDurations(waits.lag)
+		sortDurations(waits.fromSchedule)
 	}
-	if e.tl != nil {
-		msgs := e.tl.trace(ids[warm:], committed[warm:], recv)
-		*notes = append(*notes, mode.label()+" timeline: "+e.tl.summary(msgs, percentile(lat, 0.99)))
-		if err := e.tl.write(cfg.Timeline, mode.label(), msgs); err != nil {
+	if e := lr.e; e.tl != nil && len(ids) > warm {
+		msgs := e.tl.trace(ids[warm:], lr.committed[warm:len(ids)], lr.recv)
+		*notes = append(*notes, lr.mode.label()+" timeline: "+e.tl.summary(msgs, percentile(lat, 0.99)))
+		if err := e.tl.write(lr.cfg.Timeline, lr.mode.label(), msgs); err != nil {
 			return nil, 0, fmt.Errorf("timeline: %w", err)
 		}
 	}
 	return lat, lost, nil
 }
 
-// writePaced enqueues total one-message transactions at cfg.Rate from
-// one schedule, handed to a pool of 8 connections so that a slow commit
-// does not delay the next one, recording each transaction's time in the
-// schedule and its commit's return. A non-nil after runs with each
-// message once its transaction committed, on the same connection's
-// goroutine: a slow after holds the next transactions back.
-func writePaced(ctx context.Context, e *env, cfg config, topic string, total int, scheduled, committed []time.Time, ids []string, after func(*outbox.Message) error, werr *atomic.Value) {
-	jobs := make(chan int, total)
+// writePaced enqueues the one-message transactions from..to-1 at cfg.Rate
+// from one schedule starting now, handed to a pool of 8 connections so
+// that a slow commit does not delay the next one, recording each
+// transaction's time in the schedule and its commit's return. A non-nil
+// after runs with each message once its transaction committed, on the
+// same connection's goroutine: a slow after holds the next transactions
+// back.
+func writePaced(ctx context.Context, e *env, cfg config, topic string, from, to int, scheduled, committed []time.Time, ids []string, after func(*outbox.Message) error, werr *atomic.Value) {
+	jobs := make(chan int, to-from)
 	var wg sync.WaitGroup
 	for w := 0; w < 8; w++ {
 		wg.Add(1)
@@ -617,8 +917,8 @@ func writePaced(ctx context.Context, e *env, cfg config, topic string, total int
 	}
 	interval := time.Second / time.Duration(cfg.Rate)
 	start := time.Now()
-	for i := 0; i < total; i++ {
-		scheduled[i] = start.Add(time.Duration(i) * interval)
+	for i := from; i < to; i++ {
+		scheduled[i] = start.Add(time.Duration(i-from) * interval)
 		if d := time.Until(scheduled[i]); d > 0 {
 			time.Sleep(d) // pacing the writer, not synchronization
 		}
@@ -628,11 +928,11 @@ func writePaced(ctx context.Context, e *env, cfg config, topic string, total int
 	wg.Wait()
 }
 
-// writeRules8 runs 8 independent writers, each on its own schedule at an
-// eighth of cfg.Rate from a random phase, each creating one LatencyOrder
-// per transaction whose publish rule emits the message: what a service
-// with concurrent requests does.
-func writeRules8(ctx context.Context, e *env, cfg config, total int, scheduled, committed []time.Time, ids []string, werr *atomic.Value) {
+// writeRules8 runs 8 independent writers over the transactions from..to-1,
+// each on its own schedule at an eighth of cfg.Rate from a random phase,
+// each creating one LatencyOrder per transaction whose publish rule emits
+// the message: what a service with concurrent requests does.
+func writeRules8(ctx context.Context, e *env, cfg config, from, to int, scheduled, committed []time.Time, ids []string, werr *atomic.Value) {
 	const writers = 8
 	interval := writers * time.Second / time.Duration(cfg.Rate)
 	start := time.Now()
@@ -640,7 +940,7 @@ func writeRules8(ctx context.Context, e *env, cfg config, total int, scheduled, 
 	for w := 0; w < writers; w++ {
 		phase := time.Duration(rand.Int64N(int64(interval)))
 		wg.Go(func() {
-			for n, i := 0, w; i < total; n, i = n+1, i+writers {
+			for n, i := 0, from+w; i < to; n, i = n+1, i+writers {
 				scheduled[i] = start.Add(phase + time.Duration(n)*interval)
 				if d := time.Until(scheduled[i]); d > 0 {
 					time.Sleep(d) // pacing the writer, not synchronization
@@ -788,6 +1088,15 @@ func runConsumerRole() int {
 			}
 		}
 	}
+}
+
+// poolStats returns db's pool statistics; zero if it has no *sql.DB.
+func poolStats(db *gorm.DB) sql.DBStats {
+	sqlDB, err := db.DB()
+	if err != nil {
+		return sql.DBStats{}
+	}
+	return sqlDB.Stats()
 }
 
 // maxIdleClosed returns how many connections db's pool has closed at its

@@ -78,6 +78,10 @@ type config struct {
 	// run; a mode named more than once runs again (default:
 	// defaultLatencyOrder).
 	LatencyModes []string
+	// LatencySlice is the length of the latency scenario's turns: every
+	// mode is set up at once and they write in turns of this long each
+	// (measureSliced); 0 runs each mode whole, one after the other.
+	LatencySlice time.Duration
 	// Timeline is a directory for the latency scenario's per-message
 	// timelines; empty records none.
 	Timeline string
@@ -186,6 +190,7 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&c.Consumer, "consumer", "process", "latency: run the consumer in its own process, or inline in the bench's, sharing its CPU and Go runtime with the writer and the relay")
 	var latencyOrder string
 	fs.StringVar(&latencyOrder, "latency-modes", strings.Join(defaultLatencyOrder, ","), "latency: comma-separated modes in the order they run, a mode named more than once running again (its figures then pool every run's messages, each run's also reported as MODE.K_...): "+strings.Join(latencyModeNames(), ", "))
+	fs.DurationVar(&c.LatencySlice, "latency-slice", time.Second, "latency: set every mode up at once and write them in turns of this long each, the turns' order reversed every rotation, so that every mode's figures span the whole run (a mode named more than once runs once); 0 runs each mode whole, one after the other")
 	fs.StringVar(&c.Timeline, "timeline", "", "latency: record each message's path through the relay into this directory and summarise the slow ones (costs some speed)")
 	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "drain: write the CPU profile of this process during the relay drain to this file; latency: during each mode's writes and deliveries to this file's name followed by .MODE; wal: during the first WAL mode drain through the acknowledging publisher; strict: during each round's drains to this file's name followed by .default.N and .strict.N")
 	fs.StringVar(&c.RelayProfiles, "relay-cpuprofiles", "", "relays: write the CPU profile of each relay process, from its start to its exit, into this directory as relays-K-PID.pprof (K relay processes)")
@@ -241,6 +246,9 @@ func parseFlags(args []string) (config, error) {
 	}
 	if c.LatencyModes, err = parseLatencyModes(latencyOrder); err != nil {
 		return c, fmt.Errorf("-latency-modes: %w", err)
+	}
+	if c.LatencySlice < 0 {
+		return c, fmt.Errorf("-latency-slice must not be negative")
 	}
 	if c.Rounds < 1 || c.RRBacklog < 1 {
 		return c, fmt.Errorf("-rounds and -rr-backlog must be positive")

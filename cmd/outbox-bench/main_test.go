@@ -78,9 +78,9 @@ func TestSmoke(t *testing.T) {
 				requireRelayProfiles(t, cfg)
 			}
 			if cfg.CPUProfile != "" {
-				// The drain's profile, one per latency mode run and one per
-				// strict round and mode.
-				files := []string{cfg.CPUProfile, cfg.CPUProfile + ".notify", cfg.CPUProfile + ".direct.1", cfg.CPUProfile + ".direct.2"}
+				// The drain's profile, one over the latency modes' turns and
+				// one per strict round and mode.
+				files := []string{cfg.CPUProfile, cfg.CPUProfile + ".sliced"}
 				for round := range cfg.Rounds {
 					files = append(files, fmt.Sprintf("%s.default.%d", cfg.CPUProfile, round+1), fmt.Sprintf("%s.strict.%d", cfg.CPUProfile, round+1))
 				}
@@ -119,6 +119,13 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 	runs := map[string]int{}
 	for _, name := range cfg.LatencyModes {
 		runs[name]++
+		if cfg.LatencySlice > 0 {
+			runs[name] = 1 // in turns, a mode runs once
+		}
+	}
+	if cfg.LatencySlice > 0 {
+		require.Positive(t, r.Params["latency_turns"], "the modes ran in turns")
+		require.Positive(t, r.Values["notify_turn_p99/direct_turn_p99"])
 	}
 	for _, m := range latencyModes {
 		if m.listen && cfg.Driver != dbtest.Postgres {
@@ -128,7 +135,7 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 		}
 		// A mode run more than once pools its runs' messages.
 		require.Equal(t, float64(runs[m.name])*written, r.Values[m.name+"_messages"], m.name)
-		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max", "_write_lag_p50", "_write_lag_p99"} {
+		for _, f := range []string{"_p50", "_p99", "_p99.9", "_max", "_write_lag_p50", "_write_lag_p99", "_sched_p50", "_sched_p99", "_pool_waits", "_pool_wait_ms"} {
 			require.Contains(t, r.Values, m.name+f)
 		}
 		for k := 1; runs[m.name] > 1 && k <= runs[m.name]; k++ {
@@ -138,6 +145,7 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 	require.Contains(t, r.Values, "notify_p99/poll10_p99")
 	require.Contains(t, r.Values, "rules8_p99/poll10_p99")
 	require.Contains(t, r.Values, "notify_p99/direct_p99")
+	require.Contains(t, r.Values, "notify_sched_p99/direct_sched_p99")
 	if cfg.Timeline == "" {
 		return
 	}
@@ -204,6 +212,12 @@ func TestParseFlags(t *testing.T) {
 	require.ErrorContains(t, err, `-latency-modes: unknown mode "fast"`)
 	_, err = parseFlags([]string{"-latency-modes", ","})
 	require.ErrorContains(t, err, "-latency-modes: no mode named")
+	require.Equal(t, time.Second, c.LatencySlice, "the modes run in turns of a second by default")
+	c, err = parseFlags([]string{"-latency-slice", "0"})
+	require.NoError(t, err)
+	require.Zero(t, c.LatencySlice)
+	_, err = parseFlags([]string{"-latency-slice", "-1s"})
+	require.ErrorContains(t, err, "-latency-slice must not be negative")
 }
 
 // TestSmokeWAL runs the wal scenario at a tiny size on the WAL mode
@@ -294,4 +308,114 @@ func TestCeilingDelete(t *testing.T) {
 		}
 		require.Equal(t, want, left)
 	})
+}
+
+// latencyTestSetup is the configuration of -smoke on PostgreSQL with
+// args, and the brokers of a Kafka-protocol broker process (or of
+// KAFKA_BROKERS's cluster), stopped when the test ends.
+func latencyTestSetup(t *testing.T, args ...string) (config, []string) {
+	t.Helper()
+	dbtest.Require(t, dbtest.Postgres)
+	cfg, err := parseFlags(append([]string{"-smoke", "-driver", dbtest.Postgres}, args...))
+	require.NoError(t, err)
+	cfg.TmpDir = t.TempDir()
+	useExternalBrokers(cfg.Brokers)
+	t.Cleanup(func() { externalBrokers = nil })
+	broker, brokers, err := startBroker(context.Background(), cfg.Partitions, false)
+	require.NoError(t, err)
+	t.Cleanup(broker.stop)
+	return cfg, brokers
+}
+
+// TestLatencySlicedTurns runs two latency modes side by side in turns
+// (measureSliced) on PostgreSQL: the modes take turns of -latency-slice's
+// worth of messages, the turns' order reversed every rotation, each turn
+// delivered before the next starts, until every mode wrote its warm-up and
+// its counted messages; every counted message arrives and is measured.
+func TestLatencySlicedTurns(t *testing.T) {
+	cfg, brokers := latencyTestSetup(t, "-latency-modes", "direct,notify,direct", "-latency-slice", "50ms")
+	ctx := context.Background()
+
+	var notes []string
+	pooled, lags, scheds := map[string][]time.Duration{}, map[string][]time.Duration{}, map[string][]time.Duration{}
+	closed, poolWaits, poolWaited := map[string]int64{}, map[string]int64{}, map[string]time.Duration{}
+	turns, err := measureSliced(ctx, cfg, brokers, []string{"direct", "notify"}, &notes, pooled, lags, scheds, closed, poolWaits, poolWaited)
+	require.NoError(t, err)
+
+	per := sliceMessages(cfg) // 200 tx/s for 50 ms
+	require.Equal(t, 10, per)
+	total := int(float64(cfg.Rate) * (cfg.Warmup + cfg.Duration).Seconds())
+	require.Len(t, turns, 2*total/per)
+	next := map[string]int{}
+	for i, turn := range turns {
+		// direct notify, notify direct, direct notify, ...
+		want := []string{"direct", "notify", "notify", "direct"}[i%4]
+		require.Equal(t, want, turn.mode, "turn %d", i)
+		require.Equal(t, next[turn.mode], turn.from, "turn %d continues its mode's messages", i)
+		require.Equal(t, per, turn.to-turn.from, "turn %d", i)
+		require.Equal(t, turn.to, turn.arrived, "turn %d: its messages, and its mode's before, delivered before the next turn", i)
+		next[turn.mode] = turn.to
+		// Its own p99, but for the warm-up's turns.
+		if turn.to <= int(float64(cfg.Rate)*cfg.Warmup.Seconds()) {
+			require.Zero(t, turn.p99, "turn %d is the warm-up's", i)
+		} else {
+			require.Positive(t, turn.p99, "turn %d", i)
+		}
+		if i > 0 {
+			require.False(t, turn.start.Before(turns[i-1].end), "turn %d starts after turn %d was delivered", i, i-1)
+		}
+	}
+	counted := int(float64(cfg.Rate) * cfg.Duration.Seconds())
+	for _, m := range []string{"direct", "notify"} {
+		require.Equal(t, total, next[m], m)
+		require.Len(t, pooled[m], counted, "%s: every counted message measured", m)
+		require.Len(t, lags[m], counted, m)
+		require.Len(t, scheds[m], counted, m)
+		// From the schedule is the lag and commit → receipt together.
+		require.GreaterOrEqual(t, scheds[m][counted-1], pooled[m][counted-1], m)
+	}
+}
+
+// TestTurnRatio checks the turn-by-turn ratio: the k-th counted turn of
+// a mode against the k-th of the base, the median of the ratios, so that
+// one slow turn of either moves one ratio and not the result.
+func TestTurnRatio(t *testing.T) {
+	turn := func(mode string, p99ms int) latencyTurn {
+		return latencyTurn{mode: mode, p99: time.Duration(p99ms) * time.Millisecond}
+	}
+	turns := []latencyTurn{
+		turn("direct", 0), turn("notify", 0), // the warm-up's: not counted
+		turn("notify", 20), turn("direct", 10), // 2
+		turn("direct", 10), turn("notify", 400), // 40: a stall in notify's turn
+		turn("notify", 30), turn("direct", 10), // 3
+		turn("direct", 500), turn("notify", 25), // 0.05: a stall in direct's
+		turn("notify", 25), turn("direct", 10), // 2.5
+	}
+	v, ok := turnRatio(turns, "notify", "direct")
+	require.True(t, ok)
+	require.InDelta(t, 2.5, v, 1e-9, "the median of 2, 40, 3, 0.05, 2.5")
+	v, ok = turnRatio(turns[:6], "notify", "direct")
+	require.True(t, ok)
+	require.InDelta(t, 21, v, 1e-9, "an even count: the mean of the middle two")
+	_, ok = turnRatio(turns, "listen", "direct")
+	require.False(t, ok, "a mode without turns")
+}
+
+// TestLatencyPoolWaits checks that a latency run reports its pool's waits
+// for a connection: with one connection for the 8 writers and the relay,
+// callers wait, and the run counts the waits and their time.
+func TestLatencyPoolWaits(t *testing.T) {
+	cfg, brokers := latencyTestSetup(t, "-max-idle-conns", "1")
+	ctx := context.Background()
+
+	var (
+		notes      []string
+		idleClosed int64
+		w          latencyWaits
+	)
+	lat, err := measureAll(ctx, cfg, brokers, latencyModeNamed("notify"), &notes, &idleClosed, &w)
+	require.NoError(t, err)
+	require.Len(t, lat, int(float64(cfg.Rate)*cfg.Duration.Seconds()))
+	require.Positive(t, w.poolWaits, "8 writers and a relay on one connection wait for it")
+	require.Positive(t, w.poolWaited)
 }

@@ -169,25 +169,28 @@ type tlMessage struct {
 func (t *timeline) trace(ids []string, committed []time.Time, recv map[string]time.Time) []tlMessage {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	reads := map[int][]tlOp{}   // by bucket, in end order
-	batches := map[int][]tlOp{} // whole batch cycles: read start → delete end
-	var lastRead = map[int]tlOp{}
+	reads := map[int][]tlOp{} // by bucket, in end order
+	// busy: by bucket, the union of its reads, publishes and deletes. A
+	// batch's delete can run beside the next batch's publish (relay.
+	// BatchSkipper), so a batch is in flight from its read's start to
+	// the later of its publish's and its delete's ends.
+	busy := map[int][]tlOp{}
 	for _, o := range t.ops {
 		switch o.kind {
 		case "read", "delete+read":
 			reads[o.bucket] = append(reads[o.bucket], o)
 		}
 		switch o.kind {
-		case "read":
-			lastRead[o.bucket] = o
-		case "delete", "delete+read":
-			if r, ok := lastRead[o.bucket]; ok {
-				batches[o.bucket] = append(batches[o.bucket], tlOp{start: r.start, end: o.end})
+		case "read", "delete+read", "publish", "delete":
+			end := o.end
+			if end.IsZero() {
+				end = time.Now() // a publish not acknowledged yet
 			}
-			if o.kind == "delete+read" {
-				lastRead[o.bucket] = o
-			}
+			busy[o.bucket] = append(busy[o.bucket], tlOp{start: o.start, end: end})
 		}
+	}
+	for b, ops := range busy {
+		busy[b] = unionOps(ops)
 	}
 	for _, rs := range reads {
 		sort.Slice(rs, func(i, j int) bool { return rs[i].end.Before(rs[j].end) })
@@ -209,13 +212,27 @@ func (t *timeline) trace(ids []string, committed []time.Time, recv map[string]ti
 		if k >= 0 {
 			m.readStart, m.readEnd = rs[k].start, rs[k].end
 		}
-		for _, b := range batches[p.bucket] {
-			if b.start.Before(m.commit) && b.end.After(m.commit) {
-				m.busy = true
-				break
-			}
-		}
+		spans := busy[p.bucket]
+		k = sort.Search(len(spans), func(k int) bool { return spans[k].end.After(m.commit) })
+		m.busy = k < len(spans) && spans[k].start.Before(m.commit)
 		out = append(out, m)
+	}
+	return out
+}
+
+// unionOps merges ops's intervals: the periods covered by one or more of
+// them, sorted, none overlapping.
+func unionOps(ops []tlOp) []tlOp {
+	sort.Slice(ops, func(i, j int) bool { return ops[i].start.Before(ops[j].start) })
+	var out []tlOp
+	for _, o := range ops {
+		if n := len(out); n > 0 && !o.start.After(out[n-1].end) {
+			if o.end.After(out[n-1].end) {
+				out[n-1].end = o.end
+			}
+			continue
+		}
+		out = append(out, tlOp{start: o.start, end: o.end})
 	}
 	return out
 }

@@ -991,6 +991,31 @@ func startConsumer(ctx context.Context, cfg config, brokers []string, topic stri
 
 // consume is the latency scenario's consumer: every partition of topic
 // from its end.
+// consumePartition starts consuming partition p of topic at its newest
+// offset. A topic just created can still answer with a partition whose
+// leader the brokers have not all learnt yet (NotLeaderForPartition,
+// LeaderNotAvailable): the metadata is refreshed and the request tried
+// again, for up to a minute or until ctx ends.
+func consumePartition(ctx context.Context, client sarama.Client, consumer sarama.Consumer, topic string, p int32) (sarama.PartitionConsumer, error) {
+	deadline := time.Now().Add(time.Minute)
+	for {
+		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetNewest)
+		if err == nil {
+			return pc, nil
+		}
+		if !errors.Is(err, sarama.ErrNotLeaderForPartition) && !errors.Is(err, sarama.ErrLeaderNotAvailable) &&
+			!errors.Is(err, sarama.ErrUnknownTopicOrPartition) || !time.Now().Before(deadline) {
+			return nil, err
+		}
+		_ = client.RefreshMetadata(topic)
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
 func consume(ctx context.Context, brokers []string, topic string, byValue bool, got func(key string, at time.Time)) (stop func(), err error) {
 	sc := sarama.NewConfig()
 	sc.ClientID = "outbox-bench-consumer"
@@ -1024,7 +1049,7 @@ func consume(ctx context.Context, brokers []string, topic string, byValue bool, 
 		client.Close()
 	}
 	for _, p := range parts {
-		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetNewest)
+		pc, err := consumePartition(ctx, client, consumer, topic, p)
 		if err != nil {
 			stop()
 			return nil, err

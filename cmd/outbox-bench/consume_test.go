@@ -13,6 +13,8 @@ import (
 
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/publisher"
+	"github.com/gorm-outbox/outbox/publisher/publishertest"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 // TestConsumeRidesOutANewTopicsLeader: the bench's consumer starts on a
@@ -73,4 +75,45 @@ func TestConsumeRidesOutANewTopicsLeader(t *testing.T) {
 	case <-time.After(time.Minute):
 		t.Fatal("nothing received for a minute")
 	}
+}
+
+// TestPublishDirectRidesOutALeaderChange: the direct writer's publish
+// meets NotLeaderForPartition more often than the producer retries it
+// itself (a partition's leader unknown for a while, as on a busy cluster
+// right after the topic's creation); the writer retries, as the relay
+// would, and the message is delivered.
+func TestPublishDirectRidesOutALeaderChange(t *testing.T) {
+	cluster := kafkatest.Start(t, kafkatest.InProcess())
+	topic := cluster.Topic(t, 1)
+	pub := publishertest.StartKafka(t, publisher.KafkaConfig{Brokers: cluster.Brokers(),
+		Configure: func(sc *sarama.Config) error {
+			sc.Producer.Retry.Backoff = time.Millisecond
+			return nil
+		}})
+	var refused atomic.Int32
+	fake := cluster.RequireFake(t)
+	fake.ControlKey(int16(kmsg.Produce), func(r kmsg.Request) (kmsg.Response, error, bool) {
+		fake.KeepControl()
+		if refused.Add(1) > 12 {
+			return nil, nil, false
+		}
+		req := r.(*kmsg.ProduceRequest)
+		resp := req.ResponseKind().(*kmsg.ProduceResponse)
+		for _, rt := range req.Topics {
+			st := kmsg.NewProduceResponseTopic()
+			st.Topic = rt.Topic
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewProduceResponseTopicPartition()
+				sp.Partition = rp.Partition
+				sp.ErrorCode = kerr.NotLeaderForPartition.Code
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
+	msg := []relay.Message{{MessageID: "m1", Topic: topic, Key: []byte("k"), Value: []byte("v"), CreatedAt: time.Now()}}
+	require.NoError(t, publishDirect(context.Background(), pub, msg))
+	require.Greater(t, refused.Load(), int32(12), "every refusal was met")
+	require.Len(t, cluster.ReadAll(t, topic, 1, time.Minute), 1)
 }

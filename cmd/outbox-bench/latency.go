@@ -650,6 +650,30 @@ func (lr *latencyRun) close() {
 	lr.closers = nil
 }
 
+// directRetryFor bounds how long the direct writer retries a publish
+// that failed for a while only.
+const directRetryFor = time.Minute
+
+// publishDirect publishes msgs as a writer publishing for itself does: a
+// failure that is not the message's own (the relay would retry it: the
+// brokers unavailable, a partition's leader moving, as on a busy cluster
+// right after the topic's creation) is retried every 10 ms, for up to
+// directRetryFor, and the wait counts in the message's latency.
+func publishDirect(ctx context.Context, pub relay.Publisher, msgs []relay.Message) error {
+	deadline := time.Now().Add(directRetryFor)
+	for {
+		_, err := pub.Publish(ctx, msgs)
+		if err == nil || relay.IsPermanent(err) || relay.IsMisconfiguration(err) || !time.Now().Before(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
 // openLatencyRun sets up mode's run on topic: a fresh database with the
 // outbox, the consumer, the relay (owning every bucket) or the direct
 // publisher, and for listen the NOTIFY sender, so that the first measured
@@ -715,10 +739,8 @@ func openLatencyRun(ctx context.Context, cfg config, brokers []string, mode late
 			dpub = timedPub{pub, e.tl}
 		}
 		lr.after = func(m *outbox.Message) error {
-			_, err := dpub.Publish(ctx, []relay.Message{{
-				MessageID: m.ID, Topic: m.Topic, Key: m.Key, Value: m.Value, CreatedAt: time.Now(),
-			}})
-			return err
+			msg := []relay.Message{{MessageID: m.ID, Topic: m.Topic, Key: m.Key, Value: m.Value, CreatedAt: time.Now()}}
+			return publishDirect(ctx, dpub, msg)
 		}
 	} else {
 		var before func() error

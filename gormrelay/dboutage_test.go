@@ -171,10 +171,7 @@ func (o *gatedOutbox) nextRecord(t *testing.T) slog.Record {
 // failed acquisition would have ended.
 func TestRelayResumesWhenDatabaseAnswers(t *testing.T) {
 	t.Parallel()
-	// hi is large enough that the backoff left when the database answers
-	// (at least hi/2) is many times the probe's interval plus a publish on
-	// a busy machine.
-	const lo, hi = 20 * time.Millisecond, 16 * time.Second
+	const lo, hi = 20 * time.Millisecond, 4 * time.Second
 	o := startGatedRelay(t, lo, hi, 1500*time.Millisecond)
 	o.insert(t, o.rows(0, 20)...)
 	o.requireDrained(t)
@@ -200,10 +197,7 @@ func TestRelayResumesWhenDatabaseAnswers(t *testing.T) {
 // again that bucket is published at once, not after its backoff.
 func TestRelayRetriesBucketsWhenDatabaseAnswers(t *testing.T) {
 	t.Parallel()
-	// hi is large enough that the backoff left when the database answers
-	// (at least hi/2) is many times the probe's interval plus a publish on
-	// a busy machine.
-	const lo, hi = 20 * time.Millisecond, 16 * time.Second
+	const lo, hi = 20 * time.Millisecond, 4 * time.Second
 	o := startGatedRelay(t, lo, hi, time.Minute)
 	const n = 3000
 	o.insert(t, o.rows(0, n)...)

@@ -21,7 +21,11 @@
 #
 #   OUTBOX_KAFKA_CACHE      jar cache       (default ~/.cache/gorm-outbox/kafka-$KAFKA_VERSION)
 #   OUTBOX_KAFKA_DIR        state: data, logs, pids (default /tmp/gorm-outbox-kafka)
-#   OUTBOX_KAFKA_PORT       first broker port (default 29092; controllers at +100)
+#   OUTBOX_KAFKA_PORT       first broker port (default 29092; controllers at +100);
+#                           keep it below the kernel's ephemeral range
+#                           (/proc/sys/net/ipv4/ip_local_port_range), where an
+#                           outgoing connection can hold the port and the node
+#                           fails to bind
 #   OUTBOX_KAFKA_HEAP       JVM heap per node (default 512m)
 #   OUTBOX_KAFKA_HOSTS      comma-separated address per node, each node's broker and
 #                           controller listening and advertised on its own (default:
@@ -110,6 +114,11 @@ tool() { # main class, args... (client-side tools)
     -Dkafka.logs.dir="$STATE" -cp "$CACHE/libs/*" "$@"
 }
 
+ephemeral_port() { # port: inside the kernel's ephemeral range?
+  local lo hi
+  read -r lo hi </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || return 1
+  [ "$1" -ge "$lo" ] && [ "$1" -le "$hi" ]
+}
 port_in_use() { (exec 3<>"/dev/tcp/${2:-127.0.0.1}/$1") 2>/dev/null; }
 
 write_config() { # node, nodes
@@ -159,6 +168,7 @@ start_node() { # node
   fi
   for p in "$(broker_port "$i")" "$(controller_port "$i")"; do
     port_in_use "$p" "$(host "$i")" && die "port $p is in use (node $i): stop what listens there or set OUTBOX_KAFKA_PORT"
+    ephemeral_port "$p" && echo "kafka: warning: port $p is in the ephemeral range ($(tr -s '\t ' ' ' </proc/sys/net/ipv4/ip_local_port_range)): an outgoing connection may hold it; set OUTBOX_KAFKA_PORT below it" >&2
   done
   setsid bash -c 'exec "$@" >>"'"$STATE/node-$i/stdout.log"'" 2>&1 </dev/null' _ \
     java -Xms128m -Xmx"$HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError \

@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -137,4 +138,67 @@ func TestProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee(t *testing.T) {
 		s.failLeases(nil)
 		stop(t, r)
 	})
+}
+
+// failOps makes the store's calls named in ops fail with err, as when the
+// database goes away while the control loop's own calls happen to
+// succeed; no ops ends that.
+func (p *probedStore) failOps(err error, ops ...string) {
+	p.mu.Lock()
+	p.down = len(ops) > 0
+	p.mu.Unlock()
+	p.fakeStore.mu.Lock()
+	defer p.fakeStore.mu.Unlock()
+	if len(ops) == 0 {
+		p.fakeStore.fail = nil
+		return
+	}
+	p.fakeStore.fail = func(op string) error {
+		if slices.Contains(ops, op) {
+			return err
+		}
+		return nil
+	}
+}
+
+// Buckets backing off after their drainers' store calls failed (a read,
+// a delete), while the control loop's acquisitions and discoveries
+// succeed, are retried at the first probe that answers, not after their
+// backoff (seconds by then): the drainers' failures, not only the loop's,
+// have the store probed.
+func TestProbeEndsTheBackoffOfDrainersStoreFailures(t *testing.T) {
+	t.Parallel()
+	for _, ops := range [][]string{{"batch"}, {"mark"}} {
+		t.Run(ops[0], func(t *testing.T) {
+			t.Parallel()
+			synctest.Test(t, func(t *testing.T) {
+				s := &probedStore{fakeStore: newFakeStore(8)}
+				r := start(t, s, (&pubLog{}).publisher(nil), probeConfig())
+				synctest.Wait()
+				require.Len(t, r.Leases(), 8)
+
+				down := time.Now()
+				s.failOps(errors.New("connection refused"), ops...)
+				s.add(1, 3)
+				const outage = 10 * time.Second
+				time.Sleep(outage)
+				require.Positive(t, s.count(ops[0]), "the drainer met the outage")
+				require.Positive(t, s.count("acquire"), "the loop's own calls went on")
+				probes := since(&s.mu, &s.probes, down)
+				require.NotEmpty(t, probes, "the drainers' failures had the store probed")
+				require.LessOrEqual(t, len(probes), int(outage/relay.ProbeIntervalMin)+1, "probes at least ProbeIntervalMin apart")
+				require.Len(t, r.Leases(), 8, "the leases held throughout")
+				require.Equal(t, 3, s.pending(), "nothing deleted during the outage")
+				// By now bucket 1 backs off for seconds (10ms doubled up to 4s).
+
+				reads := s.count("batch")
+				s.failOps(nil)
+				time.Sleep(relay.ProbeIntervalMin)
+				synctest.Wait()
+				require.Greater(t, s.count("batch"), reads, "read again within a probe interval of the store answering")
+				require.Zero(t, s.pending(), "drained within a probe interval of the store answering")
+				stop(t, r)
+			})
+		})
+	}
 }

@@ -202,3 +202,64 @@ func TestProbeEndsTheBackoffOfDrainersStoreFailures(t *testing.T) {
 		})
 	}
 }
+
+// The sequence that left buckets sleeping out their backoff after a
+// database outage: the drainers' reads fail until a bucket backs off for
+// seconds; the loop's acquisition fails too, briefly, so the store is
+// probed; when the database answers, the loop's acquisition, retried
+// after its short backoff, succeeds before a probe answers. The loop's
+// own calls no longer wait for a retry, but the bucket still does: the
+// next probe that answers retries it, not the end of its backoff.
+func TestProbeRetriesBucketsAfterTheLoopsCallsAnswered(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := &probedStore{fakeStore: newFakeStore(8)}
+		cfg := probeConfig()
+		// As in gormrelay's test: the leases outlast the outage, and the
+		// loop acquires every 200ms.
+		cfg.LeaseDuration, cfg.LeaseRenewInterval = time.Minute, 200*time.Millisecond
+		r := start(t, s, (&pubLog{}).publisher(nil), cfg)
+		synctest.Wait()
+		require.Len(t, r.Leases(), 8)
+
+		down := errors.New("connection refused")
+		s.failOps(down, "batch")
+		s.add(1, 3)
+		time.Sleep(10 * time.Second) // bucket 1's backoff reached BackoffMax (10ms doubled to 4s)
+		// Right after one of its reads failed, bucket 1 backs off at least
+		// BackoffMax/2.
+		reads := s.count("batch")
+		for s.count("batch") == reads {
+			time.Sleep(time.Millisecond)
+		}
+		failed := time.Now()
+		s.failOps(down, "batch", "acquire", "renew", "pending")
+		for len(since(&s.mu, &s.acquires, failed)) == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		// The failed acquisitions have the store probed (on main too).
+		acquireFailed := time.Now()
+		for len(since(&s.mu, &s.probes, acquireFailed)) == 0 {
+			time.Sleep(time.Millisecond)
+		}
+
+		// The database answers, but the probes have not yet: the loop's
+		// acquisition answers first.
+		back := time.Now()
+		s.failOps(nil)
+		s.setDown(true)
+		for len(since(&s.mu, &s.acquires, back)) == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		synctest.Wait()
+		reads = s.count("batch")
+		probed := time.Now()
+		s.setDown(false)
+		time.Sleep(relay.ProbeIntervalMin)
+		synctest.Wait()
+		require.Less(t, time.Since(failed), cfg.BackoffMax/2, "bucket 1 still backs off")
+		require.Greater(t, s.count("batch"), reads, "bucket 1 read again within a probe interval of the probe answering (at %s), not after its backoff", probed.Sub(failed))
+		require.Zero(t, s.pending())
+		stop(t, r)
+	})
+}

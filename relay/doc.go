@@ -346,7 +346,9 @@
 //
 // A database outage does not leave the relay asleep once it is over.
 // After a failed acquisition or discovery, or a failed store call of a
-// drainer (a read, a delete, the delete of reconciled rows), a store that
+// drainer (a read, a delete, the delete of reconciled rows, the failure
+// handler's filter, which the GORM store's policy runs on its database),
+// a store that
 // can be probed (Prober; the GORM store runs SELECT 1) is probed every
 // max(BackoffMin, ProbeIntervalMin) beside the control loop, one probe at
 // a time, while the call or the bucket waits for its retry; the first

@@ -478,7 +478,9 @@ func (p *drainers) read(ctx context.Context, b *batch, st bucketState) (batchRes
 func (p *drainers) filter(ctx context.Context, b *batch) (batchResult, bool) {
 	kept, out, err := p.filterBatch(ctx, b.hl.Lease, b.msgs)
 	if kept == nil {
-		return batchResult{out: out, err: err}, true
+		// A failed filter met the store's database, as the GORM store's
+		// failure policy does.
+		return batchResult{out: out, err: err, store: out == outFailed && err != nil && !IsMisconfiguration(err)}, true
 	}
 	b.msgs = kept
 	return batchResult{}, false

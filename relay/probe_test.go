@@ -161,19 +161,36 @@ func (p *probedStore) failOps(err error, ops ...string) {
 	}
 }
 
+// storeFilter is a failure handler whose BatchFilter reads the store's
+// database, as the GORM store's failure policy does: it fails while the
+// fake store's "filter" calls fail.
+type storeFilter struct{ s *fakeStore }
+
+func (storeFilter) HandleFailure(context.Context, relay.Failure) (relay.FailureAction, error) {
+	return relay.FailureBackoff, nil
+}
+
+func (f storeFilter) FilterBatch(_ context.Context, _ string, _ relay.Lease, msgs []relay.Message) ([]relay.Message, error) {
+	err := f.s.begin("filter")
+	f.s.mu.Unlock()
+	return msgs, err
+}
+
 // Buckets backing off after their drainers' store calls failed (a read,
-// a delete), while the control loop's acquisitions and discoveries
+// a delete, the failure handler's filter), while the control loop's acquisitions and discoveries
 // succeed, are retried at the first probe that answers, not after their
 // backoff (seconds by then): the drainers' failures, not only the loop's,
 // have the store probed.
 func TestProbeEndsTheBackoffOfDrainersStoreFailures(t *testing.T) {
 	t.Parallel()
-	for _, ops := range [][]string{{"batch"}, {"mark"}} {
+	for _, ops := range [][]string{{"batch"}, {"mark"}, {"filter"}} {
 		t.Run(ops[0], func(t *testing.T) {
 			t.Parallel()
 			synctest.Test(t, func(t *testing.T) {
 				s := &probedStore{fakeStore: newFakeStore(8)}
-				r := start(t, s, (&pubLog{}).publisher(nil), probeConfig())
+				cfg := probeConfig()
+				cfg.FailureHandler = storeFilter{s.fakeStore}
+				r := start(t, s, (&pubLog{}).publisher(nil), cfg)
 				synctest.Wait()
 				require.Len(t, r.Leases(), 8)
 

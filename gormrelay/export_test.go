@@ -1,6 +1,10 @@
 package gormrelay
 
-import "time"
+import (
+	"time"
+
+	"github.com/gorm-outbox/outbox/relay"
+)
 
 // IdleLimitSet is idleLimitSet.
 var IdleLimitSet = idleLimitSet
@@ -42,4 +46,20 @@ func SetEstimateClock(s *Store, now func() time.Time) {
 	s.estimate.mu.Lock()
 	defer s.estimate.mu.Unlock()
 	s.estimate.now = now
+}
+
+// LateBeat runs the first statement of relay me's heartbeat, as the
+// database runs one the relay abandoned on its cancelled context, and
+// returns the rows it updated.
+func LateBeat(s *Store, me string) (int64, error) {
+	r := s.beat(s.db, me, nowMs())
+	return r.RowsAffected, r.Error
+}
+
+// LateClaim runs relay me's claim of candidates (the buckets and terms
+// its acquisition read) for lease, as the database runs one the relay
+// abandoned on its cancelled context, and returns what it claimed.
+func LateClaim(s *Store, me string, candidates []relay.Lease, lease time.Duration) ([]relay.Lease, error) {
+	now := nowMs()
+	return s.claim(s.db, me, candidates, now, now+lease.Milliseconds())
 }

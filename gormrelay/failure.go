@@ -241,8 +241,7 @@ func (p *FailurePolicy) HandleFailure(ctx context.Context, f relay.Failure) (rel
 	if msg.Key != nil && !p.cfg.DisableQuarantine {
 		p.addQuarantined(f.Lease, msg.Key)
 	}
-	p.log.Warn("outbox: message dead-lettered", "bucket", f.Lease.Bucket, "message_id", msg.MessageID,
-		"topic", msg.Topic, "attempts", msg.Attempts, "permanent", permanent, "err", text)
+	p.log.Warn("outbox: message dead-lettered", deadLetteredAttrs(f.Lease.Bucket, msg, permanent, text)...)
 	return relay.FailureRetry, nil
 }
 
@@ -279,6 +278,18 @@ func (p *FailurePolicy) FilterBatch(ctx context.Context, relayID string, lease r
 	}
 	p.log.Info("outbox: messages parked behind a dead letter of their key", parkedAttrs(lease.Bucket, parked)...)
 	return keep, nil
+}
+
+// deadLetteredAttrs are the attributes of the log line of a dead-lettered
+// message: its bucket, message id, topic, key (when it has one; a key
+// that is not printable text as base64:..., as in the park line),
+// attempts, whether its error was permanent, and the error.
+func deadLetteredAttrs(bucket int, msg relay.Message, permanent bool, text string) []any {
+	attrs := []any{"bucket", bucket, "message_id", msg.MessageID, "topic", msg.Topic}
+	if msg.Key != nil {
+		attrs = append(attrs, "key", keyText(msg.Key))
+	}
+	return append(attrs, "attempts", msg.Attempts, "permanent", permanent, "err", text)
 }
 
 // parkLogLimit bounds the ids and keys the line of a park names; the

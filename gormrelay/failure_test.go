@@ -609,3 +609,44 @@ func TestFailurePolicyParkLogNamesMessages(t *testing.T) {
 		require.Equal(t, map[string]bool{"k": true, "base64:/wA=": true}, keys)
 	})
 }
+
+// The line of a dead-lettered message names its key, in the park line's
+// printable form (a key that is not printable text as base64:...), and
+// no key for a message without one.
+func TestFailurePolicyDeadLetterLogNamesKey(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		const binary = "\xff\x00"
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 1})
+		b.insert(t,
+			outbox.MessageRow{MessageID: "text", Key: []byte("k"), Value: []byte("text")},
+			outbox.MessageRow{MessageID: "binary", Key: []byte(binary), Value: []byte("binary")},
+			outbox.MessageRow{MessageID: "keyless", Value: []byte("keyless")})
+		logger, records := dbtest.WatchLog(t, "outbox: message dead-lettered")
+		policy, err := gormrelay.NewFailurePolicy(b.store, gormrelay.FailurePolicyConfig{Logger: logger, DisableQuarantine: true})
+		require.NoError(t, err)
+		pois := newPoison(relay.Permanent(errors.New("rejected")), "text", "binary", "keyless")
+		cfg := b.relayConfig(t, "a")
+		cfg.FailureHandler = policy
+		startRelay(t, b.store, newRecorder().publisher("a", pois.hook), cfg)
+		b.requireDrained(t)
+
+		keys := map[string]string{}
+		for len(keys) < 3 {
+			var r slog.Record
+			select {
+			case r = <-records:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("dead-lettered lines for %v only", keys)
+			}
+			id, ok := dbtest.Attr(r, "message_id")
+			require.True(t, ok)
+			key := "(none)"
+			if v, ok := dbtest.Attr(r, "key"); ok {
+				key = v.String()
+			}
+			keys[id.String()] = key
+		}
+		require.Equal(t, map[string]string{"text": "k", "binary": "base64:/wA=", "keyless": "(none)"}, keys)
+	})
+}

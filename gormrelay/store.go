@@ -451,9 +451,13 @@ func waitingFor(rows []outbox.LeaseRow, me string, now int64, share int) []relay
 	return waiting
 }
 
-// heartbeat records that relay me is alive.
+// heartbeat records that relay me is alive. Its first statement only
+// updates the relay's row, so that, run by the database after the relay's
+// release deleted that row (a statement abandoned on a cancelled context
+// still runs), it brings no heartbeat back; the insert follows only a
+// reply that found no row.
 func (s *Store) heartbeat(db *gorm.DB, me string, now int64) error {
-	r := db.Exec("UPDATE "+s.relays+" SET last_seen_ms = ? WHERE relay_id = ?", now, me)
+	r := s.beat(db, me, now)
 	if r.Error != nil {
 		return r.Error
 	}
@@ -465,6 +469,11 @@ func (s *Store) heartbeat(db *gorm.DB, me string, now int64) error {
 		Columns:   []clause.Column{{Name: "relay_id"}},
 		DoUpdates: clause.Assignments(map[string]any{"last_seen_ms": now}),
 	}).Create(&outbox.RelayRow{RelayID: me, LastSeenMs: now, StartedAtMs: now}).Error
+}
+
+// beat is the heartbeat's update of relay me's row.
+func (s *Store) beat(db *gorm.DB, me string, now int64) *gorm.DB {
+	return db.Exec("UPDATE "+s.relays+" SET last_seen_ms = ? WHERE relay_id = ?", now, me)
 }
 
 // liveRelays counts relays with a heartbeat younger than a lease, and
@@ -805,11 +814,14 @@ func (s *Store) RenewLeases(ctx context.Context, relayID string, leases []relay.
 // ReleaseLeases implements relay.Store: it releases every lease relayID
 // holds, whatever its term and whether or not it is listed, and deletes
 // the relay's heartbeat. Guarding by owner alone also frees the leases of
-// a claim that committed after the relay gave up on its reply.
+// a claim that committed after the relay gave up on its reply. The
+// released leases' terms are advanced, so that a claim the relay sent
+// before, and abandoned on its cancelled context, claims nothing if the
+// database runs it after the release: a claim names the terms it saw.
 func (s *Store) ReleaseLeases(ctx context.Context, relayID string, _ []relay.Lease) error {
 	db, ctx, cancel := s.op(ctx, "release leases")
 	defer cancel()
-	err := db.Exec("UPDATE "+s.leases+" SET owner = NULL, expires_at_ms = 0 WHERE owner = ?", relayID).Error
+	err := db.Exec("UPDATE "+s.leases+" SET owner = NULL, expires_at_ms = 0, term = term + 1 WHERE owner = ?", relayID).Error
 	if err == nil {
 		err = db.Exec("DELETE FROM "+s.relays+" WHERE relay_id = ?", relayID).Error
 	}

@@ -282,7 +282,7 @@ func TestStoreTermGuard(t *testing.T) {
 		// re-acquired the bucket.
 		require.NoError(t, b.store.ReleaseLeases(ctx, "b", bb.Leases))
 		again := acquire(t, b.store, "b", 1, time.Minute)
-		require.Equal(t, bb.Leases[0].Term+1, again.Leases[0].Term)
+		require.Greater(t, again.Leases[0].Term, bb.Leases[0].Term, "a later term (the release advanced it, the claim again)")
 		err = b.store.MarkPublished(ctx, "b", bb.Leases[0], batch)
 		require.ErrorIs(t, err, relay.ErrLeaseLost)
 		require.EqualValues(t, 4, b.count(t))

@@ -296,7 +296,12 @@
 // That includes leases it stopped trusting before the stop (a late
 // renewal, a publish that found its lease lost): the store may still
 // record them as its own, and its owner + term guard leaves alone any a
-// peer has taken since.
+// peer has taken since. The renewal is stopped and awaited before the
+// release, but a statement the relay abandoned on its cancelled context
+// may still run on the database after the release: the GORM store's
+// heartbeat then updates no row (the release deleted it), and its claim
+// claims nothing (the release advanced the terms the claim names)
+// (gormrelay TestReleaseFencesLateStatements, on every database).
 // A bucket is released only between its batches, never while its publish
 // is in flight. BucketCount bounds the parallelism: extra relays stay
 // live, own nothing and wait.
@@ -340,23 +345,33 @@
 // cancellation are not failures.
 //
 // A database outage does not leave the relay asleep once it is over.
-// After a failed acquisition or discovery, a store that can be probed
-// (Prober; the GORM store runs SELECT 1) is probed every
-// max(BackoffMin, ProbeIntervalMin) beside the control loop while the
-// call waits for its retry; the first probe that answers after the store
-// was seen down (the failed call, or a failed probe since) retries at
-// once the acquisition, the discovery and the batches of the buckets
-// backing off, instead of after a backoff of up to BackoffMax (30s). The
-// buckets keep their failure counts, so one that fails again backs off
-// longer. A call that fails while the probe answers (a missing
-// privilege, a lock timeout) keeps its plain backoff: after an early
-// retry, a probe must fail before an answer ends a backoff again. The
-// end of an outage is logged once at Info ("relay: the store answers
-// again; retrying now", with down_for); the probes log nothing. Tests:
-// gormrelay TestRelayResumesWhenDatabaseAnswers and
-// TestRelayRetriesBucketsWhenDatabaseAnswers (a TCP gate in front of
+// After a failed acquisition or discovery, or a failed store call of a
+// drainer (a read, a delete, the delete of reconciled rows, the failure
+// handler's filter, which the GORM store's policy runs on its database),
+// a store that
+// can be probed (Prober; the GORM store runs SELECT 1) is probed every
+// max(BackoffMin, ProbeIntervalMin) beside the control loop, one probe at
+// a time, while the call or the bucket waits for its retry; the first
+// probe that answers after the store was seen down (a failed call, or a
+// failed probe since) retries at once the acquisition, the discovery and
+// the batches of the buckets backing off after a store call, instead of
+// after a backoff of up to BackoffMax (30s). The buckets keep their
+// failure counts, so one that fails again backs off longer. A call that
+// fails while the probe answers (a missing privilege, a lock timeout)
+// keeps its plain backoff: after an early retry, a probe must fail
+// before an answer ends a backoff again. The end of an outage is logged
+// once at Info ("relay: the store answers again; retrying now", with
+// down_for); the probes log nothing. The store and the sink (below) are
+// watched alike, by one type (watch.go), each retrying only the buckets
+// that failed on it. Tests: gormrelay TestRelayResumesWhenDatabaseAnswers
+// and TestRelayRetriesBucketsWhenDatabaseAnswers (a TCP gate in front of
 // PostgreSQL cuts the relay off until its backoff reaches BackoffMax),
-// relay TestProbeEndsTheBackoffWhenTheStoreAnswers and
+// relay TestProbeEndsTheBackoffWhenTheStoreAnswers,
+// TestProbeEndsTheBackoffOfDrainersStoreFailures (only the drainers'
+// reads or deletes fail; the loop's own calls succeed),
+// TestProbeRetriesBucketsAfterTheLoopsCallsAnswered (the loop's
+// acquisition answers again before a probe does, the bucket still backs
+// off) and
 // TestProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee. In the two
 // gormrelay tests the first publish after the database answered again
 // began 0.11s after it (medians of 3), against 2.98s and 2.57s (the

@@ -296,7 +296,7 @@ func (p *drainers) alongside(ctx context.Context, b *batch, turn int) (next *bat
 		p.log.Warn("relay: read batch failed", "bucket", bucket, "err", err)
 		fallthrough
 	case err != nil:
-		r = batchResult{out: outFailed, err: err}
+		r = batchResult{out: outFailed, err: err, store: true}
 		if isStop(ctx, err) {
 			r = batchResult{out: outStopped}
 		}
@@ -369,7 +369,7 @@ func (p *drainers) reconcile(ctx context.Context, b *batch) (batchResult, bool) 
 		default:
 			p.log.Warn("relay: delete of rows the sink already holds failed; not publishing the bucket until it succeeds",
 				"bucket", lease.Bucket, "ids", len(held), "err", err)
-			return batchResult{out: outFailed, err: err}, true
+			return batchResult{out: outFailed, err: err, store: true}, true
 		}
 		if len(held) > 0 {
 			p.log.Info("relay: deleted rows the sink already held (a batch committed but not deleted)",
@@ -461,7 +461,7 @@ func (p *drainers) read(ctx context.Context, b *batch, st bucketState) (batchRes
 			if !IsMisconfiguration(err) {
 				p.log.Warn("relay: read batch failed", "bucket", bucket, "err", err)
 			}
-			return batchResult{out: outFailed, err: err}, true
+			return batchResult{out: outFailed, err: err, store: true}, true
 		}
 	}
 	if len(b.msgs) == 0 {
@@ -478,7 +478,9 @@ func (p *drainers) read(ctx context.Context, b *batch, st bucketState) (batchRes
 func (p *drainers) filter(ctx context.Context, b *batch) (batchResult, bool) {
 	kept, out, err := p.filterBatch(ctx, b.hl.Lease, b.msgs)
 	if kept == nil {
-		return batchResult{out: out, err: err}, true
+		// A failed filter met the store's database, as the GORM store's
+		// failure policy does.
+		return batchResult{out: out, err: err, store: out == outFailed && err != nil && !IsMisconfiguration(err)}, true
 	}
 	b.msgs = kept
 	return batchResult{}, false
@@ -577,7 +579,7 @@ func (p *drainers) deleted(lease Lease, acked int, err error) (batchResult, bool
 	case !IsMisconfiguration(err):
 		p.log.Warn("relay: delete published messages failed; they will be published again unless the publisher reconciles", "bucket", lease.Bucket, "acked", acked, "err", err)
 	}
-	return batchResult{out: outFailed, err: err}, true
+	return batchResult{out: outFailed, err: err, store: true}, true
 }
 
 // leaseEnded ends a batch whose lease ended during the publish: the rest

@@ -45,7 +45,8 @@ func newEngine(ctx context.Context, p parts, oneShot bool) *engine {
 	e := &engine{parts: p, log: p.cfg.Logger}
 	e.k = newKeeper(ctx, p.cfg, p.store, p.leaseAware != nil)
 	e.sched = newScheduler(p.cfg)
-	e.sched.wakeOnSink = p.sinkProber != nil && !oneShot
+	e.sched.wakeOn[sinkOutage] = p.sinkProber != nil && !oneShot
+	e.sched.wakeOn[storeOutage] = p.caps.prober != nil && !oneShot
 	e.pool = newDrainers(p, e.k, e.sched, oneShot)
 	return e
 }
@@ -94,9 +95,8 @@ func (e *engine) run(ctx context.Context, stopping <-chan struct{}) error {
 	// Discovery and the probes of the store and the sink run beside the
 	// loop, so that hints are taken while the store looks for pending
 	// rows; deferred last, they end first (a probe is cancelled).
-	l := &loop{discovered: make(chan error, 1), probed: make(chan error, 1),
-		timer: time.NewTimer(time.Hour), hintsC: e.caps.hints.Ready()}
-	l.sink.probed = make(chan error, 1)
+	l := &loop{discovered: make(chan error, 1), timer: time.NewTimer(time.Hour), hintsC: e.caps.hints.Ready()}
+	e.watchOutages(l)
 	defer l.timer.Stop()
 	defer l.discovery.Wait()
 	defer l.probes.Wait()
@@ -123,8 +123,7 @@ func (e *engine) run(ctx context.Context, stopping <-chan struct{}) error {
 		owned := e.k.ownedCount()
 		e.takeHints(l, owned, now)
 		e.startDiscovery(ctx, l, owned, now)
-		e.startProbe(probeCtx, l, time.Now())
-		e.watchSink(probeCtx, l, time.Now())
+		e.probeOutages(probeCtx, l, time.Now())
 		retry, retrying := e.sched.promote(time.Now())
 		if worked {
 			e.cfg.Observer.CycleFinished(time.Since(now))
@@ -148,20 +147,16 @@ type loop struct {
 	timer         *time.Timer
 	hintsC        <-chan struct{}
 
-	// The store's outage (Prober): while a failed acquisition or
-	// discovery waits for its retry, the loop probes the store.
-	discoverFailed bool      // the last discovery failed
-	probeAt        time.Time // the next probe
-	probing        bool      // a probe runs; its result comes on probed
-	probed         chan error
-	probes         sync.WaitGroup
-	downSeen       bool      // a store call or probe failed since the last early retry
-	early          bool      // the last backoff ended early: the store answered
-	downSince      time.Time // the first failure of the outage; zero when none
+	discoverFailed bool   // the last discovery failed
+	callsFailed    uint64 // failed acquisitions and discoveries so far
 
-	// The sink's outage (SinkProber): while buckets back off after
-	// unavailable publishes, the loop probes the publisher.
-	sink sinkWatch
+	// The outages of the store (Prober) and of the sink (SinkProber):
+	// while a failed acquisition or discovery waits for its retry, or
+	// buckets back off after a store call of their drainer failed, the
+	// loop probes the store; while buckets back off after unavailable
+	// publishes, it probes the publisher (watch.go).
+	store, sink outageWatch
+	probes      sync.WaitGroup
 }
 
 // backingOff reports whether a failed store call of the loop waits for
@@ -203,7 +198,6 @@ func (e *engine) maintainLeases(ctx context.Context, l *loop, now time.Time) (wo
 	case err == nil:
 		l.storeFailures = 0
 		l.nextAcquire = now.Add(jitter(e.cfg.LeaseRenewInterval))
-		e.storeAnswered(l)
 	case IsMisconfiguration(err):
 		return true, true, err
 	case isStop(ctx, err):
@@ -213,7 +207,7 @@ func (e *engine) maintainLeases(ctx context.Context, l *loop, now time.Time) (wo
 		d := backoff(e.cfg, l.storeFailures)
 		e.log.Warn("relay: acquire leases failed", "err", err, "retry_in", d)
 		l.nextAcquire = now.Add(d)
-		e.storeFailed(l, now)
+		l.callsFailed++
 	}
 	e.k.expireTrust()
 	err = e.syncLeases(ctx)
@@ -247,7 +241,6 @@ func (e *engine) takeHints(l *loop, owned int, now time.Time) {
 func (e *engine) startDiscovery(ctx context.Context, l *loop, owned int, now time.Time) {
 	if owned == 0 {
 		l.discoverFailed = false // nothing to retry: the next lease gained asks for a discovery
-		e.storeAnswered(l)
 		return
 	}
 	if l.discovering || (!l.discover && now.Before(l.nextPoll)) {
@@ -275,10 +268,10 @@ func (e *engine) sleep(ctx context.Context, stopping <-chan struct{}, l *loop, r
 			wake = earliest(wake, retry)
 		}
 	}
-	if e.probeDue(l) {
-		wake = earliest(wake, l.probeAt)
+	if l.store.due() {
+		wake = earliest(wake, l.store.probeAt)
 	}
-	if l.sinkProbeDue() {
+	if l.sink.due() {
 		wake = earliest(wake, l.sink.probeAt)
 	}
 	l.timer.Reset(time.Until(wake))
@@ -294,8 +287,8 @@ func (e *engine) sleep(ctx context.Context, stopping <-chan struct{}, l *loop, r
 	case <-e.pool.failed():
 	case err := <-l.discovered:
 		return e.discovered(ctx, l, err)
-	case err := <-l.probed:
-		e.probeAnswered(ctx, l, err)
+	case err := <-l.store.probed:
+		e.storeProbeAnswered(ctx, l, err)
 	case err := <-l.sink.probed:
 		e.sinkProbeAnswered(ctx, l, err)
 	}
@@ -309,7 +302,6 @@ func (e *engine) discovered(ctx context.Context, l *loop, err error) (done bool,
 	case err == nil:
 		l.nextPoll = time.Now().Add(jitter(e.cfg.PollInterval))
 		l.discoverFailed = false
-		e.storeAnswered(l)
 	case IsMisconfiguration(err):
 		return true, err
 	case isStop(ctx, err):
@@ -319,93 +311,68 @@ func (e *engine) discovered(ctx context.Context, l *loop, err error) (done bool,
 		now := time.Now()
 		l.nextPoll = now.Add(backoff(e.cfg, 1))
 		l.discoverFailed = true
-		e.storeFailed(l, now)
+		l.callsFailed++
 	}
 	return false, nil
 }
 
-// probeEvery is the interval of the store's probes during an outage.
+// probeEvery is the interval of the probes during an outage.
 func (e *engine) probeEvery() time.Duration { return max(e.cfg.BackoffMin, ProbeIntervalMin) }
 
-// storeFailed notes that an acquisition or a discovery failed, and has
-// the store probed (Prober) until it is retried. The failed call counts
-// as the store seen down, unless the previous backoff ended early and no
-// probe failed since: then a probe must fail first, so that a failure
-// the probe does not see (the store answers, the call fails anyway)
-// keeps its plain backoff instead of being retried every probe
-// interval.
-func (e *engine) storeFailed(l *loop, now time.Time) {
-	if e.caps.prober == nil {
-		return
+// watchOutages readies the loop's watches of the store's and the sink's
+// outages: a store or publisher that cannot be probed is not watched.
+func (e *engine) watchOutages(l *loop) {
+	var probeStore, probeSink func(context.Context) error
+	if e.caps.prober != nil {
+		probeStore = e.caps.prober.Probe
 	}
-	if l.downSince.IsZero() {
-		l.downSince = now
+	if e.sinkProber != nil {
+		probeSink = e.sinkProber.ProbeSink
 	}
-	if !l.early {
-		l.downSeen = true
-	}
-	if !l.probing {
-		l.probeAt = now.Add(e.probeEvery())
-	}
+	l.store = newOutageWatch(storeOutage, probeStore, e.probeEvery(), "relay: the store answers again; retrying now", &l.probes)
+	l.sink = newOutageWatch(sinkOutage, probeSink, e.probeEvery(), "relay: the sink answers again; retrying now", &l.probes)
 }
 
-// storeAnswered notes a successful acquisition or discovery: once
-// neither waits for a retry, the outage is over.
-func (e *engine) storeAnswered(l *loop) {
-	if l.backingOff() {
-		return
-	}
-	l.downSeen, l.early, l.downSince = false, false, time.Time{}
+// probeOutages takes the failures since the last turn and starts the
+// probes that are due. The store is down while a failed acquisition or
+// discovery waits for its retry, or a bucket backs off after a store
+// call of its drainer failed (a read, a delete); the sink while a bucket
+// backs off after an unavailable publish.
+func (e *engine) probeOutages(ctx context.Context, l *loop, now time.Time) {
+	n, down := e.sched.outages(storeOutage)
+	l.store.update(n+l.callsFailed, down || l.backingOff(), now)
+	l.store.start(ctx, now)
+	n, down = e.sched.outages(sinkOutage)
+	l.sink.update(n, down, now)
+	l.sink.start(ctx, now)
 }
 
-// probeDue reports whether the loop probes the store: it can, a failed
-// store call waits for its retry, and no probe runs.
-func (e *engine) probeDue(l *loop) bool {
-	return e.caps.prober != nil && l.backingOff() && !l.probing
-}
-
-// startProbe starts a probe of the store beside the loop when one is
-// due. A probe is bounded by the probe interval or a second, whichever
-// is longer.
-func (e *engine) startProbe(ctx context.Context, l *loop, now time.Time) {
-	if !e.probeDue(l) || now.Before(l.probeAt) {
-		return
-	}
-	l.probing = true
-	l.probes.Go(func() {
-		pctx, cancel := context.WithTimeout(ctx, max(e.probeEvery(), time.Second))
-		defer cancel()
-		l.probed <- e.caps.prober.Probe(pctx)
-	})
-}
-
-// probeAnswered takes a probe's result. A store that answers after it
-// was seen down ends the backoffs of the loop's failed calls and of the
-// buckets backing off: they are retried at once. The end of an outage
-// is logged once; the probes themselves log nothing.
-func (e *engine) probeAnswered(ctx context.Context, l *loop, err error) {
-	l.probing = false
+// storeProbeAnswered takes a probe of the store. A store that answers
+// after it was seen down ends the backoffs of the loop's failed calls
+// and of the buckets backing off after a store call failed: they are
+// retried at once.
+func (e *engine) storeProbeAnswered(ctx context.Context, l *loop, err error) {
 	now := time.Now()
-	l.probeAt = now.Add(e.probeEvery())
-	if !l.backingOff() || ctx.Err() != nil {
+	if !l.store.answered(ctx, e.log, err, now) {
 		return
 	}
-	if err != nil {
-		l.downSeen, l.early = true, false
-		return
-	}
-	if !l.downSeen {
-		return
-	}
-	e.log.Info("relay: the store answers again; retrying now", "down_for", now.Sub(l.downSince).Round(time.Millisecond))
-	l.downSeen, l.early = false, true
 	if l.storeFailures > 0 {
 		l.nextAcquire = now
 	}
 	if l.discoverFailed {
 		l.nextPoll = now
 	}
-	e.sched.retryNow(now)
+	e.sched.retryNow(storeOutage, now)
+}
+
+// sinkProbeAnswered takes a probe of the sink. A sink that answers after
+// it was seen down ends the backoffs of the buckets backing off after an
+// unavailable publish: they are retried at once.
+func (e *engine) sinkProbeAnswered(ctx context.Context, l *loop, err error) {
+	now := time.Now()
+	if l.sink.answered(ctx, e.log, err, now) {
+		e.sched.retryNow(sinkOutage, now)
+	}
 }
 
 // drainRoundsMax bounds DrainOnce's rounds: a round acquires, drains

@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -135,6 +136,147 @@ func TestProbeAnsweringKeepsTheBackoffOfAFailureItDoesNotSee(t *testing.T) {
 			"acquisitions at least BackoffMax/2 apart, bar one early retry: %v", acquires)
 		require.NotEmpty(t, since(&s.mu, &s.probes, from), "the store was probed meanwhile")
 		s.failLeases(nil)
+		stop(t, r)
+	})
+}
+
+// failOps makes the store's calls named in ops fail with err, as when the
+// database goes away while the control loop's own calls happen to
+// succeed; no ops ends that.
+func (p *probedStore) failOps(err error, ops ...string) {
+	p.mu.Lock()
+	p.down = len(ops) > 0
+	p.mu.Unlock()
+	p.fakeStore.mu.Lock()
+	defer p.fakeStore.mu.Unlock()
+	if len(ops) == 0 {
+		p.fakeStore.fail = nil
+		return
+	}
+	p.fakeStore.fail = func(op string) error {
+		if slices.Contains(ops, op) {
+			return err
+		}
+		return nil
+	}
+}
+
+// storeFilter is a failure handler whose BatchFilter reads the store's
+// database, as the GORM store's failure policy does: it fails while the
+// fake store's "filter" calls fail.
+type storeFilter struct{ s *fakeStore }
+
+func (storeFilter) HandleFailure(context.Context, relay.Failure) (relay.FailureAction, error) {
+	return relay.FailureBackoff, nil
+}
+
+func (f storeFilter) FilterBatch(_ context.Context, _ string, _ relay.Lease, msgs []relay.Message) ([]relay.Message, error) {
+	err := f.s.begin("filter")
+	f.s.mu.Unlock()
+	return msgs, err
+}
+
+// Buckets backing off after their drainers' store calls failed (a read,
+// a delete, the failure handler's filter), while the control loop's acquisitions and discoveries
+// succeed, are retried at the first probe that answers, not after their
+// backoff (seconds by then): the drainers' failures, not only the loop's,
+// have the store probed.
+func TestProbeEndsTheBackoffOfDrainersStoreFailures(t *testing.T) {
+	t.Parallel()
+	for _, ops := range [][]string{{"batch"}, {"mark"}, {"filter"}} {
+		t.Run(ops[0], func(t *testing.T) {
+			t.Parallel()
+			synctest.Test(t, func(t *testing.T) {
+				s := &probedStore{fakeStore: newFakeStore(8)}
+				cfg := probeConfig()
+				cfg.FailureHandler = storeFilter{s.fakeStore}
+				r := start(t, s, (&pubLog{}).publisher(nil), cfg)
+				synctest.Wait()
+				require.Len(t, r.Leases(), 8)
+
+				down := time.Now()
+				s.failOps(errors.New("connection refused"), ops...)
+				s.add(1, 3)
+				const outage = 10 * time.Second
+				time.Sleep(outage)
+				require.Positive(t, s.count(ops[0]), "the drainer met the outage")
+				require.Positive(t, s.count("acquire"), "the loop's own calls went on")
+				probes := since(&s.mu, &s.probes, down)
+				require.NotEmpty(t, probes, "the drainers' failures had the store probed")
+				require.LessOrEqual(t, len(probes), int(outage/relay.ProbeIntervalMin)+1, "probes at least ProbeIntervalMin apart")
+				require.Len(t, r.Leases(), 8, "the leases held throughout")
+				require.Equal(t, 3, s.pending(), "nothing deleted during the outage")
+				// By now bucket 1 backs off for seconds (10ms doubled up to 4s).
+
+				reads := s.count("batch")
+				s.failOps(nil)
+				time.Sleep(relay.ProbeIntervalMin)
+				synctest.Wait()
+				require.Greater(t, s.count("batch"), reads, "read again within a probe interval of the store answering")
+				require.Zero(t, s.pending(), "drained within a probe interval of the store answering")
+				stop(t, r)
+			})
+		})
+	}
+}
+
+// The sequence that left buckets sleeping out their backoff after a
+// database outage: the drainers' reads fail until a bucket backs off for
+// seconds; the loop's acquisition fails too, briefly, so the store is
+// probed; when the database answers, the loop's acquisition, retried
+// after its short backoff, succeeds before a probe answers. The loop's
+// own calls no longer wait for a retry, but the bucket still does: the
+// next probe that answers retries it, not the end of its backoff.
+func TestProbeRetriesBucketsAfterTheLoopsCallsAnswered(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s := &probedStore{fakeStore: newFakeStore(8)}
+		cfg := probeConfig()
+		// As in gormrelay's test: the leases outlast the outage, and the
+		// loop acquires every 200ms.
+		cfg.LeaseDuration, cfg.LeaseRenewInterval = time.Minute, 200*time.Millisecond
+		r := start(t, s, (&pubLog{}).publisher(nil), cfg)
+		synctest.Wait()
+		require.Len(t, r.Leases(), 8)
+
+		down := errors.New("connection refused")
+		s.failOps(down, "batch")
+		s.add(1, 3)
+		time.Sleep(10 * time.Second) // bucket 1's backoff reached BackoffMax (10ms doubled to 4s)
+		// Right after one of its reads failed, bucket 1 backs off at least
+		// BackoffMax/2.
+		reads := s.count("batch")
+		for s.count("batch") == reads {
+			time.Sleep(time.Millisecond)
+		}
+		failed := time.Now()
+		s.failOps(down, "batch", "acquire", "renew", "pending")
+		for len(since(&s.mu, &s.acquires, failed)) == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		// The failed acquisitions have the store probed (on main too).
+		acquireFailed := time.Now()
+		for len(since(&s.mu, &s.probes, acquireFailed)) == 0 {
+			time.Sleep(time.Millisecond)
+		}
+
+		// The database answers, but the probes have not yet: the loop's
+		// acquisition answers first.
+		back := time.Now()
+		s.failOps(nil)
+		s.setDown(true)
+		for len(since(&s.mu, &s.acquires, back)) == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		synctest.Wait()
+		reads = s.count("batch")
+		probed := time.Now()
+		s.setDown(false)
+		time.Sleep(relay.ProbeIntervalMin)
+		synctest.Wait()
+		require.Less(t, time.Since(failed), cfg.BackoffMax/2, "bucket 1 still backs off")
+		require.Greater(t, s.count("batch"), reads, "bucket 1 read again within a probe interval of the probe answering (at %s), not after its backoff", probed.Sub(failed))
+		require.Zero(t, s.pending())
 		stop(t, r)
 	})
 }

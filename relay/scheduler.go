@@ -44,10 +44,10 @@ type bucketState struct {
 	// wake asks done to wake the control loop: a lease announcement waits
 	// for this bucket's batch to end.
 	wake bool
-	// sinkDown: the bucket's last batch failed because the sink was
-	// unavailable (IsUnavailable); its backoff may end early when the
-	// sink answers again (SinkProber).
-	sinkDown bool
+	// down: the outage the bucket's last batch failed on (a store call
+	// of its drainer, a publish that failed as unavailable); its backoff
+	// may end early when a probe sees that outage end.
+	down outage
 }
 
 // batchResult is what a drainer reports after one batch.
@@ -62,6 +62,9 @@ type batchResult struct {
 	settled     bool
 	settledTerm int64
 	marks       uint64 // the bucket's marks the batch's last read covered
+	// store: the batch failed at a store call (a read or a delete), an
+	// outage a probe of the store can see end (Prober).
+	store bool
 }
 
 // drawn is a bucket a drainer took from the scheduler, with its state at
@@ -97,12 +100,12 @@ type scheduler struct {
 	closed   bool // stopping: hand out nothing, drainers exit
 	oneShot  bool // DrainOnce: drainers exit when nothing is ready or in flight
 
-	// sinkFailed counts the batches that failed because the sink was
-	// unavailable; sinkDown the buckets whose last batch did. wakeOnSink:
-	// such a failure wakes the control loop, which probes the sink.
-	sinkFailed uint64
-	sinkDown   int
-	wakeOnSink bool
+	// failed counts, by outage, the batches that failed on it; down the
+	// buckets whose last batch did. wakeOn: such a failure wakes the
+	// control loop, which probes the store or the sink.
+	failed [outageKinds]uint64
+	down   [outageKinds]int
+	wakeOn [outageKinds]bool
 }
 
 func newScheduler(cfg Config) *scheduler {
@@ -232,7 +235,7 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, now time.Time) {
 	s.inFlight--
 	hinted := st.marks != marks // a hint arrived during the batch
 	st.settled, st.settledTerm = r.settled, r.settledTerm
-	sinkWake := s.noteSinkLocked(st, r)
+	outageWake := s.noteOutageLocked(st, r)
 	switch r.out {
 	case outEmpty, outDrained:
 		st.ready = hinted
@@ -262,7 +265,7 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, now time.Time) {
 	if quiet && s.oneShot && len(s.fifo) == 0 {
 		s.cond.Broadcast() // the other drainers exit
 	}
-	wake := st.wake || sinkWake
+	wake := st.wake || outageWake
 	st.wake = false
 	s.mu.Unlock()
 	if quiet || wake {
@@ -294,7 +297,7 @@ func (s *scheduler) forget(b int) {
 
 func (s *scheduler) forgetLocked(b int) {
 	st := &s.buckets[b]
-	s.setSinkDownLocked(st, false)
+	s.setDownLocked(st, noOutage)
 	st.ready = false
 	st.failures, st.retryAt = 0, time.Time{}
 	st.shrink = 0
@@ -312,66 +315,56 @@ func (s *scheduler) reset(b int) {
 	st := &s.buckets[b]
 	st.failures, st.retryAt = 0, time.Time{}
 	st.failed = false
-	s.setSinkDownLocked(st, false)
+	s.setDownLocked(st, noOutage)
 }
 
-// retryNow ends the backoff of every bucket backing off, and queues the
-// ready ones: the store answers again after an outage that failed their
-// batches. Their failure counts stay, so a bucket that fails again backs
-// off longer.
-func (s *scheduler) retryNow(now time.Time) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for b := range s.buckets {
-		st := &s.buckets[b]
-		if st.retryAt.After(now) {
-			st.retryAt = time.Time{}
-			s.enqueueLocked(b, now)
-		}
+// noteOutageLocked notes the outage batch r of bucket st failed on, if
+// any, and reports whether that wakes the control loop.
+func (s *scheduler) noteOutageLocked(st *bucketState, r batchResult) bool {
+	o := noOutage
+	switch {
+	case r.out != outFailed || s.oneShot:
+	case r.store:
+		o = storeOutage
+	case IsUnavailable(r.err):
+		o = sinkOutage
 	}
-}
-
-// noteSinkLocked notes whether the batch r of bucket st failed because
-// the sink was unavailable, and reports whether that wakes the control
-// loop.
-func (s *scheduler) noteSinkLocked(st *bucketState, r batchResult) bool {
-	down := r.out == outFailed && !s.oneShot && IsUnavailable(r.err)
-	s.setSinkDownLocked(st, down)
-	if !down {
+	s.setDownLocked(st, o)
+	if o == noOutage {
 		return false
 	}
-	s.sinkFailed++
-	return s.wakeOnSink
+	s.failed[o]++
+	return s.wakeOn[o]
 }
 
-func (s *scheduler) setSinkDownLocked(st *bucketState, down bool) {
-	switch {
-	case down && !st.sinkDown:
-		s.sinkDown++
-	case !down && st.sinkDown:
-		s.sinkDown--
+func (s *scheduler) setDownLocked(st *bucketState, o outage) {
+	if st.down != noOutage {
+		s.down[st.down]--
 	}
-	st.sinkDown = down
+	if o != noOutage {
+		s.down[o]++
+	}
+	st.down = o
 }
 
-// sinkFailures returns how many batches failed so far because the sink
-// was unavailable, and whether a bucket's last batch did.
-func (s *scheduler) sinkFailures() (uint64, bool) {
+// outages returns how many batches failed so far on outage o, and
+// whether a bucket's last batch did.
+func (s *scheduler) outages(o outage) (uint64, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.sinkFailed, s.sinkDown > 0
+	return s.failed[o], s.down[o] > 0
 }
 
-// retrySinkNow ends the backoff of every bucket backing off because the
-// sink was unavailable, and queues the ready ones: the sink answers
-// again. Their failure counts stay, so a bucket that fails again backs
-// off longer.
-func (s *scheduler) retrySinkNow(now time.Time) {
+// retryNow ends the backoff of every bucket backing off after its last
+// batch failed on outage o, and queues the ready ones: the store or the
+// sink answers again. Their failure counts stay, so a bucket that fails
+// again backs off longer.
+func (s *scheduler) retryNow(o outage, now time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for b := range s.buckets {
 		st := &s.buckets[b]
-		if st.sinkDown && st.retryAt.After(now) {
+		if st.down == o && st.retryAt.After(now) {
 			st.retryAt = time.Time{}
 			s.enqueueLocked(b, now)
 		}

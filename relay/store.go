@@ -61,7 +61,10 @@ type Store interface {
 	// release the others owned by relayID too (guarded by owner alone),
 	// since a claim can commit after the relay gave up on its reply, as
 	// when the relay's context ended with the statement in flight. A
-	// lease another relay took over is left alone.
+	// lease another relay took over is left alone. Such a statement may
+	// even run after the release: a store should then neither bring the
+	// heartbeat back nor let the claim take a lease (the GORM store
+	// advances the released leases' terms, which a claim names).
 	ReleaseLeases(ctx context.Context, relayID string, leases []Lease) error
 
 	// PendingBuckets returns which of buckets hold at least one pending

@@ -316,8 +316,8 @@ func TestAdminHealth(t *testing.T) {
 		return body["reason"] == "no_reader"
 	}, 30*time.Second, 50*time.Millisecond)
 	require.Equal(t, http.StatusServiceUnavailable, code)
-	require.Contains(t, body["error"], "no reader has held the slot's lease")
-	require.Contains(t, body["error"], "last owner a")
+	require.Contains(t, body["error"], "no reader seen holding the slot's lease since it expired at ")
+	require.Contains(t, body["error"], "; last owner a")
 
 	// Lost: dropped behind the readers' back.
 	slot := r.Config().Slot

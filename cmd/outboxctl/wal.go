@@ -163,6 +163,8 @@ func printWAL(w io.Writer, ws ops.WALStatus, u *pgwal.Unconfirmed) {
 	reader := "none"
 	if ws.Reader.Held {
 		reader = fmt.Sprintf("%s (term %d, lease expires in %s)", ws.Reader.Owner, ws.Reader.Term, age(time.Until(ws.Reader.ExpiresAt)))
+	} else if ws.Reader.Owner != "" && ws.Reader.ExpiresAt.IsZero() {
+		reader = fmt.Sprintf("none (last %s, term %d, lease released)", ws.Reader.Owner, ws.Reader.Term)
 	} else if ws.Reader.Owner != "" {
 		reader = fmt.Sprintf("none (last %s, term %d, lease expired %s ago)", ws.Reader.Owner, ws.Reader.Term, age(time.Since(ws.Reader.ExpiresAt)))
 	}

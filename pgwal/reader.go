@@ -194,7 +194,7 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 	var w waiter
 	var waitingFor SlotLease // the holder last logged while waiting
 	for {
-		term, confirmed, ok, err := r.leases.acquire(ctx)
+		term, confirmed, ok, err := r.acquire(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -235,6 +235,19 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 			return nil
 		}
 	}
+}
+
+// acquire takes the slot's lease (leases.acquire). A bridging reader
+// first checks that no table-mode relay runs, and while one does fails
+// with ErrTableRelaysRunning without taking the lease: it would only
+// fail its term (bridgeOID), one lease term per retry.
+func (r *Reader) acquire(ctx context.Context) (term, confirmed int64, ok bool, err error) {
+	if r.cfg.Bridge {
+		if stopped, err := r.TableRelaysStopped(ctx); err != nil || !stopped {
+			return 0, 0, false, errors.Join(ErrTableRelaysRunning, err)
+		}
+	}
+	return r.leases.acquire(ctx)
 }
 
 // logWaiting logs, once per holder and term, that the reader waits for

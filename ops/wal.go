@@ -65,8 +65,9 @@ type WALStatus struct {
 
 // WALReader is the lease row that elects the one reader of a slot.
 type WALReader struct {
-	// Owner is the reader holding or last holding the lease; empty when
-	// it was released or never taken.
+	// Owner is the reader holding or last holding the lease (a reader
+	// that released it stays named, with ExpiresAt zero); empty when it
+	// was never taken.
 	Owner string `json:"owner,omitempty"`
 	// Term counts the lease's acquisitions.
 	Term int64 `json:"term"`
@@ -164,18 +165,21 @@ func CheckWAL(st WALStatus, h WALHealth, now time.Time) error {
 	if st.Reader.Held {
 		return nil
 	}
-	since := st.Reader.ExpiresAt
+	since, seen := st.Reader.ExpiresAt, "it expired at"
 	if since.IsZero() {
-		since = h.NoReaderSince
+		since, seen = h.NoReaderSince, "the first probe that found it free,"
 	}
 	lease := time.Duration(st.LeaseDurationMs) * time.Millisecond
 	if !since.IsZero() && now.Sub(since) > lease {
-		owner := "none"
-		if st.Reader.Owner != "" {
-			owner = st.Reader.Owner
+		owner := "last owner " + st.Reader.Owner
+		switch {
+		case st.Reader.Term == 0:
+			owner = "no reader ever took it"
+		case st.Reader.Owner == "":
+			owner = "last owner unknown (the lease row does not name it)"
 		}
-		return bad(WALReasonNoReader, "no reader has held the slot's lease for %s, over the lease duration %s (last owner %s)",
-			now.Sub(since).Round(time.Millisecond), lease, owner)
+		return bad(WALReasonNoReader, "no reader seen holding the slot's lease since %s %s (%s ago, over the lease duration %s); %s",
+			seen, since.UTC().Format(time.RFC3339), now.Sub(since).Round(time.Millisecond), lease, owner)
 	}
 	return nil
 }

@@ -61,3 +61,28 @@ func TestCheckWAL(t *testing.T) {
 		require.Contains(t, err.Error(), "outbox: WAL slot s: ", c.name)
 	}
 }
+
+// TestCheckWALNoReaderText: the no_reader detail says what the probe
+// knows: since when no reader was seen holding the lease (its expiry, or
+// the first probe that found it released), and the last owner the lease
+// row names.
+func TestCheckWALNoReaderText(t *testing.T) {
+	t.Parallel()
+	now := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	st := ops.WALStatus{Slot: "s", Exists: true, LeaseDurationMs: 10_000}
+	detail := func(r ops.WALReader, h ops.WALHealth) string {
+		s := st
+		s.Reader = r
+		var we *ops.WALUnhealthyError
+		require.ErrorAs(t, ops.CheckWAL(s, h, now), &we)
+		require.Equal(t, ops.WALReasonNoReader, we.Reason)
+		return we.Detail
+	}
+	require.Equal(t, "no reader seen holding the slot's lease since it expired at 2026-01-02T03:03:50Z (15s ago, over the lease duration 10s); last owner r",
+		detail(ops.WALReader{Owner: "r", Term: 3, ExpiresAt: now.Add(-15 * time.Second)}, ops.WALHealth{}))
+	require.Equal(t, "no reader seen holding the slot's lease since the first probe that found it free, 2026-01-02T03:03:53Z (12s ago, over the lease duration 10s); last owner r",
+		detail(ops.WALReader{Owner: "r", Term: 3}, ops.WALHealth{NoReaderSince: now.Add(-12 * time.Second)}))
+	require.Contains(t, detail(ops.WALReader{Term: 3}, ops.WALHealth{NoReaderSince: now.Add(-12 * time.Second)}),
+		"; last owner unknown (the lease row does not name it)")
+	require.Contains(t, detail(ops.WALReader{}, ops.WALHealth{NoReaderSince: now.Add(-12 * time.Second)}), "; no reader ever took it")
+}

@@ -316,8 +316,8 @@ func TestAdminHealth(t *testing.T) {
 		return body["reason"] == "no_reader"
 	}, 30*time.Second, 50*time.Millisecond)
 	require.Equal(t, http.StatusServiceUnavailable, code)
-	require.Contains(t, body["error"], "no reader has held the slot's lease")
-	require.Contains(t, body["error"], "last owner a")
+	require.Contains(t, body["error"], "no reader seen holding the slot's lease since it expired at ")
+	require.Contains(t, body["error"], "; last owner a")
 
 	// Lost: dropped behind the readers' back.
 	slot := r.Config().Slot
@@ -438,8 +438,9 @@ func TestAdminSlotCreateDrop(t *testing.T) {
 }
 
 // TestWALAlertRules: every metric name in deploy/prometheus/wal-alerts.yml
-// is in the output of a real reader's collector, and promtool (when
-// installed) checks the rules and runs their unit tests.
+// is in the output of a real reader's collector or of the Admin's
+// collector of a process without a reader, and promtool (when installed)
+// checks the rules and runs their unit tests.
 func TestWALAlertRules(t *testing.T) {
 	e := setup(t)
 	r := e.reader(t, e.pub, "a")
@@ -458,6 +459,22 @@ func TestWALAlertRules(t *testing.T) {
 		}
 		return exported[pgwal.NameReading] && len(mfs) == 7
 	}, 30*time.Second, 20*time.Millisecond, "every family gathered: %v", exported)
+	// The API process's: what the rules read while no reader runs.
+	byAdmin := map[string]bool{}
+	areg := prometheus.NewPedanticRegistry()
+	areg.MustRegister(e.otherProcessAdmin(t, r).Collector())
+	require.Eventually(t, func() bool {
+		mfs, err := areg.Gather()
+		require.NoError(t, err)
+		for _, mf := range mfs {
+			byAdmin[mf.GetName()] = true
+			exported[mf.GetName()] = true
+		}
+		return len(mfs) == 4
+	}, 30*time.Second, 20*time.Millisecond, "every family of the Admin's collector gathered (the lag once the reader recorded it): %v", byAdmin)
+	for _, n := range []string{pgwal.NameRetainedBytes, pgwal.NameSlotLost, pgwal.NameLeaseHeld, pgwal.NameLagAge} {
+		require.True(t, byAdmin[n], "the Admin's collector exports %s", n)
+	}
 
 	const file = "../deploy/prometheus/wal-alerts.yml"
 	raw, err := os.ReadFile(file)

@@ -125,12 +125,16 @@ func TestGracefulStopReleasesLease(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, owned.EnsureSlot(t.Context()))
 	e.dropSlotAtEnd(t, owned)
-	lease := func() (owner string) {
+	row := func() pgwal.SlotLease {
 		var rows []pgwal.SlotLease
 		require.NoError(t, e.db.Table(owned.Config().LeaseTable).Where("slot = ?", owned.Config().Slot).Find(&rows).Error)
 		require.Len(t, rows, 1)
-		if rows[0].Owner != nil {
-			owner = *rows[0].Owner
+		return rows[0]
+	}
+	// lease returns the reader holding the lease, "" when it is free.
+	lease := func() (owner string) {
+		if r := row(); r.Owner != nil && r.ExpiresAtMs > time.Now().UnixMilli() {
+			owner = *r.Owner
 		}
 		return owner
 	}
@@ -141,6 +145,7 @@ func TestGracefulStopReleasesLease(t *testing.T) {
 	require.Equal(t, "owned", lease())
 	require.NoError(t, stop())
 	require.Empty(t, lease(), "released once the publisher closed")
+	require.Equal(t, "owned", *row().Owner, "the released row names its last owner")
 
 	caller, err := pgwal.New(e.db.DB, e.plugin, e.pub, long("caller"))
 	require.NoError(t, err)

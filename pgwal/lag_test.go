@@ -2,25 +2,19 @@ package pgwal_test
 
 import (
 	"context"
-	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
-	"gorm.io/gorm/logger"
 
-	"github.com/gorm-outbox/outbox"
-	"github.com/gorm-outbox/outbox/internal/dbtest"
 	"github.com/gorm-outbox/outbox/ops"
 	"github.com/gorm-outbox/outbox/ops/opshttp"
 	"github.com/gorm-outbox/outbox/ops/opsui"
 	"github.com/gorm-outbox/outbox/pgwal"
-	"github.com/gorm-outbox/outbox/relay"
 )
 
 // TestAdminLagFromAnotherProcess: an Admin with no reader of its own, on
@@ -30,24 +24,9 @@ import (
 // published everything, unknown once no reader holds the lease.
 func TestAdminLagFromAnotherProcess(t *testing.T) {
 	e := setup(t)
-	var blocked atomic.Bool
-	pub := relay.PublisherFunc(func(ctx context.Context, msgs []relay.Message) (int, error) {
-		if blocked.Load() {
-			return 0, relay.Unavailable(errors.New("broker down"))
-		}
-		return e.pub.Publish(ctx, msgs)
-	})
+	pub, blocked := e.downablePub()
 	r := e.reader(t, pub, "reader-a")
-	db, err := dbtest.OpenGorm(dbtest.Postgres, e.db.DSN, &gorm.Config{Logger: logger.Discard})
-	require.NoError(t, err)
-	sqlDB, err := db.DB()
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = sqlDB.Close() })
-	plugin, err := outbox.NewPlugin(outbox.Config{Name: e.plugin.Config().Name, Mode: outbox.ModeWAL})
-	require.NoError(t, err)
-	require.NoError(t, db.Use(plugin))
-	admin, err := pgwal.NewAdmin(db, plugin, pgwal.Config{Slot: r.Config().Slot, LeaseDuration: r.Config().LeaseDuration, StandbyInterval: r.Config().StandbyInterval})
-	require.NoError(t, err)
+	admin := e.otherProcessAdmin(t, r)
 	status := func() ops.WALStatus {
 		ws, err := admin.WALStatus(context.Background())
 		require.NoError(t, err)

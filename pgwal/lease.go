@@ -140,6 +140,16 @@ func (l *leases) renew(ctx context.Context, term, confirmed int64, lag lagSample
 	return r.Error == nil && r.RowsAffected == 1, r.Error
 }
 
+// holder reads the lease row; ok is false when there is none.
+func (l *leases) holder(ctx context.Context) (SlotLease, bool, error) {
+	var rows []SlotLease
+	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
+	if err := db.Table(l.table).Select("slot", "owner", "term", "expires_at_ms").Where("slot = ?", l.slot).Find(&rows).Error; err != nil || len(rows) == 0 {
+		return SlotLease{}, false, err
+	}
+	return rows[0], true, nil
+}
+
 // recorded returns the confirmed position recorded in the lease row, 0
 // when there is none.
 func (l *leases) recorded(ctx context.Context) (int64, error) {
@@ -161,10 +171,11 @@ func (l *leases) record(ctx context.Context, confirmed int64) error {
 	return db.Exec("UPDATE "+l.quoted(db)+" SET confirmed_lsn = ? WHERE slot = ? AND confirmed_lsn < ?", confirmed, l.slot, confirmed).Error
 }
 
-// release gives the lease up.
+// release gives the lease up: it expires now, and the row still names
+// this reader as its last owner (for the operator: ops.WALReader.Owner).
 func (l *leases) release(ctx context.Context, term int64) error {
 	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
-	return db.Exec("UPDATE "+l.quoted(db)+" SET owner = NULL, expires_at_ms = 0 WHERE slot = ? AND owner = ? AND term = ?", l.slot, l.me, term).Error
+	return db.Exec("UPDATE "+l.quoted(db)+" SET expires_at_ms = 0 WHERE slot = ? AND owner = ? AND term = ?", l.slot, l.me, term).Error
 }
 
 func (l *leases) quoted(db *gorm.DB) string { return db.Statement.Quote(l.table) }

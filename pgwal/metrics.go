@@ -84,3 +84,83 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.retained, prometheus.GaugeValue, float64(st.RetainedBytes))
 	}
 }
+
+// Metric names of Admin.Collector, with the labels outbox and slot. The
+// Admin's collector also exports NameRetainedBytes and NameSlotLost,
+// unless it is a reader's (Reader.Admin), whose Collector exports them.
+const (
+	// NameLeaseHeld is 1 while a reader, in any process, holds the slot's
+	// lease (an owner whose lease has not expired), else 0.
+	NameLeaseHeld = "outbox_wal_lease_held"
+	// NameLagAge is the age of the oldest message the reader holding the
+	// lease decoded and has not published or dead-lettered (0 when it
+	// holds none), as WALStatus.LagAgeMs: absent while unknown (no reader
+	// holds the lease, or its term has not read the WAL written before it
+	// began).
+	NameLagAge = "outbox_wal_lag_age_seconds"
+)
+
+type adminCollector struct {
+	a                                 *Admin
+	slotGauges                        bool
+	retained, lost, leaseHeld, lagAge *prometheus.Desc
+}
+
+// Collector returns a Prometheus collector that needs no running reader:
+// at each scrape it reads the slot (pg_replication_slots) and its lease
+// row, as WALStatus does, and exports the WAL the slot retains
+// (NameRetainedBytes), whether it is lost (NameSlotLost), whether a
+// reader holds its lease (NameLeaseHeld) and the lag in time
+// (NameLagAge). Register it in the process that serves the admin API or
+// the health checks, so that deploy/prometheus/wal-alerts.yml fires while
+// every reader is down. An Admin made by Reader.Admin leaves the slot's
+// two gauges to the reader's Collector (register both in that process).
+// A failed read makes the scrape report an error for the slot's series.
+func (a *Admin) Collector() prometheus.Collector {
+	cl := prometheus.Labels{"outbox": a.plugin.Config().Name, "slot": a.cfg.Slot}
+	d := func(name, help string) *prometheus.Desc { return prometheus.NewDesc(name, help, nil, cl) }
+	return &adminCollector{a: a, slotGauges: a.reader == nil,
+		retained:  d(NameRetainedBytes, "WAL bytes the slot retains: pg_current_wal_lsn() - confirmed_flush_lsn."),
+		lost:      d(NameSlotLost, "1 when the slot is missing, invalidated (wal_status lost) or another database's, else 0."),
+		leaseHeld: d(NameLeaseHeld, "1 while a reader holds the slot's lease, else 0."),
+		lagAge:    d(NameLagAge, "Age of the oldest message the reader holding the slot's lease has not published; absent while unknown."),
+	}
+}
+
+func (c *adminCollector) Describe(ch chan<- *prometheus.Desc) {
+	if c.slotGauges {
+		ch <- c.retained
+		ch <- c.lost
+	}
+	ch <- c.leaseHeld
+	ch <- c.lagAge
+}
+
+func (c *adminCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), scrapeTimeout)
+	defer cancel()
+	ws, err := c.a.WALStatus(ctx)
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(c.leaseHeld, err)
+		return
+	}
+	gauge := func(d *prometheus.Desc, v float64) { ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v) }
+	if c.slotGauges {
+		lost := 0.0
+		if !ws.Exists || ws.Lost || ws.Foreign != "" {
+			lost = 1
+		}
+		gauge(c.lost, lost)
+		if ws.Exists && ws.Foreign == "" {
+			gauge(c.retained, float64(ws.RetainedBytes))
+		}
+	}
+	held := 0.0
+	if ws.Reader.Held {
+		held = 1
+	}
+	gauge(c.leaseHeld, held)
+	if ws.LagSource != "" {
+		gauge(c.lagAge, ws.LagAge().Seconds())
+	}
+}

@@ -192,10 +192,16 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 	}
 	failures := 0
 	var w waiter
+	var waitingFor SlotLease // the holder last logged while waiting
 	for {
-		term, confirmed, ok, err := r.leases.acquire(ctx)
+		term, confirmed, ok, err := r.acquire(ctx)
 		if ctx.Err() != nil {
 			return nil
+		}
+		if err == nil && !ok {
+			r.logWaiting(ctx, &waitingFor)
+		} else {
+			waitingFor = SlotLease{}
 		}
 		if err == nil && ok {
 			began := time.Now()
@@ -229,6 +235,35 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 			return nil
 		}
 	}
+}
+
+// acquire takes the slot's lease (leases.acquire). A bridging reader
+// first checks that no table-mode relay runs, and while one does fails
+// with ErrTableRelaysRunning without taking the lease: it would only
+// fail its term (bridgeOID), one lease term per retry.
+func (r *Reader) acquire(ctx context.Context) (term, confirmed int64, ok bool, err error) {
+	if r.cfg.Bridge {
+		if stopped, err := r.TableRelaysStopped(ctx); err != nil || !stopped {
+			return 0, 0, false, errors.Join(ErrTableRelaysRunning, err)
+		}
+	}
+	return r.leases.acquire(ctx)
+}
+
+// logWaiting logs, once per holder and term, that the reader waits for
+// the slot's lease another reader holds: who, and until when unless
+// renewed. last is the holder logged before.
+func (r *Reader) logWaiting(ctx context.Context, last *SlotLease) {
+	l, ok, err := r.leases.holder(ctx)
+	if err != nil || !ok || l.Owner == nil {
+		return
+	}
+	if last.Owner != nil && *last.Owner == *l.Owner && last.Term == l.Term {
+		return
+	}
+	*last = l
+	r.log.Info("pgwal: waiting for the slot's lease, held by another reader", "holder", *l.Owner, "term", l.Term,
+		"expires_at", time.UnixMilli(l.ExpiresAtMs).UTC().Format(time.RFC3339Nano), "check_every", r.cfg.StandbyInterval)
 }
 
 // waiter is what pause remembers of an outage across the attempts of a
@@ -457,7 +492,6 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	if err != nil {
 		return fmt.Errorf("pgwal: start replication from slot %s: %w", r.cfg.Slot, err)
 	}
-	r.log.Info("pgwal: reading the slot", "term", term, "from", from, "slot_confirmed", st.Confirmed)
 
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -509,6 +543,10 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	if err := eng.Start(sctx); err != nil {
 		return err
 	}
+	// Logged once the term reads: a term that fails before (a bridging
+	// reader while table relays run, a publisher's fence) logs only its
+	// failure.
+	r.log.Info("pgwal: reading the slot", "term", term, "from", from, "slot_confirmed", st.Confirmed)
 	stopped := make(chan struct{})
 	go func() {
 		defer close(stopped)

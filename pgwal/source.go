@@ -2,6 +2,7 @@ package pgwal
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -285,3 +286,48 @@ func (h *hints) add(buckets ...int) {
 
 // Ready implements relay.Hints.
 func (h *hints) Ready() <-chan struct{} { return h.ready }
+
+var _ relay.BacklogSampler = source{}
+
+// errNotCaughtUp is SampleBacklog's answer while the term has not read
+// the WAL written before it began: its queues do not hold the backlog yet.
+var errNotCaughtUp = errors.New("pgwal: the reader has not yet read the WAL written before its term began")
+
+// SampleBacklog implements relay.BacklogSampler, so that a
+// relay.BacklogObserver (metrics.Collector) as Config.Observer reports
+// WAL mode's backlog as table mode's: the messages the reader decoded and
+// has not published or dead-lettered, per bucket, with the oldest one's
+// creation time (the lag in time, as WALStatus's), and the dead-letter
+// table's count. WAL not decoded yet is not counted: while the term has
+// not read the WAL written before it began, the sample fails (the
+// backlog is unknown). The engine samples only while the reader reads.
+func (src source) SampleBacklog(ctx context.Context) (relay.Backlog, error) {
+	s := src.s
+	if !s.caughtUp.Load() {
+		return relay.Backlog{}, errNotCaughtUp
+	}
+	b := relay.Backlog{BucketCount: len(s.buckets), SampledAt: time.Now()}
+	for _, q := range s.buckets {
+		q.mu.Lock()
+		if n := len(q.q); n > 0 {
+			oldest := q.q[0].msg.CreatedAt
+			for _, e := range q.q[1:] {
+				if e.msg.CreatedAt.Before(oldest) {
+					oldest = e.msg.CreatedAt
+				}
+			}
+			b.Buckets = append(b.Buckets, relay.BucketBacklog{Bucket: q.bucket, Pending: int64(n), Oldest: oldest})
+			b.Pending += int64(n)
+			if b.Oldest.IsZero() || oldest.Before(b.Oldest) {
+				b.Oldest = oldest
+			}
+		}
+		q.mu.Unlock()
+	}
+	db := s.r.sess(ctx)
+	if err := db.Table(s.r.dead).Count(&b.DeadLetters).Error; err != nil {
+		return relay.Backlog{}, fmt.Errorf("pgwal: count dead letters: %w", err)
+	}
+	b.DeadLettersKnown = true
+	return b, nil
+}

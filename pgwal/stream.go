@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -86,6 +87,10 @@ type stream struct {
 	// backlogEnd is the server's WAL end when the term began: once done
 	// reaches it, queues that are empty hold everything pending.
 	backlogEnd pglogrepl.LSN
+	// caughtUp is set once done reached backlogEnd (seen by lag, on the
+	// receiving goroutine): the backlog sampler may then tell empty queues
+	// from WAL not read yet.
+	caughtUp atomic.Bool
 	// rel is the messages table in the stream when the reader bridges.
 	rel bridgeRelation
 	// touched is enqueue's list of the buckets a transaction filled.
@@ -184,6 +189,9 @@ func (s *stream) position() pglogrepl.LSN {
 // stream read the WAL written before the term began; unknown before.
 func (s *stream) lag() lagSample {
 	now := time.Now().UnixMilli()
+	if s.done >= s.backlogEnd {
+		s.caughtUp.Store(true)
+	}
 	if oldest, bucket, ok := s.oldest(); ok {
 		return lagSample{oldestMs: max(oldest.UnixMilli(), 1), atMs: now, bucket: bucket}
 	}

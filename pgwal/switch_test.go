@@ -330,10 +330,13 @@ func TestBridgeWaitsForTableRelays(t *testing.T) {
 	stop := run(r)
 	t.Cleanup(func() { _ = stop() })
 	enqueue(t, e.db.DB, e.topic, "k0", 0)
-	require.Eventually(t, func() bool { return strings.Contains(logs.String(), pgwal.ErrTableRelaysRunning.Error()) }, 30*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return strings.Count(logs.String(), pgwal.ErrTableRelaysRunning.Error()) >= 2 }, 30*time.Second, 20*time.Millisecond)
 	require.Zero(t, r.Stats().Received, "nothing read while the table relay runs")
+	require.NotContains(t, logs.String(), `msg="`+logReading+`"`, "a term that does not read does not say it reads")
+	require.Zero(t, e.term(t, r), "the lease is not taken while the table relay runs: no term per retry")
 	require.NoError(t, rl.Stop(ctx))
 	checkKeysDelivered(t, e, []int64{1})
+	require.Contains(t, logs.String(), `msg="`+logReading+`"`)
 }
 
 // TestBridgeKilledMidStream: a bridging reader cancelled mid-stream while

@@ -14,14 +14,19 @@
 //	outboxctl [flags] pause BUCKET
 //	outboxctl [flags] resume BUCKET
 //	outboxctl [flags] --mode wal wal slot status|create|drop [--force]
+//	outboxctl [flags] --mode wal wal switch table-mark | table-drained MARK | table-relays-stopped | wal-mark | published-through LSN
 //
 // An outbox in WAL mode (outbox.ModeWAL, package pgwal) is operated with
 // --mode wal (or OUTBOX_MODE=wal) and --name (or OUTBOX_NAME, the outbox's
 // Config.Name; default the messages table name), plus --wal-slot and
 // --wal-lease-table when the readers' pgwal.Config sets them: status then
 // shows the replication slot, requeue emits dead letters into the WAL
-// again (pgwal.Admin), and "wal slot" creates, inspects and drops the
-// slot. Its dead-letter ids are negated WAL positions (-8939315240): an
+// again (pgwal.Admin), "wal slot" creates, inspects and drops the slot,
+// and "wal switch" runs the checks of the staged switch between the modes
+// (docs/wal-mode.md): table-mark prints the messages table's highest id,
+// wal-mark writes a marker into the WAL and prints its position
+// (16/B374D848), and table-drained, table-relays-stopped and
+// published-through exit 0 when they hold, 3 while they do not yet. Its dead-letter ids are negated WAL positions (-8939315240): an
 // argument of negative ids is an id, not a flag ("dead-letters show
 // -8939315240", "requeue -1,-2"); "--" before the ids works as well.
 //
@@ -34,7 +39,7 @@
 //
 // Exit status: 0 on success, 1 when the operation failed (database error,
 // missing tables, unknown dead letter or key, invalid bucket), 2 on a
-// usage error. The DSN is
+// usage error, 3 when a "wal switch" check does not hold yet. The DSN is
 // never printed, and its password is scrubbed from every error message.
 package main
 
@@ -66,6 +71,8 @@ const (
 	exitOK    = 0
 	exitFail  = 1
 	exitUsage = 2
+	// exitNotYet is a "wal switch" check that does not hold yet.
+	exitNotYet = 3
 )
 
 func main() {
@@ -149,6 +156,8 @@ Usage:
   outboxctl [flags] pause BUCKET
   outboxctl [flags] resume BUCKET
   outboxctl [flags] --mode wal [--name N] [--wal-slot S] wal slot status|create|drop [--force]
+  outboxctl [flags] --mode wal [--name N] [--wal-slot S] wal switch CHECK
+      CHECK: table-mark | table-drained MARK | table-relays-stopped | wal-mark | published-through LSN
   outboxctl --driver postgres|mysql|sqlite [--prefix P] [--schema S] schema [--format sql|golang-migrate|goose] [--out DIR]
 
 Times are RFC 3339 (2024-05-01T00:00:00Z) or a duration meaning that long ago (72h).
@@ -161,7 +170,13 @@ refuses to drop a slot holding unpublished messages unless --force. WAL mode's
 dead-letter ids are negative (negated WAL positions): an argument of negative
 ids is an id, not a flag (dead-letters show -8939315240).
 
-Exit status: 0 success, 1 operation failed, 2 usage error.
+"wal switch" runs the checks of the staged switch between the modes (docs/wal-mode.md)
+with no reader or publisher: table-mark prints the messages table's highest id, wal-mark
+writes a marker into the WAL and prints its position (16/B374D848); table-drained MARK,
+table-relays-stopped and published-through LSN exit 0 when they hold and 3 while they
+do not yet.
+
+Exit status: 0 success, 1 operation failed, 2 usage error, 3 a wal switch check does not hold yet.
 
 Flags (accepted before or after the command):
 `
@@ -175,9 +190,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		}
 	}()
 	err := g.dispatch(ctx, args)
+	var notYet errNotYet
 	switch {
 	case err == nil:
 		return exitOK
+	case errors.As(err, &notYet):
+		if notYet.msg != "" {
+			fmt.Fprintln(stderr, notYet.msg)
+		}
+		return exitNotYet
 	case errors.As(err, new(usageError)), errors.Is(err, flag.ErrHelp):
 		if !errors.Is(err, flag.ErrHelp) {
 			g.printErr(err)

@@ -6,7 +6,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strconv"
 	"time"
+
+	"github.com/jackc/pglogrepl"
 
 	"gorm.io/gorm"
 
@@ -51,8 +54,14 @@ func (g *globals) walCmd(ctx context.Context, fs *flag.FlagSet, args []string) e
 		return err
 	}
 	defer cancel()
+	if len(pos) >= 2 && pos[0] == "switch" {
+		if force {
+			return usagef("--force is for wal slot drop only")
+		}
+		return g.walSwitch(ctx, pos[1:])
+	}
 	if len(pos) != 2 || pos[0] != "slot" {
-		return usagef("wal takes: slot status, slot create or slot drop [--force]")
+		return usagef("wal takes: slot status, slot create, slot drop [--force], or switch CHECK (%s)", switchChecks)
 	}
 	sub := pos[1]
 	switch sub {
@@ -63,13 +72,7 @@ func (g *globals) walCmd(ctx context.Context, fs *flag.FlagSet, args []string) e
 	if force && sub != "drop" {
 		return usagef("--force is for wal slot drop only")
 	}
-	if g.mode == "" {
-		g.mode = g.getenv("OUTBOX_MODE")
-	}
-	if g.mode != "wal" {
-		return usagef("wal commands need --mode wal (or OUTBOX_MODE=wal)")
-	}
-	if err := g.connect(ctx); err != nil {
+	if err := g.connectWALMode(ctx); err != nil {
 		return err
 	}
 	switch sub {
@@ -144,6 +147,134 @@ func (g *globals) walCmd(ctx context.Context, fs *flag.FlagSet, args []string) e
 	return nil
 }
 
+// connectWALMode connects to an outbox that --mode wal (or OUTBOX_MODE)
+// says is in WAL mode.
+func (g *globals) connectWALMode(ctx context.Context) error {
+	if g.mode == "" {
+		g.mode = g.getenv("OUTBOX_MODE")
+	}
+	if g.mode != "wal" {
+		return usagef("wal commands need --mode wal (or OUTBOX_MODE=wal)")
+	}
+	return g.connect(ctx)
+}
+
+// switchChecks names the checks of "wal switch".
+const switchChecks = "table-mark, table-drained MARK, table-relays-stopped, wal-mark, published-through LSN"
+
+// errNotYet is a switch check that does not hold yet: exit status 3.
+type errNotYet struct{ msg string }
+
+func (e errNotYet) Error() string { return e.msg }
+
+// switchJSON is the --json form of "wal switch".
+type switchJSON struct {
+	Check string `json:"check"`
+	// OK is the answer of a yes/no check (table-drained,
+	// table-relays-stopped, published-through).
+	OK *bool `json:"ok,omitempty"`
+	// Mark is table-mark's answer and table-drained's argument.
+	Mark *int64 `json:"mark,omitempty"`
+	// LSN is wal-mark's answer and published-through's argument, in
+	// PostgreSQL's form (16/B374D848); Confirmed the slot's position.
+	LSN       string `json:"lsn,omitempty"`
+	Confirmed string `json:"confirmed_lsn,omitempty"`
+}
+
+// walSwitch runs one check of the staged switch between the modes
+// (docs/wal-mode.md, Switching modes) through pgwal.Admin: no reader, no
+// publisher. A yes/no check that does not hold yet exits 3, so a script
+// can wait for it: until outboxctl ... wal switch table-drained 42; do sleep 5; done.
+func (g *globals) walSwitch(ctx context.Context, args []string) error {
+	check, arg := args[0], ""
+	want := 0
+	switch check {
+	case "table-drained", "published-through":
+		want = 1
+	case "table-mark", "table-relays-stopped", "wal-mark":
+	default:
+		return usagef("unknown wal switch check %q: %s", check, switchChecks)
+	}
+	if len(args)-1 != want {
+		return usagef("wal switch %s takes %d argument(s)", check, want)
+	}
+	if want == 1 {
+		arg = args[1]
+	}
+	var mark int64
+	var lsn pglogrepl.LSN
+	var err error
+	switch check {
+	case "table-drained":
+		if mark, err = strconv.ParseInt(arg, 10, 64); err != nil || mark < 0 {
+			return usagef("wal switch table-drained: MARK is the id table-mark printed, not %q", arg)
+		}
+	case "published-through":
+		if lsn, err = pglogrepl.ParseLSN(arg); err != nil {
+			return usagef("wal switch published-through: LSN is the position wal-mark printed (like 16/B374D848), not %q", arg)
+		}
+	}
+	if err := g.connectWALMode(ctx); err != nil {
+		return err
+	}
+	out := switchJSON{Check: check}
+	var ok bool
+	var line, notYet string
+	switch check {
+	case "table-mark":
+		if mark, err = g.wal.TableMark(ctx); err != nil {
+			return err
+		}
+		out.Mark, line = &mark, strconv.FormatInt(mark, 10)
+	case "table-drained":
+		if ok, err = g.wal.TableDrained(ctx, mark); err != nil {
+			return err
+		}
+		out.Mark = &mark
+		line = fmt.Sprintf("drained: no row with id <= %d is left in %s", mark, g.cfg.Tables.Messages)
+		notYet = fmt.Sprintf("not drained: rows with id <= %d are still in %s (the table relays publish them)", mark, g.cfg.Tables.Messages)
+	case "table-relays-stopped":
+		if ok, err = g.wal.TableRelaysStopped(ctx); err != nil {
+			return err
+		}
+		line = "stopped: no table-mode relay holds a bucket lease in " + g.cfg.Tables.Leases
+		notYet = "not stopped: a table-mode relay holds bucket leases in " + g.cfg.Tables.Leases + " (a relay that died holds them until they lapse)"
+	case "wal-mark":
+		if lsn, err = g.wal.WALMark(ctx); err != nil {
+			return err
+		}
+		out.LSN, line = lsn.String(), lsn.String()
+	case "published-through":
+		if ok, err = g.wal.PublishedThrough(ctx, lsn); err != nil {
+			return err
+		}
+		ws, err := g.wal.WALStatus(ctx)
+		if err != nil {
+			return err
+		}
+		out.LSN, out.Confirmed = lsn.String(), ws.ConfirmedLSN
+		line = fmt.Sprintf("published through %s: slot %s confirmed %s", lsn, ws.Slot, ws.ConfirmedLSN)
+		notYet = fmt.Sprintf("not yet published through %s: slot %s confirmed %s", lsn, ws.Slot, ws.ConfirmedLSN)
+	}
+	if want == 1 || check == "table-relays-stopped" {
+		out.OK = &ok
+	}
+	if g.json {
+		if err := g.printJSON(out); err != nil {
+			return err
+		}
+	} else if out.OK == nil || ok {
+		fmt.Fprintln(g.out, line)
+	}
+	if out.OK != nil && !ok {
+		if g.json {
+			return errNotYet{}
+		}
+		return errNotYet{notYet}
+	}
+	return nil
+}
+
 // printWAL prints a WAL slot's status, and what it holds when known.
 func printWAL(w io.Writer, ws ops.WALStatus, u *pgwal.Unconfirmed) {
 	state := "inactive (no reader connected)"
@@ -163,6 +294,8 @@ func printWAL(w io.Writer, ws ops.WALStatus, u *pgwal.Unconfirmed) {
 	reader := "none"
 	if ws.Reader.Held {
 		reader = fmt.Sprintf("%s (term %d, lease expires in %s)", ws.Reader.Owner, ws.Reader.Term, age(time.Until(ws.Reader.ExpiresAt)))
+	} else if ws.Reader.Owner != "" && ws.Reader.ExpiresAt.IsZero() {
+		reader = fmt.Sprintf("none (last %s, term %d, lease released)", ws.Reader.Owner, ws.Reader.Term)
 	} else if ws.Reader.Owner != "" {
 		reader = fmt.Sprintf("none (last %s, term %d, lease expired %s ago)", ws.Reader.Owner, ws.Reader.Term, age(time.Since(ws.Reader.ExpiresAt)))
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -16,12 +17,11 @@ import (
 	"github.com/gorm-outbox/outbox/ops"
 )
 
-// TestWALMode: outboxctl --mode wal shows the slot, creates it, requeues
-// a WAL dead letter by emitting it into the slot again, refuses pause,
-// refuses to drop a slot holding unpublished messages (saying what they
-// are), and drops it with --force.
-func TestWALMode(t *testing.T) {
-	t.Parallel()
+// walOutbox migrates an outbox in WAL mode on the WAL test server and
+// returns it, its name and slot (dropped at the end), and a run of
+// outboxctl against it that returns the exit status, stdout and stderr.
+func walOutbox(t *testing.T) (*dbtest.DB, *outbox.Plugin, string, string, func(args ...string) (int, string, string)) {
+	t.Helper()
 	dbt := dbtest.OpenWAL(t)
 	name := dbtest.Name("ctl_")
 	p, err := outbox.NewPlugin(outbox.Config{Name: name, Mode: outbox.ModeWAL})
@@ -39,6 +39,16 @@ func TestWALMode(t *testing.T) {
 		code := run(context.Background(), args, &out, &errOut, func(k string) string { return env[k] })
 		return code, out.String(), errOut.String()
 	}
+	return dbt, p, name, slot, ctl
+}
+
+// TestWALMode: outboxctl --mode wal shows the slot, creates it, requeues
+// a WAL dead letter by emitting it into the slot again, refuses pause,
+// refuses to drop a slot holding unpublished messages (saying what they
+// are), and drops it with --force.
+func TestWALMode(t *testing.T) {
+	t.Parallel()
+	dbt, p, name, slot, ctl := walOutbox(t)
 	slotExists := func() bool {
 		var n int64
 		require.NoError(t, dbt.Raw("SELECT count(*) FROM pg_replication_slots WHERE slot_name = ?", slot).Scan(&n).Error)
@@ -157,4 +167,76 @@ func TestPrintWALForeignSlot(t *testing.T) {
 	printWAL(&b, ops.WALStatus{Slot: "outbox_orders", Exists: true, Lost: true, LostReason: "dropped",
 		Foreign: `pgwal: slot outbox_orders is a logical slot of plugin "pgoutput" in database "inventory"`}, nil)
 	require.Regexp(t, `STATE +NOT THIS OUTBOX'S: pgwal: slot outbox_orders is a logical slot of plugin "pgoutput" in database "inventory"`, b.String())
+}
+
+// TestWALSwitchChecks: "wal switch" runs the staged switch's checks with
+// no reader or publisher: table-mark prints the highest id of the rows a
+// table-mode writer left, table-drained waits (exit 3) until no row up to
+// the mark is left, table-relays-stopped until no live bucket lease is,
+// wal-mark prints a position in PostgreSQL's text form, which
+// published-through takes back and answers from the slot's confirmed
+// position.
+func TestWALSwitchChecks(t *testing.T) {
+	t.Parallel()
+	dbt, p, name, slot, ctl := walOutbox(t)
+	code, _, errOut := ctl("wal", "slot", "create")
+	require.Equal(t, exitOK, code, errOut)
+
+	// Rows a table-mode writer of the same outbox left.
+	tdb, err := dbtest.OpenGorm(dbtest.Postgres, dbt.DSN, &gorm.Config{})
+	require.NoError(t, err)
+	tp, err := outbox.NewPlugin(outbox.Config{Name: name})
+	require.NoError(t, err)
+	require.NoError(t, tdb.Use(tp))
+	require.NoError(t, tdb.Transaction(func(tx *gorm.DB) error {
+		return outbox.Enqueue(tx, &outbox.Message{Topic: "t", Key: []byte("a"), Value: []byte("1")}, &outbox.Message{Topic: "t", Key: []byte("b"), Value: []byte("2")})
+	}))
+	var maxID int64
+	messages := p.Config().Tables.Messages
+	require.NoError(t, dbt.Raw("SELECT max(id) FROM "+messages).Scan(&maxID).Error)
+	code, out, errOut := ctl("wal", "switch", "table-mark")
+	require.Equal(t, exitOK, code, errOut)
+	require.Equal(t, strconv.FormatInt(maxID, 10)+"\n", out)
+	mark := strings.TrimSpace(out)
+	code, out, errOut = ctl("wal", "switch", "table-drained", mark)
+	require.Equal(t, exitNotYet, code, out)
+	require.Contains(t, errOut, "not drained: rows with id <= "+mark)
+	code, out, _ = ctl("--json", "wal", "switch", "table-drained", mark)
+	require.Equal(t, exitNotYet, code)
+	var js switchJSON
+	require.NoError(t, json.Unmarshal([]byte(out), &js))
+	require.False(t, *js.OK)
+	require.NoError(t, dbt.Exec("DELETE FROM "+messages).Error) // published by the table relays
+	code, out, errOut = ctl("wal", "switch", "table-drained", mark)
+	require.Equal(t, exitOK, code, errOut)
+	require.Equal(t, "drained: no row with id <= "+mark+" is left in "+messages+"\n", out)
+
+	leases := p.Config().Tables.Leases
+	code, _, errOut = ctl("wal", "switch", "table-relays-stopped")
+	require.Equal(t, exitOK, code, errOut)
+	owner := "relay-1"
+	require.NoError(t, dbt.Table(leases).Create(&outbox.LeaseRow{Bucket: 0, Owner: &owner, Term: 1, ExpiresAtMs: time.Now().Add(time.Hour).UnixMilli()}).Error)
+	code, _, errOut = ctl("wal", "switch", "table-relays-stopped")
+	require.Equal(t, exitNotYet, code)
+	require.Contains(t, errOut, "not stopped: a table-mode relay holds bucket leases in "+leases)
+
+	code, out, errOut = ctl("wal", "switch", "wal-mark")
+	require.Equal(t, exitOK, code, errOut)
+	lsn := strings.TrimSpace(out)
+	require.Regexp(t, `^[0-9A-F]+/[0-9A-F]+$`, lsn)
+	code, _, errOut = ctl("wal", "switch", "published-through", lsn)
+	require.Equal(t, exitNotYet, code)
+	require.Contains(t, errOut, "not yet published through "+lsn)
+	// A reader confirms past the mark (here the slot is advanced to the
+	// current position, as a reader that read everything does).
+	require.NoError(t, dbt.Exec("SELECT pg_replication_slot_advance(?, pg_current_wal_lsn())", slot).Error)
+	code, out, errOut = ctl("wal", "switch", "published-through", lsn)
+	require.Equal(t, exitOK, code, errOut)
+	require.Contains(t, out, "published through "+lsn+": slot "+slot+" confirmed ")
+
+	for _, args := range [][]string{{"wal", "switch", "published-through", "12"}, {"wal", "switch", "table-drained", "x"},
+		{"wal", "switch", "table-mark", "1"}, {"wal", "switch", "frob"}} {
+		code, _, errOut = ctl(args...)
+		require.Equal(t, exitUsage, code, "%v: %s", args, errOut)
+	}
 }

@@ -29,7 +29,6 @@ import (
 	"github.com/gorm-outbox/outbox/ops/opshttp"
 	"github.com/gorm-outbox/outbox/ops/opsui"
 	"github.com/gorm-outbox/outbox/pgwal"
-	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -103,8 +102,7 @@ type App struct {
 	db       *gorm.DB
 	plugin   *outbox.Plugin
 	relay    *relay.Relay
-	reader   *pgwal.Reader    // WAL mode, instead of relay
-	pub      *publisher.Kafka // WAL mode: the reader's producer
+	reader   *pgwal.Reader // WAL mode, instead of relay; it owns its producer
 	metrics  *metrics.Collector
 	broker   *kfake.Cluster
 	consumer *Consumer
@@ -267,14 +265,10 @@ func (a *App) routes() (http.Handler, error) {
 	r.Use(gin.Recovery())
 	orderHandlers{db: a.db}.routes(r)
 
-	// Prometheus: the outbox collector (relay events and backlog samples)
-	// on the service's own registry, with the Go runtime.
+	// Prometheus: the outbox collector (relay or reader events and
+	// backlog samples) on the service's own registry, with the Go runtime.
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), a.metrics)
-	if a.reader != nil {
-		reg.MustRegister(a.reader.Collector()) // retained WAL, lost slot
-	}
-	r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
 
 	// The outbox's operator: table mode's Admin, or in WAL mode the
 	// slot's (its reader, lag, retained WAL and dead letters); and the
@@ -292,7 +286,14 @@ func (a *App) routes() (http.Handler, error) {
 			return nil, err
 		}
 		admin, runs = wal, a.reader
+		// The reader's series (retained WAL, lost slot, reading) and the
+		// Admin's, read from the slot and its lease at each scrape
+		// (whether any reader holds the lease, the lag in time). A process
+		// that serves the admin API without a reader registers the
+		// collector of pgwal.NewAdmin, which exports the slot's gauges too.
+		reg.MustRegister(a.reader.Collector(), wal.Collector())
 	}
+	r.GET("/metrics", gin.WrapH(promhttp.HandlerFor(reg, promhttp.HandlerOpts{})))
 	// Kubernetes probes. Liveness (/livez): 503 once the relay (or WAL
 	// reader) stopped on an error or could not start. Readiness (/readyz)
 	// is the API's: 503 while the database does not answer. It leaves out

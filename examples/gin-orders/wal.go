@@ -35,16 +35,18 @@ func (c Config) outboxMode() (outbox.Mode, error) {
 	return 0, fmt.Errorf("outbox mode %q: want %q or %q", c.Mode, ModeTable, ModeWAL)
 }
 
-// startWAL builds the WAL mode relay: a Kafka producer the service owns
-// and a pgwal.Reader on the slot, which it creates now (before the
-// service takes any write) when it is missing. A slot that was lost is
-// an error here: the service does not start.
+// startWAL builds the WAL mode relay: a pgwal.Reader on the slot that
+// owns its Kafka producer (pgwal.NewKafka: Run starts the producer and,
+// after a graceful stop, releases the slot's lease once the producer
+// closed, so a restarted service reads at once instead of waiting for the
+// lease to lapse), with the service's metrics collector as its Observer
+// (acknowledged events, failures, the backlog the reader holds). It
+// creates the slot now (before the service takes any write) when it is
+// missing. A slot that was lost is an error here: the service does not
+// start.
 func (a *App) startWAL(ctx context.Context, kafka publisher.KafkaConfig) (err error) {
-	if a.pub, err = publisher.NewKafka(kafka); err != nil {
-		return err
-	}
-	if a.reader, err = pgwal.New(a.db, a.plugin, a.pub, pgwal.Config{
-		ReplicationDSN: a.cfg.DatabaseURL, Slot: a.cfg.WALSlot, Logger: a.log}); err != nil {
+	if a.reader, err = pgwal.NewKafka(a.db, a.plugin, kafka, pgwal.Config{
+		ReplicationDSN: a.cfg.DatabaseURL, Slot: a.cfg.WALSlot, Observer: a.metrics, Logger: a.log}); err != nil {
 		return err
 	}
 	if err := a.reader.EnsureSlot(ctx); err != nil {
@@ -54,20 +56,11 @@ func (a *App) startWAL(ctx context.Context, kafka publisher.KafkaConfig) (err er
 	return nil
 }
 
-// runWAL starts the producer, reads the slot until ctx ends, then stops
-// the producer. A lost slot (*pgwal.SlotLostError) or a misconfiguration
-// ends it with an error.
+// runWAL reads the slot until ctx ends (the reader starts and stops its
+// producer). A lost slot (*pgwal.SlotLostError), a misconfiguration or
+// no broker answering at start ends it with an error.
 func (a *App) runWAL(ctx context.Context) error {
-	if err := a.pub.Start(ctx); err != nil {
-		return fmt.Errorf("kafka producer: %w", err)
-	}
-	err := a.reader.Run(ctx)
-	stop, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.cfg.ShutdownTimeout)
-	defer cancel()
-	if serr := a.pub.Stop(stop); serr != nil {
-		a.log.Warn("kafka producer stop", slog.Any("error", serr))
-	}
-	if err != nil {
+	if err := a.reader.Run(ctx); err != nil {
 		return fmt.Errorf("wal reader: %w", err)
 	}
 	if ctx.Err() == nil {

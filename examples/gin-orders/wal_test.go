@@ -74,6 +74,11 @@ func TestProcessWALMode(t *testing.T) {
 	s.signal(syscall.SIGINT)
 	require.Equal(t, 0, s.waitExit(), "clean exit")
 	s.waitLog("msg=stopped")
+	// The reader owned its producer: once it closed, the lease was
+	// released, so a restarted service reads at once.
+	var expires int64
+	require.NoError(t, admin.QueryRow("SELECT expires_at_ms FROM "+slot+".outbox_leases_wal WHERE slot = $1", slot).Scan(&expires))
+	require.Zero(t, expires, "the slot's lease is released by a clean exit")
 
 	// The slot is lost (dropped here) while the service is down: the
 	// service does not start again over the gap.
@@ -134,8 +139,29 @@ func TestOrdersFlowInWALMode(t *testing.T) {
 		}
 		n, err := strconv.Atoi(m[1])
 		return err == nil && n >= 4 && strings.Contains(metrics, "outbox_wal_slot_lost{")
-	}, 30*time.Second, 20*time.Millisecond, "metrics show the reader's series: %s", func() string { return metrics })
+	}, 30*time.Second, 20*time.Millisecond, "metrics show the reader's series: %s", lazy(func() string { return metrics }))
+	// The collector is the reader's Observer: the acknowledged events
+	// (the UI's throughput) and the backlog as table mode's; the Admin's
+	// series: a reader holds the lease, and the lag in time.
+	for _, re := range []string{
+		`(?m)^outbox_messages_acknowledged_total\{outbox="` + slot + `"\} ([4-9]|\d\d+)$`,
+		`(?m)^outbox_pending_available\{outbox="` + slot + `"\} 1$`,
+		`(?m)^outbox_wal_lease_held\{outbox="` + slot + `",slot="` + slot + `"\} 1$`,
+		`(?m)^outbox_wal_lag_age_seconds\{outbox="` + slot + `",slot="` + slot + `"\} `,
+	} {
+		require.Eventually(t, func() bool {
+			var ok bool
+			metrics, ok = metricsText(app.Addr())
+			return ok && regexp.MustCompile(re).MatchString(metrics)
+		}, 30*time.Second, 20*time.Millisecond, "metrics match %s: %s", re, lazy(func() string { return metrics }))
+	}
 }
+
+// lazy is a message argument formatted when the message is: %s of it
+// calls it.
+type lazy func() string
+
+func (l lazy) String() string { return l() }
 
 // requireProbesOK checks that each probe answers 200.
 func requireProbesOK(t *testing.T, addr string, probes ...string) {

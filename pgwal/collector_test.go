@@ -2,6 +2,7 @@ package pgwal_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"sync/atomic"
 	"testing"
@@ -36,6 +37,13 @@ func (e *env) downablePub() (relay.Publisher, *atomic.Bool) {
 // reader: the API process of a service whose reader runs elsewhere.
 func (e *env) otherProcessAdmin(t *testing.T, r *pgwal.Reader) *pgwal.Admin {
 	t.Helper()
+	admin, _ := e.otherProcessAdminDB(t, r)
+	return admin
+}
+
+// otherProcessAdminDB is otherProcessAdmin with the Admin's own pool.
+func (e *env) otherProcessAdminDB(t *testing.T, r *pgwal.Reader) (*pgwal.Admin, *sql.DB) {
+	t.Helper()
 	db, err := dbtest.OpenGorm(dbtest.Postgres, e.db.DSN, &gorm.Config{Logger: logger.Discard})
 	require.NoError(t, err)
 	sqlDB, err := db.DB()
@@ -46,7 +54,31 @@ func (e *env) otherProcessAdmin(t *testing.T, r *pgwal.Reader) *pgwal.Admin {
 	require.NoError(t, db.Use(plugin))
 	admin, err := pgwal.NewAdmin(db, plugin, pgwal.Config{Slot: r.Config().Slot, LeaseDuration: r.Config().LeaseDuration, StandbyInterval: r.Config().StandbyInterval})
 	require.NoError(t, err)
-	return admin
+	return admin, sqlDB
+}
+
+// TestCollectorsWithoutDatabase: while the database does not answer, the
+// WAL collectors leave their slot series out and the scrape stands, so
+// the process's other series (here a counter of its own) are still
+// scraped: an error would fail the whole scrape.
+func TestCollectorsWithoutDatabase(t *testing.T) {
+	e := setup(t)
+	pub, _ := e.downablePub()
+	r := e.reader(t, pub, "reader-a")
+	admin, sqlDB := e.otherProcessAdminDB(t, r)
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(admin.Collector())
+	other := prometheus.NewCounter(prometheus.CounterOpts{Name: "process_own_total", Help: "A series of the process."})
+	other.Inc()
+	reg.MustRegister(other)
+	require.NoError(t, sqlDB.Close()) // the Admin's database gone
+	families, err := reg.Gather()
+	require.NoError(t, err, "a failed slot read fails no scrape")
+	var names []string
+	for _, f := range families {
+		names = append(names, f.GetName())
+	}
+	require.Equal(t, []string{"process_own_total"}, names, "the slot's series are absent, the others stand")
 }
 
 // TestAdminCollectorWithoutReader: the Admin's collector, in a process

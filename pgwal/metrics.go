@@ -72,8 +72,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	defer cancel()
 	st, err := c.r.SlotStatus(ctx)
 	if err != nil {
-		ch <- prometheus.NewInvalidMetric(c.retained, err)
-		return
+		return // the slot's series absent as unknown, as Admin.Collector's
 	}
 	lost, foreign := 0.0, st.foreign(c.r.cfg.Slot) != nil
 	if !st.Exists || st.WALStatus == "lost" || foreign {
@@ -115,7 +114,10 @@ type adminCollector struct {
 // the health checks, so that deploy/prometheus/wal-alerts.yml fires while
 // every reader is down. An Admin made by Reader.Admin leaves the slot's
 // two gauges to the reader's Collector (register both in that process).
-// A failed read makes the scrape report an error for the slot's series.
+// A failed read (the database down) leaves these series out of that
+// scrape, absent as unknown, and the rest of the scrape stands: an error
+// would fail the whole scrape of the process, the relay's and the HTTP
+// server's series with it, when they matter most.
 func (a *Admin) Collector() prometheus.Collector {
 	cl := prometheus.Labels{"outbox": a.plugin.Config().Name, "slot": a.cfg.Slot}
 	d := func(name, help string) *prometheus.Desc { return prometheus.NewDesc(name, help, nil, cl) }
@@ -141,8 +143,7 @@ func (c *adminCollector) Collect(ch chan<- prometheus.Metric) {
 	defer cancel()
 	ws, err := c.a.WALStatus(ctx)
 	if err != nil {
-		ch <- prometheus.NewInvalidMetric(c.leaseHeld, err)
-		return
+		return // absent as unknown; see Collector
 	}
 	gauge := func(d *prometheus.Desc, v float64) { ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v) }
 	if c.slotGauges {

@@ -68,6 +68,11 @@ const (
 	ParallelismDefault = 8
 	// ParallelismMax is the largest accepted Parallelism.
 	ParallelismMax = 256
+	// PipelineDepthDefault is how many batches of one bucket a relay
+	// keeps in flight with a Pipeliner publisher (Config.PipelineDepth).
+	PipelineDepthDefault = 2
+	// PipelineDepthMax is the largest accepted PipelineDepth.
+	PipelineDepthMax = 16
 	// RelayIDMaxLen is the longest accepted RelayID, the width of the
 	// lease owner and heartbeat columns.
 	RelayIDMaxLen = 128
@@ -131,6 +136,18 @@ type Config struct {
 	// Parallelism makes drainers wait for connections, not fail (a wait
 	// longer than the store's timeout fails that batch, which is retried).
 	Parallelism int
+
+	// PipelineDepth is how many batches of one bucket may be in flight at
+	// once, 1 to 16, when the Publisher is a Pipeliner and the store a
+	// BatchSkipper (the GORM store is one), and the publisher is neither a
+	// Reconciler nor LeaseAware. While a bucket's batches are
+	// unacknowledged and the bucket is hinted, its next batch is read
+	// without their rows and sent behind them; a batch's rows are deleted
+	// only after every earlier batch of the bucket was acknowledged and
+	// deleted. Default 2 (PipelineDepthDefault); 1 hands a bucket's next
+	// batch to the publisher only after the previous one was acknowledged.
+	// It has no effect with any other publisher.
+	PipelineDepth int
 
 	// PollInterval is the fallback discovery interval: how often a relay
 	// owning buckets looks for pending rows it was not told about (writers
@@ -251,6 +268,7 @@ func (c Config) WithDefaults() Config {
 	c.BucketCount = cmp.Or(c.BucketCount, BucketCountDefault)
 	c.BatchSize = cmp.Or(c.BatchSize, BatchSizeDefault)
 	c.Parallelism = cmp.Or(c.Parallelism, ParallelismDefault)
+	c.PipelineDepth = cmp.Or(c.PipelineDepth, PipelineDepthDefault)
 	c.PollInterval = cmp.Or(c.PollInterval, PollIntervalDefault)
 	c.LeaseDuration = cmp.Or(c.LeaseDuration, LeaseDurationDefault)
 	c.LeaseRenewInterval = cmp.Or(c.LeaseRenewInterval, LeaseRenewIntervalDefault)
@@ -278,6 +296,8 @@ func (c Config) validate() error {
 		return bad("BatchSize", c.BatchSize, fmt.Sprintf("must be between 1 and %d", BatchSizeMax))
 	case c.Parallelism < 1 || c.Parallelism > ParallelismMax:
 		return bad("Parallelism", c.Parallelism, fmt.Sprintf("must be between 1 and %d", ParallelismMax))
+	case c.PipelineDepth < 1 || c.PipelineDepth > PipelineDepthMax:
+		return bad("PipelineDepth", c.PipelineDepth, fmt.Sprintf("must be between 1 and %d", PipelineDepthMax))
 	case c.PollInterval < 0:
 		return bad("PollInterval", c.PollInterval, "must be positive")
 	case c.LeaseDuration < 2*time.Millisecond:

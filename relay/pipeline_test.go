@@ -35,6 +35,7 @@ type pipeSink struct {
 
 // pipeSend is one Send.
 type pipeSend struct {
+	relay  string // the relay that sent it (pipeSink.as)
 	msgs   []relay.Message
 	before []*pipeSend // the sends in flight at its Send
 	decide chan pipeOutcome
@@ -57,8 +58,12 @@ type pipeOutcome struct {
 var errKeyFailed = errors.New("an earlier message of the key failed")
 
 func (s *pipeSink) Send(ctx context.Context, msgs []relay.Message) func() (int, error) {
+	return s.send(ctx, "", msgs)
+}
+
+func (s *pipeSink) send(ctx context.Context, relayID string, msgs []relay.Message) func() (int, error) {
 	s.mu.Lock()
-	ps := &pipeSend{msgs: slices.Clone(msgs), decide: make(chan pipeOutcome, 1), done: make(chan struct{}), failed: map[string]bool{}}
+	ps := &pipeSend{relay: relayID, msgs: slices.Clone(msgs), decide: make(chan pipeOutcome, 1), done: make(chan struct{}), failed: map[string]bool{}}
 	for _, e := range s.sends {
 		select {
 		case <-e.done:
@@ -136,6 +141,20 @@ func (s *pipeSink) Publish(ctx context.Context, msgs []relay.Message) (int, erro
 	s.mu.Lock()
 	s.publishes++
 	s.mu.Unlock()
+	return s.Send(ctx, msgs)()
+}
+
+// relaySink is the pipeSink as one relay's publisher: its sends name it.
+type relaySink struct {
+	*pipeSink
+	id string
+}
+
+func (s relaySink) Send(ctx context.Context, msgs []relay.Message) func() (int, error) {
+	return s.send(ctx, s.id, msgs)
+}
+
+func (s relaySink) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
 	return s.Send(ctx, msgs)()
 }
 
@@ -433,35 +452,39 @@ func TestPipelineDepthBounds(t *testing.T) {
 	})
 }
 
-// A batch that fails while the next one is in flight: the next one is
-// awaited before anything else happens, nothing beyond the failed
-// batch's acknowledged prefix is deleted, even the next batch's messages
-// the sink wrote, and the failure policy meets the failed message. After
-// the backoff the bucket is published again from the failed message:
-// order per key holds, a duplicate at worst.
+// A batch that fails while later ones are in flight: they are awaited
+// before anything else happens, nothing beyond the failed batch's
+// acknowledged prefix is deleted, not even a later batch the sink wrote
+// completely, and the failure policy meets the failed message. After the
+// backoff the bucket is published again from the failed message: order
+// per key holds, a duplicate at worst.
 func TestPipelineFailureWhileNextInFlight(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
 		var failures []relay.Failure
-		s, hints, sink, cs, cfg, r := pipeSetup(t, 2, func(c *relay.Config) {
+		s, hints, sink, cs, cfg, r := pipeSetup(t, 3, func(c *relay.Config) {
 			c.FailureHandler = relay.FailureHandlerFunc(func(_ context.Context, f relay.Failure) (relay.FailureAction, error) {
 				failures = append(failures, f)
 				return relay.FailureBackoff, nil
 			})
 		})
 		var k keyed
-		commitDuring(s, hints, &k, []string{"a", "a", "b"}, []string{"c", "a"})
-		require.Len(t, sink.sent(), 2)
+		commitDuring(s, hints, &k, []string{"a", "a", "b"}, []string{"c"})
+		k.add(s, 3, "d")
+		hints.notify(3)
+		synctest.Wait()
+		require.Equal(t, [][]string{{"a/0", "a/1", "b/0"}, {"c/0"}, {"d/0"}}, sink.sent())
 
 		sink.release(0, 1, errors.New("record rejected")) // a/0 written, a/1 and b/0 failed
+		sink.releaseAll(1)                                // c/0 written
 		synctest.Wait()
-		require.Equal(t, 5, s.pending(), "the batch in flight behind the failed one is awaited first")
+		require.Equal(t, 5, s.pending(), "the batches in flight behind the failed one are awaited first")
 		require.Empty(t, failures)
 
-		sink.releaseAll(1) // c/0 written, a/2 fails behind a/1
+		sink.releaseAll(2) // d/0 written
 		synctest.Wait()
-		require.Equal(t, []string{"a/0", "c/0"}, sink.writtenValues())
-		require.Equal(t, 4, s.pending(), "only a/0 deleted: c/0, written, is published again")
+		require.ElementsMatch(t, []string{"a/0", "c/0", "d/0"}, sink.writtenValues())
+		require.Equal(t, 4, s.pending(), "only a/0 deleted: c/0 and d/0, written, are published again")
 		require.Len(t, failures, 1)
 		require.Equal(t, "a/1", string(failures[0].Message.Value))
 		require.Equal(t, 1, failures[0].Acked)
@@ -471,7 +494,61 @@ func TestPipelineFailureWhileNextInFlight(t *testing.T) {
 		synctest.Wait()
 		require.Zero(t, s.pending())
 		require.Empty(t, sink.inOrder())
-		require.Equal(t, []string{"a/0", "c/0", "a/1", "b/0", "c/0", "a/2"}, sink.writtenValues())
+		require.Equal(t, []string{"a/1", "b/0", "c/0", "d/0"}, sink.writtenValues()[3:])
+		deletes, problems := cs.result()
+		require.Empty(t, problems)
+		require.Equal(t, [][]string{{"a/0"}, {"a/1", "b/0", "c/0", "d/0"}}, deletes)
+		stop(t, r)
+	})
+}
+
+// A message whose key has a message in a batch not acknowledged yet is
+// not sent: the next batch is cut before it, and the rest is read and
+// sent once that batch is acknowledged. A sink fails what waits behind a
+// failed message, not a message that reaches it after the failure.
+func TestPipelineKeyInFlightWaits(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s, hints, sink, cs, _, r := pipeSetup(t, 3, nil)
+		var k keyed
+		commitDuring(s, hints, &k, []string{"a"}, []string{"b", "a", "c"})
+		require.Equal(t, [][]string{{"a/0"}, {"b/0"}}, sink.sent(), "cut before a/1")
+		sink.releaseAll(0)
+		synctest.Wait()
+		require.Equal(t, [][]string{{"a/0"}, {"b/0"}, {"a/1", "c/0"}}, sink.sent(), "the rest once a/0 is acknowledged")
+		sink.releaseAll(1)
+		sink.releaseAll(2)
+		synctest.Wait()
+		require.Zero(t, s.pending())
+		deletes, problems := cs.result()
+		require.Empty(t, problems)
+		require.Equal(t, [][]string{{"a/0"}, {"b/0"}, {"a/1", "c/0"}}, deletes)
+		stop(t, r)
+	})
+}
+
+// A batch known to have failed stops the sends, even before it is the
+// oldest batch in flight: nothing more is sent until the failure policy
+// met it.
+func TestPipelineNoSendAfterKnownFailure(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s, hints, sink, cs, cfg, r := pipeSetup(t, 3, nil)
+		var k keyed
+		commitDuring(s, hints, &k, []string{"a"}, []string{"b"})
+		sink.release(1, 0, errors.New("record rejected")) // b/0 failed; a/0 in flight
+		synctest.Wait()
+		k.add(s, 3, "c")
+		hints.notify(3)
+		synctest.Wait()
+		require.Len(t, sink.sent(), 2, "nothing sent behind a failed batch")
+		sink.setAuto()
+		synctest.Wait()
+		require.Equal(t, 2, s.pending(), "a/0 deleted; b/0 failed, c/0 after it")
+		time.Sleep(cfg.BackoffMax)
+		synctest.Wait()
+		require.Zero(t, s.pending())
+		require.Equal(t, [][]string{{"a/0"}, {"b/0"}, {"b/0", "c/0"}}, sink.sent())
 		_, problems := cs.result()
 		require.Empty(t, problems)
 		stop(t, r)
@@ -571,9 +648,9 @@ func TestPipelineStop(t *testing.T) {
 
 // Several relays with pipelining drainers share one outbox while writers
 // keep adding and hinting, relays join and leave, and the sink completes
-// sends out of order in time: order per key holds across relays and
-// sends, only acknowledged prefixes are deleted, and everything is
-// delivered.
+// sends out of order in time and fails some in part: a bucket's batches in flight are one
+// relay's, order per key holds across relays and sends, only
+// acknowledged prefixes are deleted, and everything is delivered.
 func TestPipelineRelaysRace(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
@@ -604,11 +681,17 @@ func TestPipelineRelaysRace(t *testing.T) {
 				}
 				sink.mu.Unlock()
 				for j, ps := range open {
-					if (i+j)%3 == 0 {
-						select {
-						case ps.decide <- pipeOutcome{acked: len(ps.msgs)}:
-						default:
-						}
+					o := pipeOutcome{acked: len(ps.msgs)}
+					switch (i + j) % 11 {
+					case 0, 3, 6, 9:
+					case 1:
+						o = pipeOutcome{acked: len(ps.msgs) / 2, err: errors.New("record rejected")}
+					default:
+						continue
+					}
+					select {
+					case ps.decide <- o:
+					default:
 					}
 				}
 			}
@@ -637,7 +720,7 @@ func TestPipelineRelaysRace(t *testing.T) {
 				case <-time.After(time.Millisecond):
 				}
 				b := i % buckets
-				k.add(s, b, fmt.Sprintf("k%d", b), fmt.Sprintf("k%d", b+buckets*(i%2)))
+				k.add(s, b, fmt.Sprintf("k%d-%d", b, i%17), fmt.Sprintf("k%d-%d", b, (i+5)%17))
 				hints.notify(b)
 			}
 		})
@@ -645,7 +728,7 @@ func TestPipelineRelaysRace(t *testing.T) {
 		for i := range 2 {
 			cfg := cfgFor(fmt.Sprintf("r%d", i))
 			cfg.Parallelism = 1 + i
-			relays = append(relays, start(t, cs, sink, cfg))
+			relays = append(relays, start(t, cs, relaySink{sink, cfg.RelayID}, cfg))
 		}
 		for round := range 4 {
 			time.Sleep(100 * time.Millisecond)
@@ -653,7 +736,7 @@ func TestPipelineRelaysRace(t *testing.T) {
 			stop(t, relays[i])
 			cfg := cfgFor(fmt.Sprintf("r%d-%d", i, round))
 			cfg.Parallelism = 1 + i
-			relays[i] = start(t, cs, sink, cfg)
+			relays[i] = start(t, cs, relaySink{sink, cfg.RelayID}, cfg)
 		}
 		close(stopWriting)
 		writers.Wait()
@@ -677,8 +760,12 @@ func TestPipelineRelaysRace(t *testing.T) {
 		require.Len(t, seen, int(s.nextID), "every message delivered")
 		pipelined := 0
 		for _, ps := range sink.sends {
-			if slices.ContainsFunc(ps.before, func(e *pipeSend) bool { return e.msgs[0].Bucket == ps.msgs[0].Bucket }) {
+			for _, e := range ps.before {
+				if e.msgs[0].Bucket != ps.msgs[0].Bucket {
+					continue
+				}
 				pipelined++
+				require.Equal(t, e.relay, ps.relay, "bucket %d: two relays' batches in flight at once", ps.msgs[0].Bucket)
 			}
 		}
 		require.Positive(t, pipelined, "some sends went behind others of their bucket")

@@ -125,9 +125,10 @@ type Config struct {
 	BatchSize int
 
 	// Parallelism is how many buckets the relay drains at once, 1 to 256,
-	// each by its own drainer, one batch at a time under that bucket's
-	// lease: a bucket never has two batches in flight, so order per key is
-	// kept whatever the value. Default 8 (ParallelismDefault); never more
+	// each by its own drainer under that bucket's lease: one drainer at a
+	// time has a bucket's batches in flight (one at a time, or up to
+	// PipelineDepth with a Pipeliner), so order per key is kept whatever
+	// the value. Default 8 (ParallelismDefault); never more
 	// than the buckets the relay owns. With more than 1 the Publisher, the
 	// Store and the FailureHandler are called concurrently for different
 	// buckets (the Kafka publishers and the GORM store are safe for it);

@@ -14,8 +14,9 @@ import (
 // drainers is the relay's pool of Config.Parallelism drainers. Each takes
 // a ready bucket from the scheduler, drains one batch of it under its
 // lease (drainBatch), hands it back, and repeats until the scheduler
-// closes. The scheduler never hands one bucket to two drainers, so at
-// most one batch per bucket is in flight.
+// closes. The scheduler never hands one bucket to two drainers, so one
+// drainer at a time has batches of a bucket in flight: one, or up to
+// Config.PipelineDepth with a Pipeliner (pipelined).
 //
 // Drainers read the lease keeper (is this lease still trusted?) and tell
 // it of a lease they found lost (drop); they report the end of each batch
@@ -160,6 +161,9 @@ type batch struct {
 //     are deleted first;
 //   - read: the batch is the bucket's oldest rows, read afresh or read
 //     ahead with the previous delete under the same term;
+//   - pipelined: with a Pipeliner the batches after the read take
+//     the variant that keeps up to PipelineDepth of them in flight, each
+//     through filter, admit and a send, ending in order (pipelined);
 //   - filter: the failure handler may take messages out before the publish;
 //   - admit: the pace is kept, and the lease is still trusted before
 //     anything reaches the publisher;
@@ -182,9 +186,9 @@ type batch struct {
 //   - failurePolicy: a failed publish is narrowed to its culprit, or
 //     recorded and handed to the failure handler.
 //
-// Every delete has ended when drainBatch returns. The backoff of a failed
-// bucket and the announcement of lease changes that waited for the batch
-// follow in finish.
+// Every delete has ended, and every send's wait returned, when drainBatch
+// returns. The backoff of a failed bucket and the announcement of lease
+// changes that waited for the batch follow in finish.
 func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) (r batchResult) {
 	b := &batch{hl: hl, marks: d.st.marks, settled: p.reconciler == nil || d.st.settled && d.st.settledTerm == hl.Term}
 	// The result reports whether the bucket stays reconciled, and the

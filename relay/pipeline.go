@@ -93,7 +93,9 @@ func await(q []*sent) {
 //     than PipelineDepth batches are in flight, none of them is known to
 //     have failed, and the scheduler lets the drainer go on
 //     (scheduler.pipeline), the next batch is read without the rows in
-//     flight (BatchSkipper) and sent behind them, cut before its first
+//     flight (BatchSkipper; a store that cannot leave that many out
+//     reads nothing, and the drainer waits for the oldest batch to end)
+//     and sent behind them, cut before its first
 //     message whose key has a message in a batch not acknowledged yet:
 //     a message is never sent while an earlier one of its key may still
 //     fail (a sink fails what waits behind a failed message, not what
@@ -127,7 +129,7 @@ func (p *drainers) pipelined(ctx context.Context, b *batch) batchResult {
 		acked   *sent        // acknowledged completely, not deleted yet
 		ended   *batchResult // a step that ended the sends, with its result
 		turns   int          // batches sent
-		blocked bool         // the last read was cut by a key in flight: read again after the oldest batch ends
+		blocked bool         // the last read was cut, or read nothing: read again after the oldest batch ends
 	)
 	next := b
 	for {
@@ -188,11 +190,10 @@ func (p *drainers) pipelined(ctx context.Context, b *batch) batchResult {
 		// next one before this one's delete.
 		if p.mayPipeline(ctx, nil, false, turns, nil) {
 			if m, ok := p.sched.pipeline(bucket, false); ok && m != marks {
-				acked = head
-				if next, ended, _ = p.readNext(ctx, b.hl, nil, head, m, &marks); next == nil && ended == nil {
-					ended = &batchResult{out: outDrained}
+				if next, ended, _ = p.readNext(ctx, b.hl, nil, head, m, &marks); next != nil || ended != nil {
+					acked = head
+					continue
 				}
-				continue
 			}
 		}
 		return p.conclude(ctx, head.batch)
@@ -212,12 +213,13 @@ func (p *drainers) mayPipeline(ctx context.Context, ended *batchResult, blocked 
 // in flight (q) and of the batch acknowledged but not deleted yet (acked,
 // nil: none), covering the bucket's marks m (stored in *marks when the
 // read covered them), and cuts it before its first message whose key has
-// a message in a batch of q not acknowledged yet (blocked: the rest is
-// read again later, and *marks is left as it was). It returns the batch
+// a message in a batch of q not acknowledged yet. It returns the batch
 // or, when the read ends the sends, the turn's result: the read failed or
-// was stopped, or the store could not leave the rows out (the bucket is
-// read afresh once they are deleted). An empty read returns neither:
-// nothing waits beyond the batches in flight.
+// was stopped. blocked says that the read covered less than the bucket
+// holds beyond the rows left out, and *marks is left as it was: the
+// batch was cut, or the store could not leave that many rows out
+// (BatchSkipper's nil batch). An empty read returns neither: nothing
+// waits beyond the rows left out.
 func (p *drainers) readNext(ctx context.Context, hl *heldLease, q []*sent, acked *sent, m uint64, marks *uint64) (next *batch, ended *batchResult, blocked bool) {
 	var except []Message
 	if acked != nil {
@@ -237,7 +239,7 @@ func (p *drainers) readNext(ctx context.Context, hl *heldLease, q []*sent, acked
 		}
 		return nil, &batchResult{out: outFailed, err: err}, false
 	case msgs == nil:
-		return nil, &batchResult{out: outRetry}, false
+		return nil, nil, true
 	}
 	if len(msgs) > limit {
 		msgs = msgs[:limit]

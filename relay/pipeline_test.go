@@ -555,6 +555,43 @@ func TestPipelineNoSendAfterKnownFailure(t *testing.T) {
 	})
 }
 
+// skiplessStore is a checkedStore whose BatchSkipper reads nothing, as a
+// store does when asked to leave out more rows than it can.
+type skiplessStore struct{ *checkedStore }
+
+func (skiplessStore) NextBatchExcept(context.Context, int, int, []relay.Message) ([]relay.Message, error) {
+	return nil, nil
+}
+
+// A store that cannot leave the rows in flight out reads nothing: the
+// drainer sends nothing more, and the batch in flight ends the turn as
+// without a Pipeliner: a full one is deleted with the next read
+// (BatchAdvancer), which is the bucket's next batch.
+func TestPipelineStoreCannotSkip(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s, hints, cfg := hintedSetup()
+		cfg.BatchSize = 2
+		sink := &pipeSink{}
+		cs := newCheckedStore(s, sink)
+		r := start(t, skiplessStore{cs}, sink, cfg)
+		synctest.Wait()
+		var k keyed
+		commitDuring(s, hints, &k, []string{"a", "a"}, []string{"b"})
+		require.Len(t, sink.sent(), 1)
+		sink.setAuto()
+		synctest.Wait()
+		require.Zero(t, s.pending())
+		require.Equal(t, [][]string{{"a/0", "a/1"}, {"b/0"}}, sink.sent())
+		require.Equal(t, 1, s.count("batch"), "b/0 read with a/0-a/1's delete, not afresh")
+		require.Equal(t, 1, s.count("advance"))
+		deletes, problems := cs.result()
+		require.Empty(t, problems)
+		require.Equal(t, [][]string{{"a/0", "a/1"}, {"b/0"}}, deletes)
+		stop(t, r)
+	})
+}
+
 // The lease lost while two batches are in flight: the acknowledged batch
 // is deleted, the wait of the other ends with the lease, and nothing of it
 // is deleted or counted against a message; the bucket is not published

@@ -83,7 +83,11 @@ type Pipeliner interface {
 	// every message with the same key handed to an earlier Send is
 	// acknowledged; if one of those failed, the message fails too,
 	// unwritten. The relay calls Send for a bucket only from the drainer
-	// holding it, so the sends of one bucket never race each other.
+	// holding it, so the sends of one bucket never race each other, and
+	// it sends a message only once the wait of every earlier message of
+	// its key returned it acknowledged: so a sink that, when a message
+	// fails, fails only the messages queued behind it still keeps order
+	// per key.
 	Send(ctx context.Context, msgs []Message) (wait func() (int, error))
 }
 

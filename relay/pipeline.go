@@ -157,8 +157,8 @@ func (p *drainers) pipelined(ctx context.Context, b *batch) batchResult {
 			return *ended
 		}
 		var wake <-chan struct{}
-		if p.mayPipeline(ctx, ended, blocked, turns, q) {
-			m, ok := p.sched.pipeline(bucket, true)
+		if p.mayPipeline(ctx, ended, blocked, q) {
+			m, ok := p.sched.pipeline(bucket, true, turns >= maxTurns)
 			if ok && m != marks {
 				next, ended, blocked = p.readNext(ctx, b.hl, q, nil, m, &marks)
 				continue
@@ -188,8 +188,8 @@ func (p *drainers) pipelined(ctx context.Context, b *batch) batchResult {
 		}
 		// The last batch in flight: a hint since the last read sends the
 		// next one before this one's delete.
-		if p.mayPipeline(ctx, nil, false, turns, nil) {
-			if m, ok := p.sched.pipeline(bucket, false); ok && m != marks {
+		if p.mayPipeline(ctx, nil, false, nil) {
+			if m, ok := p.sched.pipeline(bucket, false, turns >= maxTurns); ok && m != marks {
 				if next, ended, _ = p.readNext(ctx, b.hl, nil, head, m, &marks); next != nil || ended != nil {
 					acked = head
 					continue
@@ -204,9 +204,10 @@ func (p *drainers) pipelined(ctx context.Context, b *batch) batchResult {
 // next batch behind the batches in flight q, as far as the turn goes:
 // no step ended the sends, the last read was not cut by a key in flight,
 // fewer than PipelineDepth batches are in flight, none is known to have
-// failed, the turn has batches left and the relay is not stopping.
-func (p *drainers) mayPipeline(ctx context.Context, ended *batchResult, blocked bool, turns int, q []*sent) bool {
-	return ended == nil && !blocked && len(q) < p.cfg.PipelineDepth && turns < maxTurns && ctx.Err() == nil && !failedAny(q)
+// failed, and the relay is not stopping. The scheduler has its say too
+// (scheduler.pipeline).
+func (p *drainers) mayPipeline(ctx context.Context, ended *batchResult, blocked bool, q []*sent) bool {
+	return ended == nil && !blocked && len(q) < p.cfg.PipelineDepth && ctx.Err() == nil && !failedAny(q)
 }
 
 // readNext reads the bucket's next batch without the rows of the batches

@@ -808,3 +808,91 @@ func TestPipelineRelaysRace(t *testing.T) {
 		require.Positive(t, pipelined, "some sends went behind others of their bucket")
 	})
 }
+
+// latencySink is a relay.Pipeliner that acknowledges each send lat after
+// it was sent, sends overlapping, and records each message's
+// commit-to-acknowledgement time (from Message.CreatedAt).
+type latencySink struct {
+	lat time.Duration
+	mu  sync.Mutex
+	got []time.Duration
+}
+
+func (l *latencySink) Send(ctx context.Context, msgs []relay.Message) func() (int, error) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		time.Sleep(l.lat)
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		for _, m := range msgs {
+			l.got = append(l.got, time.Since(m.CreatedAt))
+		}
+	}()
+	return func() (int, error) { <-done; return len(msgs), nil }
+}
+
+func (l *latencySink) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
+	return l.Send(ctx, msgs)()
+}
+
+// pipelineModel runs, in a synctest bubble, a relay with PipelineDepth
+// depth over a latencySink with latency lat, while a writer commits and
+// hints a message of a key of its own every millisecond, round robin
+// over the 8 buckets, n messages in all. It returns the messages'
+// commit-to-acknowledgement times in the bubble's clock, sorted.
+func pipelineModel(t *testing.T, depth int, lat time.Duration, n int) []time.Duration {
+	sink := &latencySink{lat: lat}
+	synctest.Test(t, func(t *testing.T) {
+		s, hints, cfg := hintedSetup()
+		cfg.PipelineDepth = depth
+		r := start(t, skippingStore{advancingStore{s}}, sink, cfg)
+		synctest.Wait()
+		for i := range n {
+			time.Sleep(time.Millisecond)
+			s.insert([]relay.Message{{Bucket: i % 8, Topic: "t", Key: fmt.Appendf(nil, "k%d", i), CreatedAt: time.Now()}})
+			hints.notify(i % 8)
+		}
+		time.Sleep(time.Second)
+		synctest.Wait()
+		require.Zero(t, s.pending())
+		stop(t, r)
+	})
+	require.Len(t, sink.got, n)
+	slices.Sort(sink.got)
+	return sink.got
+}
+
+// In a model of the relay at 1,000 messages per second over 8 buckets
+// (a hinted batch per bucket every 8 ms), with a sink that takes 10, 30
+// or 50 ms per send, sends overlapping: the commit-to-acknowledgement p99
+// (the bubble's clock, no real time) never grows with PipelineDepth, is
+// the sink's own latency once the depth covers it (ceil(latency / 8 ms)
+// batches), and is that with the default at 30 ms, where PipelineDepth 1
+// adds a whole send. The figures are logged:
+// go test -run TestPipelineModel -v ./relay.
+func TestPipelineModel(t *testing.T) {
+	t.Parallel()
+	const n = 2000
+	for _, lat := range []time.Duration{10 * time.Millisecond, 30 * time.Millisecond, 50 * time.Millisecond} {
+		var prev time.Duration
+		for _, depth := range []int{1, 2, 3, 4, 6, 8} {
+			got := pipelineModel(t, depth, lat, n)
+			p99 := got[n*99/100]
+			t.Logf("sink %s, PipelineDepth %d: p50 %s, p99 %s, max %s", lat, depth, got[n/2], p99, got[n-1])
+			if depth > 1 {
+				require.LessOrEqual(t, p99, prev, "sink %s, depth %d", lat, depth)
+			}
+			if covers := int((lat + 8*time.Millisecond - 1) / (8 * time.Millisecond)); depth >= covers {
+				require.Equal(t, lat, p99, "sink %s, depth %d covers it", lat, depth)
+			}
+			switch {
+			case lat == 30*time.Millisecond && depth == 1:
+				require.GreaterOrEqual(t, p99, 2*lat)
+			case lat == 30*time.Millisecond && depth == relay.PipelineDepthDefault:
+				require.Equal(t, lat, p99)
+			}
+			prev = p99
+		}
+	}
+}

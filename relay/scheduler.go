@@ -307,15 +307,19 @@ func (s *scheduler) signalLocked(b int) {
 }
 
 // pipeline reports whether the drainer holding bucket b, with batches of
-// it in flight (inFlight) or not, may send the bucket's next batch: as
-// keep, except that other buckets waiting in the FIFO do not stop a
-// drainer whose batches in flight hold it anyway. It returns the
-// bucket's marks so far.
-func (s *scheduler) pipeline(b int, inFlight bool) (uint64, bool) {
+// it in flight (inFlight) or not, and past maxTurns batches in its turn
+// (over) or not, may send the bucket's next batch: the scheduler is open,
+// no acquisition holds it and no lease announcement waits for the
+// bucket, as for keep; other buckets waiting in the FIFO stop the
+// drainer once nothing is in flight or the turn is over. Unlike keep, a
+// turn goes on past maxTurns while no other bucket waits: ending it
+// would stall the bucket until its batches in flight are acknowledged.
+// It returns the bucket's marks so far.
+func (s *scheduler) pipeline(b int, inFlight, over bool) (uint64, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := &s.buckets[b]
-	return st.marks, !s.closed && !s.paused && (inFlight || len(s.fifo) == 0) && !st.wake
+	return st.marks, !s.closed && !s.paused && !st.wake && (len(s.fifo) == 0 || inFlight && !over)
 }
 
 // keep reports whether the drainer holding bucket b may go on with its

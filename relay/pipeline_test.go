@@ -592,21 +592,25 @@ func TestPipelineStoreCannotSkip(t *testing.T) {
 	})
 }
 
-// The lease lost while two batches are in flight: the acknowledged batch
-// is deleted, the wait of the other ends with the lease, and nothing of it
-// is deleted or counted against a message; the bucket is not published
-// again by this relay.
+// The lease lost while batches are in flight: the acknowledged batch is
+// deleted, the waits of the two others end with the lease, and nothing of
+// them is deleted or counted against a message; the bucket is not
+// published again by this relay.
 func TestPipelineLeaseLostMidFlight(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {
-		s, hints, sink, cs, cfg, r := pipeSetup(t, 2, nil)
+		s, hints, sink, cs, cfg, r := pipeSetup(t, 3, nil)
 		var k keyed
 		commitDuring(s, hints, &k, []string{"a"}, []string{"b", "c"})
-		require.Len(t, sink.sent(), 2)
+		k.add(s, 3, "d")
+		hints.notify(3)
+		synctest.Wait()
+		require.Len(t, sink.sent(), 3)
 		sink.releaseAll(0)
 		synctest.Wait()
-		require.Equal(t, 2, s.pending())
+		require.Equal(t, 3, s.pending())
 		require.False(t, sink.waited(1))
+		require.False(t, sink.waited(2))
 
 		s.mu.Lock()
 		s.renew = func([]relay.Lease) []relay.Lease { // another relay took bucket 3 over
@@ -616,10 +620,11 @@ func TestPipelineLeaseLostMidFlight(t *testing.T) {
 		s.mu.Unlock()
 		time.Sleep(cfg.LeaseRenewInterval)
 		synctest.Wait()
-		require.True(t, sink.waited(1), "the wait ends with the lease")
-		require.Equal(t, 2, s.pending())
+		require.True(t, sink.waited(1), "the waits end with the lease")
+		require.True(t, sink.waited(2))
+		require.Equal(t, 3, s.pending())
 		require.Zero(t, s.count("record"), "a lost lease is not a publish failure")
-		require.Len(t, sink.sent(), 2, "the bucket is not published again")
+		require.Len(t, sink.sent(), 3, "the bucket is not published again")
 		require.NotContains(t, leasedBuckets(r), 3)
 		deletes, problems := cs.result()
 		require.Empty(t, problems)

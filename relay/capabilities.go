@@ -24,6 +24,10 @@ type parts struct {
 	// reconciler names the rows the sink already holds; nil if the
 	// publisher does not implement Reconciler.
 	reconciler Reconciler
+	// pipeliner takes a bucket's next batch while earlier ones are
+	// unacknowledged (Config.PipelineDepth); nil without one, a
+	// BatchSkipper, a depth above 1, or with a strict-mode publisher.
+	pipeliner Pipeliner
 	// sinkProber tells whether the sink answers during its outage; nil
 	// if the publisher does not implement SinkProber: a backoff after an
 	// unavailable publish is slept out.
@@ -41,6 +45,9 @@ func resolveParts(store Store, publisher Publisher, cfg Config) parts {
 		// each batch's delete before the next batch's publish: its
 		// progress marker names only the last batch it committed.
 		p.caps.skipper = nil
+	}
+	if pl, ok := publisher.(Pipeliner); ok && p.caps.skipper != nil && cfg.PipelineDepth > 1 {
+		p.pipeliner = pl
 	}
 	return p
 }

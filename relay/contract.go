@@ -61,6 +61,36 @@ type Publisher interface {
 	Publish(ctx context.Context, msgs []Message) (acked int, err error)
 }
 
+// Pipeliner is an optional Publisher capability: taking a bucket's next
+// batch while earlier batches of the bucket are unacknowledged. The relay
+// discovers it by type assertion on the Publisher given to New and uses it
+// when Config.PipelineDepth is above 1, the store skips rows
+// (BatchSkipper), and the publisher is neither a Reconciler nor
+// LeaseAware (the strict mode keeps one batch of a bucket in flight: its
+// progress marker names only the last batch it committed). A wrapper
+// around a publisher should forward it.
+type Pipeliner interface {
+	Publisher
+	// Send hands msgs (one bucket's batch, as Publish takes it) to the
+	// sink behind every batch sent before it, and returns without waiting
+	// for acknowledgements. wait, called exactly once, blocks until each
+	// message is acknowledged or failed and returns what Publish would
+	// have returned for msgs: the acknowledged prefix and, when shorter
+	// than msgs, the error. ctx bounds the send as it bounds Publish, until
+	// wait returns.
+	//
+	// Order per key holds across sends: a message is written only after
+	// every message with the same key handed to an earlier Send is
+	// acknowledged; if one of those failed, the message fails too,
+	// unwritten. The relay calls Send for a bucket only from the drainer
+	// holding it, so the sends of one bucket never race each other, and
+	// it sends a message only once the wait of every earlier message of
+	// its key returned it acknowledged: so a sink that, when a message
+	// fails, fails only the messages queued behind it still keeps order
+	// per key.
+	Send(ctx context.Context, msgs []Message) (wait func() (int, error))
+}
+
 // ReadyChecker is an optional Publisher capability: telling, before the
 // relay starts, whether the publisher can publish at all. Relay.Start (and
 // Run and DrainOnce) calls CheckReady synchronously and fails with its

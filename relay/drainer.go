@@ -14,8 +14,9 @@ import (
 // drainers is the relay's pool of Config.Parallelism drainers. Each takes
 // a ready bucket from the scheduler, drains one batch of it under its
 // lease (drainBatch), hands it back, and repeats until the scheduler
-// closes. The scheduler never hands one bucket to two drainers, so at
-// most one batch per bucket is in flight.
+// closes. The scheduler never hands one bucket to two drainers, so one
+// drainer at a time has batches of a bucket in flight: one, or up to
+// Config.PipelineDepth with a Pipeliner (pipelined).
 //
 // Drainers read the lease keeper (is this lease still trusted?) and tell
 // it of a lease they found lost (drop); they report the end of each batch
@@ -160,6 +161,9 @@ type batch struct {
 //     are deleted first;
 //   - read: the batch is the bucket's oldest rows, read afresh or read
 //     ahead with the previous delete under the same term;
+//   - pipelined: with a Pipeliner the batches after the read take
+//     the variant that keeps up to PipelineDepth of them in flight, each
+//     through filter, admit and a send, ending in order (pipelined);
 //   - filter: the failure handler may take messages out before the publish;
 //   - admit: the pace is kept, and the lease is still trusted before
 //     anything reaches the publisher;
@@ -182,9 +186,9 @@ type batch struct {
 //   - failurePolicy: a failed publish is narrowed to its culprit, or
 //     recorded and handed to the failure handler.
 //
-// Every delete has ended when drainBatch returns. The backoff of a failed
-// bucket and the announcement of lease changes that waited for the batch
-// follow in finish.
+// Every delete has ended, and every send's wait returned, when drainBatch
+// returns. The backoff of a failed bucket and the announcement of lease
+// changes that waited for the batch follow in finish.
 func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) (r batchResult) {
 	b := &batch{hl: hl, marks: d.st.marks, settled: p.reconciler == nil || d.st.settled && d.st.settledTerm == hl.Term}
 	// The result reports whether the bucket stays reconciled, and the
@@ -200,6 +204,9 @@ func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) (r ba
 	}
 	if r, done := p.read(ctx, b, d.st); done {
 		return r
+	}
+	if p.pipeliner != nil {
+		return p.pipelined(ctx, b)
 	}
 	var prev *batch // published, its delete to run alongside b's publish
 	for turn := 1; ; turn++ {
@@ -226,6 +233,12 @@ func (p *drainers) drainBatch(ctx context.Context, d drawn, hl *heldLease) (r ba
 		}
 		b, prev = next, b
 	}
+	return p.conclude(ctx, b)
+}
+
+// conclude ends the bucket's turn with its last batch b, published and
+// not fenced: deleteAcked, leaseEnded, failurePolicy.
+func (p *drainers) conclude(ctx context.Context, b *batch) batchResult {
 	if r, done := p.deleteAcked(ctx, b); done {
 		return r
 	}
@@ -507,15 +520,22 @@ func (p *drainers) admit(ctx context.Context, b *batch) (batchResult, bool) {
 // acknowledged prefix: a count outside the batch deletes nothing, and a
 // prefix short of the batch without an error is an error.
 func (p *drainers) publish(ctx context.Context, b *batch) {
-	start := time.Now()
-	b.acked, b.perr, b.lost = p.publishUnder(ctx, b.hl, b.msgs)
+	c := p.startPublish(b.hl)
+	acked, err := p.publisher.Publish(c.ctx, b.msgs)
+	p.acknowledged(ctx, b, c, acked, err)
+}
+
+// acknowledged keeps the acknowledged prefix of batch b's publish c, which
+// returned acked and err, and reports the publish.
+func (p *drainers) acknowledged(ctx context.Context, b *batch, c *publishCall, acked int, err error) {
+	b.acked, b.perr, b.lost = c.end(ctx, acked, err, len(b.msgs))
 	if b.acked < 0 || b.acked > len(b.msgs) {
 		p.log.Error("relay: publisher reported an acknowledged count outside the batch; deleting nothing",
 			"bucket", b.hl.Bucket, "acked", b.acked, "batch", len(b.msgs))
 		b.perr = fmt.Errorf("relay: publisher acknowledged %d of a batch of %d", b.acked, len(b.msgs))
 		b.acked = 0
 	}
-	p.observePublish(ctx, b.hl.Bucket, len(b.msgs), b.acked, b.perr, b.lost, time.Since(start))
+	p.observePublish(ctx, b.hl.Bucket, len(b.msgs), b.acked, b.perr, b.lost, time.Since(c.start))
 	// Anything short of the whole batch, but a prefix the sink took on
 	// purpose (Truncated), may have reached the sink without being
 	// acknowledged.
@@ -739,30 +759,48 @@ func outcomeOf(err error) outcome {
 	return outLost
 }
 
-// publishUnder runs the publisher under the bucket's lease context: the
-// lease keeper ends it when the lease is lost (a renewal found it taken
-// over) or can no longer be trusted (the trust window passed without a
-// renewal; without a LeaseRenewer that bounds every publish). Renewal goes
-// on meanwhile, on the keeper's own goroutine. No transaction or row lock
-// is held.
-func (p *drainers) publishUnder(ctx context.Context, hl *heldLease, msgs []Message) (acked int, err error, lost bool) {
-	what := fmt.Sprintf("bucket %d", hl.Bucket)
-	pctx, cancel := p.caps.renewal.bound(hl.ctx, p.k, what)
-	defer cancel()
+// publishCall is one publish of a bucket's batch under its lease: the
+// publisher runs under ctx, which the lease keeper ends when the lease is
+// lost (a renewal found it taken over) or can no longer be trusted (the
+// trust window passed without a renewal; without a LeaseRenewer that
+// bounds every publish), and Config.PublishTimeout ends. Renewal goes on
+// meanwhile, on the keeper's own goroutine. No transaction or row lock is
+// held.
+type publishCall struct {
+	p    *drainers
+	what string
+	ctx  context.Context // the publisher's
+	pctx context.Context // the lease's bound, without the timeout
+	// cancelTimeout and cancel release ctx and pctx.
+	cancelTimeout, cancel context.CancelFunc
+	start                 time.Time
+}
+
+// startPublish starts a publish under hl's lease.
+func (p *drainers) startPublish(hl *heldLease) *publishCall {
+	c := &publishCall{p: p, what: fmt.Sprintf("bucket %d", hl.Bucket)}
+	pctx, cancel := p.caps.renewal.bound(hl.ctx, p.k, c.what)
 	tctx, cancelTimeout := context.WithTimeoutCause(pctx, p.cfg.PublishTimeout, errPublishTimedOut)
-	start := time.Now()
-	acked, err = p.publisher.Publish(tctx, msgs)
-	timedOut := errors.Is(context.Cause(tctx), errPublishTimedOut) && ctx.Err() == nil
-	cancelTimeout()
-	lost = pctx.Err() != nil && ctx.Err() == nil
+	c.ctx, c.pctx, c.cancelTimeout, c.cancel, c.start = tctx, pctx, cancelTimeout, cancel, time.Now()
+	return c
+}
+
+// end ends the publish of n messages, which returned acked and err, and
+// reports whether the lease ended during it (lost). A publish the timeout
+// ended short of the batch is an unavailable sink's.
+func (c *publishCall) end(ctx context.Context, acked int, err error, n int) (int, error, bool) {
+	timedOut := errors.Is(context.Cause(c.ctx), errPublishTimedOut) && ctx.Err() == nil
+	c.cancelTimeout()
+	lost := c.pctx.Err() != nil && ctx.Err() == nil
+	c.cancel()
 	if lost {
-		p.log.Warn("relay: lease ended during publish; cancelled the publish", "batch", what, "cause", context.Cause(pctx))
+		c.p.log.Warn("relay: lease ended during publish; cancelled the publish", "batch", c.what, "cause", context.Cause(c.pctx))
 	}
-	if timedOut && !lost && (err != nil || acked < len(msgs)) {
+	if timedOut && !lost && (err != nil || acked < n) {
 		// Not about the messages: the sink (or the publisher) stopped
 		// answering. The bucket backs off like after any outage.
 		err = Unavailable(fmt.Errorf("%w: %s: %s with %d of %d messages acknowledged",
-			ErrPublishTimeout, what, time.Since(start).Round(time.Millisecond), acked, len(msgs)))
+			ErrPublishTimeout, c.what, time.Since(c.start).Round(time.Millisecond), acked, n))
 	}
 	return acked, err, lost
 }

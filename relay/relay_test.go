@@ -128,6 +128,7 @@ func TestConfig(t *testing.T) {
 	require.Equal(t, 2000, c.BatchSize)
 	require.Equal(t, relay.BatchSizeDefault, c.BatchSize)
 	require.Equal(t, relay.ParallelismDefault, c.Parallelism)
+	require.Equal(t, relay.PipelineDepthDefault, c.PipelineDepth)
 	require.Equal(t, time.Second, c.PollInterval)
 	require.Equal(t, 30*time.Second, c.LeaseDuration)
 	require.Equal(t, 10*time.Second, c.LeaseRenewInterval)
@@ -149,6 +150,8 @@ func TestConfig(t *testing.T) {
 		{"BatchSize", relay.Config{BatchSize: 10_001}},
 		{"Parallelism", relay.Config{Parallelism: -1}},
 		{"Parallelism", relay.Config{Parallelism: relay.ParallelismMax + 1}},
+		{"PipelineDepth", relay.Config{PipelineDepth: -1}},
+		{"PipelineDepth", relay.Config{PipelineDepth: relay.PipelineDepthMax + 1}},
 		{"PollInterval", relay.Config{PollInterval: -time.Second}},
 		{"LeaseDuration", relay.Config{LeaseDuration: time.Millisecond, LeaseRenewInterval: time.Millisecond}},
 		{"BackoffMax", relay.Config{BackoffMin: time.Minute, BackoffMax: time.Second}},

@@ -24,7 +24,7 @@ const (
 type bucketState struct {
 	ready    bool      // may hold pending rows
 	queued   bool      // in the ready FIFO
-	busy     bool      // a drainer holds it: its one batch in flight
+	busy     bool      // a drainer holds it: its batches in flight
 	marks    uint64    // hints and discoveries so far, to notice one during a batch
 	failures int       // consecutive failures
 	retryAt  time.Time // backoff end
@@ -96,6 +96,9 @@ type scheduler struct {
 	buckets  []bucketState
 	fifo     []int
 	inFlight int
+	// watchers signal (one slot) the drainer pipelining a bucket's
+	// batches that the bucket was marked (watch); nil when none does.
+	watchers []chan struct{}
 	paused   bool // acquiring: hand out nothing
 	closed   bool // stopping: hand out nothing, drainers exit
 	oneShot  bool // DrainOnce: drainers exit when nothing is ready or in flight
@@ -109,7 +112,7 @@ type scheduler struct {
 }
 
 func newScheduler(cfg Config) *scheduler {
-	s := &scheduler{buckets: make([]bucketState, cfg.BucketCount),
+	s := &scheduler{buckets: make([]bucketState, cfg.BucketCount), watchers: make([]chan struct{}, cfg.BucketCount),
 		backoffMin: cfg.BackoffMin, backoffMax: cfg.BackoffMax, wake: make(chan struct{}, 1)}
 	s.cond = sync.NewCond(&s.mu)
 	return s
@@ -126,6 +129,7 @@ func (s *scheduler) mark(b int, now time.Time) {
 	defer s.mu.Unlock()
 	st := &s.buckets[b]
 	st.marks++
+	s.signalLocked(b)
 	if st.failed {
 		return
 	}
@@ -147,6 +151,7 @@ func (s *scheduler) toProbe(buckets []int) []int {
 		switch {
 		case st.busy:
 			st.marks++
+			s.signalLocked(b)
 		case st.ready || st.failed:
 		default:
 			probe = append(probe, b)
@@ -274,6 +279,50 @@ func (s *scheduler) done(b int, marks uint64, r batchResult, now time.Time) {
 		default:
 		}
 	}
+}
+
+// watch returns the channel that tells the drainer holding bucket b, one
+// signal at a time, that the bucket was marked, until unwatch.
+func (s *scheduler) watch(b int) <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := make(chan struct{}, 1)
+	s.watchers[b] = c
+	return c
+}
+
+// unwatch ends watch.
+func (s *scheduler) unwatch(b int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.watchers[b] = nil
+}
+
+// signalLocked tells the drainer watching bucket b, if any, that it was
+// marked.
+func (s *scheduler) signalLocked(b int) {
+	if c := s.watchers[b]; c != nil {
+		select {
+		case c <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// pipeline reports whether the drainer holding bucket b, with batches of
+// it in flight (inFlight) or not, and past maxTurns batches in its turn
+// (over) or not, may send the bucket's next batch: the scheduler is open,
+// no acquisition holds it and no lease announcement waits for the
+// bucket, as for keep; other buckets waiting in the FIFO stop the
+// drainer once nothing is in flight or the turn is over. Unlike keep, a
+// turn goes on past maxTurns while no other bucket waits: ending it
+// would stall the bucket until its batches in flight are acknowledged.
+// It returns the bucket's marks so far.
+func (s *scheduler) pipeline(b int, inFlight, over bool) (uint64, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := &s.buckets[b]
+	return st.marks, !s.closed && !s.paused && !st.wake && (len(s.fifo) == 0 || inFlight && !over)
 }
 
 // keep reports whether the drainer holding bucket b may go on with its

@@ -15,6 +15,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/embedded"
 
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
 	"github.com/gorm-outbox/outbox/publisher"
@@ -415,4 +417,46 @@ func TestFranzNotStarted(t *testing.T) {
 	defer cancel()
 	require.Error(t, f.Start(ctx), "no broker answers")
 	require.NoError(t, f.Stop(t.Context()))
+}
+
+// spanCount counts the spans a tracer provider started and ended.
+type spanCount struct {
+	embedded.TracerProvider
+	started, ended *atomic.Int32
+}
+
+func (p spanCount) Tracer(string, ...trace.TracerOption) trace.Tracer { return spanCountTracer{p: p} }
+
+type spanCountTracer struct {
+	embedded.Tracer
+	p spanCount
+}
+
+func (t spanCountTracer) Start(ctx context.Context, _ string, _ ...trace.SpanStartOption) (context.Context, trace.Span) {
+	t.p.started.Add(1)
+	return ctx, countedSpan{Span: trace.SpanFromContext(context.Background()), ended: t.p.ended}
+}
+
+type countedSpan struct {
+	trace.Span
+	ended *atomic.Int32
+}
+
+func (s countedSpan) End(...trace.SpanEndOption) { s.ended.Add(1) }
+
+// TracingPublisher keeps Franz's Send: the span runs from Send to the end
+// of its wait.
+func TestFranzTracingKeepsSend(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	topic := c.Topic(t, 1)
+	tp := spanCount{started: new(atomic.Int32), ended: new(atomic.Int32)}
+	p, ok := publisher.TracingPublisher(newFranz(t, c), tp).(pipeliner)
+	require.True(t, ok, "the wrapped Franz still sends")
+	wait := p.Send(testCtx(t), publishertest.Messages(topic, "traced", 3))
+	require.Equal(t, int32(1), tp.started.Load())
+	acked, err := wait()
+	require.NoError(t, err)
+	require.Equal(t, 3, acked)
+	require.Equal(t, int32(1), tp.ended.Load())
 }

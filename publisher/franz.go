@@ -34,8 +34,10 @@ type FranzConfig struct {
 	// kgo.RecordRetries(RetryMaxDefault) and
 	// kgo.RecordDeliveryTimeout(StallTimeoutDefault), so that a publish
 	// during an outage fails and the relay backs off, as with the Kafka
-	// publisher, and no compression (sarama's default; kgo's is snappy);
-	// kgo's own defaults otherwise.
+	// publisher, no compression (sarama's default; kgo's is snappy) and no
+	// linger (kgo.ProducerLinger(0): a partition's records go out as soon
+	// as a request can, gathering while requests are in flight, where
+	// kgo's default waits 10ms); kgo's own defaults otherwise.
 	//
 	// After them the publisher sets acks=all, its partitioner (the same
 	// key → partition mapping as the Kafka publisher: see KeyPartition),
@@ -91,6 +93,7 @@ func (c FranzConfig) opts() []kgo.Opt {
 		kgo.RecordRetries(RetryMaxDefault),
 		kgo.RecordDeliveryTimeout(StallTimeoutDefault),
 		kgo.ProducerBatchCompression(kgo.NoCompression()),
+		kgo.ProducerLinger(0),
 	}
 	opts = append(opts, c.Options...)
 	return append(opts,
@@ -192,7 +195,11 @@ func NewFranz(cfg FranzConfig) (*Franz, error) {
 }
 
 // Start connects to the cluster and initialises the producer id, bounded
-// by ctx; see Kafka.Start for the lifecycle, which is the same.
+// by ctx: franz-go retries the brokers until one answers, so with none
+// answering Start returns ctx's error when ctx ends. The lifecycle is
+// Kafka.Start's: a failed Start may be retried, the end of ctx closes a
+// started publisher, Start after Stop fails with ErrStopped, Publish and
+// Send before Start fail with ErrNotStarted.
 func (f *Franz) Start(ctx context.Context) error {
 	return f.lifecycle.start(ctx, f.connect, f.shut)
 }
@@ -378,7 +385,10 @@ func (f *Franz) Publish(ctx context.Context, msgs []relay.Message) (int, error) 
 // (for a keyless message, its pinned partition) has a message of an
 // earlier Send not yet reported waits, unwritten, until that one is
 // acknowledged, then goes out; if that one failed, it fails unwritten
-// (relay.Unavailable), and so do the later messages of its key.
+// (relay.Unavailable), and so does every message of the key handed over
+// before the failed Send's wait returned (the relay republishes them after
+// the failed one). wait must be called: until it returns, a failed message
+// of its Send holds its key's later messages back.
 //
 // Within one Send, a message whose predecessor of the same key was
 // reported failed before the message was handed to the producer fails

@@ -228,7 +228,8 @@
 // Franz is not the default publisher and is not yet proven: in one of
 // three drains through it on three heavily loaded Apache Kafka nodes, a
 // bucket's publishes stopped getting answers (BENCHMARKS.md, "The Franz
-// publisher beside the Kafka publisher"); the cause is not found.
+// publisher beside the Kafka publisher"), possibly because the disk had
+// filled up; the cause is not established.
 //
 // # Strict mode: Transactional
 //

@@ -243,6 +243,7 @@ func TestSmokeFranz(t *testing.T) {
 	useExternalBrokers(cfg.Brokers)
 	kafkaPublisher = cfg.Publisher
 	t.Cleanup(func() { externalBrokers, kafkaPublisher = nil, "" })
+	sarama, franz := publishersStarted["sarama"].Load(), publishersStarted["franz"].Load()
 	results, err := run(context.Background(), cfg, io.Discard)
 	require.NoError(t, err)
 	require.Len(t, results, 2)
@@ -253,6 +254,8 @@ func TestSmokeFranz(t *testing.T) {
 			requireLatencyModes(t, cfg, r)
 		}
 	}
+	require.Equal(t, sarama, publishersStarted["sarama"].Load(), "no sarama publisher")
+	require.Greater(t, publishersStarted["franz"].Load(), franz, "the Franz publisher ran")
 }
 
 func TestSmokeWAL(t *testing.T) {

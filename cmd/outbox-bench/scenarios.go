@@ -212,6 +212,9 @@ const (
 // (also when empty) or publisherFranz.
 var kafkaPublisher string
 
+// publishersStarted counts the publishers newPublisher started, by kind.
+var publishersStarted = map[string]*atomic.Int64{publisherSarama: new(atomic.Int64), publisherFranz: new(atomic.Int64)}
+
 // benchPublisher is a started Kafka publisher of either kind.
 type benchPublisher interface {
 	relay.Publisher
@@ -226,9 +229,11 @@ func newPublisher(ctx context.Context, brokers []string) (benchPublisher, error)
 			benchPublisher
 			Start(context.Context) error
 		}
-		err error
+		err  error
+		kind = publisherSarama
 	)
 	if kafkaPublisher == publisherFranz {
+		kind = publisherFranz
 		p, err = publisher.NewFranz(publisher.FranzConfig{Brokers: brokers, Logger: quiet, Options: []kgo.Opt{kgo.ClientID("outbox-bench")}})
 	} else {
 		p, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Producers: kafkaProducers, LingerBatch: kafkaLingerBatch, Configure: func(c *sarama.Config) error {
@@ -244,6 +249,7 @@ func newPublisher(ctx context.Context, brokers []string) (benchPublisher, error)
 		_ = p.Close()
 		return nil, err
 	}
+	publishersStarted[kind].Add(1)
 	return p, nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"fmt"
 	"log/slog"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -459,4 +460,63 @@ func TestFranzTracingKeepsSend(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 3, acked)
 	require.Equal(t, int32(1), tp.ended.Load())
+}
+
+// Several goroutines (the relay's drainers, one bucket each) pipeline
+// Sends at once, up to four in flight each, their keys sharing the
+// topic's partitions: everything is acknowledged, and each key's log is
+// in Send order. Run with -race.
+func TestFranzConcurrentPipelines(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	topic := c.Topic(t, 4)
+	f := newFranz(t, c)
+	ctx := testCtx(t)
+
+	const drainers, sends, perSend, keys, window = 6, 25, 20, 5, 4
+	var wg sync.WaitGroup
+	errs := make(chan error, drainers)
+	for d := range drainers {
+		wg.Go(func() {
+			var waits []func() (int, error)
+			wait := func() {
+				acked, err := waits[0]()
+				waits = waits[1:]
+				if err != nil || acked != perSend {
+					errs <- fmt.Errorf("drainer %d: acked %d of %d: %v", d, acked, perSend, err)
+				}
+			}
+			for s := range sends {
+				if len(waits) == window {
+					wait()
+				}
+				msgs := make([]relay.Message, perSend)
+				for i := range msgs {
+					msgs[i] = relay.Message{MessageID: fmt.Sprintf("d%d-s%02d-%02d", d, s, i), Topic: topic, Bucket: d,
+						Key: fmt.Appendf(nil, "d%d-k%d", d, i%keys), Value: fmt.Appendf(nil, "%d", s*perSend+i)}
+				}
+				waits = append(waits, f.Send(ctx, msgs))
+			}
+			for len(waits) > 0 {
+				wait()
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	recs := readAll(t, c, topic, drainers*sends*perSend)
+	require.Len(t, recs, drainers*sends*perSend)
+	last := map[string]int{}
+	for _, r := range recs {
+		var n int
+		_, err := fmt.Sscanf(string(r.Value), "%d", &n)
+		require.NoError(t, err)
+		if prev, ok := last[string(r.Key)]; ok {
+			require.Greater(t, n, prev, "key %s out of order", r.Key)
+		}
+		last[string(r.Key)] = n
+	}
 }

@@ -1,6 +1,8 @@
 // Package publisher holds the relay's publishers: Kafka, a Kafka publisher
-// over github.com/IBM/sarama, Transactional, its strict mode (one Kafka
-// transaction per batch), and Func, an adapter for any other sink. All
+// over github.com/IBM/sarama, Franz, a Kafka publisher over franz-go (kgo)
+// whose batches of a bucket can overlap in flight, Transactional, the
+// strict mode (one Kafka transaction per batch), and Func, an adapter for
+// any other sink. All
 // implement relay.Publisher. It is the last step of write → table →
 // relay → publisher, with TracingPublisher, which wraps any of them in a
 // span per publish.
@@ -183,6 +185,51 @@
 // publishes (Publish then returns ErrClosed), waits for the messages in
 // flight to be acknowledged or to fail, and stops the producer's
 // goroutines.
+//
+// # Franz: overlapping batches
+//
+// NewFranz(FranzConfig) builds a publisher over one franz-go client: an
+// idempotent producer (acks=all) with up to five produce requests in
+// flight per broker, against sarama's one, so that a bucket's next batch
+// can travel while its previous one waits for its acknowledgement. It
+// writes what Kafka writes (the same partition for every key, pinned
+// partition and empty key, the same headers with the message id last),
+// checks topics and sizes before sending with the same errors, and its
+// broker errors match sarama's of the same code (errors.Is), so the
+// relay's failure policy treats them alike. Publish has Kafka's contract;
+// Send hands a batch over and returns a wait for its answer, for a relay
+// that pipelines a bucket's batches.
+//
+// Order per key, across Sends, holds by construction: a message whose key
+// (for a keyless message, its pinned partition) has a message of an
+// earlier Send not yet reported waits in the publisher, unwritten, until
+// that one is acknowledged. If that one failed, the message fails
+// unwritten (relay.Unavailable), and so does every later message of the
+// key handed over before the failed Send's wait returned. Within one Send
+// the messages go out at once: franz-go fails every record buffered for a
+// partition when one of its batches fails for good, then writes records
+// produced later under a new producer epoch. A message of the same Send
+// produced after its key's predecessor failed there, before the failure
+// reached the publisher, can therefore be written after it, out of order;
+// the producer hands a Send's messages over in one loop, and a new epoch
+// needs a round trip before anything is written, so the window is the
+// rest of that loop. Kafka's order gate closes it; Franz does not.
+//
+// What Kafka does and Franz does not: it replaces no producer (franz-go
+// resets its producer id and epoch itself and has no circuit breakers),
+// so it has no StallTimeout, Observer or Replacements; it has one client,
+// not Producers slots, and no routing by size. A request that went out
+// and whose answer was lost (a broken connection) keeps its records
+// pending until franz-go knows their outcome, as idempotence requires: a
+// Publish during such an outage returns when ctx ends (the relay's
+// PublishTimeout), not with an error of its own. Close flushes every
+// message handed over, held ones included.
+//
+// Franz is not the default publisher and is not yet proven: in one of
+// three drains through it on three heavily loaded Apache Kafka nodes, a
+// bucket's publishes stopped getting answers (BENCHMARKS.md, "The Franz
+// publisher beside the Kafka publisher"), possibly because the disk had
+// filled up; the cause is not established.
 //
 // # Strict mode: Transactional
 //

@@ -717,7 +717,7 @@ func (k *Kafka) Publish(ctx context.Context, msgs []relay.Message) (int, error) 
 		return 0, stop
 	}
 	c.pending.Add(int64(sent))
-	acked, err := k.collect(ctx, msgs, c, sent, stop)
+	acked, err := k.reporter().collect(ctx, msgs, c.results, sent, stop)
 	if c.pending.Load() > 0 && k.lanes > 1 {
 		k.strayed(p, msgs[0].Bucket, c)
 	}
@@ -923,10 +923,24 @@ func checkMessage(m *relay.Message) error {
 	return nil
 }
 
-// collect waits for the results of the sent messages and computes the
-// acknowledged prefix and the first error. stop is why send stopped before
-// msgs[sent], nil if it sent them all.
-func (k *Kafka) collect(ctx context.Context, msgs []relay.Message, c *call, sent int, stop error) (int, error) {
+// reporter is what turns the producer's results of a batch into
+// Publish's answer, for the Kafka and the Franz publishers.
+type reporter struct {
+	logger   *slog.Logger
+	unknown  *unknownTopics
+	idHeader []byte
+	maxBytes int // the record size limit (KafkaConfig.MaxMessageBytes)
+}
+
+// reporter is k's reporter.
+func (k *Kafka) reporter() reporter {
+	return reporter{logger: k.logger, unknown: &k.unknown, idHeader: k.idHeader, maxBytes: k.sc.Producer.MaxMessageBytes}
+}
+
+// collect waits for the results of the sent messages, one each on
+// results, and computes the acknowledged prefix and the first error. stop
+// is why the send stopped before msgs[sent], nil if it sent them all.
+func (k reporter) collect(ctx context.Context, msgs []relay.Message, results <-chan result, sent int, stop error) (int, error) {
 	var (
 		done   = make([]bool, sent)
 		errs   = make([]error, sent)
@@ -945,22 +959,22 @@ func (k *Kafka) collect(ctx context.Context, msgs []relay.Message, c *call, sent
 		// Results come in bursts, a produce response at a time: take one
 		// that is waiting before waiting on both channels.
 		select {
-		case r := <-c.results:
+		case r := <-results:
 			record(r)
 			continue
 		default:
 		}
 		select {
-		case r := <-c.results:
+		case r := <-results:
 			record(r)
 			continue
 		case <-ctx.Done():
 		}
 		// Take what already arrived, then give up on the rest: their
-		// results land in c.results's buffer and are dropped with it.
+		// results land in results's buffer and are dropped with it.
 		for drained := false; !drained && got < sent; {
 			select {
-			case r := <-c.results:
+			case r := <-results:
 				record(r)
 			default:
 				drained = true
@@ -988,7 +1002,7 @@ func (k *Kafka) collect(ctx context.Context, msgs []relay.Message, c *call, sent
 // failure builds the *Error for msgs[i] and logs it. errs, parts and
 // done are the results of the sent messages (done[j]: a result came for
 // msgs[j]).
-func (k *Kafka) failure(msgs []relay.Message, i int, errs []error, parts []int32, done []bool, acked int) error {
+func (k reporter) failure(msgs []relay.Message, i int, errs []error, parts []int32, done []bool, acked int) error {
 	m := &msgs[i]
 	err := errs[i]
 	e := newError(i, m, k.unknown.classify(m.Topic, err))
@@ -998,7 +1012,7 @@ func (k *Kafka) failure(msgs []relay.Message, i int, errs []error, parts []int32
 	if IsTooLarge(e.Err) {
 		e.Size, e.Limit = clientSizes(err)
 		if e.Size == 0 {
-			e.Size, e.Limit = recordBytes(m, k.idHeader), k.sc.Producer.MaxMessageBytes
+			e.Size, e.Limit = recordBytes(m, k.idHeader), k.maxBytes
 		}
 	}
 	e.MaybeWritten = outcomeUnknown(err)

@@ -29,10 +29,16 @@ import (
 func TestKafkaConformance(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)
+	runConformance(t, c, func(t *testing.T) relay.Publisher { return newKafka(t, c) })
+}
+
+// runConformance runs the publisher conformance suite on c against the
+// publishers newPublisher returns, one per case.
+func runConformance(t *testing.T, c *kafkatest.Cluster, newPublisher func(t *testing.T) relay.Publisher) {
 	publishertest.Run(t, func(t *testing.T) *publishertest.Sink {
 		topic := c.Topic(t, 1)
 		return &publishertest.Sink{
-			Publisher: newKafka(t, c),
+			Publisher: newPublisher(t),
 			Topic:     topic,
 			Read: func(t *testing.T, n int) []relay.Message {
 				return toMessages(t, readAll(t, c, topic, n), publisher.MessageIDHeaderDefault)

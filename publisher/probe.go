@@ -119,12 +119,19 @@ func probeBrokers(ctx context.Context, brokers []string, sc *sarama.Config) erro
 		conf.Net.ReadTimeout = min(conf.Net.ReadTimeout, left)
 		conf.Net.WriteTimeout = min(conf.Net.WriteTimeout, left)
 	}
+	return probeEach(ctx, brokers, func(addr string) error { return probeBroker(addr, &conf) })
+}
+
+// probeEach runs probe on each of brokers in turn and returns nil at the
+// first that succeeds; otherwise errNoBrokerAnswers joined with why each
+// failed, or ctx's error.
+func probeEach(ctx context.Context, brokers []string, probe func(addr string) error) error {
 	errs := []error{errNoBrokerAnswers}
 	for _, addr := range brokers {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		err := probeBroker(addr, &conf)
+		err := probe(addr)
 		if err == nil {
 			return nil
 		}

@@ -11,6 +11,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
@@ -18,6 +19,20 @@ import (
 	"github.com/gorm-outbox/outbox/publisher/publishertest"
 	"github.com/gorm-outbox/outbox/relay"
 )
+
+// outage makes the kfake broker drop every request, as an unreachable
+// cluster would, while the returned flag is set.
+func outage(fake *kfake.Cluster) *atomic.Bool {
+	down := new(atomic.Bool)
+	fake.Control(func(kmsg.Request) (kmsg.Response, error, bool) {
+		fake.KeepControl()
+		if down.Load() {
+			return nil, errors.New("outage: connection dropped"), true
+		}
+		return nil, nil, false
+	})
+	return down
+}
 
 // ProbeSink fails while no broker answers, though the publisher's
 // producers hold connections and metadata from before the outage and its
@@ -28,14 +43,7 @@ func TestProbeSinkSeesTheBrokersGoAndReturn(t *testing.T) {
 	c := kafkatest.Start(t)
 	fake := c.RequireFake(t)
 	topic := c.Topic(t, 1)
-	var down atomic.Bool
-	fake.Control(func(kmsg.Request) (kmsg.Response, error, bool) {
-		fake.KeepControl()
-		if down.Load() {
-			return nil, errors.New("outage: connection dropped"), true
-		}
-		return nil, nil, false
-	})
+	down := outage(fake)
 	obs := &replacedCounter{}
 	k := newKafka(t, c, func(cfg *publisher.KafkaConfig) { cfg.Observer = obs; cfg.Producers = 1 })
 	tx, err := publisher.NewTransactional(publisher.TransactionalConfig{Brokers: c.Brokers(), Configure: fastConfig, TransactionalIDPrefix: "probe-"})

@@ -33,7 +33,9 @@ const tracerName = "github.com/gorm-outbox/outbox"
 //
 // When next implements relay.LeaseAware or relay.Reconciler (the
 // transactional Kafka publisher implements both), so does the returned
-// publisher, forwarding to it. The
+// publisher, forwarding to it; when next has the relay's Pipeliner Send
+// (Franz), so does the returned publisher, its span running from Send to
+// the end of its wait. The
 // returned publisher implements relay.ReadyChecker, forwarding to next's
 // when it has one (the Kafka publishers do), so a relay still refuses to
 // start on a wrapped publisher that was never started, and
@@ -50,6 +52,9 @@ func TracingPublisher(next relay.Publisher, tp trace.TracerProvider) relay.Publi
 		return &leaseAwareTracingPublisher{tracingPublisher: p, LeaseAware: la}
 	case isRC:
 		return &reconcilingTracingPublisher{tracingPublisher: p, Reconciler: rc}
+	}
+	if s, ok := next.(sender); ok {
+		return &pipeliningTracingPublisher{tracingPublisher: p, sender: s}
 	}
 	return p
 }
@@ -103,6 +108,48 @@ func (p *tracingPublisher) ProbeSink(ctx context.Context) error {
 var errCannotProbe = errors.New("publisher: the wrapped publisher cannot probe its sink")
 
 func (p *tracingPublisher) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
+	ctx, span := p.start(ctx, msgs)
+	acked, err := p.next.Publish(ctx, msgs)
+	end(span, acked, err)
+	return acked, err
+}
+
+// sender is the Send of a publisher that pipelines a bucket's batches
+// (Franz).
+type sender interface {
+	Send(ctx context.Context, msgs []relay.Message) (wait func() (int, error))
+}
+
+// pipeliningTracingPublisher keeps the Send of the publisher it wraps:
+// the span runs from Send to the end of its wait.
+type pipeliningTracingPublisher struct {
+	*tracingPublisher
+	sender sender
+}
+
+// Send implements the relay's Pipeliner, in a span as Publish.
+func (p *pipeliningTracingPublisher) Send(ctx context.Context, msgs []relay.Message) (wait func() (int, error)) {
+	ctx, span := p.start(ctx, msgs)
+	w := p.sender.Send(ctx, msgs)
+	return func() (int, error) {
+		acked, err := w()
+		end(span, acked, err)
+		return acked, err
+	}
+}
+
+// end records a publish's answer on its span and ends it.
+func end(span trace.Span, acked int, err error) {
+	span.SetAttributes(attribute.Int("outbox.acked", acked))
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, "publish failed")
+	}
+	span.End()
+}
+
+// start starts the span of a publish of msgs.
+func (p *tracingPublisher) start(ctx context.Context, msgs []relay.Message) (context.Context, trace.Span) {
 	tp := p.tp
 	if tp == nil {
 		tp = otel.GetTracerProvider()
@@ -140,15 +187,6 @@ func (p *tracingPublisher) Publish(ctx context.Context, msgs []relay.Message) (i
 			links = append(links, trace.Link{SpanContext: sc})
 		}
 	}
-	ctx, span := tp.Tracer(tracerName).Start(ctx, name,
+	return tp.Tracer(tracerName).Start(ctx, name,
 		trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...), trace.WithLinks(links...))
-	defer span.End()
-
-	acked, err := p.next.Publish(ctx, msgs)
-	span.SetAttributes(attribute.Int("outbox.acked", acked))
-	if err != nil {
-		span.RecordError(err)
-		span.SetStatus(codes.Error, "publish failed")
-	}
-	return acked, err
 }

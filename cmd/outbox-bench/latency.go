@@ -456,7 +456,7 @@ type LatencyOrder struct {
 // child process for the listen mode.
 type latencyRelay struct {
 	local *relay.Relay
-	pub   *publisher.Kafka
+	pub   benchPublisher
 	child *child
 	// channel is the NOTIFY channel of the child's relay.
 	channel string

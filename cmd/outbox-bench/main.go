@@ -51,6 +51,9 @@ type config struct {
 	// Parallelism is the relay's Config.Parallelism; 0 takes the relay's
 	// default.
 	Parallelism int
+	// Publisher is the relay's Kafka publisher: "sarama"
+	// (publisher.Kafka, the default) or "franz" (publisher.Franz).
+	Publisher string
 	// Producers is the Kafka publisher's KafkaConfig.Producers; 0 takes
 	// the publisher's default.
 	Producers int
@@ -180,6 +183,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.BatchSize, "batch", relay.BatchSizeDefault, "relay batch size (the relay's default, relay.BatchSizeDefault)")
 	fs.IntVar(&c.StrictBatch, "strict-batch", 0, "strict: the strict drain's relay batch size (0: -batch if given, else the relay's default for a strict-mode publisher, relay.BatchSizeReconcilerDefault)")
 	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
+	fs.StringVar(&c.Publisher, "publisher", publisherSarama, "the relay's Kafka publisher: sarama (publisher.Kafka) or franz (publisher.Franz; -producers, -linger-batch and -flush-frequency do not apply)")
 	fs.IntVar(&c.Producers, "producers", 0, "Kafka publisher's Producers (0: the publisher's default)")
 	fs.IntVar(&c.LingerBatch, "linger-batch", 0, "Kafka publisher's LingerBatch, the smallest batch sent through a slot's lingering producer (0: the publisher's default; negative: no routing by size)")
 	fs.DurationVar(&c.FlushFrequency, "flush-frequency", 0, "Kafka publisher's sarama Producer.Flush.Frequency, how long a producer gathers records before a request (0: sarama's default, a request as soon as the connection is free)")
@@ -252,6 +256,9 @@ func parseFlags(args []string) (config, error) {
 	}
 	if c.Rounds < 1 || c.RRBacklog < 1 {
 		return c, fmt.Errorf("-rounds and -rr-backlog must be positive")
+	}
+	if c.Publisher != publisherSarama && c.Publisher != publisherFranz {
+		return c, fmt.Errorf("unknown -publisher %q (known: %s, %s)", c.Publisher, publisherSarama, publisherFranz)
 	}
 	for _, s := range strings.Split(scenarios, ",") {
 		s = strings.TrimSpace(s)
@@ -333,6 +340,7 @@ func main() {
 	defer stop()
 	useExternalBrokers(cfg.Brokers)
 	kafkaProducers = cfg.Producers
+	kafkaPublisher = cfg.Publisher
 	kafkaFlushFrequency = cfg.FlushFrequency
 	kafkaLingerBatch = cfg.LingerBatch
 	results, err := run(ctx, cfg, os.Stderr)

@@ -197,6 +197,14 @@ func TestParseFlags(t *testing.T) {
 	require.Equal(t, []int{500, 4000}, []int{c.BatchSize, c.StrictBatch})
 	_, err = parseFlags([]string{"-strict-batch", "-1"})
 	require.ErrorContains(t, err, "-strict-batch must be 0 or positive")
+	c, err = parseFlags(nil)
+	require.NoError(t, err)
+	require.Equal(t, "sarama", c.Publisher, "the Kafka publisher by default")
+	c, err = parseFlags([]string{"-publisher", "franz"})
+	require.NoError(t, err)
+	require.Equal(t, "franz", c.Publisher)
+	_, err = parseFlags([]string{"-publisher", "confluent"})
+	require.ErrorContains(t, err, `unknown -publisher "confluent"`)
 	_, err = parseFlags([]string{"-flush-frequency", "-1ms"})
 	require.ErrorContains(t, err, "-flush-frequency must not be negative")
 	c, err = parseFlags([]string{"-flush-frequency", "1ms"})
@@ -224,6 +232,32 @@ func TestParseFlags(t *testing.T) {
 // server: every part runs, every message arrives, every figure is
 // reported, and WAL mode leaves the messages table untouched while table
 // mode's drain leaves dead tuples. It asserts no timing.
+// TestSmokeFranz runs drain and latency at their smoke size through the
+// Franz publisher (-publisher franz), in this process and in the listen
+// mode's relay process: every message arrives.
+func TestSmokeFranz(t *testing.T) {
+	dbtest.Require(t, dbtest.Postgres)
+	cfg, err := parseFlags([]string{"-smoke", "-scenarios", "drain,latency", "-publisher", "franz"})
+	require.NoError(t, err)
+	cfg.TmpDir = t.TempDir()
+	useExternalBrokers(cfg.Brokers)
+	kafkaPublisher = cfg.Publisher
+	t.Cleanup(func() { externalBrokers, kafkaPublisher = nil, "" })
+	sarama, franz := publishersStarted["sarama"].Load(), publishersStarted["franz"].Load()
+	results, err := run(context.Background(), cfg, io.Discard)
+	require.NoError(t, err)
+	require.Len(t, results, 2)
+	for _, r := range results {
+		require.Empty(t, r.Err, "%s: %s", r.Scenario, r.Err)
+		require.NotEmpty(t, r.Figures, r.Scenario)
+		if r.Scenario == "latency" {
+			requireLatencyModes(t, cfg, r)
+		}
+	}
+	require.Equal(t, sarama, publishersStarted["sarama"].Load(), "no sarama publisher")
+	require.Greater(t, publishersStarted["franz"].Load(), franz, "the Franz publisher ran")
+}
+
 func TestSmokeWAL(t *testing.T) {
 	dbtest.RequireWAL(t)
 	cfg, err := parseFlags([]string{"-smoke", "-scenarios", "wal", "-wal-dsn", dbtest.PostgresWALDSN()})

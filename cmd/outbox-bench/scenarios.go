@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
@@ -201,13 +202,46 @@ var kafkaFlushFrequency time.Duration
 // (-linger-batch; 0: the default, negative: no routing by size).
 var kafkaLingerBatch int
 
-// newPublisher builds and starts a Kafka publisher; ctx's end closes it.
-func newPublisher(ctx context.Context, brokers []string) (*publisher.Kafka, error) {
-	p, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Producers: kafkaProducers, LingerBatch: kafkaLingerBatch, Configure: func(c *sarama.Config) error {
-		c.ClientID = "outbox-bench"
-		c.Producer.Flush.Frequency = kafkaFlushFrequency
-		return nil
-	}})
+// The -publisher choices.
+const (
+	publisherSarama = "sarama"
+	publisherFranz  = "franz"
+)
+
+// kafkaPublisher is the relays' publisher (-publisher): publisherSarama
+// (also when empty) or publisherFranz.
+var kafkaPublisher string
+
+// publishersStarted counts the publishers newPublisher started, by kind.
+var publishersStarted = map[string]*atomic.Int64{publisherSarama: new(atomic.Int64), publisherFranz: new(atomic.Int64)}
+
+// benchPublisher is a started Kafka publisher of either kind.
+type benchPublisher interface {
+	relay.Publisher
+	Close() error
+}
+
+// newPublisher builds and starts the Kafka publisher -publisher names;
+// ctx's end closes it.
+func newPublisher(ctx context.Context, brokers []string) (benchPublisher, error) {
+	var (
+		p interface {
+			benchPublisher
+			Start(context.Context) error
+		}
+		err  error
+		kind = publisherSarama
+	)
+	if kafkaPublisher == publisherFranz {
+		kind = publisherFranz
+		p, err = publisher.NewFranz(publisher.FranzConfig{Brokers: brokers, Logger: quiet, Options: []kgo.Opt{kgo.ClientID("outbox-bench")}})
+	} else {
+		p, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Producers: kafkaProducers, LingerBatch: kafkaLingerBatch, Configure: func(c *sarama.Config) error {
+			c.ClientID = "outbox-bench"
+			c.Producer.Flush.Frequency = kafkaFlushFrequency
+			return nil
+		}})
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -215,6 +249,7 @@ func newPublisher(ctx context.Context, brokers []string) (*publisher.Kafka, erro
 		_ = p.Close()
 		return nil, err
 	}
+	publishersStarted[kind].Add(1)
 	return p, nil
 }
 
@@ -897,6 +932,7 @@ func relayEnv(cfg config, e *env, brokers []string) []string {
 		"OUTBOX_BENCH_PARALLELISM=" + strconv.Itoa(cfg.Parallelism),
 		"OUTBOX_BENCH_MAX_IDLE_CONNS=" + strconv.Itoa(cfg.MaxIdleConns),
 		"OUTBOX_BENCH_PRODUCERS=" + strconv.Itoa(cfg.Producers),
+		"OUTBOX_BENCH_PUBLISHER=" + cfg.Publisher,
 		"OUTBOX_BENCH_FLUSH_FREQUENCY=" + cfg.FlushFrequency.String(),
 		"OUTBOX_BENCH_LINGER_BATCH=" + strconv.Itoa(cfg.LingerBatch),
 	}
@@ -923,8 +959,9 @@ func runRelayRole() int {
 	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))
 	parallelism, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_PARALLELISM"))
 	maxIdle, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_MAX_IDLE_CONNS"))
-	// The relay process's publisher is the parent's: -producers,
-	// -linger-batch and -flush-frequency.
+	// The relay process's publisher is the parent's: -publisher,
+	// -producers, -linger-batch and -flush-frequency.
+	kafkaPublisher = os.Getenv("OUTBOX_BENCH_PUBLISHER")
 	kafkaProducers, _ = strconv.Atoi(os.Getenv("OUTBOX_BENCH_PRODUCERS"))
 	kafkaLingerBatch, _ = strconv.Atoi(os.Getenv("OUTBOX_BENCH_LINGER_BATCH"))
 	flush, err := time.ParseDuration(os.Getenv("OUTBOX_BENCH_FLUSH_FREQUENCY"))

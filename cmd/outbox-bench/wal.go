@@ -26,7 +26,6 @@ import (
 	"github.com/gorm-outbox/outbox/internal/pgxtrace"
 	"github.com/gorm-outbox/outbox/internal/walenv"
 	"github.com/gorm-outbox/outbox/pgwal"
-	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -530,7 +529,7 @@ func walDrain(ctx context.Context, cfg config, r *result) error {
 	for round := 0; round < cfg.Rounds; round++ {
 		for _, side := range sides {
 			var pub relay.Publisher = relay.PublisherFunc(ackAll)
-			var kp *publisher.Kafka
+			var kp benchPublisher
 			if side.kafka {
 				if kp, err = newPublisher(ctx, brokers); err != nil {
 					return err

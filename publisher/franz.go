@@ -171,6 +171,7 @@ var (
 	_ relay.ReadyChecker     = (*Franz)(nil)
 	_ relay.SinkProber       = (*Franz)(nil)
 	_ relay.PublisherService = (*Franz)(nil)
+	_ relay.Pipeliner        = (*Franz)(nil)
 )
 
 var errFranzNotStarted = notStarted("Franz publisher")

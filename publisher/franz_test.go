@@ -25,15 +25,6 @@ import (
 	"github.com/gorm-outbox/outbox/relay"
 )
 
-// pipeliner is the relay's Pipeliner (relay/contract.go once the engine
-// sends a bucket's batches overlapping).
-type pipeliner interface {
-	relay.Publisher
-	Send(ctx context.Context, msgs []relay.Message) (wait func() (int, error))
-}
-
-var _ pipeliner = (*publisher.Franz)(nil)
-
 // fastFranz keeps retries and timeouts short so fault tests stay fast.
 var fastFranz = []kgo.Opt{
 	kgo.ClientID("outbox-publisher-test"),
@@ -452,7 +443,7 @@ func TestFranzTracingKeepsSend(t *testing.T) {
 	c := kafkatest.Start(t)
 	topic := c.Topic(t, 1)
 	tp := spanCount{started: new(atomic.Int32), ended: new(atomic.Int32)}
-	p, ok := publisher.TracingPublisher(newFranz(t, c), tp).(pipeliner)
+	p, ok := publisher.TracingPublisher(newFranz(t, c), tp).(relay.Pipeliner)
 	require.True(t, ok, "the wrapped Franz still sends")
 	wait := p.Send(testCtx(t), publishertest.Messages(topic, "traced", 3))
 	require.Equal(t, int32(1), tp.started.Load())

@@ -135,6 +135,7 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 	r.Params["warmup_s"] = cfg.Warmup.Seconds()
 	r.Params["consumer"] = cfg.Consumer
 	r.Params["parallelism"] = cfg.Parallelism
+	r.Params["pipeline_depth"] = cfg.PipelineDepth
 	r.Params["max_idle_conns"] = cfg.MaxIdleConns
 	cfg.latencyProfile = cfg.CPUProfile
 	r.Params["latency_slice_s"] = cfg.LatencySlice.Seconds()

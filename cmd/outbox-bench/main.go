@@ -51,6 +51,9 @@ type config struct {
 	// Parallelism is the relay's Config.Parallelism; 0 takes the relay's
 	// default.
 	Parallelism int
+	// PipelineDepth is the relay's Config.PipelineDepth (with a publisher
+	// that pipelines: -publisher franz); 0 takes the relay's default.
+	PipelineDepth int
 	// Publisher is the relay's Kafka publisher: "sarama"
 	// (publisher.Kafka, the default) or "franz" (publisher.Franz).
 	Publisher string
@@ -183,6 +186,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.BatchSize, "batch", relay.BatchSizeDefault, "relay batch size (the relay's default, relay.BatchSizeDefault)")
 	fs.IntVar(&c.StrictBatch, "strict-batch", 0, "strict: the strict drain's relay batch size (0: -batch if given, else the relay's default for a strict-mode publisher, relay.BatchSizeReconcilerDefault)")
 	fs.IntVar(&c.Parallelism, "parallelism", 0, "relay Parallelism (0: the relay's default)")
+	fs.IntVar(&c.PipelineDepth, "pipeline-depth", 0, "relay PipelineDepth, batches of a bucket in flight with -publisher franz (0: the relay's default; 1: one at a time)")
 	fs.StringVar(&c.Publisher, "publisher", publisherSarama, "the relay's Kafka publisher: sarama (publisher.Kafka) or franz (publisher.Franz; -producers, -linger-batch and -flush-frequency do not apply)")
 	fs.IntVar(&c.Producers, "producers", 0, "Kafka publisher's Producers (0: the publisher's default)")
 	fs.IntVar(&c.LingerBatch, "linger-batch", 0, "Kafka publisher's LingerBatch, the smallest batch sent through a slot's lingering producer (0: the publisher's default; negative: no routing by size)")
@@ -279,8 +283,8 @@ func parseFlags(args []string) (config, error) {
 	if c.MaxIdleConns == 0 || c.MaxIdleConns < -2 {
 		return c, fmt.Errorf("-max-idle-conns must be positive, -1 for database/sql's defaults or -2 for them set explicitly")
 	}
-	if c.Parallelism < 0 || c.StrictBatch < 0 || c.WideBuckets < 1 {
-		return c, fmt.Errorf("-parallelism and -strict-batch must be 0 or positive and -wide-buckets positive")
+	if c.Parallelism < 0 || c.PipelineDepth < 0 || c.StrictBatch < 0 || c.WideBuckets < 1 {
+		return c, fmt.Errorf("-parallelism, -pipeline-depth and -strict-batch must be 0 or positive and -wide-buckets positive")
 	}
 	if c.Consumer != "process" && c.Consumer != "inline" {
 		return c, fmt.Errorf("-consumer must be process or inline, not %q", c.Consumer)

@@ -260,13 +260,13 @@ func (e *env) startRelay(ctx context.Context, pub relay.Publisher, hints bool, p
 	if err != nil {
 		return nil, err
 	}
-	rc := relay.Config{BatchSize: e.cfg.BatchSize, Parallelism: e.cfg.Parallelism, PollInterval: poll, Logger: quiet, Observer: e.observer}
+	rc := relay.Config{BatchSize: e.cfg.BatchSize, Parallelism: e.cfg.Parallelism, PipelineDepth: e.cfg.PipelineDepth, PollInterval: poll, Logger: quiet, Observer: e.observer}
 	if hints {
 		rc.Hints = e.plugin.Notifier()
 	}
 	var st relay.Store = store
 	if e.tl != nil {
-		st, pub = timedStore{store, e.tl}, timedPub{pub, e.tl}
+		st, pub = timedStore{store, e.tl}, timed(pub, e.tl)
 	}
 	r, err := relay.New(st, pub, rc)
 	if err != nil {
@@ -599,6 +599,7 @@ func drainScenario(ctx context.Context, cfg config, r *result) error {
 	r.Params["messages"], r.Params["keys"], r.Params["value_bytes"] = cfg.N, cfg.Keys, cfg.ValueSize
 	r.Params["buckets"], r.Params["partitions"], r.Params["batch"] = cfg.Buckets, cfg.Partitions, cfg.BatchSize
 	r.Params["parallelism"] = cfg.Parallelism
+	r.Params["pipeline_depth"] = cfg.PipelineDepth
 	r.Params["max_idle_conns"] = cfg.MaxIdleConns
 	r.Params["wide_buckets"] = cfg.WideBuckets
 	dbRate, err := dbCeiling(ctx, cfg, cfg.N)
@@ -930,6 +931,7 @@ func relayEnv(cfg config, e *env, brokers []string) []string {
 		"OUTBOX_BENCH_BROKERS=" + strings.Join(brokers, ","),
 		"OUTBOX_BENCH_BUCKETS=" + strconv.Itoa(cfg.Buckets), "OUTBOX_BENCH_BATCH=" + strconv.Itoa(cfg.BatchSize),
 		"OUTBOX_BENCH_PARALLELISM=" + strconv.Itoa(cfg.Parallelism),
+		"OUTBOX_BENCH_PIPELINE_DEPTH=" + strconv.Itoa(cfg.PipelineDepth),
 		"OUTBOX_BENCH_MAX_IDLE_CONNS=" + strconv.Itoa(cfg.MaxIdleConns),
 		"OUTBOX_BENCH_PRODUCERS=" + strconv.Itoa(cfg.Producers),
 		"OUTBOX_BENCH_PUBLISHER=" + cfg.Publisher,
@@ -958,6 +960,7 @@ func runRelayRole() int {
 	buckets, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BUCKETS"))
 	batch, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_BATCH"))
 	parallelism, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_PARALLELISM"))
+	depth, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_PIPELINE_DEPTH"))
 	maxIdle, _ := strconv.Atoi(os.Getenv("OUTBOX_BENCH_MAX_IDLE_CONNS"))
 	// The relay process's publisher is the parent's: -publisher,
 	// -producers, -linger-batch and -flush-frequency.
@@ -984,14 +987,14 @@ func runRelayRole() int {
 	}
 	defer pub.Close()
 	// Short renewals so the relays rebalance quickly as peers start.
-	rc := relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, Logger: quiet,
+	rc := relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, PipelineDepth: depth, Logger: quiet,
 		LeaseDuration: 3 * time.Second, LeaseRenewInterval: 500 * time.Millisecond, PollInterval: 50 * time.Millisecond}
 	channel := os.Getenv("OUTBOX_BENCH_LISTEN_CHANNEL")
 	var transport *pgnotify.Transport
 	if channel != "" {
 		// The listen mode: the relay's default intervals, like the
 		// in-process modes, and hints from the other process's NOTIFYs.
-		rc = relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, Logger: quiet}
+		rc = relay.Config{BucketCount: buckets, BatchSize: batch, Parallelism: parallelism, PipelineDepth: depth, Logger: quiet}
 		notifier := outbox.NewNotifier(buckets)
 		if transport, err = pgnotify.New(pgnotify.Config{DSN: os.Getenv("OUTBOX_BENCH_DSN"), Channel: channel, Logger: quiet}); err != nil {
 			return fail(err)

@@ -133,25 +133,59 @@ type timedPub struct {
 }
 
 func (p timedPub) Publish(ctx context.Context, msgs []relay.Message) (int, error) {
+	i := p.started(msgs)
+	n, err := p.Publisher.Publish(ctx, msgs)
+	p.ended(i)
+	return n, err
+}
+
+// started records the publish of msgs as started and returns its op.
+// Recorded before the call: the consumer may receive a message before
+// the publisher has seen its acknowledgement.
+func (p timedPub) started(msgs []relay.Message) int {
 	b := -1
 	if len(msgs) > 0 {
 		b = msgs[0].Bucket
 	}
-	// Recorded before the call: the consumer may receive a message before
-	// the publisher has seen its acknowledgement.
 	p.tl.mu.Lock()
+	defer p.tl.mu.Unlock()
 	i := len(p.tl.ops)
 	p.tl.ops = append(p.tl.ops, tlOp{kind: "publish", bucket: b, start: time.Now(), n: len(msgs)})
 	for _, m := range msgs {
 		p.tl.pubOf[p.tl.key(m)] = i
 	}
-	p.tl.mu.Unlock()
-	n, err := p.Publisher.Publish(ctx, msgs)
+	return i
+}
+
+// ended records op i's publish as ended.
+func (p timedPub) ended(i int) {
 	end := time.Now()
 	p.tl.mu.Lock()
 	p.tl.ops[i].end = end
 	p.tl.mu.Unlock()
-	return n, err
+}
+
+// timedPipeliner is timedPub of a relay.Pipeliner, keeping Send: a
+// publish runs from its Send to the end of its wait.
+type timedPipeliner struct{ timedPub }
+
+func (p timedPipeliner) Send(ctx context.Context, msgs []relay.Message) func() (int, error) {
+	i := p.started(msgs)
+	wait := p.Publisher.(relay.Pipeliner).Send(ctx, msgs)
+	return func() (int, error) {
+		n, err := wait()
+		p.ended(i)
+		return n, err
+	}
+}
+
+// timed wraps pub so that its publishes are recorded in tl, keeping a
+// Pipeliner's Send.
+func timed(pub relay.Publisher, tl *timeline) relay.Publisher {
+	if _, ok := pub.(relay.Pipeliner); ok {
+		return timedPipeliner{timedPub{pub, tl}}
+	}
+	return timedPub{pub, tl}
 }
 
 // tlMessage is one message's path: commit, the batch read that carried

@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
 
@@ -34,4 +35,21 @@ func TestTimelineBusyDuringPublish(t *testing.T) {
 	require.True(t, msgs[0].busy, "committed during the previous batch's publish")
 	require.Equal(t, at(400), msgs[0].readStart)
 	require.False(t, msgs[1].busy, "committed while its bucket was idle")
+}
+
+// TestTimedKeepsSend: with -timeline the relay's publisher is wrapped to
+// time its publishes; a publisher that pipelines (publisher.Franz) must
+// stay one, or the timeline would measure a relay that no longer keeps
+// several batches of a bucket in flight. The sarama publisher stays
+// without Send.
+func TestTimedKeepsSend(t *testing.T) {
+	tl := newTimeline(func(m relay.Message) string { return m.MessageID })
+	franz, err := publisher.NewFranz(publisher.FranzConfig{Brokers: []string{"127.0.0.1:1"}})
+	require.NoError(t, err)
+	_, ok := timed(franz, tl).(relay.Pipeliner)
+	require.True(t, ok, "franz, timed: still a Pipeliner")
+	kafka, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: []string{"127.0.0.1:1"}})
+	require.NoError(t, err)
+	_, ok = timed(kafka, tl).(relay.Pipeliner)
+	require.False(t, ok, "sarama, timed: no Send")
 }

@@ -57,7 +57,10 @@ const (
 
 // params sizes one chaos run.
 type params struct {
-	strict  bool
+	strict bool
+	// franz: the relays publish through publisher.Franz, a bucket's
+	// batches overlapping in flight (relay.Pipeliner), in default mode.
+	franz   bool
 	soak    bool
 	network bool // relays in network namespaces, network faults only (TestChaosNetwork)
 	// pgRestart: a PostgreSQL server of the test's own, restarted by the
@@ -147,6 +150,20 @@ func TestChaos(t *testing.T) {
 	runChaos(t, loadParams(t, false))
 }
 
+// TestChaosFranz runs the chaos suite with publisher.Franz, whose
+// producer keeps several requests in flight and with which the relay
+// keeps several batches of a bucket in flight (Config.PipelineDepth): no
+// message may be lost, and no key may be reordered other than by a late
+// copy near a takeover, as with the default publisher: the per-key gates
+// of the relay and of the publisher hold under kills, backend kills,
+// pauses and broker faults.
+func TestChaosFranz(t *testing.T) {
+	t.Parallel()
+	p := loadParams(t, false)
+	p.franz = true
+	runChaos(t, p)
+}
+
 // TestChaosStrict runs the chaos suite in strict mode: every batch is one
 // Kafka transaction of its bucket's transactional producer, and the
 // consumer reads committed records only. No message may be lost, none may
@@ -178,8 +195,11 @@ func runChaos(t *testing.T, p params) {
 		dbtest.Require(t, dbtest.Postgres)
 	}
 	mode := "default"
-	if p.strict {
+	switch {
+	case p.strict:
 		mode = "strict"
+	case p.franz:
+		mode = "franz"
 	}
 	t.Logf("chaos %s: seed %d (rerun with %s=%d), %d messages over %d keys at %.0f/s, %d relays, %d brokers, %d buckets, %d partitions, lease %s",
 		mode, p.seed, EnvSeed, p.seed, p.messages, p.keys, p.rate, p.relays, p.brokers, p.buckets, p.partitions, p.lease)
@@ -479,6 +499,10 @@ func runChaos(t *testing.T, p params) {
 	if p.strict {
 		require.Empty(t, got.violations, "strict mode keeps per-key order")
 		require.Zero(t, dups, "strict mode delivers each message once to read_committed consumers (max_copies %d)", got.maxCopies)
+	}
+	if p.franz {
+		require.Equal(t, byTakeover, len(got.violations),
+			"with batches of a bucket overlapping in flight, no key reordered except by a late copy near a takeover")
 	}
 	if p.network || p.pgRestart {
 		require.Empty(t, got.violations, "no key reordered, in strict mode and with the default publisher's order gate")

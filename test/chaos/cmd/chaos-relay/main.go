@@ -32,6 +32,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"gorm.io/driver/postgres"
 	"gorm.io/gorm"
 	"gorm.io/gorm/logger"
@@ -84,7 +85,7 @@ func main() {
 	flag.DurationVar(&o.backMin, "backoff-min", 50*time.Millisecond, "minimum backoff")
 	flag.DurationVar(&o.backMax, "backoff-max", time.Second, "maximum backoff")
 	flag.IntVar(&o.maxAttempts, "max-attempts", 300, "failed attempts before a message is dead-lettered (scaled to the compressed backoff)")
-	flag.StringVar(&o.mode, "mode", "default", "publisher: default (idempotent producer) or strict (one Kafka transaction per batch)")
+	flag.StringVar(&o.mode, "mode", "default", "publisher: default (idempotent sarama producer), franz (publisher.Franz: a bucket's batches overlapping in flight) or strict (one Kafka transaction per batch)")
 	flag.StringVar(&o.txnPrefix, "txn-prefix", "chaos-", "strict mode: transactional id prefix, shared by all relays")
 	flag.DurationVar(&o.txnTimeout, "txn-timeout", 10*time.Second, "strict mode: the brokers abort a transaction open longer than this")
 	flag.IntVar(&o.markerBytes, "marker-max-bytes", 0, "strict mode: TransactionalConfig.MarkerMaxBytes (0: the default); a small bound records most batches as their span")
@@ -163,8 +164,8 @@ func run(o options) int {
 		c.Producer.Transaction.Retry.Backoff = 100 * time.Millisecond
 		return nil
 	}
-	if o.mode != "default" && o.mode != "strict" {
-		log.Error("chaos-relay: -mode must be default or strict", "mode", o.mode)
+	if o.mode != "default" && o.mode != "franz" && o.mode != "strict" {
+		log.Error("chaos-relay: -mode must be default, franz or strict", "mode", o.mode)
 		return exitSetup
 	}
 	var pub interface {
@@ -172,9 +173,20 @@ func run(o options) int {
 		Start(context.Context) error
 		Close() error
 	}
-	if o.mode == "default" {
+	switch o.mode {
+	case "default":
 		pub, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Configure: configure, Logger: log})
-	} else {
+	case "franz":
+		// The sarama settings above, as kgo options.
+		pub, err = publisher.NewFranz(publisher.FranzConfig{Brokers: brokers, Logger: log, Options: []kgo.Opt{
+			kgo.ClientID("chaos-relay"),
+			kgo.DialTimeout(2 * time.Second),
+			kgo.RetryBackoffFn(func(int) time.Duration { return 100 * time.Millisecond }),
+			kgo.MetadataMinAge(100 * time.Millisecond),
+			kgo.MetadataMaxAge(5 * time.Second),
+			kgo.ProduceRequestTimeout(5 * time.Second),
+		}})
+	default:
 		pub, err = publisher.NewTransactional(publisher.TransactionalConfig{
 			Brokers: brokers, TransactionalIDPrefix: o.txnPrefix, Configure: configure, Logger: log,
 			MarkerMaxBytes: o.markerBytes,

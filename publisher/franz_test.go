@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -510,4 +511,58 @@ func TestFranzConcurrentPipelines(t *testing.T) {
 		}
 		last[string(r.Key)] = n
 	}
+}
+
+// A record whose outcome franz-go cannot know (the broker answered
+// REQUEST_TIMED_OUT: it may have written it) is never failed by franz-go's
+// idempotent producer, neither by its delivery timeout nor its retries:
+// while the broker keeps answering so, it is retried without end. After
+// StallTimeout without a result the publisher replaces the client: the
+// Publish fails unavailable (the relay republishes: a duplicate at
+// worst) before its ctx ends, the key is not held behind the lost record,
+// and Stop ends within its ctx with such a record in flight.
+func TestFranzReplacesAClientStuckOnAnUnknownOutcome(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	fake := c.RequireFake(t) // kfake only: the broker answers every produce request with a timeout
+	topic := c.Topic(t, 1)
+	var stuck atomic.Bool
+	var timedOut atomic.Int64 // produce requests answered with a timeout
+	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.RequestTimedOut, Count: -1,
+		When: func(kmsg.Request) bool { return stuck.Load() && timedOut.Add(1) > 0 }})
+	f := newFranz(t, c, func(cfg *publisher.FranzConfig) {
+		cfg.StallTimeout = 300 * time.Millisecond
+		cfg.Options = append(slices.Clip(fastFranz), kgo.RecordRetries(2), kgo.RecordDeliveryTimeout(time.Second))
+	})
+	long, cancel := context.WithTimeout(testCtx(t), time.Minute)
+	defer cancel()
+
+	stuck.Store(true)
+	a := publishertest.Messages(topic, "a", 2)
+	acked, err := f.Publish(long, a)
+	require.Zero(t, acked)
+	require.NoError(t, long.Err(), "the publish ended on its own, not by its ctx")
+	require.True(t, relay.IsUnavailable(err), "%v", err)
+	require.False(t, relay.IsPermanent(err))
+	require.NotErrorIs(t, err, publisher.ErrClosed, "the publisher is not closed: its client was replaced")
+	require.Equal(t, int64(1), f.Replacements())
+
+	stuck.Store(false)
+	acked, err = f.Publish(long, a)
+	require.NoError(t, err, "the key is not held behind the record of unknown outcome")
+	require.Equal(t, 2, acked)
+	got := ids(toMessages(t, c.ReadLog(t, topic, 15*time.Second), publisher.MessageIDHeaderDefault))
+	require.Equal(t, ids(a), got[len(got)-2:], "the republished messages are the log's last")
+
+	// Stop with a record of unknown outcome in flight ends within its ctx.
+	stuck.Store(true)
+	before := timedOut.Load()
+	wait := f.Send(long, publishertest.Messages(topic, "b", 1))
+	require.Eventually(t, func() bool { return timedOut.Load() > before+1 }, 20*time.Second, time.Millisecond,
+		"the broker answered the record's produce request with a timeout, and its retry too")
+	err = f.Stop(long)
+	require.NoError(t, long.Err(), "Stop ended on its own, not by its ctx")
+	require.ErrorContains(t, err, "stall timeout", "the record left without a result is reported")
+	_, err = wait()
+	require.ErrorIs(t, err, publisher.ErrClosed)
 }

@@ -566,3 +566,103 @@ func TestFranzReplacesAClientStuckOnAnUnknownOutcome(t *testing.T) {
 	_, err = wait()
 	require.ErrorIs(t, err, publisher.ErrClosed)
 }
+
+// Pipelines of overlapping Sends run on while the broker leaves records
+// without an outcome and the publisher replaces its client under them:
+// every wait returns on its own (acknowledged or unavailable), a
+// pipeline that republishes from its first failure gets everything
+// acknowledged, and each key's acknowledged messages are in the log in
+// order. Run with -race, it checks the replacement against concurrent
+// Sends, reports and releases.
+func TestFranzReplacementUnderConcurrentPipelines(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	fake := c.RequireFake(t) // kfake only: the broker answers produce requests with a timeout
+	topic := c.Topic(t, 3)
+	var stuck atomic.Bool
+	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.RequestTimedOut, Count: -1,
+		When: func(kmsg.Request) bool { return stuck.Load() }})
+	f := newFranz(t, c, func(cfg *publisher.FranzConfig) {
+		cfg.StallTimeout = 200 * time.Millisecond
+		cfg.Options = append(slices.Clip(fastFranz), kgo.RecordRetries(2), kgo.RecordDeliveryTimeout(time.Second))
+	})
+	long, cancel := context.WithTimeout(testCtx(t), 2*time.Minute)
+	defer cancel()
+
+	const pipelines, window = 4, 3
+	var (
+		wg          sync.WaitGroup
+		done        atomic.Bool    // the stalls are over: the pipelines finish
+		acks        atomic.Int64   // batches acknowledged, all pipelines
+		unavailable atomic.Int64   // windows that failed unavailable
+		final       [pipelines]int // each pipeline's acknowledged batches
+	)
+	for p := range pipelines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			key := fmt.Appendf(nil, "pipeline-%d", p)
+			next := 0 // the first batch not acknowledged
+			for !done.Load() {
+				// Up to window batches in flight; after a failure, the
+				// pipeline republishes from the first unacknowledged one.
+				waits := make([]func() (int, error), window)
+				for i := range waits {
+					b := next + i
+					waits[i] = f.Send(long, []relay.Message{{MessageID: fmt.Sprintf("p%d-b%04d", p, b), Topic: topic, Key: key, Value: fmt.Appendf(nil, "%d", b)}})
+				}
+				failed := false
+				for _, w := range waits {
+					acked, err := w()
+					switch {
+					case err != nil && !relay.IsUnavailable(err):
+						t.Errorf("pipeline %d: batch %d: %v", p, next, err)
+						return
+					case err != nil:
+						failed = true
+					case !failed && acked == 1:
+						next++
+						acks.Add(1)
+					}
+				}
+				if failed {
+					unavailable.Add(1)
+				}
+			}
+			final[p] = next
+		}()
+	}
+	for range 3 {
+		stuck.Store(true)
+		before := f.Replacements()
+		require.Eventually(t, func() bool { return f.Replacements() > before }, 30*time.Second, time.Millisecond)
+		stuck.Store(false)
+		progress := acks.Load()
+		require.Eventually(t, func() bool { return acks.Load() > progress+pipelines }, 30*time.Second, time.Millisecond,
+			"the pipelines make progress through the new client")
+	}
+	done.Store(true)
+	wg.Wait()
+	require.NoError(t, long.Err(), "every wait returned on its own")
+	require.Positive(t, unavailable.Load(), "some waits failed at a replacement")
+
+	last := map[string]int{}
+	seen := map[string]int{}
+	for _, r := range c.ReadLog(t, topic, 15*time.Second) {
+		var b int
+		_, err := fmt.Sscanf(string(r.Value), "%d", &b)
+		require.NoError(t, err)
+		key := string(r.Key)
+		if prev, ok := last[key]; ok {
+			// Next in order, or a republish from an earlier batch on.
+			require.LessOrEqual(t, b, prev+1, "%s: batch %d written after batch %d, skipping", key, b, prev)
+		} else {
+			require.Zero(t, b, "%s: the first batch written", key)
+		}
+		last[key] = b
+		seen[key] = max(seen[key], b)
+	}
+	for p := range pipelines {
+		require.GreaterOrEqual(t, seen[fmt.Sprintf("pipeline-%d", p)], final[p]-1, "pipeline %d: its acknowledged batches are written", p)
+	}
+}

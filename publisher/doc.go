@@ -226,14 +226,24 @@
 // id; Replacements counts them) and closes the old one, which fails its
 // messages unavailable; the messages held behind them fail unwritten, and
 // the relay republishes them through the new client: a duplicate at
-// worst. Not fenced: a request of the old client that a broker is still
-// handling when it closes can be written after the republished messages.
+// worst. It does the same when a partition's messages have failed
+// unavailable, none acknowledged, for StallTimeout: franz-go keeps
+// producing on the connection it has to a broker that answers
+// NOT_LEADER_FOR_PARTITION naming that node as the leader (a broker
+// removed from the cluster keeps its connections, and added back under
+// its node id it leads again on a new listener), and a new client
+// connects afresh. Not fenced: a request of the old client that a broker
+// is still handling when it closes can be written after the republished
+// messages.
 // Close flushes every message handed over, held ones included, until
 // StallTimeout passes without a result: then it fails the rest and
 // returns an error. Franz has no Observer, one client rather than
-// Producers slots, and no routing by size. The test
-// TestFranzReplacesAClientStuckOnAnUnknownOutcome has a broker answer
-// every produce request with REQUEST_TIMED_OUT.
+// Producers slots, and no routing by size. The tests:
+// TestFranzReplacesAClientStuckOnAnUnknownOutcome (a broker answers every
+// produce request with REQUEST_TIMED_OUT),
+// TestFranzReplacesAClientWhosePartitionKeepsFailing (the partition's
+// leader is removed, added back and made leader again) and
+// TestFranzReplacementUnderConcurrentPipelines (-race).
 //
 // Franz is not the default publisher and is not yet proven: in one of
 // three drains through it on three heavily loaded Apache Kafka nodes, a

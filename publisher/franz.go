@@ -70,8 +70,13 @@ type FranzConfig struct {
 	// know (the broker answered REQUEST_TIMED_OUT or
 	// NOT_ENOUGH_REPLICAS_AFTER_APPEND, so it may have written it): it
 	// retries it without end, past its retries and delivery timeout,
-	// and the messages of its key wait behind it. The same bound ends a
-	// Stop's flush that makes no progress. Default
+	// and the messages of its key wait behind it. The client is also
+	// replaced when a partition's messages have failed unavailable, none
+	// acknowledged, for StallTimeout: franz-go keeps producing on its
+	// connection to a broker that answers NOT_LEADER_FOR_PARTITION naming
+	// itself as the leader (a broker removed from the cluster keeps its
+	// connections), where a new client connects afresh. The first bound
+	// also ends a Stop's flush that makes no progress. Default
 	// FranzStallTimeoutDefault.
 	StallTimeout time.Duration
 
@@ -197,6 +202,15 @@ type Franz struct {
 	tails map[franzKey]*franzRec
 	// live is the Sends with messages not reported yet.
 	live map[*franzSend]struct{}
+	// failing is, for each partition whose messages failed unavailable
+	// since its last acknowledgement, when the first of them failed.
+	failing map[franzPart]time.Time
+}
+
+// franzPart is a partition of a topic.
+type franzPart struct {
+	topic     string
+	partition int32
 }
 
 // franzClient is a kgo client of the publisher; replaced is set when the
@@ -235,6 +249,7 @@ func NewFranz(cfg FranzConfig) (*Franz, error) {
 		stall:     cfg.StallTimeout,
 		tails:     make(map[franzKey]*franzRec),
 		live:      make(map[*franzSend]struct{}),
+		failing:   make(map[franzPart]time.Time),
 	}, nil
 }
 
@@ -296,8 +311,8 @@ func (f *Franz) connect(ctx context.Context) error {
 func (f *Franz) Replacements() int64 { return f.replacements.Load() }
 
 // watch replaces the client whenever stalled reports a Send without a
-// result for StallTimeout, until done is closed. It is counted in
-// f.retired.
+// result, or a partition without an acknowledgement, for StallTimeout,
+// until done is closed. It is counted in f.retired.
 func (f *Franz) watch(done <-chan struct{}) {
 	defer f.retired.Done()
 	tick := time.NewTicker(max(f.stall/8, time.Millisecond))
@@ -308,20 +323,33 @@ func (f *Franz) watch(done <-chan struct{}) {
 			return
 		case <-tick.C:
 		}
-		if f.stalled(time.Now()) {
+		if f.stalled(time.Now(), true) {
 			f.replace(done)
 		}
 	}
 }
 
-// stalled reports whether a Send has messages handed over and no result
-// for StallTimeout, as of now.
-func (f *Franz) stalled(now time.Time) bool {
+// stalled reports whether, as of now, a Send has had messages handed
+// over and no result for StallTimeout, or, if failing is set, a partition
+// has had its messages fail unavailable, none acknowledged, for
+// StallTimeout. The second is for a client that keeps producing on a
+// connection to a broker that no longer leads the partition (a broker
+// removed from the cluster keeps its connections; franz-go retries on
+// the one it has while the answer names the same node as the leader): a
+// new client connects afresh.
+func (f *Franz) stalled(now time.Time, failing bool) bool {
 	f.tmu.Lock()
 	defer f.tmu.Unlock()
 	for s := range f.live {
 		if now.Sub(s.last) >= f.stall {
 			return true
+		}
+	}
+	if failing {
+		for _, since := range f.failing {
+			if now.Sub(since) >= f.stall {
+				return true
+			}
 		}
 	}
 	return false
@@ -351,7 +379,7 @@ func (f *Franz) replace(done <-chan struct{}) {
 	old.replaced.Store(true)
 	f.mu.Unlock()
 	n := f.replacements.Add(1)
-	f.logger.Warn("franz publisher: replacing a client with messages unreported for the stall timeout (an unknown outcome franz-go does not give up on)",
+	f.logger.Warn("franz publisher: replacing the kafka client: messages without a result, or a partition without an acknowledgement, for the stall timeout",
 		slog.Duration("stall_timeout", f.stall), slog.Int64("replacements", n))
 	old.cl.Close()
 	f.restartClocks()
@@ -366,6 +394,7 @@ func (f *Franz) restartClocks() {
 	for s := range f.live {
 		s.last = now
 	}
+	clear(f.failing)
 }
 
 // shut closes the client; see Close.
@@ -432,7 +461,7 @@ func (f *Franz) flush(cl *kgo.Client) error {
 			}
 			return nil
 		case now := <-tick.C:
-			if !f.stalled(now) {
+			if !f.stalled(now, false) {
 				continue
 			}
 			// Closing cl fails its messages, which releases the held
@@ -787,12 +816,25 @@ func (f *Franz) report(r *franzRec, err error) {
 		part = r.rec.Partition
 	}
 	var h *franzHold
+	now := time.Now()
 	f.tmu.Lock()
 	s := r.send
 	s.pending--
-	s.last = time.Now()
+	s.last = now
 	if s.pending == 0 {
 		delete(f.live, s)
+	}
+	// A partition's failures count from the first one after an
+	// acknowledgement; not those of messages held back unwritten, nor
+	// those a replacement's close reports.
+	if part >= 0 && (err == nil || !errors.Is(err, errHeldBehind) && !r.client.replaced.Load()) {
+		tp := franzPart{r.rec.Topic, part}
+		switch _, ok := f.failing[tp]; {
+		case err == nil:
+			delete(f.failing, tp)
+		case !ok && isUnavailable(err):
+			f.failing[tp] = now
+		}
 	}
 	if r.keyed {
 		r.reported = true

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -665,4 +667,57 @@ func TestFranzReplacementUnderConcurrentPipelines(t *testing.T) {
 	for p := range pipelines {
 		require.GreaterOrEqual(t, seen[fmt.Sprintf("pipeline-%d", p)], final[p]-1, "pipeline %d: its acknowledged batches are written", p)
 	}
+}
+
+// A broker removed from the cluster keeps the connections it had; added
+// back under its node id and made the partition's leader again, it
+// answers on a new listener, while franz-go keeps producing on its old
+// connection, to the removed broker, which answers
+// NOT_LEADER_FOR_PARTITION naming that same node as the leader: franz-go
+// retries there, fails the messages and starts over, for good. A
+// partition whose messages keep failing unavailable with none
+// acknowledged for StallTimeout gets the client replaced (as the Kafka
+// publisher replaces a producer whose publishes all fail); the new client
+// connects afresh and the messages go through.
+func TestFranzReplacesAClientWhosePartitionKeepsFailing(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t, kafkatest.NumBrokers(2))
+	fake := c.RequireFake(t) // kfake only: a broker is removed and added back
+	topic := c.Topic(t, 1)
+	require.NoError(t, fake.MoveTopicPartition(topic, 0, 0))
+	f := newFranz(t, c, func(cfg *publisher.FranzConfig) {
+		cfg.StallTimeout = 3 * time.Second
+		cfg.Options = append(slices.Clip(fastFranz), kgo.RecordRetries(2))
+	})
+	ctx := testCtx(t)
+	acked, err := f.Publish(ctx, publishertest.Messages(topic, "before", 1))
+	require.NoError(t, err)
+	require.Equal(t, 1, acked)
+
+	_, portText, _ := strings.Cut(fake.ListenAddrs()[0], ":")
+	port, err := strconv.Atoi(portText)
+	require.NoError(t, err)
+	require.NoError(t, fake.RemoveNode(0))
+	_, _, err = fake.AddNode(0, port)
+	require.NoError(t, err)
+	require.NoError(t, fake.MoveTopicPartition(topic, 0, 0))
+
+	msgs := publishertest.Messages(topic, "after", 2)
+	start := time.Now()
+	var failures int
+	require.Eventually(t, func() bool {
+		acked, err := f.Publish(ctx, msgs)
+		if err == nil {
+			require.Equal(t, 2, acked)
+			return true
+		}
+		failures++
+		require.True(t, relay.IsUnavailable(err), "%v", err)
+		if f.Replacements() == 0 {
+			require.ErrorIs(t, err, kerr.NotLeaderForPartition, "franz-go reports the failure: the publish is not stalled")
+		}
+		return false
+	}, time.Minute, 10*time.Millisecond, "the messages go through")
+	require.Equal(t, int64(1), f.Replacements())
+	t.Logf("%d failed publishes, then a replacement; through after %s", failures, time.Since(start).Round(time.Millisecond))
 }

@@ -215,15 +215,35 @@
 // needs a round trip before anything is written, so the window is the
 // rest of that loop. Kafka's order gate closes it; Franz does not.
 //
-// What Kafka does and Franz does not: it replaces no producer (franz-go
-// resets its producer id and epoch itself and has no circuit breakers),
-// so it has no StallTimeout, Observer or Replacements; it has one client,
-// not Producers slots, and no routing by size. A request that went out
-// and whose answer was lost (a broken connection) keeps its records
-// pending until franz-go knows their outcome, as idempotence requires: a
-// Publish during such an outage returns when ctx ends (the relay's
-// PublishTimeout), not with an error of its own. Close flushes every
-// message handed over, held ones included.
+// franz-go resets its producer id and epoch itself and has no circuit
+// breakers, but its idempotent producer never fails a record whose
+// outcome it cannot know: after a broker answered REQUEST_TIMED_OUT or
+// NOT_ENOUGH_REPLICAS_AFTER_APPEND (the record may be written) it retries
+// the record without end, past its retries and delivery timeout, and
+// every later message of its key waits behind it in the publisher. So
+// when a Send's messages have had no result for FranzConfig.StallTimeout
+// (default 45s), Franz replaces its client with a new one (a new producer
+// id; Replacements counts them) and closes the old one, which fails its
+// messages unavailable; the messages held behind them fail unwritten, and
+// the relay republishes them through the new client: a duplicate at
+// worst. It does the same when a partition's messages have failed
+// unavailable, none acknowledged, for StallTimeout: franz-go keeps
+// producing on the connection it has to a broker that answers
+// NOT_LEADER_FOR_PARTITION naming that node as the leader (a broker
+// removed from the cluster keeps its connections, and added back under
+// its node id it leads again on a new listener), and a new client
+// connects afresh. Not fenced: a request of the old client that a broker
+// is still handling when it closes can be written after the republished
+// messages.
+// Close flushes every message handed over, held ones included, until
+// StallTimeout passes without a result: then it fails the rest and
+// returns an error. Franz has no Observer, one client rather than
+// Producers slots, and no routing by size. The tests:
+// TestFranzReplacesAClientStuckOnAnUnknownOutcome (a broker answers every
+// produce request with REQUEST_TIMED_OUT),
+// TestFranzReplacesAClientWhosePartitionKeepsFailing (the partition's
+// leader is removed, added back and made leader again) and
+// TestFranzReplacementUnderConcurrentPipelines (-race).
 //
 // Franz is not the default publisher and is not yet proven: in one of
 // three drains through it on three heavily loaded Apache Kafka nodes, a

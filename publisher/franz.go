@@ -61,10 +61,35 @@ type FranzConfig struct {
 	// MaxMessageBytesDefault; it must be below sarama.MaxRequestSize.
 	MaxMessageBytes int
 
+	// StallTimeout is how long a Send's messages handed to the producer
+	// may go without a single result before the publisher replaces the
+	// client with a new one (a new producer id), which fails every
+	// message the old one held: the waits return them unavailable and
+	// the relay republishes them (a duplicate at worst). franz-go's
+	// idempotent producer never fails a record whose outcome it cannot
+	// know (the broker answered REQUEST_TIMED_OUT or
+	// NOT_ENOUGH_REPLICAS_AFTER_APPEND, so it may have written it): it
+	// retries it without end, past its retries and delivery timeout,
+	// and the messages of its key wait behind it. The client is also
+	// replaced when a partition's messages have failed unavailable, none
+	// acknowledged, for StallTimeout: franz-go keeps producing on its
+	// connection to a broker that answers NOT_LEADER_FOR_PARTITION naming
+	// itself as the leader (a broker removed from the cluster keeps its
+	// connections), where a new client connects afresh. The first bound
+	// also ends a Stop's flush that makes no progress. Default
+	// FranzStallTimeoutDefault.
+	StallTimeout time.Duration
+
 	// Logger receives the publisher's logs: Debug for failed publishes and
-	// lifecycle. Default slog.Default(). Payloads are never logged.
+	// lifecycle, Warn for client replacements. Default slog.Default().
+	// Payloads are never logged.
 	Logger *slog.Logger
 }
+
+// FranzStallTimeoutDefault is FranzConfig.StallTimeout's default: above
+// franz-go's delivery timeout (StallTimeoutDefault, 30s), so that franz-go
+// fails what it can fail first, and below relay.PublishTimeoutDefault.
+const FranzStallTimeoutDefault = 45 * time.Second
 
 // WithDefaults returns a copy of c with every unset field set to its
 // default.
@@ -77,6 +102,9 @@ func (c FranzConfig) WithDefaults() FranzConfig {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	if c.StallTimeout == 0 {
+		c.StallTimeout = FranzStallTimeoutDefault
 	}
 	return c
 }
@@ -110,6 +138,9 @@ func (c FranzConfig) validate() error {
 	}
 	if err := checkMaxMessageBytes("FranzConfig", c.MaxMessageBytes); err != nil {
 		return err
+	}
+	if c.StallTimeout < 0 {
+		return configError("FranzConfig.StallTimeout", c.StallTimeout, "must be positive", nil)
 	}
 	// The options are opaque: build a client (it connects to nothing until
 	// used) to read them back, and close it.
@@ -152,18 +183,42 @@ type Franz struct {
 	maxBytes  int
 	logger    *slog.Logger
 	unknown   unknownTopics
+	stall     time.Duration
+
+	replacements atomic.Int64
 
 	mu      sync.Mutex
 	closed  bool
-	cl      *kgo.Client    // once started
+	cl      *franzClient   // once started
 	senders sync.WaitGroup // Send calls and held messages producing to cl
-	retired sync.WaitGroup // a connect in progress
+	retired sync.WaitGroup // a connect in progress, the watchdog
+	unwatch chan struct{}  // closed to end the watchdog
 
-	// tmu guards tails and every franzRec's reported and waiter.
+	// tmu guards tails, live, every franzSend's pending and last, and
+	// every franzRec's reported and waiter.
 	tmu sync.Mutex
 	// tails is the last message of each key (for keyless messages, each
 	// pinned partition) handed to the producer and not reported yet.
 	tails map[franzKey]*franzRec
+	// live is the Sends with messages not reported yet.
+	live map[*franzSend]struct{}
+	// failing is, for each partition whose messages failed unavailable
+	// since its last acknowledgement, when the first of them failed.
+	failing map[franzPart]time.Time
+}
+
+// franzPart is a partition of a topic.
+type franzPart struct {
+	topic     string
+	partition int32
+}
+
+// franzClient is a kgo client of the publisher; replaced is set when the
+// publisher replaced it (see FranzConfig.StallTimeout), so that the
+// failures its close reports are unavailable rather than closed.
+type franzClient struct {
+	cl       *kgo.Client
+	replaced atomic.Bool
 }
 
 var (
@@ -191,7 +246,10 @@ func NewFranz(cfg FranzConfig) (*Franz, error) {
 		idHeader:  cfg.MessageIDHeader,
 		maxBytes:  cfg.MaxMessageBytes,
 		logger:    cfg.Logger.With(slog.String("component", "outbox_publisher")),
+		stall:     cfg.StallTimeout,
 		tails:     make(map[franzKey]*franzRec),
+		live:      make(map[*franzSend]struct{}),
+		failing:   make(map[franzPart]time.Time),
 	}, nil
 }
 
@@ -220,7 +278,8 @@ func (f *Franz) Stopped() <-chan struct{} { return f.lifecycle.life.Stopped() }
 // stopped; nil otherwise.
 func (f *Franz) Err() error { return f.lifecycle.life.Err() }
 
-// connect builds the client and has it initialise a producer id.
+// connect builds the client and has it initialise a producer id, and
+// starts the watchdog that replaces a stalled client.
 func (f *Franz) connect(ctx context.Context) error {
 	err := connect(ctx, guard{&f.mu, &f.closed, &f.retired},
 		func() (*kgo.Client, error) {
@@ -234,12 +293,108 @@ func (f *Franz) connect(ctx context.Context) error {
 			}
 			return cl, nil
 		},
-		func(cl *kgo.Client) { f.cl = cl },
+		func(cl *kgo.Client) {
+			f.cl = &franzClient{cl: cl}
+			f.unwatch = make(chan struct{})
+			f.retired.Add(1)
+			go f.watch(f.unwatch)
+		},
 		func(cl *kgo.Client) { cl.Close() })
 	if err == nil {
 		f.logger.Debug("franz publisher started", slog.Any("brokers", f.brokers))
 	}
 	return err
+}
+
+// Replacements returns how many times the publisher replaced its client
+// after StallTimeout without a result (see FranzConfig.StallTimeout).
+func (f *Franz) Replacements() int64 { return f.replacements.Load() }
+
+// watch replaces the client whenever stalled reports a Send without a
+// result, or a partition without an acknowledgement, for StallTimeout,
+// until done is closed. It is counted in f.retired.
+func (f *Franz) watch(done <-chan struct{}) {
+	defer f.retired.Done()
+	tick := time.NewTicker(max(f.stall/8, time.Millisecond))
+	defer tick.Stop()
+	for {
+		select {
+		case <-done:
+			return
+		case <-tick.C:
+		}
+		if f.stalled(time.Now(), true) {
+			f.replace(done)
+		}
+	}
+}
+
+// stalled reports whether, as of now, a Send has had messages handed
+// over and no result for StallTimeout, or, if failing is set, a partition
+// has had its messages fail unavailable, none acknowledged, for
+// StallTimeout. The second is for a client that keeps producing on a
+// connection to a broker that no longer leads the partition (a broker
+// removed from the cluster keeps its connections; franz-go retries on
+// the one it has while the answer names the same node as the leader): a
+// new client connects afresh.
+func (f *Franz) stalled(now time.Time, failing bool) bool {
+	f.tmu.Lock()
+	defer f.tmu.Unlock()
+	for s := range f.live {
+		if now.Sub(s.last) >= f.stall {
+			return true
+		}
+	}
+	if failing {
+		for _, since := range f.failing {
+			if now.Sub(since) >= f.stall {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// replace installs a new client and closes the stalled one, which fails
+// every message it held (unavailable: see franzError); the messages held
+// behind them fail unwritten, so no key goes out of order, and the relay
+// republishes them through the new client. Unless the publisher closed
+// meanwhile (done): then the close ends the old client.
+func (f *Franz) replace(done <-chan struct{}) {
+	cl, err := kgo.NewClient(f.opts...)
+	if err != nil { // the options were accepted once: not expected
+		f.logger.Warn("franz publisher: cannot replace a stalled client", slog.Any("error", err))
+		return
+	}
+	f.mu.Lock()
+	select {
+	case <-done:
+		f.mu.Unlock()
+		cl.Close()
+		return
+	default:
+	}
+	old := f.cl
+	f.cl = &franzClient{cl: cl}
+	old.replaced.Store(true)
+	f.mu.Unlock()
+	n := f.replacements.Add(1)
+	f.logger.Warn("franz publisher: replacing the kafka client: messages without a result, or a partition without an acknowledgement, for the stall timeout",
+		slog.Duration("stall_timeout", f.stall), slog.Int64("replacements", n))
+	old.cl.Close()
+	f.restartClocks()
+}
+
+// restartClocks restarts every live Send's stall clock: after a
+// replacement, the results of the old client's messages are on their way.
+func (f *Franz) restartClocks() {
+	now := time.Now()
+	f.tmu.Lock()
+	defer f.tmu.Unlock()
+	for s := range f.live {
+		s.last = now
+	}
+	clear(f.failing)
 }
 
 // shut closes the client; see Close.
@@ -259,20 +414,63 @@ func (f *Franz) seal() (finish func() error) {
 		}
 	}
 	f.closed = true
-	cl := f.cl
+	if f.unwatch != nil {
+		close(f.unwatch)
+	}
 	f.retired.Add(1)
 	return func() error {
 		defer f.retired.Done()
+		// The watchdog is gone: a replacement installs no client now.
+		f.mu.Lock()
+		fc := f.cl
+		f.mu.Unlock()
+		if fc == nil {
+			f.senders.Wait()
+			return nil
+		}
+		err := f.flush(fc.cl)
 		f.senders.Wait()
-		if cl != nil {
-			err := cl.Flush(context.Background())
+		if err != nil {
+			return err
+		}
+		f.logger.Debug("franz publisher closed")
+		return nil
+	}
+}
+
+// flush waits for the sends and held messages to be handed to cl and for
+// cl to report every message, then closes cl. If StallTimeout passes
+// without a result (see stalled) it closes cl at once, which fails the
+// messages left, and returns an error.
+func (f *Franz) flush(cl *kgo.Client) error {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		f.senders.Wait()
+		done <- cl.Flush(ctx)
+	}()
+	tick := time.NewTicker(max(f.stall/8, time.Millisecond))
+	defer tick.Stop()
+	for {
+		select {
+		case err := <-done:
 			cl.Close()
 			if err != nil {
 				return fmt.Errorf("publisher: flush: %w", err)
 			}
+			return nil
+		case now := <-tick.C:
+			if !f.stalled(now, false) {
+				continue
+			}
+			// Closing cl fails its messages, which releases the held
+			// ones (they fail unwritten) and ends Flush.
+			cancel()
+			cl.Close()
+			<-done
+			return fmt.Errorf("publisher: flush: messages without a result for the stall timeout (%s) failed", f.stall)
 		}
-		f.logger.Debug("franz publisher closed")
-		return nil
 	}
 }
 
@@ -322,6 +520,7 @@ type franzKey struct {
 type franzRec struct {
 	rec    kgo.Record
 	send   *franzSend
+	client *franzClient // the client it was handed to, nil if none
 	index  int
 	pinned bool
 	key    franzKey
@@ -346,6 +545,12 @@ func (*franzRec) Value(any) any               { return nil }
 // franzSend is one Send call's messages and their results.
 type franzSend struct {
 	results chan result // room for one result per message handed over
+
+	// Guarded by Franz.tmu: the messages handed over and not reported
+	// (held ones included), and when the last was reported, a held one
+	// released, or the Send made, whichever is latest (see stalled).
+	pending int
+	last    time.Time
 
 	// Guarded by Franz.tmu: wait returned; the send's failed messages
 	// that were chain tails when they were reported, kept in tails until
@@ -450,7 +655,7 @@ func (f *Franz) waited(s *franzSend) {
 // produces the ones not held and registers the held ones with the message
 // they wait for. It returns how many it handed over and why it stopped
 // before msgs[sent] (nil if it did not). f.senders was added to.
-func (f *Franz) send(ctx context.Context, cl *kgo.Client, msgs []relay.Message) (s *franzSend, sent int, stop error) {
+func (f *Franz) send(ctx context.Context, cl *franzClient, msgs []relay.Message) (s *franzSend, sent int, stop error) {
 	defer f.senders.Done()
 	if len(msgs) == 0 {
 		return nil, 0, nil
@@ -525,6 +730,10 @@ func (f *Franz) send(ctx context.Context, cl *kgo.Client, msgs []relay.Message) 
 		// Otherwise prev failed (an acknowledged message leaves tails)
 		// and its Send's wait has not returned: produce fails r.
 	}
+	if sent > 0 {
+		s.pending, s.last = sent, time.Now()
+		f.live[s] = struct{}{}
+	}
 	f.tmu.Unlock()
 
 	for i := range sent {
@@ -571,13 +780,14 @@ func recordSize(m *relay.Message, idHeaderLen int) int {
 
 // produce hands r to the client, unless its chain's previous message
 // failed: then r fails unwritten.
-func (f *Franz) produce(cl *kgo.Client, r *franzRec) {
+func (f *Franz) produce(cl *franzClient, r *franzRec) {
 	if p := r.prev; p != nil && p.failed.Load() {
 		r.failed.Store(true)
 		f.report(r, errHeldBehind)
 		return
 	}
-	cl.Produce(context.Background(), &r.rec, f.promise)
+	r.client = cl
+	cl.cl.Produce(context.Background(), &r.rec, f.promise)
 }
 
 // promise receives kgo's report of a record.
@@ -606,8 +816,27 @@ func (f *Franz) report(r *franzRec, err error) {
 		part = r.rec.Partition
 	}
 	var h *franzHold
+	now := time.Now()
+	f.tmu.Lock()
+	s := r.send
+	s.pending--
+	s.last = now
+	if s.pending == 0 {
+		delete(f.live, s)
+	}
+	// A partition's failures count from the first one after an
+	// acknowledgement; not those of messages held back unwritten, nor
+	// those a replacement's close reports.
+	if part >= 0 && (err == nil || !errors.Is(err, errHeldBehind) && !r.client.replaced.Load()) {
+		tp := franzPart{r.rec.Topic, part}
+		switch _, ok := f.failing[tp]; {
+		case err == nil:
+			delete(f.failing, tp)
+		case !ok && isUnavailable(err):
+			f.failing[tp] = now
+		}
+	}
 	if r.keyed {
-		f.tmu.Lock()
 		r.reported = true
 		h, r.waiter = r.waiter, nil
 		if f.tails[r.key] == r {
@@ -617,8 +846,8 @@ func (f *Franz) report(r *franzRec, err error) {
 				r.send.failedTails = append(r.send.failedTails, r)
 			}
 		}
-		f.tmu.Unlock()
 	}
+	f.tmu.Unlock()
 	r.send.results <- result{index: r.index, err: err, partition: part}
 	if h != nil {
 		go f.release(h)
@@ -633,6 +862,12 @@ func (f *Franz) release(h *franzHold) {
 	f.mu.Lock()
 	cl := f.cl
 	f.mu.Unlock()
+	now := time.Now()
+	f.tmu.Lock()
+	for _, r := range h.recs {
+		r.send.last = now
+	}
+	f.tmu.Unlock()
 	for _, r := range h.recs {
 		f.produce(cl, r)
 	}
@@ -651,6 +886,8 @@ func franzError(r *franzRec, err error) error {
 		return fmt.Errorf("%w: %w", sarama.KError(ke.Code), err)
 	}
 	switch {
+	case errors.Is(err, kgo.ErrClientClosed) && r.client != nil && r.client.replaced.Load():
+		return relay.Unavailable(fmt.Errorf("publisher: kafka client replaced after no result for the stall timeout: %w", err))
 	case errors.Is(err, kgo.ErrClientClosed):
 		return fmt.Errorf("%w: %w", ErrClosed, err)
 	case errors.Is(err, kgo.ErrRecordTimeout), errors.Is(err, kgo.ErrRecordRetries), errors.Is(err, kgo.ErrMaxBuffered):

@@ -5,6 +5,9 @@ import (
 	"crypto/rand"
 	"fmt"
 	"log/slog"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -510,4 +513,211 @@ func TestFranzConcurrentPipelines(t *testing.T) {
 		}
 		last[string(r.Key)] = n
 	}
+}
+
+// A record whose outcome franz-go cannot know (the broker answered
+// REQUEST_TIMED_OUT: it may have written it) is never failed by franz-go's
+// idempotent producer, neither by its delivery timeout nor its retries:
+// while the broker keeps answering so, it is retried without end. After
+// StallTimeout without a result the publisher replaces the client: the
+// Publish fails unavailable (the relay republishes: a duplicate at
+// worst) before its ctx ends, the key is not held behind the lost record,
+// and Stop ends within its ctx with such a record in flight.
+func TestFranzReplacesAClientStuckOnAnUnknownOutcome(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	fake := c.RequireFake(t) // kfake only: the broker answers every produce request with a timeout
+	topic := c.Topic(t, 1)
+	var stuck atomic.Bool
+	var timedOut atomic.Int64 // produce requests answered with a timeout
+	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.RequestTimedOut, Count: -1,
+		When: func(kmsg.Request) bool { return stuck.Load() && timedOut.Add(1) > 0 }})
+	f := newFranz(t, c, func(cfg *publisher.FranzConfig) {
+		cfg.StallTimeout = 300 * time.Millisecond
+		cfg.Options = append(slices.Clip(fastFranz), kgo.RecordRetries(2), kgo.RecordDeliveryTimeout(time.Second))
+	})
+	long, cancel := context.WithTimeout(testCtx(t), time.Minute)
+	defer cancel()
+
+	stuck.Store(true)
+	a := publishertest.Messages(topic, "a", 2)
+	acked, err := f.Publish(long, a)
+	require.Zero(t, acked)
+	require.NoError(t, long.Err(), "the publish ended on its own, not by its ctx")
+	require.True(t, relay.IsUnavailable(err), "%v", err)
+	require.False(t, relay.IsPermanent(err))
+	require.NotErrorIs(t, err, publisher.ErrClosed, "the publisher is not closed: its client was replaced")
+	require.Equal(t, int64(1), f.Replacements())
+
+	stuck.Store(false)
+	acked, err = f.Publish(long, a)
+	require.NoError(t, err, "the key is not held behind the record of unknown outcome")
+	require.Equal(t, 2, acked)
+	got := ids(toMessages(t, c.ReadLog(t, topic, 15*time.Second), publisher.MessageIDHeaderDefault))
+	require.Equal(t, ids(a), got[len(got)-2:], "the republished messages are the log's last")
+
+	// Stop with a record of unknown outcome in flight ends within its ctx.
+	stuck.Store(true)
+	before := timedOut.Load()
+	wait := f.Send(long, publishertest.Messages(topic, "b", 1))
+	require.Eventually(t, func() bool { return timedOut.Load() > before+1 }, 20*time.Second, time.Millisecond,
+		"the broker answered the record's produce request with a timeout, and its retry too")
+	err = f.Stop(long)
+	require.NoError(t, long.Err(), "Stop ended on its own, not by its ctx")
+	require.ErrorContains(t, err, "stall timeout", "the record left without a result is reported")
+	_, err = wait()
+	require.ErrorIs(t, err, publisher.ErrClosed)
+}
+
+// Pipelines of overlapping Sends run on while the broker leaves records
+// without an outcome and the publisher replaces its client under them:
+// every wait returns on its own (acknowledged or unavailable), a
+// pipeline that republishes from its first failure gets everything
+// acknowledged, and each key's acknowledged messages are in the log in
+// order. Run with -race, it checks the replacement against concurrent
+// Sends, reports and releases.
+func TestFranzReplacementUnderConcurrentPipelines(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	fake := c.RequireFake(t) // kfake only: the broker answers produce requests with a timeout
+	topic := c.Topic(t, 3)
+	var stuck atomic.Bool
+	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.RequestTimedOut, Count: -1,
+		When: func(kmsg.Request) bool { return stuck.Load() }})
+	f := newFranz(t, c, func(cfg *publisher.FranzConfig) {
+		cfg.StallTimeout = 200 * time.Millisecond
+		cfg.Options = append(slices.Clip(fastFranz), kgo.RecordRetries(2), kgo.RecordDeliveryTimeout(time.Second))
+	})
+	long, cancel := context.WithTimeout(testCtx(t), 2*time.Minute)
+	defer cancel()
+
+	const pipelines, window = 4, 3
+	var (
+		wg          sync.WaitGroup
+		done        atomic.Bool    // the stalls are over: the pipelines finish
+		acks        atomic.Int64   // batches acknowledged, all pipelines
+		unavailable atomic.Int64   // windows that failed unavailable
+		final       [pipelines]int // each pipeline's acknowledged batches
+	)
+	for p := range pipelines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			key := fmt.Appendf(nil, "pipeline-%d", p)
+			next := 0 // the first batch not acknowledged
+			for !done.Load() {
+				// Up to window batches in flight; after a failure, the
+				// pipeline republishes from the first unacknowledged one.
+				waits := make([]func() (int, error), window)
+				for i := range waits {
+					b := next + i
+					waits[i] = f.Send(long, []relay.Message{{MessageID: fmt.Sprintf("p%d-b%04d", p, b), Topic: topic, Key: key, Value: fmt.Appendf(nil, "%d", b)}})
+				}
+				failed := false
+				for _, w := range waits {
+					acked, err := w()
+					switch {
+					case err != nil && !relay.IsUnavailable(err):
+						t.Errorf("pipeline %d: batch %d: %v", p, next, err)
+						return
+					case err != nil:
+						failed = true
+					case !failed && acked == 1:
+						next++
+						acks.Add(1)
+					}
+				}
+				if failed {
+					unavailable.Add(1)
+				}
+			}
+			final[p] = next
+		}()
+	}
+	for range 3 {
+		stuck.Store(true)
+		before := f.Replacements()
+		require.Eventually(t, func() bool { return f.Replacements() > before }, 30*time.Second, time.Millisecond)
+		stuck.Store(false)
+		progress := acks.Load()
+		require.Eventually(t, func() bool { return acks.Load() > progress+pipelines }, 30*time.Second, time.Millisecond,
+			"the pipelines make progress through the new client")
+	}
+	done.Store(true)
+	wg.Wait()
+	require.NoError(t, long.Err(), "every wait returned on its own")
+	require.Positive(t, unavailable.Load(), "some waits failed at a replacement")
+
+	last := map[string]int{}
+	seen := map[string]int{}
+	for _, r := range c.ReadLog(t, topic, 15*time.Second) {
+		var b int
+		_, err := fmt.Sscanf(string(r.Value), "%d", &b)
+		require.NoError(t, err)
+		key := string(r.Key)
+		if prev, ok := last[key]; ok {
+			// Next in order, or a republish from an earlier batch on.
+			require.LessOrEqual(t, b, prev+1, "%s: batch %d written after batch %d, skipping", key, b, prev)
+		} else {
+			require.Zero(t, b, "%s: the first batch written", key)
+		}
+		last[key] = b
+		seen[key] = max(seen[key], b)
+	}
+	for p := range pipelines {
+		require.GreaterOrEqual(t, seen[fmt.Sprintf("pipeline-%d", p)], final[p]-1, "pipeline %d: its acknowledged batches are written", p)
+	}
+}
+
+// A broker removed from the cluster keeps the connections it had; added
+// back under its node id and made the partition's leader again, it
+// answers on a new listener, while franz-go keeps producing on its old
+// connection, to the removed broker, which answers
+// NOT_LEADER_FOR_PARTITION naming that same node as the leader: franz-go
+// retries there, fails the messages and starts over, for good. A
+// partition whose messages keep failing unavailable with none
+// acknowledged for StallTimeout gets the client replaced (as the Kafka
+// publisher replaces a producer whose publishes all fail); the new client
+// connects afresh and the messages go through.
+func TestFranzReplacesAClientWhosePartitionKeepsFailing(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t, kafkatest.NumBrokers(2))
+	fake := c.RequireFake(t) // kfake only: a broker is removed and added back
+	topic := c.Topic(t, 1)
+	require.NoError(t, fake.MoveTopicPartition(topic, 0, 0))
+	f := newFranz(t, c, func(cfg *publisher.FranzConfig) {
+		cfg.StallTimeout = 3 * time.Second
+		cfg.Options = append(slices.Clip(fastFranz), kgo.RecordRetries(2))
+	})
+	ctx := testCtx(t)
+	acked, err := f.Publish(ctx, publishertest.Messages(topic, "before", 1))
+	require.NoError(t, err)
+	require.Equal(t, 1, acked)
+
+	_, portText, _ := strings.Cut(fake.ListenAddrs()[0], ":")
+	port, err := strconv.Atoi(portText)
+	require.NoError(t, err)
+	require.NoError(t, fake.RemoveNode(0))
+	_, _, err = fake.AddNode(0, port)
+	require.NoError(t, err)
+	require.NoError(t, fake.MoveTopicPartition(topic, 0, 0))
+
+	msgs := publishertest.Messages(topic, "after", 2)
+	start := time.Now()
+	var failures int
+	require.Eventually(t, func() bool {
+		acked, err := f.Publish(ctx, msgs)
+		if err == nil {
+			require.Equal(t, 2, acked)
+			return true
+		}
+		failures++
+		require.True(t, relay.IsUnavailable(err), "%v", err)
+		if f.Replacements() == 0 {
+			require.ErrorIs(t, err, kerr.NotLeaderForPartition, "franz-go reports the failure: the publish is not stalled")
+		}
+		return false
+	}, time.Minute, 10*time.Millisecond, "the messages go through")
+	require.Equal(t, int64(1), f.Replacements())
+	t.Logf("%d failed publishes, then a replacement; through after %s", failures, time.Since(start).Round(time.Millisecond))
 }

@@ -185,6 +185,12 @@ func run(o options) int {
 			kgo.MetadataMinAge(100 * time.Millisecond),
 			kgo.MetadataMaxAge(5 * time.Second),
 			kgo.ProduceRequestTimeout(5 * time.Second),
+			// franz-go's own account of retries, moves and producer id
+			// resets, to stderr (the log directory): what a stuck
+			// publish is waiting for.
+			kgo.WithLogger(kgo.BasicLogger(os.Stderr, kgo.LogLevelInfo, func() string {
+				return time.Now().UTC().Format(time.RFC3339Nano) + " kgo "
+			})),
 		}})
 	default:
 		pub, err = publisher.NewTransactional(publisher.TransactionalConfig{

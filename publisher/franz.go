@@ -187,6 +187,12 @@ type Franz struct {
 
 	replacements atomic.Int64
 
+	// newMu serialises kgo.NewClient over opts: franz-go writes to an
+	// option's slice while it validates the options (the compression
+	// codecs, deduplicated in place), so two clients built at once from
+	// the same options race (the watchdog's replacement and ProbeSink).
+	newMu sync.Mutex
+
 	mu      sync.Mutex
 	closed  bool
 	cl      *franzClient   // once started
@@ -283,7 +289,7 @@ func (f *Franz) Err() error { return f.lifecycle.life.Err() }
 func (f *Franz) connect(ctx context.Context) error {
 	err := connect(ctx, guard{&f.mu, &f.closed, &f.retired},
 		func() (*kgo.Client, error) {
-			cl, err := kgo.NewClient(f.opts...)
+			cl, err := f.newClient()
 			if err != nil {
 				return nil, fmt.Errorf("publisher: start Kafka client: %w", err)
 			}
@@ -304,6 +310,14 @@ func (f *Franz) connect(ctx context.Context) error {
 		f.logger.Debug("franz publisher started", slog.Any("brokers", f.brokers))
 	}
 	return err
+}
+
+// newClient builds a client from the publisher's options and extra,
+// which override them. It connects to nothing until the client is used.
+func (f *Franz) newClient(extra ...kgo.Opt) (*kgo.Client, error) {
+	f.newMu.Lock()
+	defer f.newMu.Unlock()
+	return kgo.NewClient(append(slices.Clip(f.opts), extra...)...)
 }
 
 // Replacements returns how many times the publisher replaced its client
@@ -361,7 +375,7 @@ func (f *Franz) stalled(now time.Time, failing bool) bool {
 // republishes them through the new client. Unless the publisher closed
 // meanwhile (done): then the close ends the old client.
 func (f *Franz) replace(done <-chan struct{}) {
-	cl, err := kgo.NewClient(f.opts...)
+	cl, err := f.newClient()
 	if err != nil { // the options were accepted once: not expected
 		f.logger.Warn("franz publisher: cannot replace a stalled client", slog.Any("error", err))
 		return
@@ -496,7 +510,7 @@ func (f *Franz) CheckReady(context.Context) error {
 // and reconnects on its own.
 func (f *Franz) ProbeSink(ctx context.Context) error {
 	return probeEach(ctx, f.brokers, func(addr string) error {
-		cl, err := kgo.NewClient(append(slices.Clip(f.opts), kgo.SeedBrokers(addr), kgo.RequestRetries(0))...)
+		cl, err := f.newClient(kgo.SeedBrokers(addr), kgo.RequestRetries(0))
 		if err != nil {
 			return err
 		}

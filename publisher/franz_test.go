@@ -311,6 +311,38 @@ func TestFranzOverlappingSendsKeepKeyOrderUnderFaults(t *testing.T) {
 // ProbeSink fails while no broker answers, though the publisher's client
 // holds connections from before, and succeeds once one answers again;
 // publishes do not go through meanwhile and do afterwards.
+// TestFranzProbesWhileItPublishes probes the brokers from several
+// goroutines while the publisher publishes: every probe builds a client
+// from the publisher's options, as a replacement does, and franz-go
+// writes to an option's slice while building one, so the builds must not
+// overlap (run with -race).
+func TestFranzProbesWhileItPublishes(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t)
+	topic := c.Topic(t, 1)
+	f := newFranz(t, c, func(cfg *publisher.FranzConfig) {
+		cfg.Options = append(slices.Clip(fastFranz), kgo.ProducerBatchCompression(kgo.NoCompression()))
+	})
+	ctx := testCtx(t)
+	var wg sync.WaitGroup
+	probes := make(chan error, 20)
+	for range 4 {
+		wg.Go(func() {
+			for range 5 {
+				probes <- f.ProbeSink(ctx)
+			}
+		})
+	}
+	n, err := f.Publish(ctx, publishertest.Messages(topic, "k", 10))
+	wg.Wait()
+	close(probes)
+	require.NoError(t, err)
+	require.Equal(t, 10, n)
+	for err := range probes {
+		require.NoError(t, err)
+	}
+}
+
 func TestFranzProbeSinkSeesTheBrokersGoAndReturn(t *testing.T) {
 	t.Parallel()
 	c := kafkatest.Start(t)

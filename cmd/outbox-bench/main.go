@@ -467,3 +467,8 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 func sortDurations(d []time.Duration) { sort.Slice(d, func(i, j int) bool { return d[i] < d[j] }) }
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// warnings logs warnings and errors to stderr: the Franz publisher's, so
+// that a client replacement (a stall) shows beside the figures it
+// affects.
+var warnings = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))

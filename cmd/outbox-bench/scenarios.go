@@ -234,7 +234,7 @@ func newPublisher(ctx context.Context, brokers []string) (benchPublisher, error)
 	)
 	if kafkaPublisher == publisherFranz {
 		kind = publisherFranz
-		p, err = publisher.NewFranz(publisher.FranzConfig{Brokers: brokers, Logger: quiet, Options: []kgo.Opt{kgo.ClientID("outbox-bench")}})
+		p, err = publisher.NewFranz(publisher.FranzConfig{Brokers: brokers, Logger: warnings, Options: []kgo.Opt{kgo.ClientID("outbox-bench")}})
 	} else {
 		p, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Producers: kafkaProducers, LingerBatch: kafkaLingerBatch, Configure: func(c *sarama.Config) error {
 			c.ClientID = "outbox-bench"

@@ -185,11 +185,22 @@ func eval[T any](t *testing.T, ctx context.Context, js string) T {
 	return v
 }
 
-// waitJS polls a JavaScript condition until it holds.
+// waitJS polls a JavaScript condition until it holds, or until ctx ends
+// (see tab: the test's deadline). chromedp's own 30 s bound is off: the
+// overview serves a reading again for 10 times the time it took, so on a
+// busy machine a reading of 3 s keeps the page's numbers for 30 s.
 func waitJS(t *testing.T, ctx context.Context, cond string) {
 	t.Helper()
-	_, err := chromedp.Run(ctx, chromedp.Poll[bool](cond, chromedp.WithPollingInterval(50*time.Millisecond)))
-	require.NoError(t, err, "waiting for %s", cond)
+	_, err := chromedp.Run(ctx, chromedp.Poll[bool](cond,
+		chromedp.WithPollingInterval(50*time.Millisecond), chromedp.WithPollingTimeout(0)))
+	if err != nil {
+		// What the page showed, for the failure's message.
+		look, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		shown, _ := chromedp.Run(look, chromedp.Evaluate[string](
+			`(document.getElementById('live-status') || document.body).textContent.trim().slice(0, 500)`))
+		require.NoError(t, err, "waiting for %s; the page shows: %s", cond, shown)
+	}
 }
 
 // open loads a page of the UI and returns its HTTP status.
@@ -216,7 +227,8 @@ func click(t *testing.T, ctx context.Context, sel string) int64 {
 func text(t *testing.T, ctx context.Context, sel string) string {
 	t.Helper()
 	js := `(() => { const e = document.querySelector(` + strconv.Quote(sel) + `); return e ? {Text: e.textContent} : null })()`
-	v, err := chromedp.Run(ctx, chromedp.Poll[struct{ Text string }](js, chromedp.WithPollingInterval(20*time.Millisecond)))
+	v, err := chromedp.Run(ctx, chromedp.Poll[struct{ Text string }](js,
+		chromedp.WithPollingInterval(20*time.Millisecond), chromedp.WithPollingTimeout(0)))
 	require.NoError(t, err, sel)
 	return strings.TrimSpace(v.Text)
 }

@@ -237,8 +237,9 @@
 // messages.
 // Close flushes every message handed over, held ones included, until
 // StallTimeout passes without a result: then it fails the rest and
-// returns an error. Franz has no Observer, one client rather than
-// Producers slots, and no routing by size. The tests:
+// returns an error. FranzConfig.Observer is told of each replacement
+// (reason ReplaceStalled). Franz has one client rather than Producers
+// slots, and no routing by size. The tests:
 // TestFranzReplacesAClientStuckOnAnUnknownOutcome (a broker answers every
 // produce request with REQUEST_TIMED_OUT),
 // TestFranzReplacesAClientWhosePartitionKeepsFailing (the partition's

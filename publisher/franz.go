@@ -80,6 +80,13 @@ type FranzConfig struct {
 	// FranzStallTimeoutDefault.
 	StallTimeout time.Duration
 
+	// Observer, if set, is told of every client replacement, with reason
+	// ReplaceStalled (both causes above), as the Kafka publisher tells
+	// KafkaConfig.Observer. *metrics.Collector implements it:
+	// outbox_publisher_producer_replacements_total{reason="stalled"}.
+	// Default: none.
+	Observer ProducerObserver
+
 	// Logger receives the publisher's logs: Debug for failed publishes and
 	// lifecycle, Warn for client replacements. Default slog.Default().
 	// Payloads are never logged.
@@ -182,6 +189,7 @@ type Franz struct {
 	idHeader  string
 	maxBytes  int
 	logger    *slog.Logger
+	observer  ProducerObserver
 	unknown   unknownTopics
 	stall     time.Duration
 
@@ -252,6 +260,7 @@ func NewFranz(cfg FranzConfig) (*Franz, error) {
 		idHeader:  cfg.MessageIDHeader,
 		maxBytes:  cfg.MaxMessageBytes,
 		logger:    cfg.Logger.With(slog.String("component", "outbox_publisher")),
+		observer:  cfg.Observer,
 		stall:     cfg.StallTimeout,
 		tails:     make(map[franzKey]*franzRec),
 		live:      make(map[*franzSend]struct{}),
@@ -393,6 +402,9 @@ func (f *Franz) replace(done <-chan struct{}) {
 	old.replaced.Store(true)
 	f.mu.Unlock()
 	n := f.replacements.Add(1)
+	if f.observer != nil {
+		f.observer.ProducerReplaced(ReplaceStalled)
+	}
 	f.logger.Warn("franz publisher: replacing the kafka client: messages without a result, or a partition without an acknowledgement, for the stall timeout",
 		slog.Duration("stall_timeout", f.stall), slog.Int64("replacements", n))
 	old.cl.Close()

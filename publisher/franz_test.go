@@ -564,9 +564,11 @@ func TestFranzReplacesAClientStuckOnAnUnknownOutcome(t *testing.T) {
 	var timedOut atomic.Int64 // produce requests answered with a timeout
 	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.RequestTimedOut, Count: -1,
 		When: func(kmsg.Request) bool { return stuck.Load() && timedOut.Add(1) > 0 }})
+	observer := &replacedCounter{}
 	f := newFranz(t, c, func(cfg *publisher.FranzConfig) {
 		cfg.StallTimeout = 300 * time.Millisecond
 		cfg.Options = append(slices.Clip(fastFranz), kgo.RecordRetries(2), kgo.RecordDeliveryTimeout(time.Second))
+		cfg.Observer = observer
 	})
 	long, cancel := context.WithTimeout(testCtx(t), time.Minute)
 	defer cancel()
@@ -580,6 +582,7 @@ func TestFranzReplacesAClientStuckOnAnUnknownOutcome(t *testing.T) {
 	require.False(t, relay.IsPermanent(err))
 	require.NotErrorIs(t, err, publisher.ErrClosed, "the publisher is not closed: its client was replaced")
 	require.Equal(t, int64(1), f.Replacements())
+	require.Equal(t, []string{publisher.ReplaceStalled}, observer.get(), "the Observer is told of the replacement")
 
 	stuck.Store(false)
 	acked, err = f.Publish(long, a)

@@ -142,14 +142,18 @@ type Config struct {
 	// longer than the store's timeout fails that batch, which is retried).
 	Parallelism int
 
-	// PipelineDepth is how many batches of one bucket may be in flight at
-	// once, 1 to 16, when the Publisher is a Pipeliner and the store a
-	// BatchSkipper (the GORM store is one), and the publisher is neither a
-	// Reconciler nor LeaseAware. While a bucket's batches are
-	// unacknowledged and the bucket is hinted, its next batch is read
-	// without their rows and sent behind them; a batch's rows are deleted
-	// only after every earlier batch of the bucket was acknowledged and
-	// deleted. Default 4 (PipelineDepthDefault); 1 hands a bucket's next
+	// PipelineDepth is how many batches of one bucket may be in flight
+	// unacknowledged at once, 1 to 16, when the Publisher is a Pipeliner
+	// and the store a BatchSkipper (the GORM store is one), and the
+	// publisher is neither a Reconciler nor LeaseAware. While a bucket's
+	// batches are unacknowledged and the bucket is hinted, its next batch
+	// is read without their rows and sent behind them; a batch's rows are
+	// deleted only after every earlier batch of the bucket was
+	// acknowledged and deleted. A batch acknowledged behind an
+	// unacknowledged one no longer counts, so one slow batch does not
+	// hold the bucket's next sends back; at most 4 × PipelineDepth
+	// batches of a bucket are in flight or waiting for their delete.
+	// Default 4 (PipelineDepthDefault); 1 hands a bucket's next
 	// batch to the publisher only after the previous one was acknowledged.
 	// It has no effect with any other publisher.
 	PipelineDepth int

@@ -194,8 +194,11 @@
 //     returns (PublishEvent: its messages, its acknowledged count, the
 //     time from its Send to that return).
 //
-// A drainer goes on while fewer than PipelineDepth batches are in flight
-// and the scheduler is open, not acquiring, and no lease announcement
+// A drainer goes on while fewer than PipelineDepth batches are
+// unacknowledged (a batch acknowledged behind a slower one waits for its
+// delete, not for the sink, and counts only against the bound of 4 ×
+// PipelineDepth batches in flight or waiting for their delete: their
+// rows are left out of every read) and the scheduler is open, not acquiring, and no lease announcement
 // waits for the bucket; other buckets waiting in the queue stop it once
 // nothing is in flight (a batch in flight holds the drainer anyway) or
 // after 64 batches in the turn. With no other bucket waiting the turn

@@ -61,17 +61,39 @@ func unacknowledged(q []*sent) map[string]bool {
 	return keys
 }
 
+// unended counts the batches of q whose wait has not returned: the ones
+// PipelineDepth bounds.
+func unended(q []*sent) int {
+	n := 0
+	for _, s := range q {
+		if ended, _ := s.ended(); !ended {
+			n++
+		}
+	}
+	return n
+}
+
+// pipelineQueueFactor bounds a bucket's batches in flight, those
+// acknowledged behind an unacknowledged one included, to this many times
+// PipelineDepth: their rows are left out of every read until deleted.
+const pipelineQueueFactor = 4
+
 // send hands batch b to the Pipeliner under its lease (startPublish),
 // behind the bucket's batches in flight, and awaits its acknowledgements
-// in the background. Each batch is reported to the Observer on its own.
-func (p *drainers) send(ctx context.Context, b *batch) *sent {
+// in the background, then signals ends (one slot). Each batch is reported
+// to the Observer on its own.
+func (p *drainers) send(ctx context.Context, b *batch, ends chan<- struct{}) *sent {
 	c := p.startPublish(b.hl)
 	wait := p.pipeliner.Send(c.ctx, b.msgs)
 	s := &sent{batch: b, done: make(chan struct{})}
 	go func() {
-		defer close(s.done)
 		acked, err := wait()
 		p.acknowledged(ctx, b, c, acked, err)
+		close(s.done)
+		select {
+		case ends <- struct{}{}:
+		default:
+		}
 	}()
 	return s
 }
@@ -90,8 +112,9 @@ func await(q []*sent) {
 // batch in flight is unacknowledged:
 //
 //   - pipeline: when the bucket was hinted since the last read, fewer
-//     than PipelineDepth batches are in flight, none of them is known to
-//     have failed, and the scheduler lets the drainer go on
+//     than PipelineDepth batches in flight are unacknowledged (and q
+//     holds fewer than pipelineQueueFactor × PipelineDepth), none of
+//     them is known to have failed, and the scheduler lets the drainer go on
 //     (scheduler.pipeline), the next batch is read without the rows in
 //     flight (BatchSkipper; a store that cannot leave that many out
 //     reads nothing, and the drainer waits for the oldest batch to end)
@@ -131,6 +154,7 @@ func (p *drainers) pipelined(ctx context.Context, b *batch) batchResult {
 		turns   int          // batches sent
 		blocked bool         // the last read was cut, or read nothing: read again after the oldest batch ends
 	)
+	ends := make(chan struct{}, 1) // a batch's wait returned
 	next := b
 	for {
 		if next != nil {
@@ -139,7 +163,7 @@ func (p *drainers) pipelined(ctx context.Context, b *batch) batchResult {
 			} else if r, done := p.admit(ctx, next); done {
 				ended = &r
 			} else {
-				q = append(q, p.send(ctx, next))
+				q = append(q, p.send(ctx, next, ends))
 				turns++
 			}
 			next = nil
@@ -170,6 +194,10 @@ func (p *drainers) pipelined(ctx context.Context, b *batch) batchResult {
 		select {
 		case <-q[0].done:
 		case <-wake:
+			continue
+		case <-ends:
+			// A later batch ended: it no longer counts against
+			// PipelineDepth, or it failed and stops the sends.
 			continue
 		}
 		head := q[0]
@@ -203,11 +231,15 @@ func (p *drainers) pipelined(ctx context.Context, b *batch) batchResult {
 // mayPipeline reports whether the drainer may read and send the bucket's
 // next batch behind the batches in flight q, as far as the turn goes:
 // no step ended the sends, the last read was not cut by a key in flight,
-// fewer than PipelineDepth batches are in flight, none is known to have
-// failed, and the relay is not stopping. The scheduler has its say too
-// (scheduler.pipeline).
+// fewer than PipelineDepth batches of q are unacknowledged (a batch
+// acknowledged behind an unacknowledged one waits for its delete, not for
+// the sink: a slow batch does not hold the bucket's later sends back),
+// q holds fewer than pipelineQueueFactor × PipelineDepth batches, none
+// is known to have failed, and the relay is not stopping. The scheduler
+// has its say too (scheduler.pipeline).
 func (p *drainers) mayPipeline(ctx context.Context, ended *batchResult, blocked bool, q []*sent) bool {
-	return ended == nil && !blocked && len(q) < p.cfg.PipelineDepth && ctx.Err() == nil && !failedAny(q)
+	return ended == nil && !blocked && len(q) < pipelineQueueFactor*p.cfg.PipelineDepth &&
+		unended(q) < p.cfg.PipelineDepth && ctx.Err() == nil && !failedAny(q)
 }
 
 // readNext reads the bucket's next batch without the rows of the batches

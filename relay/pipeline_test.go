@@ -452,6 +452,54 @@ func TestPipelineDepthBounds(t *testing.T) {
 	})
 }
 
+// PipelineDepth bounds the batches not acknowledged: a batch acknowledged
+// behind a slow one frees its place, so the bucket's next hint is sent
+// while the slow batch is still in flight. Deletes stay in bucket order.
+// The batches acknowledged behind the slow one are bounded too: at most 4
+// × PipelineDepth batches of a bucket are in flight or waiting for their
+// delete.
+func TestPipelineSlowBatchHoldsNoPlace(t *testing.T) {
+	t.Parallel()
+	synctest.Test(t, func(t *testing.T) {
+		s, hints, sink, cs, _, r := pipeSetup(t, 2, nil)
+		var k keyed
+		commitDuring(s, hints, &k, []string{"slow"}, []string{"k0"})
+		require.Equal(t, [][]string{{"slow/0"}, {"k0/0"}}, sink.sent())
+		for i := 1; i < 20; i++ {
+			if i < len(sink.sent()) {
+				sink.releaseAll(i) // acknowledged behind the slow batch
+				synctest.Wait()
+			}
+			k.add(s, 3, fmt.Sprintf("k%d", i))
+			hints.notify(3)
+			synctest.Wait()
+		}
+		sent := sink.sent()
+		require.Len(t, sent, 8, "the slow batch and 7 acknowledged behind it: 4 × PipelineDepth")
+		require.Equal(t, []string{"k6/0"}, sent[7])
+		require.Equal(t, 21, s.pending(), "nothing deleted before the slow batch is acknowledged")
+
+		sink.releaseAll(0)
+		synctest.Wait()
+		sink.setAuto()
+		k.add(s, 3, "last")
+		hints.notify(3)
+		synctest.Wait()
+		require.Zero(t, s.pending())
+		deletes, problems := cs.result()
+		require.Empty(t, problems)
+		var order []string
+		for _, d := range deletes {
+			order = append(order, d...)
+		}
+		require.Equal(t, "slow/0", order[0], "the slow batch deleted first")
+		for i := 1; i < 8; i++ {
+			require.Equal(t, fmt.Sprintf("k%d/0", i-1), order[i])
+		}
+		stop(t, r)
+	})
+}
+
 // A batch that fails while later ones are in flight: they are awaited
 // before anything else happens, nothing beyond the failed batch's
 // acknowledged prefix is deleted, not even a later batch the sink wrote

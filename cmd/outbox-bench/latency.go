@@ -570,8 +570,25 @@ func startNotifySender(ctx context.Context, e *env, channel string) (stop func()
 	}
 	// Open the NOTIFY connection now, so the first measured commit does
 	// not pay for it; the relay reads an unknown-bucket hint as a prompt
-	// to look for work, of which there is none yet.
-	if err := transport.Publish(ctx, []int{outbox.UnknownBucket}); err != nil {
+	// to look for work, of which there is none yet. A NOTIFY that times
+	// out (pgnotify's Timeout, 5 s: on a loaded server, behind other
+	// sessions' NOTIFY commits) is sent again, for up to a minute: it
+	// only warms the connection up.
+	var sent error
+	err = poll(ctx, time.Minute, 100*time.Millisecond, func() (bool, error) {
+		sent = transport.Publish(ctx, []int{outbox.UnknownBucket})
+		switch {
+		case sent == nil:
+			return true, nil
+		case errors.Is(sent, context.DeadlineExceeded) && ctx.Err() == nil:
+			return false, nil
+		}
+		return false, sent
+	})
+	if errors.Is(err, errPollTimeout) {
+		err = sent
+	}
+	if err != nil {
 		transport.Close()
 		return nil, fmt.Errorf("first NOTIFY: %w", err)
 	}

@@ -421,8 +421,8 @@ func TestPipelineSendsBehindUnacknowledged(t *testing.T) {
 	})
 }
 
-// Up to PipelineDepth batches of a bucket are in flight; the next hint
-// waits for the oldest one's acknowledgements.
+// Up to PipelineDepth batches of a bucket are in flight unacknowledged;
+// the next hint waits for the oldest one's acknowledgements.
 func TestPipelineDepthBounds(t *testing.T) {
 	t.Parallel()
 	synctest.Test(t, func(t *testing.T) {

@@ -113,6 +113,16 @@ func closeGorm(db *gorm.DB) {
 	}
 }
 
+// setupTimeout bounds each of the bench's setup waits: a child process
+// printing its first line, a relay owning its buckets, relays sharing the
+// leases, a WAL reader streaming its slot, topics ready, the table's
+// counters reported. None of them is measured; on a quiet machine each
+// takes well under a second. The bound is for a step that will not
+// happen, and is long because on a starved machine (a CI host with other
+// suites, a broker whose JVM waits for the CPU) a step that will happen
+// can take tens of seconds.
+const setupTimeout = 3 * time.Minute
+
 // child is a process started from this executable in another role.
 type child struct {
 	cmd  *exec.Cmd
@@ -170,9 +180,12 @@ func startChildLines(ctx context.Context, role string, env []string, prefix stri
 		return c, nil
 	case err := <-c.done:
 		return nil, fmt.Errorf("%s process exited before it was ready: %v", role, err)
-	case <-time.After(30 * time.Second):
+	case <-ctx.Done():
 		_ = cmd.Process.Kill()
-		return nil, fmt.Errorf("%s process not ready after 30s", role)
+		return nil, ctx.Err()
+	case <-time.After(setupTimeout):
+		_ = cmd.Process.Kill()
+		return nil, fmt.Errorf("%s process not ready after %s", role, setupTimeout)
 	}
 }
 
@@ -281,9 +294,6 @@ func createTopics(brokers []string, partitions int, names ...string) error {
 	return topicsReady(brokers, names)
 }
 
-// topicsReadyTimeout bounds topicsReady.
-const topicsReadyTimeout = time.Minute
-
 // topicsReady waits until the leader of every partition of topics answers
 // a ListOffsets for it. CreateTopics returns before that: a new topic's
 // partitions first answer NOT_LEADER_OR_FOLLOWER, which a producer meets
@@ -300,7 +310,7 @@ func topicsReady(brokers []string, topics []string) error {
 	}
 	defer client.Close()
 	var last error
-	err = poll(context.Background(), topicsReadyTimeout, 20*time.Millisecond, func() (bool, error) {
+	err = poll(context.Background(), setupTimeout, 20*time.Millisecond, func() (bool, error) {
 		if last = client.RefreshMetadata(topics...); last != nil {
 			return false, nil
 		}
@@ -323,7 +333,7 @@ func topicsReady(brokers []string, topics []string) error {
 		return true, nil
 	})
 	if errors.Is(err, errPollTimeout) {
-		return fmt.Errorf("topics not ready after %s: %w", topicsReadyTimeout, last)
+		return fmt.Errorf("topics not ready after %s: %w", setupTimeout, last)
 	}
 	return err
 }

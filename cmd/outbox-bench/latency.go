@@ -553,9 +553,9 @@ func startLatencyRelay(ctx context.Context, e *env, cfg config, brokers []string
 
 // waitOwnsAll polls until rl trusts leases on all n buckets.
 func waitOwnsAll(ctx context.Context, rl *relay.Relay, n int) error {
-	err := poll(ctx, 30*time.Second, 5*time.Millisecond, func() (bool, error) { return len(rl.Leases()) >= n, nil })
+	err := poll(ctx, setupTimeout, 5*time.Millisecond, func() (bool, error) { return len(rl.Leases()) >= n, nil })
 	if errors.Is(err, errPollTimeout) {
-		return fmt.Errorf("relay owns %d of %d buckets after 30s", len(rl.Leases()), n)
+		return fmt.Errorf("relay owns %d of %d buckets after %s", len(rl.Leases()), n, setupTimeout)
 	}
 	return err
 }

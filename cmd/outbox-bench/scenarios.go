@@ -906,7 +906,7 @@ func (e *env) waitShared(ctx context.Context, count int) error {
 	q := "SELECT COUNT(*) AS n FROM " + e.db.Statement.Quote(e.plugin.Config().Tables.LeasesTable()) +
 		" WHERE owner IS NOT NULL AND expires_at_ms > ? GROUP BY owner"
 	var held []int
-	err := poll(ctx, time.Minute, 20*time.Millisecond, func() (bool, error) {
+	err := poll(ctx, setupTimeout, 20*time.Millisecond, func() (bool, error) {
 		held = held[:0]
 		if err := e.db.WithContext(ctx).Raw(q, time.Now().UnixMilli()).Scan(&held).Error; err != nil {
 			return false, err
@@ -918,7 +918,7 @@ func (e *env) waitShared(ctx context.Context, count int) error {
 		return len(held) == count && slices.Max(held)-slices.Min(held) <= 1 && sum == e.cfg.Buckets, nil
 	})
 	if errors.Is(err, errPollTimeout) {
-		return fmt.Errorf("%d relays: leases held %v after a minute, want %d buckets shared", count, held, e.cfg.Buckets)
+		return fmt.Errorf("%d relays: leases held %v after %s, want %d buckets shared", count, held, setupTimeout, e.cfg.Buckets)
 	}
 	return err
 }

@@ -326,7 +326,7 @@ func (e *env) runWALReader(ctx context.Context, rd *pgwal.Reader, drop func()) (
 	rctx, cancel := context.WithCancel(ctx)
 	w := &walRun{rd: rd, cancel: cancel, done: make(chan error, 1), drop: drop}
 	go func() { w.done <- rd.Run(rctx) }()
-	err := poll(ctx, 30*time.Second, 5*time.Millisecond, func() (bool, error) {
+	err := poll(ctx, setupTimeout, 5*time.Millisecond, func() (bool, error) {
 		var active []bool
 		err := e.db.WithContext(ctx).Raw("SELECT active FROM pg_replication_slots WHERE slot_name = ?", rd.Config().Slot).Scan(&active).Error
 		return len(active) == 1 && active[0], err
@@ -485,7 +485,7 @@ func (e *env) readTableStats(ctx context.Context, minDel int64) (tableStats, err
 	var st tableStats
 	q := "SELECT n_tup_ins AS ins, n_tup_del AS del, n_dead_tup AS dead, n_live_tup AS live FROM pg_stat_user_tables WHERE schemaname = current_schema() AND relname = ?"
 	name := e.plugin.Config().Tables.MessagesTable()
-	err := poll(ctx, 30*time.Second, 100*time.Millisecond, func() (bool, error) {
+	err := poll(ctx, setupTimeout, 100*time.Millisecond, func() (bool, error) {
 		var rows []tableStats
 		if err := e.db.WithContext(ctx).Raw(q, name).Scan(&rows).Error; err != nil {
 			return false, err
@@ -496,7 +496,7 @@ func (e *env) readTableStats(ctx context.Context, minDel int64) (tableStats, err
 		return len(rows) == 1 && st.Del >= minDel, nil
 	})
 	if errors.Is(err, errPollTimeout) {
-		err = fmt.Errorf("pg_stat_user_tables of %s counts %d deletions after 30s, not %d", name, st.Del, minDel)
+		err = fmt.Errorf("pg_stat_user_tables of %s counts %d deletions after %s, not %d", name, st.Del, setupTimeout, minDel)
 	}
 	return st, err
 }

@@ -99,12 +99,24 @@ if ! (cd "$work/clone-warm" && go test -race -count=1 -run '^$' ./... >/dev/null
 fi
 rm -rf "$work/clone-warm"
 
-# The load. Each burner is a subshell spinning on the CPU; pgbench writes
-# to its own database for as long as the script may run, and is stopped
-# with it.
+# The load. Each burner is a subshell spinning on the CPU (about 95% of a
+# core) that sleeps for a millisecond every 40 ms or so, as a build or a
+# test suite does; pgbench writes to its own database for as long as the
+# script may run, and is stopped with it. A burner that never sleeps is
+# not what a CI host runs, and on this project's 2-core machines it
+# starved every process of another session (each is an autogroup of its
+# own: Apache Kafka's nodes, PostgreSQL, MariaDB) of the CPU altogether
+# once it had run for about five minutes: a busy loop started then got
+# 0% of a core over 5 s, the one Kafka broker's controller events took
+# up to 114 s and KRaft fenced the broker again and again. Burners that
+# sleep leave the scheduler fair (65 to 89% of a core for that loop
+# after 2 to 9 minutes).
 log "load: $burners CPU burner(s), pgbench with $clients client(s) on database $db"
 for _ in $(seq "$burners"); do
-  ( while :; do :; done ) &
+  ( while :; do
+      for ((i = 0; i < 20000; i++)); do :; done
+      sleep 0.001
+    done ) &
   load_pids+=("$!")
 done
 createdb "$db"

@@ -438,11 +438,27 @@ func (k *Kafka) newProducers() ([]*producer, error) {
 		}()
 	}
 	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := joinDistinct(errs); err != nil {
 		closeAll(slices.DeleteFunc(ps, func(p *producer) bool { return p == nil }))
 		return nil, err
 	}
 	return ps, nil
+}
+
+// joinDistinct is errors.Join of errs without the errors whose text an
+// earlier one already has: producers that fail to start for one cause
+// (no broker answers) report it once, not once per producer.
+func joinDistinct(errs []error) error {
+	var kept []error
+	seen := make(map[string]bool)
+	for _, err := range errs {
+		if err == nil || seen[err.Error()] {
+			continue
+		}
+		seen[err.Error()] = true
+		kept = append(kept, err)
+	}
+	return errors.Join(kept...)
 }
 
 // closeAll closes ps at once and waits for them.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -139,15 +140,22 @@ func TestKafkaNoReplacementForUnknownTopic(t *testing.T) {
 	require.Equal(t, 1, n)
 }
 
+// closedAddr is a local address nothing listens on.
+func closedAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := l.Addr().String()
+	require.NoError(t, l.Close()) // nothing listens there now
+	return addr
+}
+
 // A probe of brokers that are not there fails within its context, names
 // each broker, and logs nothing; a wrapped publisher that cannot probe
 // fails its probe.
 func TestProbeSinkNoBroker(t *testing.T) {
 	t.Parallel()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := l.Addr().String()
-	require.NoError(t, l.Close()) // nothing listens there now
+	addr := closedAddr(t)
 	k, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: []string{addr, addr}, Configure: fastConfig})
 	require.NoError(t, err)
 
@@ -163,6 +171,19 @@ func TestProbeSinkNoBroker(t *testing.T) {
 
 	fn := publisher.TracingPublisher(relay.PublisherFunc(func(context.Context, []relay.Message) (int, error) { return 0, nil }), nil)
 	require.Error(t, fn.(relay.SinkProber).ProbeSink(testCtx(t)))
+}
+
+// A Kafka publisher whose brokers are not there fails to start with the
+// cause once, not once per producer.
+func TestKafkaStartNoBrokerSaysItOnce(t *testing.T) {
+	t.Parallel()
+	addr := closedAddr(t)
+	k, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: []string{addr}, Producers: 4, Configure: fastConfig})
+	require.NoError(t, err)
+	err = k.Start(testCtx(t))
+	require.Error(t, err)
+	require.Equal(t, 1, strings.Count(err.Error(), "start Kafka producer"), err.Error())
+	require.ErrorIs(t, err, sarama.ErrOutOfBrokers)
 }
 
 // BenchmarkProbeSink is the cost of one probe (a new connection to the

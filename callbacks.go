@@ -429,11 +429,15 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 		return // no row matched: nothing was written
 	}
 	var before reflect.Value
+	keyOnly := false
 	if v, ok := db.InstanceGet(keyBefore); ok {
 		before = v.(reflect.Value)
+		// db.Model(&Order{ID: 7}).Update(...): nothing but the key was
+		// known before the write, and nothing is read.
+		keyOnly = onlyPrimaryKey(db, before)
 	}
 	p.runEach(db, t, m, Update, ownEntities(db, t), changed, false, func(ptr reflect.Value) *change {
-		return &change{entity: ptr, before: before, changed: changed, rowsAffected: affected}
+		return &change{entity: ptr, before: before, keyOnly: keyOnly, changed: changed, rowsAffected: affected}
 	})
 }
 

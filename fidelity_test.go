@@ -429,3 +429,48 @@ func TestSoftAndHardDeletesAreDistinct(t *testing.T) {
 		require.Equal(t, int64(1), n, "the key-only soft delete kept its row")
 	})
 }
+
+// An update of an entity that holds nothing but its key reads no row: the
+// rule is told (KeyOnly), as for a delete. A loaded entity, an update by
+// condition and Save are not key-only.
+func TestUpdateOfAnEntityKnownByItsKeyOnly(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		ev := &events{}
+		b := setupFidelity(t, dbt, outbox.Config{Rules: fidelityRules(ev)})
+		o := Owner{Name: "a"}
+		require.NoError(t, b.db.Create(&o).Error)
+		// last is the one change the write made; its entity's name is
+		// read now, before the test changes o again.
+		last := func(write string) (keyOnly bool, name string) {
+			t.Helper()
+			require.Len(t, ev.all, 1, write)
+			c := ev.all[0]
+			ev.all = nil
+			require.Equal(t, outbox.Update, c.Op, write)
+			return c.KeyOnly, c.Entity.(*Owner).Name
+		}
+		ev.all = nil
+
+		require.NoError(t, b.db.Model(&Owner{ID: o.ID}).Update("name", "b").Error)
+		keyOnly, name := last("by key only")
+		require.True(t, keyOnly, "only the key was known")
+		require.Equal(t, "b", name, "the column the update set")
+
+		require.NoError(t, b.db.Model(&o).Update("name", "c").Error)
+		keyOnly, name = last("a loaded entity")
+		require.False(t, keyOnly)
+		require.Equal(t, "c", name)
+
+		require.NoError(t, b.db.Model(&Owner{}).Where("id = ?", o.ID).Update("name", "d").Error)
+		keyOnly, name = last("by condition")
+		require.False(t, keyOnly, "the row is read")
+		require.Equal(t, "d", name)
+
+		o.Name = "e"
+		require.NoError(t, b.db.Save(&o).Error)
+		keyOnly, name = last("save")
+		require.False(t, keyOnly)
+		require.Equal(t, "e", name)
+	})
+}

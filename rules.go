@@ -47,11 +47,14 @@ type Change[T any] struct {
 	// from ordinary queries. It is false for a hard delete, of a model
 	// without DeletedAt or with Unscoped.
 	SoftDelete bool
-	// KeyOnly is true for a delete of an entity whose fields other than
-	// the primary key are all zero (db.Delete(&Order{ID: 7})): the row is
-	// not read, and the rule must not rely on other fields. A delete by
-	// key values (db.Delete(&Order{}, 7)) is a delete by condition: the
-	// row is read.
+	// KeyOnly is true for a delete or an update of an entity whose fields
+	// other than the primary key were all zero before the write
+	// (db.Delete(&Order{ID: 7}), db.Model(&Order{ID: 7}).Update("status",
+	// "paid")): the row is not read, and the rule must not rely on other
+	// fields: in Entity only the key and the columns the update set hold
+	// values, in Before only the key. A write by key values or by
+	// condition (db.Delete(&Order{}, 7),
+	// db.Model(&Order{}).Where("id = ?", 7).Update(...)) reads the row.
 	KeyOnly bool
 	// Bulk is true for an update or delete by condition seen by a rule
 	// built with AllowBulk: one change for the whole statement; Entity is

@@ -271,12 +271,32 @@ func (c *Cluster) createTopic(t testing.TB, name string, partitions int32, confi
 		rt.Configs = append(rt.Configs, cfg)
 	}
 	req.Topics = append(req.Topics, rt)
-	resp, err := req.RequestWith(ctx, c.admin)
-	require.NoError(t, err, "kafkatest: create topic %q", name)
-	require.Len(t, resp.Topics, 1)
-	if err := kerr.ErrorForCode(resp.Topics[0].ErrorCode); err != nil {
-		if !existsOK || !errors.Is(err, kerr.TopicAlreadyExists) {
-			require.NoError(t, err, "kafkatest: create topic %q", name)
+	// A request cut by a broker fault (the chaos tests kill and pause the
+	// brokers of a cluster other tests use at the same time) or answered
+	// with a retriable error is sent again until adminTimeout. The topic
+	// an earlier attempt created then exists: the request's own topic,
+	// since names are unique.
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	sent := false
+	for {
+		resp, err := req.RequestWith(ctx, c.admin)
+		if err == nil {
+			require.Len(t, resp.Topics, 1)
+			err = kerr.ErrorForCode(resp.Topics[0].ErrorCode)
+			if errors.Is(err, kerr.TopicAlreadyExists) && (existsOK || sent) {
+				err = nil
+			}
+			if err == nil || !kerr.IsRetriable(err) {
+				require.NoError(t, err, "kafkatest: create topic %q", name)
+				break
+			}
+		}
+		sent = true
+		select {
+		case <-ctx.Done():
+			require.NoError(t, err, "kafkatest: create topic %q (retried until %s)", name, adminTimeout)
+		case <-tick.C:
 		}
 	}
 	c.waitForLeaders(t, ctx, name, partitions)

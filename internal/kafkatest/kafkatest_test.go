@@ -2,11 +2,15 @@ package kafkatest_test
 
 import (
 	"context"
+	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 	"go.uber.org/goleak"
 
 	"github.com/gorm-outbox/outbox/internal/kafkatest"
@@ -145,4 +149,41 @@ func TestRequireFake(t *testing.T) {
 	c := kafkatest.Start(t)
 	fake := c.RequireFake(t) // skips on a real cluster
 	require.NotNil(t, fake)
+}
+
+// A CreateTopics request whose connection is cut (a broker killed by a
+// chaos test on the shared cluster), then answered with a retriable error,
+// is sent again: the topic is created, with its partitions.
+func TestTopicRidesOutACutCreate(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t, kafkatest.InProcess())
+	var calls atomic.Int32
+	c.Fake().ControlKey(int16(kmsg.CreateTopics), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		c.Fake().KeepControl()
+		switch calls.Add(1) {
+		case 1:
+			return nil, errors.New("connection cut"), true
+		case 2:
+			resp := req.ResponseKind().(*kmsg.CreateTopicsResponse)
+			rt := kmsg.NewCreateTopicsResponseTopic()
+			rt.Topic = req.(*kmsg.CreateTopicsRequest).Topics[0].Topic
+			rt.ErrorCode = kerr.NotController.Code
+			resp.Topics = append(resp.Topics, rt)
+			return resp, nil, true
+		}
+		return nil, nil, false
+	})
+	topic := c.Topic(t, 3)
+	require.GreaterOrEqual(t, calls.Load(), int32(3), "cut, refused, then created")
+	cl := produce(t, c, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	req := kmsg.NewPtrMetadataRequest()
+	rt := kmsg.NewMetadataRequestTopic()
+	rt.Topic = &topic
+	req.Topics = append(req.Topics, rt)
+	meta, err := req.RequestWith(ctx, cl)
+	require.NoError(t, err)
+	require.Len(t, meta.Topics, 1)
+	require.Len(t, meta.Topics[0].Partitions, 3)
 }

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
@@ -528,7 +529,7 @@ func startLatencyRelay(ctx context.Context, e *env, cfg config, brokers []string
 		c, err := startChild(ctx, "relay", append(relayEnv(cfg, e, brokers), "OUTBOX_BENCH_LISTEN_CHANNEL="+channel), "READY")
 		return latencyRelay{child: c, channel: channel}, err
 	}
-	pub, err := newPublisher(ctx, brokers)
+	pub, err := newPublisher(ctx, brokers, e.tl.franzOpts()...)
 	if err != nil {
 		return latencyRelay{}, err
 	}
@@ -742,13 +743,24 @@ func openLatencyRun(ctx context.Context, cfg config, brokers []string, mode late
 			}
 			return m.MessageID
 		})
+		e.tl.franz = newFranzTrace(func(r *kgo.Record) string {
+			if mode.rules8 {
+				return string(r.Value)
+			}
+			for _, h := range r.Headers {
+				if h.Key == publisher.MessageIDHeaderDefault {
+					return string(h.Value)
+				}
+			}
+			return ""
+		})
 		stopProbe := make(chan struct{})
 		go e.tl.probe(stopProbe)
 		lr.closers = append(lr.closers, func() { close(stopProbe) })
 	}
 	var rl latencyRelay
 	if mode.direct {
-		pub, err := newPublisher(ctx, brokers)
+		pub, err := newPublisher(ctx, brokers, e.tl.franzOpts()...)
 		if err != nil {
 			return nil, err
 		}

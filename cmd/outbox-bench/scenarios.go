@@ -222,8 +222,9 @@ type benchPublisher interface {
 }
 
 // newPublisher builds and starts the Kafka publisher -publisher names;
-// ctx's end closes it.
-func newPublisher(ctx context.Context, brokers []string) (benchPublisher, error) {
+// ctx's end closes it. franzOpts are added to the Franz publisher's
+// options.
+func newPublisher(ctx context.Context, brokers []string, franzOpts ...kgo.Opt) (benchPublisher, error) {
 	var (
 		p interface {
 			benchPublisher
@@ -234,7 +235,7 @@ func newPublisher(ctx context.Context, brokers []string) (benchPublisher, error)
 	)
 	if kafkaPublisher == publisherFranz {
 		kind = publisherFranz
-		p, err = publisher.NewFranz(publisher.FranzConfig{Brokers: brokers, Logger: warnings, Options: []kgo.Opt{kgo.ClientID("outbox-bench")}})
+		p, err = publisher.NewFranz(publisher.FranzConfig{Brokers: brokers, Logger: warnings, Options: append([]kgo.Opt{kgo.ClientID("outbox-bench")}, franzOpts...)})
 	} else {
 		p, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Logger: quiet, Producers: kafkaProducers, LingerBatch: kafkaLingerBatch, Configure: func(c *sarama.Config) error {
 			c.ClientID = "outbox-bench"

@@ -24,6 +24,10 @@ type timeline struct {
 	// (rules8 writes a token there).
 	key func(relay.Message) string
 
+	// franz traces the Franz publisher's records and requests; nil for
+	// sarama.
+	franz *franzTrace
+
 	mu     sync.Mutex
 	ops    []tlOp
 	pubOf  map[string]int // message → index in ops of its publish
@@ -191,6 +195,7 @@ func timed(pub relay.Publisher, tl *timeline) relay.Publisher {
 // tlMessage is one message's path: commit, the batch read that carried
 // it, its publish, and the consumer's receipt.
 type tlMessage struct {
+	id                                                 string
 	commit, readStart, readEnd, pubStart, pubEnd, recv time.Time
 	bucket                                             int
 	// busy: the bucket's previous batch was still in flight at commit.
@@ -240,7 +245,7 @@ func (t *timeline) trace(ids []string, committed []time.Time, recv map[string]ti
 		if p.end.IsZero() {
 			p.end = at // received, its acknowledgement not yet seen
 		}
-		m := tlMessage{commit: committed[i], pubStart: p.start, pubEnd: p.end, recv: at, bucket: p.bucket}
+		m := tlMessage{id: id, commit: committed[i], pubStart: p.start, pubEnd: p.end, recv: at, bucket: p.bucket}
 		rs := reads[p.bucket]
 		k := sort.Search(len(rs), func(k int) bool { return rs[k].end.After(p.start) }) - 1
 		if k >= 0 {
@@ -277,7 +282,11 @@ func (t *timeline) summary(msgs []tlMessage, threshold time.Duration) string {
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 	var n, busy int
 	var wait, read, pub, recv time.Duration
+	var slow []string
 	for _, m := range msgs {
+		if m.recv.Sub(m.commit) > threshold {
+			slow = append(slow, m.id)
+		}
 		if m.recv.Sub(m.commit) <= threshold || m.readStart.IsZero() {
 			continue
 		}
@@ -315,7 +324,11 @@ func (t *timeline) summary(msgs []tlMessage, threshold time.Duration) string {
 	for _, o := range t.stalls {
 		stalled += o.end.Sub(o.start)
 	}
-	return s + fmt.Sprintf(" process stalled > 4 ms %d times, %.0f ms in all", len(t.stalls), ms(stalled))
+	s += fmt.Sprintf(" process stalled > 4 ms %d times, %.0f ms in all", len(t.stalls), ms(stalled))
+	if t.franz != nil {
+		s += "; " + t.franz.summary(slow)
+	}
+	return s
 }
 
 // write saves the messages and the relay's steps as tab-separated files

@@ -662,6 +662,9 @@ type latencyRun struct {
 	closers              []func() // run in reverse by close
 	mu                   sync.Mutex
 	recv                 map[string]time.Time
+	// cpu is the machine's and this process's CPU over the slices, from
+	// the first write to the last message's receipt.
+	cpu cpuUse
 }
 
 // close stops what openLatencyRun started, in reverse.
@@ -838,6 +841,8 @@ func (lr *latencyRun) remaining() int { return lr.total - lr.written }
 func (lr *latencyRun) slice(ctx context.Context, n int) error {
 	from := lr.written
 	to := min(lr.total, from+n)
+	c0, t0 := readCPU(), time.Now()
+	defer func() { lr.cpu.add(c0, readCPU(), time.Since(t0)) }()
 	if lr.mode.rules8 {
 		writeRules8(ctx, lr.e, lr.cfg, from, to, lr.scheduled, lr.committed, lr.ids, &lr.werr)
 	} else {
@@ -930,6 +935,7 @@ func (lr *latencyRun) result(notes *[]string, idleClosed *int64, waits *latencyW
 		sortDurations(waits.lag)
 		sortDurations(waits.fromSchedule)
 	}
+	*notes = append(*notes, lr.mode.label()+" "+lr.cpu.String()+", from its slices' first writes to their last receipts")
 	if e := lr.e; e.tl != nil && len(ids) > warm {
 		msgs := e.tl.trace(ids[warm:], lr.committed[warm:len(ids)], lr.recv)
 		*notes = append(*notes, lr.mode.label()+" timeline: "+e.tl.summary(msgs, percentile(lat, 0.99)))

@@ -134,7 +134,13 @@ func pipeRun(t *testing.T, db *dbtest.DB) (*storeBundle, *heldPipe, *deleteLog) 
 	b.insert(t, outbox.MessageRow{MessageID: "first", Key: []byte(prefixedKeyInBucket(t, "a", 2, 8)), Value: []byte("a/0")})
 	pipe := newHeldPipe()
 	dl := &deleteLog{Store: b.store}
-	startRelay(t, dl, pipe, fastConfig(t, "a"))
+	cfg := fastConfig(t, "a")
+	// The test holds the first batch unacknowledged: a lease that lapsed
+	// while a busy machine held back the renewals would end it (its wait
+	// returns with the publish's context) and send its row again with the
+	// second. A minute's lease outlasts such stalls.
+	cfg.LeaseDuration = time.Minute
+	startRelay(t, dl, pipe, cfg)
 	require.Equal(t, []string{"first"}, pipe.next(t))
 	b.insert(t, outbox.MessageRow{MessageID: "second", Key: []byte(prefixedKeyInBucket(t, "b", 2, 8)), Value: []byte("b/0")})
 	require.Equal(t, []string{"second"}, pipe.next(t), "the second row sent while the first is unacknowledged")

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"gorm.io/gorm"
 	"gorm.io/gorm/clause"
+	"gorm.io/gorm/logger"
 
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
@@ -147,6 +148,14 @@ func TestUpdatesByConditionPublishPerRow(t *testing.T) {
 			}, []string{msg("update", os[1], "l2", 7, "l1")}},
 			{"matches nothing", func() (int64, error) {
 				r := b.db.Model(&Order{}).Where("status = ?", "none").Update("status", "x")
+				return r.RowsAffected, r.Error
+			}, nil},
+			{"nothing to set", func() (int64, error) {
+				r := b.db.Model(&Order{}).Where("id = ?", os[0].ID).Updates(map[string]any{})
+				return r.RowsAffected, r.Error
+			}, nil},
+			{"an entity with nothing to set", func() (int64, error) {
+				r := b.db.Model(&os[0]).Updates(Order{})
 				return r.RowsAffected, r.Error
 			}, nil},
 		}
@@ -683,5 +692,190 @@ func TestGlobalUpdatePublishesPerRow(t *testing.T) {
 		require.Empty(t, b.rows(t))
 		require.NoError(t, b.db.Session(&gorm.Session{AllowGlobalUpdate: true}).Model(&Order{}).Update("status", "z").Error)
 		require.Equal(t, []string{msg("update", os[0], "z", 0, "a"), msg("update", os[1], "z", 1, "b")}, values(b.rows(t)))
+	})
+}
+
+// readRowRule publishes updates and deletes of an Order as
+// "who op:id:status:total<-before keyonly=…", built with opts.
+func readRowRule(who string, opts ...outbox.RuleOption) outbox.Rule {
+	return outbox.On(outbox.Update|outbox.Delete, func(c outbox.Change[*Order]) (*outbox.Message, error) {
+		if c.Bulk {
+			return &outbox.Message{Topic: "orders", Value: fmt.Appendf(nil, "%s %s bulk", who, c.Op)}, nil
+		}
+		v := fmt.Sprintf("%s %s:%d:%s:%d", who, c.Op, c.Entity.ID, c.Entity.Status, c.Entity.Total)
+		if c.Before != nil {
+			v += "<-" + c.Before.Status
+		}
+		v += fmt.Sprintf(" keyonly=%v", c.KeyOnly)
+		return &outbox.Message{Topic: "orders", Key: key(c.Entity.ID), Value: []byte(v)}, nil
+	}, opts...)
+}
+
+// readRowRules: an Order rule with ReadRow and one without (AllowBulk),
+// a Ticket rule with ReadRow, an Invoice rule without.
+func readRowRules(opts ...outbox.RuleOption) []outbox.Rule {
+	return []outbox.Rule{
+		readRowRule("read", append([]outbox.RuleOption{outbox.ReadRow()}, opts...)...),
+		readRowRule("other", outbox.AllowBulk()),
+		outbox.On(outbox.Update|outbox.Delete, func(c outbox.Change[*Ticket]) (*outbox.Message, error) {
+			return &outbox.Message{Topic: "tickets", Key: key(c.Entity.ID), Value: fmt.Appendf(nil, "ticket %s:%d:%s:soft=%v:%v keyonly=%v", c.Op, c.Entity.ID, c.Entity.Status, c.SoftDelete, c.Changed, c.KeyOnly)}, nil
+		}, outbox.ReadRow()),
+		outbox.On(outbox.Update|outbox.Delete, func(c outbox.Change[*Invoice]) (*outbox.Message, error) {
+			return &outbox.Message{Topic: "invoices", Key: key(c.Entity.ID), Value: fmt.Appendf(nil, "invoice %s:%d:%d keyonly=%v", c.Op, c.Entity.ID, c.Entity.Amount, c.KeyOnly)}, nil
+		}),
+	}
+}
+
+// both is the messages of readRowRules' two Order rules for one change.
+func both(v string) []string { return []string{"read " + v, "other " + v} }
+
+// tableReads returns the SELECTs the recorder saw on the table.
+func tableReads(rec *sqlRecorder, table string) []string {
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	var out []string
+	for _, s := range rec.sql {
+		if strings.HasPrefix(strings.ToUpper(strings.TrimSpace(s)), "SELECT") && strings.Contains(s, table) {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// With ReadRow, an update or delete of entities that hold nothing but
+// their key reads their rows, as a write by condition on those keys:
+// every rule of the model for the operation gets the row after the
+// update (a column the update did not set holds its stored value) and the
+// row before it, or the row as it was before the delete; KeyOnly is
+// false; a key without a row publishes nothing.
+func TestReadRowReadsKeyOnlyWrites(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b := setupRows(t, dbt, outbox.Config{Rules: readRowRules()})
+		os := b.seed(t, "a", "b", "c", "d")
+		id := func(i int) uint64 { return os[i].ID }
+		cases := []struct {
+			name  string
+			write func() *gorm.DB
+			want  []string
+		}{
+			{"Update", func() *gorm.DB {
+				return b.db.Model(&Order{ID: id(1)}).Update("status", "paid")
+			}, both(fmt.Sprintf("update:%d:paid:1<-b keyonly=false", id(1)))},
+			{"Updates map", func() *gorm.DB {
+				return b.db.Model(&Order{ID: id(1)}).Updates(map[string]any{"status": "m"})
+			}, both(fmt.Sprintf("update:%d:m:1<-paid keyonly=false", id(1)))},
+			{"Updates struct", func() *gorm.DB {
+				return b.db.Model(&Order{ID: id(1)}).Updates(Order{Status: "s"})
+			}, both(fmt.Sprintf("update:%d:s:1<-m keyonly=false", id(1)))},
+			{"UpdateColumn Expr", func() *gorm.DB {
+				return b.db.Model(&Order{ID: id(1)}).UpdateColumn("total", gorm.Expr("total + ?", 10))
+			}, both(fmt.Sprintf("update:%d:s:11<-s keyonly=false", id(1)))},
+			{"UpdateColumns", func() *gorm.DB {
+				return b.db.Model(&Order{ID: id(1)}).UpdateColumns(map[string]any{"status": "uc"})
+			}, both(fmt.Sprintf("update:%d:uc:11<-s keyonly=false", id(1)))},
+			{"Update of a slice", func() *gorm.DB {
+				return b.db.Model(&[]Order{{ID: id(0)}, {ID: id(2)}}).Update("status", "x")
+			}, append(both(fmt.Sprintf("update:%d:x:0<-a keyonly=false", id(0))), both(fmt.Sprintf("update:%d:x:2<-c keyonly=false", id(2)))...)},
+			{"Update of a key without a row", func() *gorm.DB {
+				return b.db.Model(&Order{ID: id(3) + 1000}).Update("status", "x")
+			}, nil},
+			{"Updates with nothing to set", func() *gorm.DB {
+				return b.db.Model(&Order{ID: id(1)}).Updates(Order{})
+			}, nil},
+			{"Delete", func() *gorm.DB {
+				return b.db.Delete(&Order{ID: id(3)})
+			}, both(fmt.Sprintf("delete:%d:d:3 keyonly=false", id(3)))},
+			{"Delete of a key without a row", func() *gorm.DB {
+				return b.db.Delete(&Order{ID: id(3)})
+			}, nil},
+			{"Delete of a slice", func() *gorm.DB {
+				return b.db.Delete(&[]Order{{ID: id(2)}, {ID: id(0)}, {ID: id(3)}})
+			}, append(both(fmt.Sprintf("delete:%d:x:0 keyonly=false", id(0))), both(fmt.Sprintf("delete:%d:x:2 keyonly=false", id(2)))...)},
+		}
+		for _, tc := range cases {
+			res := tc.write()
+			require.NoError(t, res.Error, tc.name)
+			require.Equal(t, tc.want, nilIfEmpty(values(b.rows(t))), tc.name)
+			require.Equal(t, int64(len(tc.want)/2), res.RowsAffected, tc.name)
+			b.clear(t)
+		}
+		require.Equal(t, int64(1), b.orders(t))
+
+		// A soft delete, then the purge of the soft-deleted row.
+		tk := Ticket{Status: "open"}
+		require.NoError(t, b.db.Create(&tk).Error)
+		b.clear(t)
+		require.NoError(t, b.db.Delete(&Ticket{ID: tk.ID}).Error)
+		require.Equal(t, []string{fmt.Sprintf("ticket delete:%d:open:soft=true:[deleted_at] keyonly=false", tk.ID)}, values(b.rows(t)))
+		b.clear(t)
+		require.NoError(t, b.db.Delete(&Ticket{ID: tk.ID}).Error, "a soft-deleted row is not matched again")
+		require.Empty(t, b.rows(t))
+		require.NoError(t, b.db.Unscoped().Delete(&Ticket{ID: tk.ID}).Error)
+		require.Equal(t, []string{fmt.Sprintf("ticket delete:%d:open:soft=false:[] keyonly=false", tk.ID)}, values(b.rows(t)))
+	})
+}
+
+// ReadRow reads nothing for a write of entities with other fields set:
+// the rules get the caller's value, as without it. A model none of whose
+// rules has ReadRow keeps KeyOnly and reads nothing either.
+func TestReadRowLeavesOtherEntityWritesAlone(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b := setupRows(t, dbt, outbox.Config{Rules: readRowRules()})
+		o := b.seed(t, "a")[0]
+		inv := Invoice{Amount: 1}
+		require.NoError(t, b.db.Create(&inv).Error)
+		b.clear(t)
+		rec := &sqlRecorder{Interface: logger.Discard}
+		db := b.db.Session(&gorm.Session{Logger: rec})
+
+		o.Total = 99 // not stored: a read row would say 0
+		require.NoError(t, db.Model(&o).Update("status", "l").Error)
+		require.Equal(t, both(fmt.Sprintf("update:%d:l:99<-a keyonly=false", o.ID)), values(b.rows(t)), "a loaded entity")
+		b.clear(t)
+
+		o.Status = "saved"
+		require.NoError(t, db.Save(&o).Error)
+		require.Equal(t, both(fmt.Sprintf("update:%d:saved:99 keyonly=false", o.ID)), values(b.rows(t)), "Save")
+		b.clear(t)
+
+		o.Total = 55
+		require.NoError(t, db.Delete(&o).Error)
+		require.Equal(t, both(fmt.Sprintf("delete:%d:saved:55 keyonly=false", o.ID)), values(b.rows(t)), "a loaded entity's delete")
+		b.clear(t)
+		require.Empty(t, tableReads(rec, "orders"), "nothing read")
+
+		require.NoError(t, db.Model(&Invoice{ID: inv.ID}).Update("amount", 5).Error)
+		require.NoError(t, db.Delete(&Invoice{ID: inv.ID}).Error)
+		require.Equal(t, []string{
+			fmt.Sprintf("invoice update:%d:5 keyonly=true", inv.ID),
+			fmt.Sprintf("invoice delete:%d:0 keyonly=true", inv.ID),
+		}, values(b.rows(t)), "a model without ReadRow rules")
+		require.Empty(t, tableReads(rec, "invoices"), "nothing read")
+	})
+}
+
+// A write of key-only entities read for a ReadRow rule is bounded as a
+// write by condition: more rows than the limit are refused before
+// anything changes.
+func TestReadRowLimit(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b := setupRows(t, dbt, outbox.Config{Rules: readRowRules(outbox.MaxRows(2))})
+		os := b.seed(t, "a", "b", "c")
+		keys := []Order{{ID: os[0].ID}, {ID: os[1].ID}, {ID: os[2].ID}}
+
+		res := b.db.Delete(&keys)
+		var tm *outbox.TooManyRowsError
+		require.ErrorAs(t, res.Error, &tm)
+		require.Equal(t, 2, tm.Limit, "the rule's MaxRows")
+		require.Equal(t, outbox.Delete, tm.Operation)
+		require.Zero(t, res.RowsAffected)
+		require.Equal(t, int64(3), b.orders(t), "nothing deleted")
+		require.Empty(t, b.rows(t))
+
+		require.NoError(t, b.db.Delete(keys[:2]).Error, "within the limit")
+		require.Len(t, b.rows(t), 4)
 	})
 }

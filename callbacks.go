@@ -316,8 +316,10 @@ func (p *Plugin) afterCreate(db *gorm.DB) {
 // the new values, so rules can compare, and computes the SET clause the
 // way gorm:update would, keeping it on the statement so the rules learn
 // which columns the update wrote (gorm:update drops the clause it builds
-// itself). An update that names no entity with a key is prepared by
-// byCondition (rows.go).
+// itself). An update that names no entity with a key, or only entities
+// known by their key alone for a ReadRow rule, is prepared by byCondition
+// (rows.go), once the SET (and with it GORM's WHERE on the entities'
+// keys) is built.
 func (p *Plugin) beforeUpdate(db *gorm.DB) {
 	if db.Error != nil {
 		return
@@ -326,9 +328,17 @@ func (p *Plugin) beforeUpdate(db *gorm.DB) {
 	if !t.m.for_(Update) {
 		return
 	}
+	// Asked before the SET assigns the new values to the entities.
+	byKey := readsKeyOnly(db, t, Update)
 	defer func() {
-		if db.Error == nil && !db.DryRun && (t.foreign || len(keyedEntities(db)) == 0) {
-			p.byCondition(db, t, Update)
+		if db.Error != nil || db.DryRun {
+			return
+		}
+		if _, ok := db.Statement.Clauses["SET"]; !ok && db.Statement.SQL.Len() == 0 {
+			return // nothing to set: gorm:update runs no statement
+		}
+		if t.foreign || byKey || len(keyedEntities(db)) == 0 {
+			p.byCondition(db, t, Update, byKey)
 		}
 	}()
 	// When the model is also the source of the values (Save, Updates on
@@ -404,8 +414,8 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 	if _, ok := db.InstanceGet(keySetAdded); ok {
 		delete(db.Statement.Clauses, "SET")
 	}
-	if db.Error != nil || db.DryRun {
-		return
+	if db.Error != nil || db.DryRun || db.Statement.SQL.Len() == 0 {
+		return // a failed update, a dry run, or nothing to set: no UPDATE ran
 	}
 	t := p.resolve(db)
 	if !t.m.for_(Update) {
@@ -439,6 +449,27 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 	p.runEach(db, t, m, Update, ownEntities(db, t), changed, false, func(ptr reflect.Value) *change {
 		return &change{entity: ptr, before: before, keyOnly: keyOnly, changed: changed, rowsAffected: affected}
 	})
+}
+
+// readsKeyOnly reports whether a write of op names an entity of the
+// rules' model that holds nothing but its primary key (the KeyOnly case)
+// while a rule of the model for op was built with ReadRow: the write is
+// then read as a write by condition on the entities' keys. The model of an
+// update that is also its source of values (Save, db.Updates(&o)) holds
+// the new values, not a key alone.
+func readsKeyOnly(db *gorm.DB, t target, op Operation) bool {
+	if t.foreign || t.m == nil || t.m.readRow&op == 0 || db.Statement.Schema == nil {
+		return false
+	}
+	if op == Update && sameValue(db.Statement.Dest, db.Statement.Model) {
+		return false
+	}
+	found := false
+	_ = entities(db, func(ptr reflect.Value) error {
+		found = found || primaryKeyKnown(db, ptr) && onlyPrimaryKey(db, ptr)
+		return nil
+	})
+	return found
 }
 
 // keyedEntities returns the statement's entities whose primary key is
@@ -511,7 +542,8 @@ func (p *Plugin) matchedUnchanged(db *gorm.DB) int64 {
 
 // beforeDelete prepares a delete that names no entity with a key (a
 // delete by condition, by key values, or through Table(name) or another
-// struct): see byCondition (rows.go).
+// struct), or only entities known by their key alone for a ReadRow rule:
+// see byCondition (rows.go).
 func (p *Plugin) beforeDelete(db *gorm.DB) {
 	if db.Error != nil || db.DryRun {
 		return
@@ -520,13 +552,14 @@ func (p *Plugin) beforeDelete(db *gorm.DB) {
 	if !t.m.for_(Delete) {
 		return
 	}
-	if t.foreign {
+	byKey := readsKeyOnly(db, t, Delete)
+	if t.foreign || byKey {
 		// gorm:delete adds the keys of the statement's entities to the
 		// WHERE; add them first, so the rows read are the rows deleted.
 		if s := db.Statement.Schema; s != nil {
-			for _, v := range []reflect.Value{db.Statement.ReflectValue, reflect.ValueOf(db.Statement.Model)} {
-				if !v.IsValid() {
-					continue
+			for i, v := range []reflect.Value{db.Statement.ReflectValue, reflect.ValueOf(db.Statement.Model)} {
+				if !v.IsValid() || i == 1 && sameValue(db.Statement.Model, db.Statement.Dest) {
+					continue // no model, or the model is the entities
 				}
 				_, vals := schema.GetIdentityFieldValuesMap(db.Statement.Context, v, s.PrimaryFields)
 				if column, values := schema.ToQueryValues(db.Statement.Table, s.PrimaryFieldDBNames, vals); len(values) > 0 {
@@ -537,7 +570,7 @@ func (p *Plugin) beforeDelete(db *gorm.DB) {
 	} else if len(keyedEntities(db)) > 0 {
 		return
 	}
-	p.byCondition(db, t, Delete)
+	p.byCondition(db, t, Delete, byKey)
 }
 
 // afterDelete runs the Delete rules for every deleted entity, or for

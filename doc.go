@@ -47,6 +47,10 @@
 // as it was before the delete; more rows than Config.MaxRowsPerWrite
 // (default 10,000) fail with a *TooManyRowsError before anything changes,
 // and rules built with AllowBulk see one change per statement instead.
+// An update or delete of an entity holding nothing but its key
+// (db.Delete(&Order{ID: 7})) reads nothing, and the rule sees
+// Change.KeyOnly, unless a rule of the model was built with ReadRow: the
+// write is then read as one by condition on that key.
 // Creates from maps and writes through Table(name) or another struct
 // mapped to a rule's table are recognised by table name and read back into
 // the rule's model. Raw SQL (Exec, Raw) is outside the rules. See

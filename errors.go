@@ -86,11 +86,12 @@ func (e *TooLargeError) Error() string {
 // Unwrap lets errors.Is(err, ErrInvalidMessage) match.
 func (e *TooLargeError) Unwrap() error { return ErrInvalidMessage }
 
-// TooManyRowsError is returned when an update or delete by condition
-// matches more rows than the rules that run once per row allow
-// (Config.MaxRowsPerWrite, MaxRows). The rows are counted before the
-// statement runs: nothing was changed, also inside a transaction of the
-// caller's. It wraps ErrUnsupportedWrite.
+// TooManyRowsError is returned when an update or delete by condition, or
+// of key-only entities read for a ReadRow rule, matches more rows than
+// the rules that run once per row allow (Config.MaxRowsPerWrite,
+// MaxRows). The rows are counted before the statement runs: nothing was
+// changed, also inside a transaction of the caller's. It wraps
+// ErrUnsupportedWrite.
 type TooManyRowsError struct {
 	Model     string // the rules' model type, e.g. "main.Order"
 	Table     string
@@ -99,7 +100,7 @@ type TooManyRowsError struct {
 }
 
 func (e *TooManyRowsError) Error() string {
-	return fmt.Sprintf("outbox: %s of %s (table %s) by condition matches more than %d rows, the limit of its publish rules: nothing was changed; narrow the condition, raise MaxRows or Config.MaxRowsPerWrite, or build the rules with AllowBulk",
+	return fmt.Sprintf("outbox: %s of %s (table %s) matches more than %d rows, the limit of its publish rules that run once per row: nothing was changed; change fewer rows per write, raise MaxRows or Config.MaxRowsPerWrite, or (for a write by condition) build the rules with AllowBulk",
 		e.Operation, e.Model, e.Table, e.Limit)
 }
 

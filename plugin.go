@@ -45,8 +45,9 @@ type Plugin struct {
 }
 
 type modelRules struct {
-	ops   Operation // union of the operations of rules
-	rules []Rule
+	ops     Operation // union of the operations of rules
+	readRow Operation // union of the operations of rules built with ReadRow
+	rules   []Rule
 }
 
 func (m *modelRules) for_(op Operation) bool { return m != nil && m.ops&op != 0 }
@@ -117,6 +118,9 @@ func (p *Plugin) rulesFor(model reflect.Type) *modelRules {
 				m = &modelRules{}
 			}
 			m.ops |= r.operations()
+			if r.readsRow() {
+				m.readRow |= r.operations()
+			}
 			m.rules = append(m.rules, r)
 		}
 	}

@@ -19,9 +19,11 @@ import (
 // An update or delete that names no entity with a primary key
 // (db.Where(…).Delete(&T{}), db.Model(&T{}).Where(…).Update(…), the
 // SET fk = NULL WHERE … of an association unlink, gorm.G[T] forms) runs
-// its rules once per row it changes. Before the statement runs, the
-// plugin reads the rows its WHERE matches, in the write's transaction,
-// into fresh values of the rule's model:
+// its rules once per row it changes. So does one that names entities
+// holding nothing but their key when a rule of the model has ReadRow: its
+// condition is the keys GORM takes from the entities. Before the
+// statement runs, the plugin reads the rows its WHERE matches, in the
+// write's transaction, into fresh values of the rule's model:
 //
 //	SELECT * FROM t WHERE <the statement's conditions> ORDER BY <pk> LIMIT n+1 FOR UPDATE
 //
@@ -168,6 +170,7 @@ func (p *Plugin) guardRaw(db *gorm.DB) {
 // rowSet is what readRows found before a write by condition.
 type rowSet struct {
 	t      target
+	shape  string        // "by condition", or "of key-only entities"
 	before reflect.Value // *[]Model, in key order
 	keys   []string      // keyString per row
 	perRow *modelRules   // the rules that run once per row
@@ -175,14 +178,16 @@ type rowSet struct {
 }
 
 // splitRules returns the rules of m covering op that run per row and
-// those that opted in to one bulk change per statement.
-func splitRules(m *modelRules, op Operation) (perRow, bulk *modelRules) {
+// those that opted in to one bulk change per statement; with byKey (a
+// write of entities, read for a ReadRow rule) every rule runs per row, as
+// for any write of entities.
+func splitRules(m *modelRules, op Operation, byKey bool) (perRow, bulk *modelRules) {
 	perRow, bulk = &modelRules{}, &modelRules{}
 	for _, r := range m.rules {
 		if r.operations()&op == 0 {
 			continue
 		}
-		if r.allowsBulk() {
+		if r.allowsBulk() && !byKey {
 			bulk.ops |= r.operations()
 			bulk.rules = append(bulk.rules, r)
 		} else {
@@ -210,9 +215,12 @@ func (p *Plugin) rowLimit(m *modelRules) int {
 // the limit, and restricts the statement to their keys. It does nothing
 // when every rule covering op opted in to bulk changes, or when GORM will
 // refuse the statement itself (no WHERE without AllowGlobalUpdate).
-func (p *Plugin) byCondition(db *gorm.DB, t target, op Operation) {
+// With byKey it prepares, the same way, a write of entities known by
+// their key alone for a ReadRow rule: the statement's WHERE holds their
+// keys, and every rule runs once per row read.
+func (p *Plugin) byCondition(db *gorm.DB, t target, op Operation, byKey bool) {
 	stmt := db.Statement
-	perRow, bulk := splitRules(t.m, op)
+	perRow, bulk := splitRules(t.m, op, byKey)
 	if len(perRow.rules) == 0 {
 		return
 	}
@@ -220,8 +228,12 @@ func (p *Plugin) byCondition(db *gorm.DB, t target, op Operation) {
 	if (!hasWhere || len(where.Exprs) == 0) && !db.AllowGlobalUpdate {
 		return // GORM fails the statement with ErrMissingWhereClause
 	}
+	shape := "by condition"
+	if byKey {
+		shape = "of key-only entities"
+	}
 	fail := func(format string, args ...any) {
-		_ = db.AddError(fmt.Errorf("%w: %s: %s by condition: %s", ErrUnsupportedWrite, t.schema.Name, op, fmt.Sprintf(format, args...)))
+		_ = db.AddError(fmt.Errorf("%w: %s: %s %s: %s", ErrUnsupportedWrite, t.schema.Name, op, shape, fmt.Sprintf(format, args...)))
 	}
 	if stmt.SQL.Len() != 0 {
 		fail("the statement was built before the rules could read its rows")
@@ -236,7 +248,7 @@ func (p *Plugin) byCondition(db *gorm.DB, t target, op Operation) {
 	limit := min(p.rowLimit(perRow), MaxRowsPerWriteMax/len(t.schema.PrimaryFields))
 	rows, err := p.readRows(db, t, where, limit+1)
 	if err != nil {
-		_ = db.AddError(fmt.Errorf("outbox: %s: read the rows a %s by condition matches: %w", t.schema.Name, op, err))
+		_ = db.AddError(fmt.Errorf("outbox: %s: read the rows a %s %s matches: %w", t.schema.Name, op, shape, err))
 		return
 	}
 	n := rows.Elem().Len()
@@ -262,7 +274,7 @@ func (p *Plugin) byCondition(db *gorm.DB, t target, op Operation) {
 		exprs = append(append([]clause.Expression(nil), where.Exprs...), cond)
 	}
 	stmt.Clauses["WHERE"] = clause.Clause{Name: "WHERE", Expression: clause.Where{Exprs: exprs}}
-	db.InstanceSet(keyRows, &rowSet{t: t, before: rows, keys: names, perRow: perRow, bulk: bulk})
+	db.InstanceSet(keyRows, &rowSet{t: t, shape: shape, before: rows, keys: names, perRow: perRow, bulk: bulk})
 }
 
 // readRows reads, in the write's transaction and locked where the
@@ -372,8 +384,8 @@ func (p *Plugin) publishRows(db *gorm.DB, rs *rowSet, op Operation, changed []st
 	n := rs.before.Elem().Len()
 	countsMatched := db.Dialector.Name() != "mysql" || op == Delete || soft
 	if countsMatched && db.RowsAffected != int64(n) {
-		p.finish(db, rs.t, nil, fmt.Errorf("%w: %s: %s by condition changed %d rows where %d were read and locked: a concurrent transaction changed them; which rows changed cannot be known",
-			ErrUnsupportedWrite, rs.t.schema.Name, op, db.RowsAffected, n))
+		p.finish(db, rs.t, nil, fmt.Errorf("%w: %s: %s %s changed %d rows where %d were read and locked: a concurrent transaction changed them; which rows changed cannot be known",
+			ErrUnsupportedWrite, rs.t.schema.Name, op, rs.shape, db.RowsAffected, n))
 		return
 	}
 	var after map[string]reflect.Value
@@ -384,7 +396,7 @@ func (p *Plugin) publishRows(db *gorm.DB, rs *rowSet, op Operation, changed []st
 		}
 		var err error
 		if after, err = p.readKeys(db, rs.t, keys); err != nil {
-			p.finish(db, rs.t, nil, fmt.Errorf("outbox: %s: read the rows an update by condition changed: %w", rs.t.schema.Name, err))
+			p.finish(db, rs.t, nil, fmt.Errorf("outbox: %s: read the rows an update %s changed: %w", rs.t.schema.Name, rs.shape, err))
 			return
 		}
 	}
@@ -395,7 +407,7 @@ func (p *Plugin) publishRows(db *gorm.DB, rs *rowSet, op Operation, changed []st
 		if op == Update {
 			row, ok := after[rs.keys[i]]
 			if !ok {
-				p.finish(db, rs.t, nil, fmt.Errorf("%w: %s: update by condition changed the primary key of a row: its new key cannot be known", ErrUnsupportedWrite, rs.t.schema.Name))
+				p.finish(db, rs.t, nil, fmt.Errorf("%w: %s: update %s changed the primary key of a row: its new key cannot be known", ErrUnsupportedWrite, rs.t.schema.Name, rs.shape))
 				return
 			}
 			c.entity, c.before = row, before

@@ -22,20 +22,21 @@ type Change[T any] struct {
 	Op Operation
 	// Entity is the entity as written. After an insert it carries the keys
 	// the database generated. For a write by condition (an update or
-	// delete that names no entity with a primary key), a create from a
-	// map, or a write through Table(name) or another struct mapped to the
-	// table, it is a fresh value read from the table: the row after an
-	// update, the row as it was for a delete, the inserted row. It is the
-	// zero T for a bulk change.
+	// delete that names no entity with a primary key, or only entities
+	// holding nothing but their key when a rule has ReadRow), a create
+	// from a map, or a write through Table(name) or another struct mapped
+	// to the table, it is a fresh value read from the table: the row after
+	// an update, the row as it was for a delete, the inserted row. It is
+	// the zero T for a bulk change.
 	Entity T
-	// Before is the row before the update. For a write by condition it is
-	// the row as read, and locked, before the statement. For an update of
-	// an entity it is the model value the update was called on, as it was
-	// before the update assigned the new values: Before.Status is the old
-	// status after db.Model(&order).Update("status", "paid") on a loaded
-	// order, only as good as that value (GORM reads nothing). It is the
-	// zero T for inserts, deletes, Save (which passes the new values as the
-	// model) and bulk changes.
+	// Before is the row before the update. For a write by condition (see
+	// Entity) it is the row as read, and locked, before the statement. For
+	// an update of an entity it is the model value the update was called
+	// on, as it was before the update assigned the new values:
+	// Before.Status is the old status after db.Model(&order).Update("status",
+	// "paid") on a loaded order, only as good as that value (GORM reads
+	// nothing). It is the zero T for inserts, deletes, Save (which passes
+	// the new values as the model) and bulk changes.
 	Before T
 	// Changed lists the columns the write set: every column for an insert,
 	// the SET columns of an update (including updated_at when GORM sets
@@ -54,7 +55,9 @@ type Change[T any] struct {
 	// fields: in Entity only the key and the columns the update set hold
 	// values, in Before only the key. A write by key values or by
 	// condition (db.Delete(&Order{}, 7),
-	// db.Model(&Order{}).Where("id = ?", 7).Update(...)) reads the row.
+	// db.Model(&Order{}).Where("id = ?", 7).Update(...)) reads the row,
+	// and so does a key-only write when a rule of the model for the
+	// operation was built with ReadRow: KeyOnly is then false.
 	KeyOnly bool
 	// Bulk is true for an update or delete by condition seen by a rule
 	// built with AllowBulk: one change for the whole statement; Entity is
@@ -77,6 +80,7 @@ type RuleOption func(*ruleOptions)
 type ruleOptions struct {
 	bulk    bool
 	maxRows int
+	readRow bool
 }
 
 // AllowBulk makes the rule see an update or delete by condition (one that
@@ -88,12 +92,35 @@ type ruleOptions struct {
 // per changed row (see docs/rules.md).
 func AllowBulk() RuleOption { return func(o *ruleOptions) { o.bulk = true } }
 
-// MaxRows bounds how many rows one update or delete by condition may
-// change for the rule, which runs once per row: a write that matches more
-// is refused with a *TooManyRowsError before it changes anything. It
-// overrides Config.MaxRowsPerWrite for the rule, from 1 to
-// MaxRowsPerWriteMax; the smallest bound of the rules a write runs holds.
+// MaxRows bounds how many rows one update or delete by condition (or of
+// key-only entities read for a ReadRow rule) may change for the rule,
+// which runs once per row: a write that matches more is refused with a
+// *TooManyRowsError before it changes anything. It overrides
+// Config.MaxRowsPerWrite for the rule, from 1 to MaxRowsPerWriteMax; the
+// smallest bound of the rules a write runs holds.
 func MaxRows(n int) RuleOption { return func(o *ruleOptions) { o.maxRows = n } }
+
+// ReadRow makes the plugin read the rows of an update or delete that
+// names entities holding nothing but their primary key
+// (db.Model(&Order{ID: 7}).Update("status", "paid"),
+// db.Delete(&Order{ID: 7}), db.Delete(&[]Order{{ID: 1}, {ID: 2}}): the
+// key-only writes of Change.KeyOnly), so that the rule gets whole rows
+// instead of the caller's near-empty values. The write then runs as an update or delete by condition on
+// those keys: the plugin reads and locks the rows in the write's
+// transaction before the statement, and restricts the statement to the
+// keys it read. Entity is the row after the update, every column read
+// from the table, or the row as it was before the delete; Before is the
+// row before the update; KeyOnly is false. A key whose row does not
+// exist publishes nothing, as no row changed.
+//
+// The write is then one by condition for every rule of the model for
+// the operation, with ReadRow or not and AllowBulk included: each runs
+// once per row read, with the rows read, and the write is bounded by
+// Config.MaxRowsPerWrite and MaxRows (a *TooManyRowsError before anything
+// changes). A write of entities with other fields set (loaded entities,
+// Save, db.Updates(&o)) reads nothing, as without ReadRow, and a write by
+// condition reads its rows anyway. ReadRow does nothing for inserts.
+func ReadRow() RuleOption { return func(o *ruleOptions) { o.readRow = true } }
 
 // Rule is a declarative publish rule; build one with On, OnCreate,
 // OnUpdate or OnDelete.
@@ -107,6 +134,7 @@ type Rule interface {
 	allowsBulk() bool
 	// maxRows is the rule's MaxRows, 0 for the Config default.
 	maxRows() int
+	readsRow() bool
 	// modelType is the model struct type of a pointer-to-struct rule,
 	// nil for an interface rule.
 	modelType() reflect.Type
@@ -204,6 +232,7 @@ func (r *typedRule[T]) matches(model reflect.Type) bool {
 func (r *typedRule[T]) operations() Operation { return r.ops }
 func (r *typedRule[T]) allowsBulk() bool      { return r.opts.bulk }
 func (r *typedRule[T]) maxRows() int          { return r.opts.maxRows }
+func (r *typedRule[T]) readsRow() bool        { return r.opts.readRow }
 
 func (r *typedRule[T]) modelType() reflect.Type {
 	if r.t.Kind() == reflect.Pointer && r.t.Elem().Kind() == reflect.Struct {

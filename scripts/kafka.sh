@@ -20,7 +20,9 @@
 # Maven. Environment:
 #
 #   OUTBOX_KAFKA_CACHE      jar cache       (default ~/.cache/gorm-outbox/kafka-$KAFKA_VERSION)
-#   OUTBOX_KAFKA_DIR        state: data, logs, pids (default /tmp/gorm-outbox-kafka)
+#   OUTBOX_KAFKA_DIR        state: data, logs (node-N/server.log, node-N/gc.log: the
+#                           JVM's GC pauses, with wall-clock times), pids (default
+#                           /tmp/gorm-outbox-kafka)
 #   OUTBOX_KAFKA_PORT       first broker port (default 29092; controllers at +100);
 #                           keep it below the kernel's ephemeral range
 #                           (/proc/sys/net/ipv4/ip_local_port_range), where an
@@ -172,6 +174,7 @@ start_node() { # node
   done
   setsid bash -c 'exec "$@" >>"'"$STATE/node-$i/stdout.log"'" 2>&1 </dev/null' _ \
     java -Xms128m -Xmx"$HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError \
+    -Xlog:gc:file="$STATE/node-$i/gc.log":time,uptime:filecount=2,filesize=10m \
     -Djava.awt.headless=true -Dlog4j2.configurationFile="$CACHE/log4j2.properties" \
     -Dkafka.logs.dir="$STATE/node-$i" -Dgorm.outbox.kafka.node="$STATE/node-$i" \
     -cp "$CACHE/libs/*" kafka.Kafka "$STATE/node-$i/server.properties" &

@@ -350,6 +350,23 @@ func (t *timeline) write(dir, mode string, msgs []tlMessage) error {
 	}); err != nil {
 		return err
 	}
+	// The files' times count from t0; the start file sets them against
+	// the wall clock (a broker's GC log, say).
+	if err := os.WriteFile(filepath.Join(dir, mode+"-start.txt"), []byte(t.t0.Format(time.RFC3339Nano)+"\n"), 0o644); err != nil {
+		return err
+	}
+	if f := t.franz; f != nil {
+		f.mu.Lock()
+		reqs := append([]franzReq(nil), f.reqs...)
+		f.mu.Unlock()
+		if err := writeTSV(filepath.Join(dir, mode+"-franz-requests.tsv"), "created\twritten\tread\tbytes", func(w *bufio.Writer) {
+			for _, q := range reqs {
+				fmt.Fprintf(w, "%s\t%s\t%s\t%d\n", at(q.created), at(q.written), at(q.read), q.bytes)
+			}
+		}); err != nil {
+			return err
+		}
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return writeTSV(filepath.Join(dir, mode+"-steps.tsv"), "step\tbucket\tstart\tend\tmessages", func(w *bufio.Writer) {

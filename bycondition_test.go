@@ -695,10 +695,10 @@ func TestGlobalUpdatePublishesPerRow(t *testing.T) {
 	})
 }
 
-// readRowRule publishes updates and deletes of an Order as
+// readRowRule publishes inserts, updates and deletes of an Order as
 // "who op:id:status:total<-before keyonly=…", built with opts.
 func readRowRule(who string, opts ...outbox.RuleOption) outbox.Rule {
-	return outbox.On(outbox.Update|outbox.Delete, func(c outbox.Change[*Order]) (*outbox.Message, error) {
+	return outbox.On(outbox.Insert|outbox.Update|outbox.Delete, func(c outbox.Change[*Order]) (*outbox.Message, error) {
 		if c.Bulk {
 			return &outbox.Message{Topic: "orders", Value: fmt.Appendf(nil, "%s %s bulk", who, c.Op)}, nil
 		}
@@ -721,7 +721,11 @@ func readRowRules(opts ...outbox.RuleOption) []outbox.Rule {
 			return &outbox.Message{Topic: "tickets", Key: key(c.Entity.ID), Value: fmt.Appendf(nil, "ticket %s:%d:%s:soft=%v:%v keyonly=%v", c.Op, c.Entity.ID, c.Entity.Status, c.SoftDelete, c.Changed, c.KeyOnly)}, nil
 		}, outbox.ReadRow()),
 		outbox.On(outbox.Update|outbox.Delete, func(c outbox.Change[*Invoice]) (*outbox.Message, error) {
-			return &outbox.Message{Topic: "invoices", Key: key(c.Entity.ID), Value: fmt.Appendf(nil, "invoice %s:%d:%d keyonly=%v", c.Op, c.Entity.ID, c.Entity.Amount, c.KeyOnly)}, nil
+			v := fmt.Sprintf("invoice %s:%d:%d", c.Op, c.Entity.ID, c.Entity.Amount)
+			if c.Before != nil {
+				v += fmt.Sprintf("<-%d", c.Before.Amount)
+			}
+			return &outbox.Message{Topic: "invoices", Key: key(c.Entity.ID), Value: fmt.Appendf(nil, "%s keyonly=%v", v, c.KeyOnly)}, nil
 		}),
 	}
 }
@@ -742,6 +746,27 @@ func tableReads(rec *sqlRecorder, table string) []string {
 	return out
 }
 
+// readRowCase is one write of the ReadRow tests and the messages it
+// publishes; the write reports one row affected per pair of messages.
+type readRowCase struct {
+	name  string
+	write func() *gorm.DB
+	want  []string
+}
+
+// runReadRowCases runs the cases in order, each on the rows the cases
+// before it left.
+func runReadRowCases(t *testing.T, b *wbundle, cases []readRowCase) {
+	t.Helper()
+	for _, tc := range cases {
+		res := tc.write()
+		require.NoError(t, res.Error, tc.name)
+		require.Equal(t, tc.want, nilIfEmpty(values(b.rows(t))), tc.name)
+		require.Equal(t, int64(len(tc.want)/2), res.RowsAffected, tc.name)
+		b.clear(t)
+	}
+}
+
 // With ReadRow, an update or delete of entities that hold nothing but
 // their key reads their rows, as a write by condition on those keys:
 // every rule of the model for the operation gets the row after the
@@ -754,11 +779,7 @@ func TestReadRowReadsKeyOnlyWrites(t *testing.T) {
 		b := setupRows(t, dbt, outbox.Config{Rules: readRowRules()})
 		os := b.seed(t, "a", "b", "c", "d")
 		id := func(i int) uint64 { return os[i].ID }
-		cases := []struct {
-			name  string
-			write func() *gorm.DB
-			want  []string
-		}{
+		runReadRowCases(t, b, []readRowCase{
 			{"Update", func() *gorm.DB {
 				return b.db.Model(&Order{ID: id(1)}).Update("status", "paid")
 			}, both(fmt.Sprintf("update:%d:paid:1<-b keyonly=false", id(1)))},
@@ -792,14 +813,7 @@ func TestReadRowReadsKeyOnlyWrites(t *testing.T) {
 			{"Delete of a slice", func() *gorm.DB {
 				return b.db.Delete(&[]Order{{ID: id(2)}, {ID: id(0)}, {ID: id(3)}})
 			}, append(both(fmt.Sprintf("delete:%d:x:0 keyonly=false", id(0))), both(fmt.Sprintf("delete:%d:x:2 keyonly=false", id(2)))...)},
-		}
-		for _, tc := range cases {
-			res := tc.write()
-			require.NoError(t, res.Error, tc.name)
-			require.Equal(t, tc.want, nilIfEmpty(values(b.rows(t))), tc.name)
-			require.Equal(t, int64(len(tc.want)/2), res.RowsAffected, tc.name)
-			b.clear(t)
-		}
+		})
 		require.Equal(t, int64(1), b.orders(t))
 
 		// A soft delete, then the purge of the soft-deleted row.
@@ -816,49 +830,136 @@ func TestReadRowReadsKeyOnlyWrites(t *testing.T) {
 	})
 }
 
-// ReadRow reads nothing for a write of entities with other fields set:
-// the rules get the caller's value, as without it. A model none of whose
-// rules has ReadRow keeps KeyOnly and reads nothing either.
-func TestReadRowLeavesOtherEntityWritesAlone(t *testing.T) {
+// With ReadRow, an update or delete of entities with other fields set
+// (partly filled, loaded, the model as the source of the values, Save)
+// reads their rows too: the rules get the row from the table, never the
+// caller's value, and Before is the row as it was in the table, also when
+// the caller's copy is stale. Conditions the caller adds to the entity's
+// key are kept. Save of a new row is an Insert, as without ReadRow.
+func TestReadRowReadsEntitiesWithFieldsSet(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
 		b := setupRows(t, dbt, outbox.Config{Rules: readRowRules()})
-		o := b.seed(t, "a")[0]
+		os := b.seed(t, "a", "b", "c", "d")
+		id := func(i int) uint64 { return os[i].ID }
+		// The rows change behind the caller's copies, which still say
+		// "a" to "d".
+		require.NoError(t, b.db.Model(&Order{}).Where("id > ?", 0).Update("status", "s").Error)
+		b.clear(t)
+		o3 := os[3]
+		fresh := Order{ID: id(3) + 1000, Status: "new", Total: 5}
+		runReadRowCases(t, b, []readRowCase{
+			{"Update of a loaded entity", func() *gorm.DB {
+				return b.db.Model(&os[0]).Update("total", 42)
+			}, both(fmt.Sprintf("update:%d:s:42<-s keyonly=false", id(0)))},
+			{"Updates map of a loaded entity", func() *gorm.DB {
+				return b.db.Model(&os[0]).Updates(map[string]any{"status": "m"})
+			}, both(fmt.Sprintf("update:%d:m:42<-s keyonly=false", id(0)))},
+			{"Updates struct of a partly filled model", func() *gorm.DB {
+				return b.db.Model(&Order{ID: id(1), Total: 99}).Updates(Order{Status: "p"})
+			}, both(fmt.Sprintf("update:%d:p:1<-s keyonly=false", id(1)))},
+			{"UpdateColumn of a partly filled model", func() *gorm.DB {
+				return b.db.Model(&Order{ID: id(1), Status: "x"}).UpdateColumn("total", gorm.Expr("total + ?", 10))
+			}, both(fmt.Sprintf("update:%d:p:11<-p keyonly=false", id(1)))},
+			{"Updates of a partly filled entity", func() *gorm.DB {
+				return b.db.Updates(&Order{ID: id(2), Status: "w"})
+			}, both(fmt.Sprintf("update:%d:w:2<-s keyonly=false", id(2)))},
+			{"Updates of a loaded model with itself", func() *gorm.DB {
+				o3.Status = "u"
+				return b.db.Model(&o3).Updates(&o3)
+			}, both(fmt.Sprintf("update:%d:u:3<-s keyonly=false", id(3)))},
+			{"Update with a condition the row does not meet", func() *gorm.DB {
+				return b.db.Model(&Order{ID: id(2), Status: "w"}).Where("status = ?", "nope").Update("total", 7)
+			}, nil},
+			{"Update with a condition the row meets", func() *gorm.DB {
+				return b.db.Model(&os[2]).Where("status = ?", "w").Update("total", 7)
+			}, both(fmt.Sprintf("update:%d:w:7<-w keyonly=false", id(2)))},
+			{"Save of an existing row", func() *gorm.DB {
+				os[1].Status = "saved" // the copy's total, 1, is saved too
+				return b.db.Save(&os[1])
+			}, both(fmt.Sprintf("update:%d:saved:1<-p keyonly=false", id(1)))},
+			{"Save of an unchanged row", func() *gorm.DB {
+				// MySQL reports 0 rows affected: Save must not upsert it
+				// again.
+				return b.db.Save(&os[1])
+			}, both(fmt.Sprintf("update:%d:saved:1<-saved keyonly=false", id(1)))},
+			{"Save of a new row", func() *gorm.DB {
+				return b.db.Save(&fresh)
+			}, both(fmt.Sprintf("insert:%d:new:5 keyonly=false", fresh.ID))},
+			{"Delete of a partly filled entity", func() *gorm.DB {
+				return b.db.Delete(&Order{ID: id(2), Status: "wrong"})
+			}, both(fmt.Sprintf("delete:%d:w:7 keyonly=false", id(2)))},
+			{"Delete of loaded entities", func() *gorm.DB {
+				return b.db.Delete(&[]Order{os[3], os[0]})
+			}, append(both(fmt.Sprintf("delete:%d:m:42 keyonly=false", id(0))), both(fmt.Sprintf("delete:%d:u:3 keyonly=false", id(3)))...)},
+		})
+		require.Equal(t, int64(2), b.orders(t), "the saved row and the new one")
+
+		// Updates that set nothing run no statement: nothing is read or
+		// published.
+		rec := &sqlRecorder{Interface: logger.Discard}
+		db := b.db.Session(&gorm.Session{Logger: rec})
+		require.NoError(t, db.Updates(&Order{ID: id(1)}).Error)
+		require.NoError(t, db.Model(&os[1]).Updates(Order{}).Error)
+		require.Empty(t, tableReads(rec, "orders"), "nothing read")
+		require.Empty(t, b.rows(t))
+
+		// A soft delete of a partly filled entity publishes the stored row.
+		tk := Ticket{Status: "open"}
+		require.NoError(t, b.db.Create(&tk).Error)
+		require.NoError(t, b.db.Delete(&Ticket{ID: tk.ID, Status: "given"}).Error)
+		require.Equal(t, []string{fmt.Sprintf("ticket delete:%d:open:soft=true:[deleted_at] keyonly=false", tk.ID)}, values(b.rows(t)))
+		b.clear(t)
+
+		// An update that changes the key is refused, as by condition: the
+		// row under the new key cannot be known.
+		saved := id(1)
+		err := b.db.Model(&os[1]).Update("id", fresh.ID+1).Error
+		require.ErrorIs(t, err, outbox.ErrUnsupportedWrite)
+		require.NoError(t, b.db.First(&Order{}, saved).Error, "rolled back")
+		require.Empty(t, b.rows(t))
+	})
+}
+
+// A model none of whose rules has ReadRow reads nothing for a write of
+// its entities: the rules get the caller's values, KeyOnly for an entity
+// holding nothing but its key, and no Before for Save.
+func TestReadRowLeavesOtherModelsAlone(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
+		b := setupRows(t, dbt, outbox.Config{Rules: readRowRules()})
 		inv := Invoice{Amount: 1}
+		keyOnly := Invoice{Amount: 2}
 		require.NoError(t, b.db.Create(&inv).Error)
+		require.NoError(t, b.db.Create(&keyOnly).Error)
 		b.clear(t)
 		rec := &sqlRecorder{Interface: logger.Discard}
 		db := b.db.Session(&gorm.Session{Logger: rec})
 
-		o.Total = 99 // not stored: a read row would say 0
-		require.NoError(t, db.Model(&o).Update("status", "l").Error)
-		require.Equal(t, both(fmt.Sprintf("update:%d:l:99<-a keyonly=false", o.ID)), values(b.rows(t)), "a loaded entity")
-		b.clear(t)
-
-		o.Status = "saved"
-		require.NoError(t, db.Save(&o).Error)
-		require.Equal(t, both(fmt.Sprintf("update:%d:saved:99 keyonly=false", o.ID)), values(b.rows(t)), "Save")
-		b.clear(t)
-
-		o.Total = 55
-		require.NoError(t, db.Delete(&o).Error)
-		require.Equal(t, both(fmt.Sprintf("delete:%d:saved:55 keyonly=false", o.ID)), values(b.rows(t)), "a loaded entity's delete")
-		b.clear(t)
-		require.Empty(t, tableReads(rec, "orders"), "nothing read")
-
 		require.NoError(t, db.Model(&Invoice{ID: inv.ID}).Update("amount", 5).Error)
-		require.NoError(t, db.Delete(&Invoice{ID: inv.ID}).Error)
+		// inv still says 1, the row 5.
+		require.NoError(t, db.Model(&inv).Update("amount", 7).Error)
+		require.NoError(t, db.Updates(&Invoice{ID: keyOnly.ID, Amount: 3}).Error)
+		inv.Amount = 8
+		require.NoError(t, db.Save(&inv).Error)
+		inv.Amount = 9 // not stored: a read row would say 8
+		require.NoError(t, db.Delete(&inv).Error)
+		require.NoError(t, db.Delete(&Invoice{ID: keyOnly.ID}).Error)
 		require.Equal(t, []string{
-			fmt.Sprintf("invoice update:%d:5 keyonly=true", inv.ID),
-			fmt.Sprintf("invoice delete:%d:0 keyonly=true", inv.ID),
-		}, values(b.rows(t)), "a model without ReadRow rules")
+			fmt.Sprintf("invoice update:%d:5<-0 keyonly=true", inv.ID),
+			fmt.Sprintf("invoice update:%d:7<-1 keyonly=false", inv.ID),
+			fmt.Sprintf("invoice update:%d:3 keyonly=false", keyOnly.ID),
+			fmt.Sprintf("invoice update:%d:8 keyonly=false", inv.ID),
+			fmt.Sprintf("invoice delete:%d:9 keyonly=false", inv.ID),
+			fmt.Sprintf("invoice delete:%d:0 keyonly=true", keyOnly.ID),
+		}, values(b.rows(t)), "the caller's values")
 		require.Empty(t, tableReads(rec, "invoices"), "nothing read")
 	})
 }
 
-// A write of key-only entities read for a ReadRow rule is bounded as a
-// write by condition: more rows than the limit are refused before
-// anything changes.
+// A write of entities read for a ReadRow rule is bounded as a write by
+// condition: more rows than the limit are refused before anything
+// changes, whether the entities hold only their key or are loaded.
 func TestReadRowLimit(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, dbt *dbtest.DB) {
@@ -866,14 +967,27 @@ func TestReadRowLimit(t *testing.T) {
 		os := b.seed(t, "a", "b", "c")
 		keys := []Order{{ID: os[0].ID}, {ID: os[1].ID}, {ID: os[2].ID}}
 
-		res := b.db.Delete(&keys)
-		var tm *outbox.TooManyRowsError
-		require.ErrorAs(t, res.Error, &tm)
-		require.Equal(t, 2, tm.Limit, "the rule's MaxRows")
-		require.Equal(t, outbox.Delete, tm.Operation)
-		require.Zero(t, res.RowsAffected)
-		require.Equal(t, int64(3), b.orders(t), "nothing deleted")
-		require.Empty(t, b.rows(t))
+		for _, w := range []struct {
+			name  string
+			op    outbox.Operation
+			write func() *gorm.DB
+		}{
+			{"key-only delete", outbox.Delete, func() *gorm.DB { return b.db.Delete(&keys) }},
+			{"loaded delete", outbox.Delete, func() *gorm.DB { return b.db.Delete(&os) }},
+			{"loaded update", outbox.Update, func() *gorm.DB { return b.db.Model(&os).Update("status", "z") }},
+		} {
+			res := w.write()
+			var tm *outbox.TooManyRowsError
+			require.ErrorAs(t, res.Error, &tm, w.name)
+			require.Equal(t, 2, tm.Limit, "the rule's MaxRows")
+			require.Equal(t, w.op, tm.Operation)
+			require.Zero(t, res.RowsAffected)
+			require.Equal(t, int64(3), b.orders(t), "nothing deleted")
+			require.Empty(t, b.rows(t))
+		}
+		var changed int64
+		require.NoError(t, b.db.Model(&Order{}).Where("status = ?", "z").Count(&changed).Error)
+		require.Zero(t, changed, "nothing updated")
 
 		require.NoError(t, b.db.Delete(keys[:2]).Error, "within the limit")
 		require.Len(t, b.rows(t), 4)

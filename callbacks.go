@@ -316,8 +316,8 @@ func (p *Plugin) afterCreate(db *gorm.DB) {
 // the new values, so rules can compare, and computes the SET clause the
 // way gorm:update would, keeping it on the statement so the rules learn
 // which columns the update wrote (gorm:update drops the clause it builds
-// itself). An update that names no entity with a key, or only entities
-// known by their key alone for a ReadRow rule, is prepared by byCondition
+// itself). An update that names no entity with a key, or entities with a
+// key when a rule of the model has ReadRow, is prepared by byCondition
 // (rows.go), once the SET (and with it GORM's WHERE on the entities'
 // keys) is built.
 func (p *Plugin) beforeUpdate(db *gorm.DB) {
@@ -328,8 +328,7 @@ func (p *Plugin) beforeUpdate(db *gorm.DB) {
 	if !t.m.for_(Update) {
 		return
 	}
-	// Asked before the SET assigns the new values to the entities.
-	byKey := readsKeyOnly(db, t, Update)
+	byKey := readsByKey(db, t, Update)
 	defer func() {
 		if db.Error != nil || db.DryRun {
 			return
@@ -342,8 +341,9 @@ func (p *Plugin) beforeUpdate(db *gorm.DB) {
 		}
 	}()
 	// When the model is also the source of the values (Save, Updates on
-	// the model itself), it already holds the new values.
-	if db.Statement.ReflectValue.Kind() == reflect.Struct && !sameValue(db.Statement.Dest, db.Statement.Model) {
+	// the model itself), it already holds the new values; a write read by
+	// key takes Before from the table.
+	if !byKey && db.Statement.ReflectValue.Kind() == reflect.Struct && !sameValue(db.Statement.Dest, db.Statement.Model) {
 		rv := db.Statement.ReflectValue
 		cp := reflect.New(rv.Type())
 		cp.Elem().Set(rv)
@@ -429,11 +429,7 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 	affected := db.RowsAffected
 	if affected == 0 {
 		affected = p.matchedUnchanged(db)
-		if sel := db.Statement.Selects; affected > 0 && len(sel) == 1 && sel[0] == "*" {
-			// Save: GORM answers 0 rows affected with a second write, an
-			// upsert that saves every association again. The row matched.
-			db.RowsAffected = affected
-		}
+		saveMatched(db, affected)
 	}
 	if affected == 0 {
 		return // no row matched: nothing was written
@@ -451,25 +447,25 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 	})
 }
 
-// readsKeyOnly reports whether a write of op names an entity of the
-// rules' model that holds nothing but its primary key (the KeyOnly case)
-// while a rule of the model for op was built with ReadRow: the write is
-// then read as a write by condition on the entities' keys. The model of an
-// update that is also its source of values (Save, db.Updates(&o)) holds
-// the new values, not a key alone.
-func readsKeyOnly(db *gorm.DB, t target, op Operation) bool {
+// saveMatched tells GORM's Save that its update matched rows, which
+// MySQL reports as not affected when their values did not change: Save
+// answers 0 rows affected with a second write, an upsert that saves every
+// association again.
+func saveMatched(db *gorm.DB, matched int64) {
+	if sel := db.Statement.Selects; db.RowsAffected == 0 && matched > 0 && len(sel) == 1 && sel[0] == "*" {
+		db.RowsAffected = matched
+	}
+}
+
+// readsByKey reports whether a write of op names entities of the rules'
+// model with a known primary key while a rule of the model for op was
+// built with ReadRow: the write is then read as a write by condition on
+// the entities' keys, whatever else the entities hold.
+func readsByKey(db *gorm.DB, t target, op Operation) bool {
 	if t.foreign || t.m == nil || t.m.readRow&op == 0 || db.Statement.Schema == nil {
 		return false
 	}
-	if op == Update && sameValue(db.Statement.Dest, db.Statement.Model) {
-		return false
-	}
-	found := false
-	_ = entities(db, func(ptr reflect.Value) error {
-		found = found || primaryKeyKnown(db, ptr) && onlyPrimaryKey(db, ptr)
-		return nil
-	})
-	return found
+	return len(keyedEntities(db)) > 0
 }
 
 // keyedEntities returns the statement's entities whose primary key is
@@ -542,7 +538,7 @@ func (p *Plugin) matchedUnchanged(db *gorm.DB) int64 {
 
 // beforeDelete prepares a delete that names no entity with a key (a
 // delete by condition, by key values, or through Table(name) or another
-// struct), or only entities known by their key alone for a ReadRow rule:
+// struct), or entities with a key when a rule of the model has ReadRow:
 // see byCondition (rows.go).
 func (p *Plugin) beforeDelete(db *gorm.DB) {
 	if db.Error != nil || db.DryRun {
@@ -552,7 +548,7 @@ func (p *Plugin) beforeDelete(db *gorm.DB) {
 	if !t.m.for_(Delete) {
 		return
 	}
-	byKey := readsKeyOnly(db, t, Delete)
+	byKey := readsByKey(db, t, Delete)
 	if t.foreign || byKey {
 		// gorm:delete adds the keys of the statement's entities to the
 		// WHERE; add them first, so the rows read are the rows deleted.

@@ -98,14 +98,14 @@ type Config struct {
 	// another sink supplies that sink's rules here.
 	Limits Limits
 	// MaxRowsPerWrite bounds how many rows one update or delete by
-	// condition (one that names no entity with a primary key, or only
-	// entities holding nothing but their key when a rule has ReadRow) may
-	// change on a table whose rules run once per row: the plugin reads
-	// and locks the matching rows first and refuses a write that matches
-	// more with a *TooManyRowsError, before anything changes. Default
+	// condition (one that names no entity with a primary key, or entities
+	// with a key when a rule of the model has ReadRow) may change on a
+	// table whose rules run once per row: the plugin reads and locks the
+	// matching rows first and refuses a write that matches more with a
+	// *TooManyRowsError, before anything changes. Default
 	// MaxRowsPerWriteDefault (10,000); at most MaxRowsPerWriteMax. A rule
 	// can lower or raise it with MaxRows; rules built with AllowBulk are
-	// not bounded, except in a write of key-only entities read for a
+	// not bounded, except in a write of entities read by key for a
 	// ReadRow rule, where every rule runs once per row.
 	MaxRowsPerWrite int
 	// GuardRawSQL refuses raw SQL (db.Exec, db.Raw) that writes to a

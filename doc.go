@@ -47,10 +47,12 @@
 // as it was before the delete; more rows than Config.MaxRowsPerWrite
 // (default 10,000) fail with a *TooManyRowsError before anything changes,
 // and rules built with AllowBulk see one change per statement instead.
-// An update or delete of an entity holding nothing but its key
-// (db.Delete(&Order{ID: 7})) reads nothing, and the rule sees
-// Change.KeyOnly, unless a rule of the model was built with ReadRow: the
-// write is then read as one by condition on that key.
+// An update or delete of an entity reads nothing: the rule sees the
+// caller's value, with Change.KeyOnly when it held nothing but its key
+// (db.Delete(&Order{ID: 7})), unless a rule of the model for the
+// operation was built with ReadRow: every update or delete of entities
+// with a key is then read as one by condition on their keys, and the
+// rule sees the rows from the table.
 // Creates from maps and writes through Table(name) or another struct
 // mapped to a rule's table are recognised by table name and read back into
 // the rule's model. Raw SQL (Exec, Raw) is outside the rules. See

@@ -87,10 +87,10 @@ func (e *TooLargeError) Error() string {
 func (e *TooLargeError) Unwrap() error { return ErrInvalidMessage }
 
 // TooManyRowsError is returned when an update or delete by condition, or
-// of key-only entities read for a ReadRow rule, matches more rows than
-// the rules that run once per row allow (Config.MaxRowsPerWrite,
-// MaxRows). The rows are counted before the statement runs: nothing was
-// changed, also inside a transaction of the caller's. It wraps
+// of entities read by key for a ReadRow rule, matches more rows than the
+// rules that run once per row allow (Config.MaxRowsPerWrite, MaxRows).
+// The rows are counted before the statement runs: nothing was changed,
+// also inside a transaction of the caller's. It wraps
 // ErrUnsupportedWrite.
 type TooManyRowsError struct {
 	Model     string // the rules' model type, e.g. "main.Order"

@@ -19,11 +19,12 @@ import (
 // An update or delete that names no entity with a primary key
 // (db.Where(…).Delete(&T{}), db.Model(&T{}).Where(…).Update(…), the
 // SET fk = NULL WHERE … of an association unlink, gorm.G[T] forms) runs
-// its rules once per row it changes. So does one that names entities
-// holding nothing but their key when a rule of the model has ReadRow: its
-// condition is the keys GORM takes from the entities. Before the
-// statement runs, the plugin reads the rows its WHERE matches, in the
-// write's transaction, into fresh values of the rule's model:
+// its rules once per row it changes. So does one that names entities with
+// a primary key when a rule of the model for the operation has ReadRow:
+// its condition is the keys GORM takes from the entities, with any
+// condition the caller added. Before the statement runs, the plugin reads
+// the rows its WHERE matches, in the write's transaction, into fresh
+// values of the rule's model:
 //
 //	SELECT * FROM t WHERE <the statement's conditions> ORDER BY <pk> LIMIT n+1 FOR UPDATE
 //
@@ -170,7 +171,7 @@ func (p *Plugin) guardRaw(db *gorm.DB) {
 // rowSet is what readRows found before a write by condition.
 type rowSet struct {
 	t      target
-	shape  string        // "by condition", or "of key-only entities"
+	shape  string        // "by condition", or "of entities" (read by key)
 	before reflect.Value // *[]Model, in key order
 	keys   []string      // keyString per row
 	perRow *modelRules   // the rules that run once per row
@@ -179,8 +180,8 @@ type rowSet struct {
 
 // splitRules returns the rules of m covering op that run per row and
 // those that opted in to one bulk change per statement; with byKey (a
-// write of entities, read for a ReadRow rule) every rule runs per row, as
-// for any write of entities.
+// write of entities read by key for a ReadRow rule) every rule runs per
+// row, as for any write of entities.
 func splitRules(m *modelRules, op Operation, byKey bool) (perRow, bulk *modelRules) {
 	perRow, bulk = &modelRules{}, &modelRules{}
 	for _, r := range m.rules {
@@ -215,9 +216,9 @@ func (p *Plugin) rowLimit(m *modelRules) int {
 // the limit, and restricts the statement to their keys. It does nothing
 // when every rule covering op opted in to bulk changes, or when GORM will
 // refuse the statement itself (no WHERE without AllowGlobalUpdate).
-// With byKey it prepares, the same way, a write of entities known by
-// their key alone for a ReadRow rule: the statement's WHERE holds their
-// keys, and every rule runs once per row read.
+// With byKey it prepares, the same way, a write of entities read by key
+// for a ReadRow rule: the statement's WHERE holds their keys, and every
+// rule runs once per row read.
 func (p *Plugin) byCondition(db *gorm.DB, t target, op Operation, byKey bool) {
 	stmt := db.Statement
 	perRow, bulk := splitRules(t.m, op, byKey)
@@ -230,7 +231,7 @@ func (p *Plugin) byCondition(db *gorm.DB, t target, op Operation, byKey bool) {
 	}
 	shape := "by condition"
 	if byKey {
-		shape = "of key-only entities"
+		shape = "of entities"
 	}
 	fail := func(format string, args ...any) {
 		_ = db.AddError(fmt.Errorf("%w: %s: %s %s: %s", ErrUnsupportedWrite, t.schema.Name, op, shape, fmt.Sprintf(format, args...)))
@@ -387,6 +388,9 @@ func (p *Plugin) publishRows(db *gorm.DB, rs *rowSet, op Operation, changed []st
 		p.finish(db, rs.t, nil, fmt.Errorf("%w: %s: %s %s changed %d rows where %d were read and locked: a concurrent transaction changed them; which rows changed cannot be known",
 			ErrUnsupportedWrite, rs.t.schema.Name, op, rs.shape, db.RowsAffected, n))
 		return
+	}
+	if op == Update {
+		saveMatched(db, int64(n))
 	}
 	var after map[string]reflect.Value
 	if op == Update && n > 0 {

@@ -22,21 +22,24 @@ type Change[T any] struct {
 	Op Operation
 	// Entity is the entity as written. After an insert it carries the keys
 	// the database generated. For a write by condition (an update or
-	// delete that names no entity with a primary key, or only entities
-	// holding nothing but their key when a rule has ReadRow), a create
-	// from a map, or a write through Table(name) or another struct mapped
-	// to the table, it is a fresh value read from the table: the row after
-	// an update, the row as it was for a delete, the inserted row. It is
-	// the zero T for a bulk change.
+	// delete that names no entity with a primary key), an update or delete
+	// of entities when a rule of the model for the operation has ReadRow,
+	// a create from a map, or a write through Table(name) or another
+	// struct mapped to the table, it is a fresh value read from the table:
+	// the row after an update, the row as it was for a delete, the
+	// inserted row. It is the zero T for a bulk change.
 	Entity T
-	// Before is the row before the update. For a write by condition (see
-	// Entity) it is the row as read, and locked, before the statement. For
-	// an update of an entity it is the model value the update was called
-	// on, as it was before the update assigned the new values:
-	// Before.Status is the old status after db.Model(&order).Update("status",
-	// "paid") on a loaded order, only as good as that value (GORM reads
-	// nothing). It is the zero T for inserts, deletes, Save (which passes
-	// the new values as the model) and bulk changes.
+	// Before is the row before the update. For an update read from the
+	// table (see Entity) it is the row as read, and locked, before the
+	// statement. For an update of an entity when no rule of the model for
+	// updates has ReadRow it is the model value the update was called on,
+	// as it was before the update assigned the new values: Before.Status
+	// is the old status after db.Model(&order).Update("status", "paid") on
+	// a loaded order, only as good as that value (GORM reads nothing), and
+	// the zero T for Save and db.Updates(&order), whose model holds the
+	// new values.
+	// It is the zero T for inserts, deletes, upserts that updated a row
+	// and bulk changes.
 	Before T
 	// Changed lists the columns the write set: every column for an insert,
 	// the SET columns of an update (including updated_at when GORM sets
@@ -51,13 +54,13 @@ type Change[T any] struct {
 	// KeyOnly is true for a delete or an update of an entity whose fields
 	// other than the primary key were all zero before the write
 	// (db.Delete(&Order{ID: 7}), db.Model(&Order{ID: 7}).Update("status",
-	// "paid")): the row is not read, and the rule must not rely on other
-	// fields: in Entity only the key and the columns the update set hold
-	// values, in Before only the key. A write by key values or by
-	// condition (db.Delete(&Order{}, 7),
-	// db.Model(&Order{}).Where("id = ?", 7).Update(...)) reads the row,
-	// and so does a key-only write when a rule of the model for the
-	// operation was built with ReadRow: KeyOnly is then false.
+	// "paid")) when no rule of the model for the operation has ReadRow:
+	// the row is not read, and the rule must not rely on other fields: in
+	// Entity only the key and the columns the update set hold values, in
+	// Before only the key. A write by key values or by condition
+	// (db.Delete(&Order{}, 7), db.Model(&Order{}).Where("id = ?", 7).Update(...))
+	// reads the row, and so does every write of entities when a rule of
+	// the model for the operation has ReadRow: KeyOnly is then false.
 	KeyOnly bool
 	// Bulk is true for an update or delete by condition seen by a rule
 	// built with AllowBulk: one change for the whole statement; Entity is
@@ -93,33 +96,44 @@ type ruleOptions struct {
 func AllowBulk() RuleOption { return func(o *ruleOptions) { o.bulk = true } }
 
 // MaxRows bounds how many rows one update or delete by condition (or of
-// key-only entities read for a ReadRow rule) may change for the rule,
+// entities read by key for a ReadRow rule) may change for the rule,
 // which runs once per row: a write that matches more is refused with a
 // *TooManyRowsError before it changes anything. It overrides
 // Config.MaxRowsPerWrite for the rule, from 1 to MaxRowsPerWriteMax; the
 // smallest bound of the rules a write runs holds.
 func MaxRows(n int) RuleOption { return func(o *ruleOptions) { o.maxRows = n } }
 
-// ReadRow makes the plugin read the rows of an update or delete that
-// names entities holding nothing but their primary key
-// (db.Model(&Order{ID: 7}).Update("status", "paid"),
-// db.Delete(&Order{ID: 7}), db.Delete(&[]Order{{ID: 1}, {ID: 2}}): the
-// key-only writes of Change.KeyOnly), so that the rule gets whole rows
-// instead of the caller's near-empty values. The write then runs as an update or delete by condition on
-// those keys: the plugin reads and locks the rows in the write's
-// transaction before the statement, and restricts the statement to the
-// keys it read. Entity is the row after the update, every column read
-// from the table, or the row as it was before the delete; Before is the
-// row before the update; KeyOnly is false. A key whose row does not
-// exist publishes nothing, as no row changed.
+// ReadRow makes the plugin read the rows of every update or delete that
+// names entities of the model by their primary key, whatever else the
+// entities hold: key-only (db.Model(&Order{ID: 7}).Update("status",
+// "paid"), db.Delete(&Order{ID: 7})), partly filled
+// (db.Updates(&Order{ID: 7, Status: "paid"})), loaded (db.Model(&o).Updates(...),
+// db.Updates(&o), db.Delete(&o), db.Delete(&[]Order{...})) or saved
+// (db.Save(&o) of an existing row). The write runs as an update or delete
+// by condition on the entities' keys, with any condition the caller added
+// (db.Model(&o).Where("status = ?", "new")): the plugin reads and locks
+// the rows in the write's transaction before the statement, restricts
+// the statement to the keys it read and, after an update, reads them
+// again. The rule gets the rows from the table, never the caller's value:
+// Entity is the row after the update, every column, or the row as it was
+// before the delete; Before is the row before the update, also when the
+// caller's copy is stale; KeyOnly is false. A key whose row does not
+// exist, or does not meet the added conditions, publishes nothing, as no
+// row changed. The cost is a SELECT … FOR UPDATE (without the lock on
+// SQLite) before each update or delete, and another SELECT after each
+// update.
 //
 // The write is then one by condition for every rule of the model for
 // the operation, with ReadRow or not and AllowBulk included: each runs
 // once per row read, with the rows read, and the write is bounded by
 // Config.MaxRowsPerWrite and MaxRows (a *TooManyRowsError before anything
-// changes). A write of entities with other fields set (loaded entities,
-// Save, db.Updates(&o)) reads nothing, as without ReadRow, and a write by
-// condition reads its rows anyway. ReadRow does nothing for inserts.
+// changes). An update that changes an entity's primary key is refused
+// with ErrUnsupportedWrite, as by condition; one that sets nothing runs
+// no statement and reads nothing. db.Save(&o) of a row that does not
+// exist matches nothing, and GORM's fallback upsert publishes an Insert,
+// as without ReadRow. ReadRow reads nothing for inserts and upserts
+// (db.Save of a slice, Clauses(clause.OnConflict{...}).Create, children
+// saved with their parent), as without it.
 func ReadRow() RuleOption { return func(o *ruleOptions) { o.readRow = true } }
 
 // Rule is a declarative publish rule; build one with On, OnCreate,

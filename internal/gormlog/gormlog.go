@@ -20,8 +20,9 @@ import (
 type failures struct{ inner logger.Interface }
 
 // OnlyFailures wraps inner: Trace calls inner's Trace only for a
-// statement that failed with an error other than gorm.ErrRecordNotFound,
-// so the inner logger's level still decides whether the failure prints;
+// statement that failed with an error other than gorm.ErrRecordNotFound
+// or its context's cancellation (a deadline that passed still logs), so
+// the inner logger's level still decides whether the failure prints;
 // successful and slow statements never reach it. Info, Warn and Error are
 // forwarded. A nil inner is returned as is.
 func OnlyFailures(inner logger.Interface) logger.Interface {
@@ -55,9 +56,17 @@ func (f failures) Error(ctx context.Context, msg string, args ...any) {
 	f.inner.Error(ctx, msg, args...)
 }
 
-// Trace forwards a failed statement to the inner logger.
+// Trace forwards a failed statement to the inner logger, but not one
+// cancelled with its context: the library cancels its own statements
+// when the work they serve ends (a relay stopping, DrainOnce returning
+// while a lease renewal is in flight), which is no failure of the
+// database.
 func (f failures) Trace(ctx context.Context, begin time.Time, fc func() (string, int64), err error) {
-	if err != nil && !errors.Is(err, gorm.ErrRecordNotFound) {
-		f.inner.Trace(ctx, begin, fc, err)
+	if err == nil || errors.Is(err, gorm.ErrRecordNotFound) {
+		return
 	}
+	if errors.Is(err, context.Canceled) || errors.Is(ctx.Err(), context.Canceled) {
+		return
+	}
+	f.inner.Trace(ctx, begin, fc, err)
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log"
 	"testing"
 	"time"
@@ -29,6 +30,17 @@ func TestOnlyFailures(t *testing.T) {
 	l.Trace(context.Background(), begin, sql, errors.New("relation does not exist"))
 	require.Contains(t, buf.String(), "relation does not exist")
 	require.Contains(t, buf.String(), "SELECT 42")
+	buf.Reset()
+
+	cancelled, cancel := context.WithCancel(context.Background())
+	cancel()
+	l.Trace(cancelled, begin, sql, errors.New("driver: query interrupted"))
+	l.Trace(context.Background(), begin, sql, fmt.Errorf("renew: %w", context.Canceled))
+	require.Empty(t, buf.String(), "a statement cancelled with its context")
+	expired, stop := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
+	defer stop()
+	l.Trace(expired, begin, sql, context.DeadlineExceeded)
+	require.Contains(t, buf.String(), "deadline exceeded", "a deadline that passed is a failure")
 	buf.Reset()
 
 	debug := l.LogMode(logger.Info)

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/gorm-outbox/outbox/publisher"
 )
 
 // franzTrace records, for a latency run with -timeline on the Franz
@@ -40,6 +42,23 @@ var (
 	_ kgo.HookProduceRecordBuffered   = (*franzTrace)(nil)
 	_ kgo.HookProduceRecordUnbuffered = (*franzTrace)(nil)
 )
+
+// franzRecordKey names a record as the timeline names its message: by
+// its value (rules8 writes a token there) with byValue, else by its
+// message id header.
+func franzRecordKey(byValue bool) func(*kgo.Record) string {
+	return func(r *kgo.Record) string {
+		if byValue {
+			return string(r.Value)
+		}
+		for _, h := range r.Headers {
+			if h.Key == publisher.MessageIDHeaderDefault {
+				return string(h.Value)
+			}
+		}
+		return ""
+	}
+}
 
 func newFranzTrace(key func(*kgo.Record) string) *franzTrace {
 	return &franzTrace{key: key, buffered: map[*kgo.Record]time.Time{}, recs: map[string]franzRecSpan{}}

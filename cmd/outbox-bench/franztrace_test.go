@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
-	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/gorm-outbox/outbox/outboxtest"
 	"github.com/gorm-outbox/outbox/publisher"
@@ -21,14 +20,7 @@ import (
 // records' time into those steps.
 func TestFranzTraceSplitsAPublish(t *testing.T) {
 	broker := outboxtest.StartBroker(t, "trace")
-	ft := newFranzTrace(func(r *kgo.Record) string {
-		for _, h := range r.Headers {
-			if h.Key == publisher.MessageIDHeaderDefault {
-				return string(h.Value)
-			}
-		}
-		return ""
-	})
+	ft := newFranzTrace(franzRecordKey(false))
 	tl := &timeline{franz: ft}
 	pub, err := publisher.NewFranz(publisher.FranzConfig{Brokers: broker.Brokers(), Options: tl.franzOpts()})
 	require.NoError(t, err)

@@ -18,7 +18,6 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/twmb/franz-go/pkg/kgo"
 	"gorm.io/gorm"
 
 	"github.com/gorm-outbox/outbox"
@@ -746,17 +745,7 @@ func openLatencyRun(ctx context.Context, cfg config, brokers []string, mode late
 			}
 			return m.MessageID
 		})
-		e.tl.franz = newFranzTrace(func(r *kgo.Record) string {
-			if mode.rules8 {
-				return string(r.Value)
-			}
-			for _, h := range r.Headers {
-				if h.Key == publisher.MessageIDHeaderDefault {
-					return string(h.Value)
-				}
-			}
-			return ""
-		})
+		e.tl.franz = newFranzTrace(franzRecordKey(mode.rules8))
 		stopProbe := make(chan struct{})
 		go e.tl.probe(stopProbe)
 		lr.closers = append(lr.closers, func() { close(stopProbe) })

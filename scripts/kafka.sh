@@ -262,7 +262,15 @@ stop_node() { # node
       kill -0 "$pid" 2>/dev/null || break
       sleep 0.5
     done
-    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -KILL "$pid" 2>/dev/null || true
+      # A killed JVM holds its ports until it has exited: return only then,
+      # so whoever starts next (or checks the ports) finds them closed.
+      for t in $(seq 1 120); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.25
+      done
+    fi
   fi
   rm -f "$STATE/node-$i/pid"
 }
@@ -279,6 +287,11 @@ cmd_stop() {
   for i in $(seq 1 "$n"); do stop_node "$i"; done
   # Nothing of ours may survive: any JVM started with this state directory.
   pkill -KILL -f "gorm.outbox.kafka.node=$STATE/" 2>/dev/null || true
+  for i in $(seq 1 120); do
+    pgrep -f "gorm.outbox.kafka.node=$STATE/" >/dev/null || break
+    sleep 0.25
+  done
+  pgrep -f "gorm.outbox.kafka.node=$STATE/" >/dev/null && die "a node of $STATE survived SIGKILL for 30 s"
   log "stopped"
 }
 

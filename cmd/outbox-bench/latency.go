@@ -43,7 +43,9 @@ type latencyMode struct {
 	// direct: no relay. Each writer commits the same transaction and then
 	// publishes its message itself through the same publisher, the dual
 	// write an outbox replaces: the floor of commit → receipt on this
-	// machine, the same run's baseline for the relay's figures.
+	// machine, the same run's baseline for the relay's figures. With
+	// rules8 (the direct8 mode) the eight writers of rules8 do so, on
+	// rules8's schedule: the baseline with rules8's arrivals.
 	direct bool
 	// wal: the outbox writes in WAL mode and a pgwal reader relays
 	// (PostgreSQL with wal_level = logical; the wal scenario).
@@ -74,13 +76,14 @@ var latencyModes = []latencyMode{
 	{name: "poll10", poll: 10 * time.Millisecond},
 	{name: "listen", listen: true},
 	{name: "direct", direct: true},
+	{name: "direct8", rules8: true, direct: true},
 }
 
 // defaultLatencyOrder is the order the latency modes run in without
 // -latency-modes. The floor, direct, runs first and last, so that the
 // relay's modes are measured between two runs of their baseline rather
 // than all before it.
-var defaultLatencyOrder = []string{"direct", "notify", "rules8", "poll", "poll10", "listen", "direct"}
+var defaultLatencyOrder = []string{"direct", "notify", "rules8", "direct8", "poll", "poll10", "listen", "direct"}
 
 // latencyModeNames are the names of latencyModes.
 func latencyModeNames() []string {
@@ -180,6 +183,9 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 				r.add(m+"_turn_p99/direct_turn_p99", v, "ratio")
 			}
 		}
+		if v, ok := turnRatio(turns, "rules8", "direct8"); ok {
+			r.add("rules8_turn_p99/direct8_turn_p99", v, "ratio")
+		}
 	} else {
 		runs := map[string]int{}
 		for _, name := range names {
@@ -259,6 +265,12 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 			}
 		}
 	}
+	// rules8 against the direct writers with its own arrivals: eight
+	// writers on independent schedules, whose commits bunch, where direct's
+	// one paced schedule spaces them evenly.
+	if v, base := p99["rules8"], p99["direct8"]; v > 0 && base > 0 {
+		r.add("rules8_p99/direct8_p99", v/base, "ratio")
+	}
 	// The same from each message's place in the writers' schedule: a
 	// writer that falls behind (direct's publishes hold its next
 	// transactions back) counts its wait here too.
@@ -268,6 +280,9 @@ func latencyScenario(ctx context.Context, cfg config, r *result) error {
 				r.add(m+"_sched_p99/direct_sched_p99", v/base, "ratio")
 			}
 		}
+	}
+	if v, base := sp99["rules8"], sp99["direct8"]; v > 0 && base > 0 {
+		r.add("rules8_sched_p99/direct8_sched_p99", v/base, "ratio")
 	}
 	return nil
 }
@@ -448,6 +463,12 @@ func measureAll(ctx context.Context, cfg config, brokers []string, mode latencyM
 
 // ms is d in milliseconds.
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// rules8Message is the message of rules8's publish rule for token
+// ("t<key>-<n>"): its key is "k<key>", its value the token.
+func rules8Message(topic, token string) *outbox.Message {
+	return &outbox.Message{Topic: topic, Key: []byte("k" + strings.SplitN(token[1:], "-", 2)[0]), Value: []byte(token)}
+}
 
 // LatencyOrder is the business row of the latency scenario's rules8
 // mode; its publish rule sends Token as the message value.
@@ -712,7 +733,7 @@ func openLatencyRun(ctx context.Context, cfg config, brokers []string, mode late
 	var rules []outbox.Rule
 	if mode.rules8 {
 		rules = append(rules, outbox.OnCreate(func(c outbox.Change[*LatencyOrder]) (*outbox.Message, error) {
-			return &outbox.Message{Topic: topic, Key: []byte("k" + strings.SplitN(c.Entity.Token[1:], "-", 2)[0]), Value: []byte(c.Entity.Token)}, nil
+			return rules8Message(topic, c.Entity.Token), nil
 		}))
 	}
 	ecfg := cfg
@@ -833,7 +854,7 @@ func (lr *latencyRun) slice(ctx context.Context, n int) error {
 	c0, t0 := readCPU(), time.Now()
 	defer func() { lr.cpu.add(c0, readCPU(), time.Since(t0)) }()
 	if lr.mode.rules8 {
-		writeRules8(ctx, lr.e, lr.cfg, from, to, lr.scheduled, lr.committed, lr.ids, &lr.werr)
+		writeRules8(ctx, lr.e, lr.cfg, lr.topic, from, to, lr.scheduled, lr.committed, lr.ids, lr.after, &lr.werr)
 	} else {
 		writePaced(ctx, lr.e, lr.cfg, lr.topic, from, to, lr.scheduled, lr.committed, lr.ids, lr.after, &lr.werr)
 	}
@@ -982,7 +1003,7 @@ func writePaced(ctx context.Context, e *env, cfg config, topic string, from, to 
 // each on its own schedule at an eighth of cfg.Rate from a random phase,
 // each creating one LatencyOrder per transaction whose publish rule emits
 // the message: what a service with concurrent requests does.
-func writeRules8(ctx context.Context, e *env, cfg config, from, to int, scheduled, committed []time.Time, ids []string, werr *atomic.Value) {
+func writeRules8(ctx context.Context, e *env, cfg config, topic string, from, to int, scheduled, committed []time.Time, ids []string, after func(*outbox.Message) error, werr *atomic.Value) {
 	const writers = 8
 	interval := writers * time.Second / time.Duration(cfg.Rate)
 	start := time.Now()
@@ -1004,6 +1025,11 @@ func writeRules8(ctx context.Context, e *env, cfg config, from, to int, schedule
 					continue
 				}
 				committed[i], ids[i] = time.Now(), token
+				if after != nil {
+					if err := after(rules8Message(topic, token)); err != nil {
+						werr.Store(err)
+					}
+				}
 			}
 		})
 	}

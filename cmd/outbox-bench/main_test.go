@@ -126,6 +126,7 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 	if cfg.LatencySlice > 0 {
 		require.Positive(t, r.Params["latency_turns"], "the modes ran in turns")
 		require.Positive(t, r.Values["notify_turn_p99/direct_turn_p99"])
+		require.Positive(t, r.Values["rules8_turn_p99/direct8_turn_p99"])
 	}
 	for _, m := range latencyModes {
 		if m.listen && cfg.Driver != dbtest.Postgres {
@@ -144,6 +145,8 @@ func requireLatencyModes(t *testing.T, cfg config, r *result) {
 	}
 	require.Contains(t, r.Values, "notify_p99/poll10_p99")
 	require.Contains(t, r.Values, "rules8_p99/poll10_p99")
+	require.Contains(t, r.Values, "rules8_p99/direct8_p99")
+	require.Contains(t, r.Values, "rules8_sched_p99/direct8_sched_p99")
 	require.Contains(t, r.Values, "notify_p99/direct_p99")
 	require.Contains(t, r.Values, "notify_sched_p99/direct_sched_p99")
 	if cfg.Timeline == "" {

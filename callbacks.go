@@ -14,6 +14,7 @@ import (
 const (
 	keyStartedTx = "outbox:started_transaction"
 	keyBefore    = "outbox:before"
+	keyBefores   = "outbox:befores"
 	keyUpsert    = "outbox:upsert"
 	keySetAdded  = "outbox:set_added"
 	keyRows      = "outbox:rows"
@@ -343,11 +344,25 @@ func (p *Plugin) beforeUpdate(db *gorm.DB) {
 	// When the model is also the source of the values (Save, Updates on
 	// the model itself), it already holds the new values; a write read by
 	// key takes Before from the table.
-	if !byKey && db.Statement.ReflectValue.Kind() == reflect.Struct && !sameValue(db.Statement.Dest, db.Statement.Model) {
-		rv := db.Statement.ReflectValue
-		cp := reflect.New(rv.Type())
-		cp.Elem().Set(rv)
-		db.InstanceSet(keyBefore, cp)
+	if !byKey && !sameValue(db.Statement.Dest, db.Statement.Model) {
+		switch rv := db.Statement.ReflectValue; rv.Kind() {
+		case reflect.Struct:
+			cp := reflect.New(rv.Type())
+			cp.Elem().Set(rv)
+			db.InstanceSet(keyBefore, cp)
+		case reflect.Slice, reflect.Array:
+			// db.Model(&[]Order{{ID: 1}, {ID: 2}}).Update(...): GORM
+			// assigns the new values to every element; each keeps its
+			// copy, found again by the element's address.
+			befores := map[uintptr]reflect.Value{}
+			_ = entities(db, func(ptr reflect.Value) error {
+				cp := reflect.New(ptr.Elem().Type())
+				cp.Elem().Set(ptr.Elem())
+				befores[ptr.Pointer()] = cp
+				return nil
+			})
+			db.InstanceSet(keyBefores, befores)
+		}
 	}
 	if _, ok := db.Statement.Clauses["SET"]; ok || db.Statement.SQL.Len() != 0 {
 		return
@@ -442,8 +457,16 @@ func (p *Plugin) afterUpdate(db *gorm.DB) {
 		// known before the write, and nothing is read.
 		keyOnly = onlyPrimaryKey(db, before)
 	}
+	var befores map[uintptr]reflect.Value // nil but for a slice of entities
+	if v, ok := db.InstanceGet(keyBefores); ok {
+		befores = v.(map[uintptr]reflect.Value)
+	}
 	p.runEach(db, t, m, Update, ownEntities(db, t), changed, false, func(ptr reflect.Value) *change {
-		return &change{entity: ptr, before: before, keyOnly: keyOnly, changed: changed, rowsAffected: affected}
+		c := &change{entity: ptr, before: before, keyOnly: keyOnly, changed: changed, rowsAffected: affected}
+		if b, ok := befores[ptr.Pointer()]; ok {
+			c.before, c.keyOnly = b, onlyPrimaryKey(db, b)
+		}
+		return c
 	})
 }
 

@@ -472,5 +472,19 @@ func TestUpdateOfAnEntityKnownByItsKeyOnly(t *testing.T) {
 		keyOnly, name = last("save")
 		require.False(t, keyOnly)
 		require.Equal(t, "e", name)
+
+		// A slice of entities: each is key-only or not by what it held
+		// before GORM assigned the new value to every element.
+		o2 := Owner{Name: "x"}
+		require.NoError(t, b.db.Create(&o2).Error)
+		ev.all = nil
+		require.NoError(t, b.db.Model(&[]Owner{{ID: o.ID}, o2}).Update("name", "f").Error)
+		require.Len(t, ev.all, 2)
+		for i, want := range []bool{true, false} {
+			c := ev.all[i]
+			require.Equal(t, outbox.Update, c.Op)
+			require.Equal(t, want, c.KeyOnly, "element %d", i)
+			require.Equal(t, "f", c.Entity.(*Owner).Name, "element %d: the column the update set", i)
+		}
 	})
 }

@@ -32,8 +32,9 @@ type Change[T any] struct {
 	// Before is the row before the update. For an update read from the
 	// table (see Entity) it is the row as read, and locked, before the
 	// statement. For an update of an entity when no rule of the model for
-	// updates has ReadRow it is the model value the update was called on,
-	// as it was before the update assigned the new values: Before.Status
+	// updates has ReadRow it is the model value the update was called on
+	// (for a slice of entities, the entity's element), as it was before
+	// the update assigned the new values: Before.Status
 	// is the old status after db.Model(&order).Update("status", "paid") on
 	// a loaded order, only as good as that value (GORM reads nothing), and
 	// the zero T for Save and db.Updates(&order), whose model holds the
@@ -54,7 +55,7 @@ type Change[T any] struct {
 	// KeyOnly is true for a delete or an update of an entity whose fields
 	// other than the primary key were all zero before the write
 	// (db.Delete(&Order{ID: 7}), db.Model(&Order{ID: 7}).Update("status",
-	// "paid")) when no rule of the model for the operation has ReadRow:
+	// "paid"), each such element of db.Model(&[]Order{...})) when no rule of the model for the operation has ReadRow:
 	// the row is not read, and the rule must not rely on other fields: in
 	// Entity only the key and the columns the update set hold values, in
 	// Before only the key. A write by key values or by condition

@@ -114,6 +114,8 @@ func (a *Admin) WALStatus(ctx context.Context) (ops.WALStatus, error) {
 	if st.Exists {
 		ws.ConfirmedLSN = st.Confirmed.String()
 	}
+	// The lease row after the slot, as slotAndRow reads them: a reader
+	// that confirms in between has recorded its position first.
 	lease, ok, err := a.lease(db)
 	if err != nil {
 		return ws, err
@@ -430,15 +432,11 @@ func (a *Admin) EnsureSlot(ctx context.Context) (created bool, err error) {
 	if err := ensurePublication(ctx, a.db, a.cfg.Slot); err != nil {
 		return false, err
 	}
-	recorded, err := l.recorded(ctx)
+	st, row, err := l.slotAndRow(ctx)
 	if err != nil {
-		return false, fmt.Errorf("pgwal: read lease: %w", err)
+		return false, err
 	}
-	st, err := ReadSlotStatus(ctx, a.db, a.cfg.Slot)
-	if err != nil {
-		return false, fmt.Errorf("pgwal: read slot status: %w", err)
-	}
-	exists, err := checkSlot(st, a.cfg.Slot, pglogrepl.LSN(recorded))
+	exists, err := checkSlot(st, a.cfg.Slot, pglogrepl.LSN(row.ConfirmedLSN))
 	if err != nil || exists {
 		return false, err
 	}

@@ -2,6 +2,7 @@ package pgwal
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"gorm.io/gorm"
@@ -106,27 +107,32 @@ func (l *leases) current(ctx context.Context) (bool, error) {
 }
 
 // acquire takes the lease when it is free, expired or already ours, and
-// returns the new term and the recorded confirmed position. ok is false
-// when another reader holds it.
-func (l *leases) acquire(ctx context.Context) (term, confirmed int64, ok bool, err error) {
+// returns the new term. ok is false when another reader holds it. It
+// returns no recorded position: one read now is stale by the time the
+// slot is read, if this reader stalled meanwhile and another took the
+// lease over and confirmed further (slotAndRow reads both in the order
+// that holds).
+func (l *leases) acquire(ctx context.Context) (term int64, ok bool, err error) {
 	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
 	if err := db.Table(l.table).Clauses(clause.OnConflict{DoNothing: true}).Create(&SlotLease{Slot: l.slot}).Error; err != nil {
-		return 0, 0, false, err
+		return 0, false, err
 	}
 	now := time.Now().UnixMilli()
 	r := db.Exec("UPDATE "+l.quoted(db)+" SET owner = ?, term = term + 1, expires_at_ms = ? WHERE slot = ? AND (owner IS NULL OR owner = ? OR expires_at_ms <= ?)",
 		l.me, now+l.dur.Milliseconds(), l.slot, l.me, now)
 	if r.Error != nil || r.RowsAffected == 0 {
-		return 0, 0, false, r.Error
+		return 0, false, r.Error
 	}
-	var row SlotLease
-	if err := db.Table(l.table).Where("slot = ?", l.slot).Take(&row).Error; err != nil {
-		return 0, 0, false, err
+	row, found, err := l.row(ctx)
+	if err != nil || !found || !l.holds(row, row.Term) {
+		return 0, false, err
 	}
-	if row.Owner == nil || *row.Owner != l.me {
-		return 0, 0, false, nil
-	}
-	return row.Term, row.ConfirmedLSN, true, nil
+	return row.Term, true, nil
+}
+
+// holds reports whether row is this reader's lease under term.
+func (l *leases) holds(row SlotLease, term int64) bool {
+	return row.Owner != nil && *row.Owner == l.me && row.Term == term
 }
 
 // renew extends the lease held under term and records confirmed (never
@@ -150,15 +156,34 @@ func (l *leases) holder(ctx context.Context) (SlotLease, bool, error) {
 	return rows[0], true, nil
 }
 
-// recorded returns the confirmed position recorded in the lease row, 0
-// when there is none.
-func (l *leases) recorded(ctx context.Context) (int64, error) {
+// row reads the lease row; found is false when there is none.
+func (l *leases) row(ctx context.Context) (row SlotLease, found bool, err error) {
 	var rows []SlotLease
 	db := l.db.WithContext(ctx).Session(&gorm.Session{NewDB: true, SkipHooks: true})
 	if err := db.Table(l.table).Where("slot = ?", l.slot).Find(&rows).Error; err != nil || len(rows) == 0 {
-		return 0, err
+		return SlotLease{}, false, err
 	}
-	return rows[0].ConfirmedLSN, nil
+	return rows[0], true, nil
+}
+
+// slotAndRow reads the slot's status, then the lease row (the zero row
+// when there is none), for checkSlot. The order matters: a reader records
+// a position in the row before it confirms it to the server, so every
+// position the slot had been confirmed to when it was read is recorded by
+// the time the row is read, and a slot confirmed beyond the row's
+// position was dropped and created again. Read the other way round, a
+// reader that confirmed in between (another reader took the lease over
+// from one stalled after it read the row) looks like a re-created slot.
+func (l *leases) slotAndRow(ctx context.Context) (SlotStatus, SlotLease, error) {
+	st, err := ReadSlotStatus(ctx, l.db, l.slot)
+	if err != nil {
+		return SlotStatus{}, SlotLease{}, fmt.Errorf("pgwal: read slot status: %w", err)
+	}
+	row, _, err := l.row(ctx)
+	if err != nil {
+		return SlotStatus{}, SlotLease{}, fmt.Errorf("pgwal: read lease: %w", err)
+	}
+	return st, row, nil
 }
 
 // record stores confirmed as the recorded position when it is further,

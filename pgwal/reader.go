@@ -194,7 +194,7 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 	var w waiter
 	var waitingFor SlotLease // the holder last logged while waiting
 	for {
-		term, confirmed, ok, err := r.acquire(ctx)
+		term, ok, err := r.acquire(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -205,7 +205,7 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 		}
 		if err == nil && ok {
 			began := time.Now()
-			err = r.term(ctx, term, pglogrepl.LSN(confirmed))
+			err = r.term(ctx, term)
 			if ctx.Err() != nil {
 				held = term
 				return nil
@@ -241,10 +241,10 @@ func (r *Reader) Run(ctx context.Context) (err error) {
 // first checks that no table-mode relay runs, and while one does fails
 // with ErrTableRelaysRunning without taking the lease: it would only
 // fail its term (bridgeOID), one lease term per retry.
-func (r *Reader) acquire(ctx context.Context) (term, confirmed int64, ok bool, err error) {
+func (r *Reader) acquire(ctx context.Context) (term int64, ok bool, err error) {
 	if r.cfg.Bridge {
 		if stopped, err := r.TableRelaysStopped(ctx); err != nil || !stopped {
-			return 0, 0, false, errors.Join(ErrTableRelaysRunning, err)
+			return 0, false, errors.Join(ErrTableRelaysRunning, err)
 		}
 	}
 	return r.leases.acquire(ctx)
@@ -454,11 +454,20 @@ func isDuplicate(err error) bool {
 
 // term reads the slot for as long as this reader holds the lease under
 // term.
-func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) error {
-	st, err := r.SlotStatus(ctx)
+func (r *Reader) term(ctx context.Context, term int64) error {
+	// The slot, then the lease row (slotAndRow): the row as acquire saw it
+	// may be stale, when this reader stalled since (a process stopped, a
+	// starved machine) and another took the lease over and confirmed
+	// further; checked against it, that reader's progress would look like
+	// a re-created slot.
+	st, row, err := r.leases.slotAndRow(ctx)
 	if err != nil {
-		return fmt.Errorf("pgwal: read slot status: %w", err)
+		return err
 	}
+	if !r.leases.holds(row, term) {
+		return errLeaseLost
+	}
+	recorded := pglogrepl.LSN(row.ConfirmedLSN)
 	exists, err := checkSlot(st, r.cfg.Slot, recorded)
 	if err != nil {
 		return err
@@ -546,7 +555,7 @@ func (r *Reader) term(ctx context.Context, term int64, recorded pglogrepl.LSN) e
 	// Logged once the term reads: a term that fails before (a bridging
 	// reader while table relays run, a publisher's fence) logs only its
 	// failure.
-	r.log.Info("pgwal: reading the slot", "term", term, "from", from, "slot_confirmed", st.Confirmed)
+	r.log.Info("pgwal: reading the slot", "term", term, "from", from, "slot_confirmed", st.Confirmed, "recorded", recorded)
 	stopped := make(chan struct{})
 	go func() {
 		defer close(stopped)
@@ -772,15 +781,11 @@ func (r *Reader) EnsureSlot(ctx context.Context) error {
 	if err := r.ensurePublication(ctx); err != nil {
 		return err
 	}
-	recorded, err := r.leases.recorded(ctx)
+	st, row, err := r.leases.slotAndRow(ctx)
 	if err != nil {
-		return fmt.Errorf("pgwal: read lease: %w", err)
+		return err
 	}
-	st, err := r.SlotStatus(ctx)
-	if err != nil {
-		return fmt.Errorf("pgwal: read slot status: %w", err)
-	}
-	exists, err := checkSlot(st, r.cfg.Slot, pglogrepl.LSN(recorded))
+	exists, err := checkSlot(st, r.cfg.Slot, pglogrepl.LSN(row.ConfirmedLSN))
 	if err != nil || exists {
 		return err
 	}

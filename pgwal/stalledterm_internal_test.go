@@ -96,8 +96,8 @@ func TestStalledTermStartIsNotSlotLoss(t *testing.T) {
 	recorded := row.ConfirmedLSN // what a read when it took the lease
 	require.NotZero(t, recorded, "EnsureSlot recorded the slot's consistent point")
 
-	// Meanwhile a's lease lapses, b takes it over and confirms further.
-	time.Sleep(a.cfg.LeaseDuration)
+	// Meanwhile a's lease lapses, b takes it over (its Run waits for
+	// that) and confirms further.
 	bctx, stopB := context.WithCancel(ctx)
 	bDone := make(chan error, 1)
 	go func() { bDone <- b.Run(bctx) }()

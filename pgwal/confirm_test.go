@@ -47,3 +47,51 @@ func TestReaderConfirmsOnProgress(t *testing.T) {
 		return err == nil && lsn >= markLSN
 	}, 20*time.Second, 20*time.Millisecond, "the slot confirms the published messages before the next standby interval")
 }
+
+// TestReaderConfirmsWhenStopped: a reader told to stop records and
+// confirms what it published since its last renewal, so the next reader
+// does not publish it again. Neither the standby interval nor the
+// confirm interval comes round during the test: only the confirm at the
+// stop can move the slot.
+func TestReaderConfirmsWhenStopped(t *testing.T) {
+	e := setup(t)
+	const keys, n = 4, 30
+	slow := func(c *pgwal.Config) {
+		c.LeaseDuration = 3 * time.Minute
+		c.StandbyInterval = time.Minute
+		c.ConfirmInterval = time.Minute
+	}
+	r := e.reader(t, e.pub, "a", slow)
+	stop := run(r)
+	slot := r.Config().Slot
+	require.Eventually(t, func() bool { return slotActive(e.db.DB, slot) }, 60*time.Second, 10*time.Millisecond)
+
+	// The last transaction, written after mark, has a commit position
+	// past it: a slot confirmed through it is confirmed past mark.
+	e.write(t, keys, 0, n-1)
+	var mark string
+	require.NoError(t, e.db.Raw("SELECT pg_current_wal_lsn()::text").Scan(&mark).Error)
+	markLSN, err := pglogrepl.ParseLSN(mark)
+	require.NoError(t, err)
+	e.write(t, keys, n-1, n)
+	e.checkDelivered(t, keys, n)
+	require.Eventually(t, func() bool { return r.Stats().Published >= keys*n }, 20*time.Second, 10*time.Millisecond)
+	require.NoError(t, stop())
+
+	var confirmed string
+	require.NoError(t, e.db.Raw("SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = ?", slot).Scan(&confirmed).Error)
+	lsn, err := pglogrepl.ParseLSN(confirmed)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, lsn, markLSN, "the slot is confirmed past the messages published before the stop")
+
+	// The next reader publishes nothing again. It has the same relay id:
+	// a reader with a publisher of the caller's leaves its lease to lapse
+	// (Run), and the same id takes it back at once.
+	r2 := e.reader(t, e.pub, "a", slow)
+	stop2 := run(r2)
+	require.Eventually(t, func() bool { return slotActive(e.db.DB, slot) }, 60*time.Second, 10*time.Millisecond)
+	e.write(t, keys, n, n+1)
+	e.checkDelivered(t, keys, n+1)
+	require.NoError(t, stop2())
+	require.Equal(t, uint64(keys), r2.Stats().Published, "the next reader published only the messages written after the stop")
+}

@@ -80,9 +80,10 @@ func (r *Reader) Publisher() relay.Publisher { return r.pub }
 // releaseAfterStop gives up the lease held under term when ctx ended
 // Run, once the owned publisher closed (closed): the next reader may
 // then take the slot over at once instead of after LeaseDuration. The
-// messages published since the last recorded position are published
-// again by it, as after a takeover; none can be delivered after its
-// own, since the closed publisher holds none in flight.
+// term confirmed what was acknowledged before it ended (confirmLast);
+// the messages that were in flight are published again by the next
+// reader, as after a takeover, and none can be delivered after its own,
+// since the closed publisher holds none in flight.
 func (r *Reader) releaseAfterStop(ctx context.Context, term int64, closed bool) {
 	if term == 0 || !closed {
 		return

@@ -171,8 +171,11 @@ var errLeaseLost = errors.New("pgwal: lease lost")
 // outbox's BucketCount. Connection failures are retried with backoff,
 // cut short when the database answers again (probed every BackoffMin,
 // at least ProbeIntervalMin apart).
-// Ending ctx abandons the messages in flight: they were not confirmed, so
-// the next reader publishes them again. A reader made by NewKafka or
+// Ending ctx stops reading and publishing: the position the acknowledged
+// publishes reached is recorded and confirmed (bounded by
+// StandbyInterval), and the messages in flight, given to the publisher
+// and not acknowledged, are abandoned: the next reader publishes them
+// again. A reader made by NewKafka or
 // NewKafkaTransactional starts its publisher first (its error is
 // returned at once) and stops it before returning; once it closed, Run
 // releases the lease, so another reader takes over at once. With a
@@ -573,6 +576,9 @@ func (r *Reader) term(ctx context.Context, term int64) error {
 	cancel(err)
 	<-eng.Stopped()
 	<-stopped
+	if ctx.Err() != nil {
+		s.confirmLast(ctx)
+	}
 	if err := eng.Err(); err != nil {
 		return err
 	}

@@ -28,9 +28,9 @@ type SlotLostError struct {
 
 func (e *SlotLostError) Error() string {
 	return fmt.Sprintf("pgwal: slot %s: %s; messages committed after %s may be lost: compare the source tables with what the consumers received, "+
-		"then drop the slot, its publication and its lease row (Admin.DropSlot with force, outboxctl wal slot drop --force, which drop only a slot of this database) "+
+		"then drop the slot, its publication and its lease row (Admin.DropSlot with force, or outboxctl --mode wal --wal-slot %s wal slot drop --force with the outbox's --prefix if it has one; both drop only a slot of this database) "+
 		"so that the next Run creates it again from the current position",
-		e.Slot, e.Reason, e.Confirmed)
+		e.Slot, e.Reason, e.Confirmed, e.Slot)
 }
 
 // Unwrap returns ErrSlotLost.

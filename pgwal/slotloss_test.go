@@ -77,7 +77,7 @@ func TestReaderStopsOnRecreatedSlot(t *testing.T) {
 		require.ErrorIs(t, err, pgwal.ErrSlotLost)
 		require.GreaterOrEqual(t, lost.Confirmed, recorded, "the error names the position the readers recorded")
 		require.Contains(t, err.Error(), "dropped and created again")
-		require.Contains(t, err.Error(), "Admin.DropSlot with force, outboxctl wal slot drop --force", "the error says what to do")
+		require.Contains(t, err.Error(), "Admin.DropSlot with force, or outboxctl --mode wal --wal-slot "+slot+" wal slot drop --force", "the error says what to do, for this slot")
 	}
 	require.Equal(t, uint64(3), r.Stats().Received, "nothing read from the new slot")
 	st, err := r.SlotStatus(context.Background())

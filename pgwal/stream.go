@@ -255,6 +255,24 @@ func (s *stream) confirm(ctx context.Context, r renewal) error {
 	return nil
 }
 
+// confirmLast records and confirms, once the reader is told to stop, the
+// position its publishes reached since the last renewal, so that the
+// next reader does not publish those messages again. It runs after the
+// stream stopped receiving and the engine stopped, on the term's
+// connection, bounded by StandbyInterval; if the lease is no longer held
+// or the renewal fails, nothing is confirmed and the next reader
+// publishes them again, as it would have.
+func (s *stream) confirmLast(ctx context.Context) {
+	if s.position() <= s.confirmed {
+		return
+	}
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.r.cfg.StandbyInterval)
+	defer cancel()
+	if err := s.confirm(fctx, <-s.renew(fctx)); err != nil {
+		s.r.log.Debug("pgwal: confirming the position published when stopped failed; the next reader publishes those messages again", "err", err)
+	}
+}
+
 // renewPoll is how long the stream waits for a message at a time while a
 // renewal runs, so that its position reaches the server soon after.
 const renewPoll = 5 * time.Millisecond

@@ -98,7 +98,7 @@ func (g *globals) walCmd(ctx context.Context, fs *flag.FlagSet, args []string) e
 		u, err := g.wal.DropSlot(ctx, force)
 		var has *pgwal.SlotHasMessagesError
 		if errors.As(err, &has) {
-			return fmt.Errorf("%w (outboxctl wal slot drop --force)", err)
+			return fmt.Errorf("%w (outboxctl --mode wal --wal-slot %s wal slot drop --force)", err, g.wal.WALConfig().Slot)
 		}
 		if err != nil {
 			return err

@@ -138,6 +138,7 @@ func TestWALMode(t *testing.T) {
 	code, _, errOut = ctl("wal", "slot", "drop")
 	require.Equal(t, exitFail, code)
 	require.Contains(t, errOut, "refusing to drop slot "+slot+": it holds 4 unpublished message(s) of 2 key(s)")
+	require.Contains(t, errOut, "(outboxctl --mode wal --wal-slot "+slot+" wal slot drop --force)", "the refusal names the command that drops this slot")
 	require.Contains(t, errOut, "--force")
 	require.True(t, slotExists(), "refused: still there")
 	code, out, errOut = ctl("wal", "slot", "drop", "--force")

@@ -141,7 +141,7 @@ func requireInvalidated(t *testing.T, err error, slot string) {
 	require.NotZero(t, lost.Confirmed, "the error names the last position the readers confirmed")
 	require.Contains(t, err.Error(), "invalidated")
 	require.Contains(t, err.Error(), "max_slot_wal_keep_size")
-	require.Contains(t, err.Error(), "outboxctl wal slot drop --force", "the error says what to do")
+	require.Contains(t, err.Error(), "outboxctl --mode wal --wal-slot "+slot+" wal slot drop --force", "the error says what to do, for this slot")
 }
 
 // TestWALSlotInvalidatedWhileStopped: the reader stops, more WAL than

@@ -28,24 +28,37 @@ func TestReaderConfirmsOnProgress(t *testing.T) {
 	slot := r.Config().Slot
 	require.Eventually(t, func() bool { return slotActive(e.db.DB, slot) }, 60*time.Second, 10*time.Millisecond)
 
-	// Everything before mark is published and must be confirmed; the
-	// last transaction, after it, has a commit position past it.
-	e.write(t, keys, 0, n-1)
-	var mark string
-	require.NoError(t, e.db.Raw("SELECT pg_current_wal_lsn()::text").Scan(&mark).Error)
-	markLSN, err := pglogrepl.ParseLSN(mark)
-	require.NoError(t, err)
-	e.write(t, keys, n-1, n)
+	mark := e.writeAcross(t, keys, n)
 	e.checkDelivered(t, keys, n)
 
 	require.Eventually(t, func() bool {
-		var confirmed string
-		if e.db.Raw("SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = ?", slot).Scan(&confirmed).Error != nil {
-			return false
-		}
-		lsn, err := pglogrepl.ParseLSN(confirmed)
-		return err == nil && lsn >= markLSN
+		lsn, err := e.slotConfirmed(slot)
+		return err == nil && lsn >= mark
 	}, 20*time.Second, 20*time.Millisecond, "the slot confirms the published messages before the next standby interval")
+}
+
+// writeAcross writes n messages of each of keys and returns a WAL
+// position read before the last transaction: that transaction's commit
+// is past it, so a slot confirmed through every message is confirmed
+// past it.
+func (e *env) writeAcross(t *testing.T, keys, n int) pglogrepl.LSN {
+	t.Helper()
+	e.write(t, keys, 0, n-1)
+	var mark string
+	require.NoError(t, e.db.Raw("SELECT pg_current_wal_lsn()::text").Scan(&mark).Error)
+	lsn, err := pglogrepl.ParseLSN(mark)
+	require.NoError(t, err)
+	e.write(t, keys, n-1, n)
+	return lsn
+}
+
+// slotConfirmed reads the slot's confirmed position (0 when it has none).
+func (e *env) slotConfirmed(slot string) (pglogrepl.LSN, error) {
+	var confirmed string
+	if err := e.db.Raw("SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = ?", slot).Scan(&confirmed).Error; err != nil {
+		return 0, err
+	}
+	return pglogrepl.ParseLSN(confirmed)
 }
 
 // TestReaderConfirmsWhenStopped: a reader told to stop records and
@@ -66,23 +79,14 @@ func TestReaderConfirmsWhenStopped(t *testing.T) {
 	slot := r.Config().Slot
 	require.Eventually(t, func() bool { return slotActive(e.db.DB, slot) }, 60*time.Second, 10*time.Millisecond)
 
-	// The last transaction, written after mark, has a commit position
-	// past it: a slot confirmed through it is confirmed past mark.
-	e.write(t, keys, 0, n-1)
-	var mark string
-	require.NoError(t, e.db.Raw("SELECT pg_current_wal_lsn()::text").Scan(&mark).Error)
-	markLSN, err := pglogrepl.ParseLSN(mark)
-	require.NoError(t, err)
-	e.write(t, keys, n-1, n)
+	mark := e.writeAcross(t, keys, n)
 	e.checkDelivered(t, keys, n)
 	require.Eventually(t, func() bool { return r.Stats().Published >= keys*n }, 20*time.Second, 10*time.Millisecond)
 	require.NoError(t, stop())
 
-	var confirmed string
-	require.NoError(t, e.db.Raw("SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = ?", slot).Scan(&confirmed).Error)
-	lsn, err := pglogrepl.ParseLSN(confirmed)
+	lsn, err := e.slotConfirmed(slot)
 	require.NoError(t, err)
-	require.GreaterOrEqual(t, lsn, markLSN, "the slot is confirmed past the messages published before the stop")
+	require.GreaterOrEqual(t, lsn, mark, "the slot is confirmed past the messages published before the stop")
 
 	// The next reader publishes nothing again. It has the same relay id:
 	// a reader with a publisher of the caller's leaves its lease to lapse

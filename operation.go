@@ -15,6 +15,9 @@ const (
 	Delete
 )
 
+// String names the operation as a rule's message might: "insert",
+// "update" or "delete"; a combination joins them with "|"
+// ("insert|update"), and no operation is "none".
 func (o Operation) String() string {
 	switch o {
 	case Insert:

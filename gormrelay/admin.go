@@ -146,6 +146,31 @@ func readBacklog(db *gorm.DB, cfg outbox.Config) (relay.Backlog, error) {
 	return b, nil
 }
 
+// retrying fills in each bucket's first message whose publish failed
+// (attempts above 0), at most one row per bucket: the lowest id of each
+// bucket among the failed ones.
+func (a *Admin) retrying(db *gorm.DB, buckets []BucketStatus) error {
+	var rows []outbox.MessageRow
+	messages := a.cfg.Tables.MessagesTable()
+	err := db.Table(messages).Select("id, message_id, bucket, topic, msg_key, created_at_ms, attempts, last_error").
+		Where("attempts > 0 AND id IN (?)", db.Table(messages).Select("MIN(id)").Where("attempts > 0").Group("bucket")).
+		Find(&rows).Error
+	if err != nil {
+		return a.fail(db, "read the messages being retried", err)
+	}
+	for _, r := range rows {
+		if b := int(r.Bucket); b >= 0 && b < len(buckets) {
+			m := &ops.RetryingMessage{ID: r.ID, MessageID: r.MessageID, Topic: r.Topic, Key: r.Key,
+				CreatedAt: time.UnixMilli(r.CreatedAtMs), Attempts: int(r.Attempts)}
+			if r.LastError != nil {
+				m.LastError = *r.LastError
+			}
+			buckets[b].Retrying = m
+		}
+	}
+	return nil
+}
+
 // The operator API's types, under their gormrelay names.
 type (
 	DeadLetterCounts = ops.DeadLetterCounts
@@ -203,6 +228,10 @@ func (a *Admin) Status(ctx context.Context) (Status, error) {
 			st.Buckets[bb.Bucket].Oldest = bb.Oldest
 			st.Buckets[bb.Bucket].OldestAgeMs = age(now, bb.Oldest)
 		}
+	}
+
+	if err := a.retrying(db, st.Buckets); err != nil {
+		return Status{}, err
 	}
 
 	var dead []struct {

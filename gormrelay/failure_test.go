@@ -311,6 +311,16 @@ func TestFailurePolicyBlock(t *testing.T) {
 		}, deliverWithin, 10*time.Millisecond, "the poison message is retried past MaxAttempts")
 		require.Equal(t, stuck+"/0", string(head.Value))
 		require.Contains(t, *head.LastError, "rejected")
+		// The operator sees what holds bucket 0 back, and nothing in 1.
+		st, err := b.newAdmin(t).Status(context.Background())
+		require.NoError(t, err)
+		r := st.Buckets[0].Retrying
+		require.NotNil(t, r, "the status names the message the relay retries")
+		require.Equal(t, head.ID, r.ID)
+		require.Equal(t, stuck, string(r.Key))
+		require.GreaterOrEqual(t, r.Attempts, 4)
+		require.Contains(t, r.LastError, "rejected")
+		require.Nil(t, st.Buckets[1].Retrying)
 		// The other bucket's drain runs beside the retries; on a busy
 		// machine it may end after the fourth attempt.
 		require.EventuallyWithT(t, func(c *assert.CollectT) { assert.Empty(c, b.ids(c, 1)) }, deliverWithin, 10*time.Millisecond, "the other bucket flows")

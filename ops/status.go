@@ -63,6 +63,26 @@ type BucketStatus struct {
 	OldestAgeMs int64            `json:"oldest_age_ms"`
 	DeadLetters DeadLetterCounts `json:"dead_letters"`
 	Lease       LeaseInfo        `json:"lease"`
+	// Retrying is the bucket's first pending message whose publish
+	// failed, which the relay retries while it holds the bucket, and its
+	// key's later messages, back; nil when none failed. Table mode only.
+	Retrying *RetryingMessage `json:"retrying,omitempty"`
+}
+
+// RetryingMessage is a pending message whose publish failed and is
+// retried (BucketStatus.Retrying): what an operator needs to see why a
+// bucket does not advance before the message becomes a dead letter.
+type RetryingMessage struct {
+	ID        int64  `json:"id"`
+	MessageID string `json:"message_id"`
+	Topic     string `json:"topic"`
+	// Key is nil for a keyless message.
+	Key       []byte    `json:"key"`
+	CreatedAt time.Time `json:"created_at"`
+	// Attempts counts its failed publishes so far.
+	Attempts int `json:"attempts"`
+	// LastError is the last failure, as a dead letter's LastError.
+	LastError string `json:"last_error"`
 }
 
 // Status is an outbox's operational state at one moment: backlog, dead

@@ -23,6 +23,7 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/ops"
 	"github.com/gorm-outbox/outbox/publisher"
 	"github.com/gorm-outbox/outbox/relay"
 )
@@ -183,8 +184,14 @@ func TestCLIEndToEnd(t *testing.T) {
 		{ID: 3, MessageID: "m3", Bucket: 2, Topic: "payments", Value: []byte("x"), CreatedAtMs: now.UnixMilli(),
 			DeadAtMs: now.Add(-time.Hour).UnixMilli(), State: "failed"},
 	}).Error)
-	require.NoError(t, db.DB.Table(cfg.Tables.MessagesTable()).Create(&outbox.MessageRow{
-		ID: 10, MessageID: "p1", Bucket: 1, Topic: "orders", Key: []byte("order-7"), Value: []byte("pending"), CreatedAtMs: now.Add(-time.Minute).UnixMilli(),
+	require.NoError(t, db.DB.Table(cfg.Tables.MessagesTable()).Create([]outbox.MessageRow{
+		{ID: 10, MessageID: "p1", Bucket: 1, Topic: "orders", Key: []byte("order-7"), Value: []byte("pending"), CreatedAtMs: now.Add(-time.Minute).UnixMilli()},
+		// Bucket 3 is held back by message 11, whose publish failed twice;
+		// 12 behind it failed once.
+		{ID: 11, MessageID: "p2", Bucket: 3, Topic: "payments-x", Key: []byte("k3"), Value: []byte("v"), CreatedAtMs: now.UnixMilli(),
+			Attempts: 2, LastError: ptr(`unknown topic "payments-x"`)},
+		{ID: 12, MessageID: "p3", Bucket: 3, Topic: "payments-x", Key: []byte("k3"), Value: []byte("v"), CreatedAtMs: now.UnixMilli(),
+			Attempts: 1, LastError: ptr("later")},
 	}).Error)
 
 	// The trust-authenticated server ignores the password: it is there to
@@ -195,15 +202,25 @@ func TestCLIEndToEnd(t *testing.T) {
 
 	var st gormrelay.Status
 	c.runJSON(&st, "status")
-	require.EqualValues(t, 1, st.Pending)
+	require.EqualValues(t, 3, st.Pending)
 	require.Equal(t, gormrelay.DeadLetterCounts{Failed: 2, Parked: 1}, st.DeadLetters)
 	require.Len(t, st.Buckets, 4)
 	require.GreaterOrEqual(t, st.OldestAgeMs, int64(time.Minute/time.Millisecond))
+	for _, b := range st.Buckets[:3] {
+		require.Nil(t, b.Retrying, "bucket %d has no failed message", b.Bucket)
+	}
+	require.NotNil(t, st.Buckets[3].Retrying)
+	require.Equal(t, ops.RetryingMessage{ID: 11, MessageID: "p2", Topic: "payments-x", Key: []byte("k3"),
+		CreatedAt: time.UnixMilli(now.UnixMilli()).UTC(), Attempts: 2, LastError: `unknown topic "payments-x"`}, *st.Buckets[3].Retrying)
 
 	code, out, errOut := c.run("status")
 	require.Equal(t, exitOK, code, errOut)
 	require.Contains(t, out, "BUCKET")
-	require.Contains(t, out, "1 pending")
+	require.Contains(t, out, "3 pending")
+	require.Contains(t, out, `bucket 3 retries message 11 (topic payments-x, key k3, written `)
+	require.Contains(t, out, `after 2 failed attempt(s); last error: unknown topic "payments-x"`)
+	// The rest of the test counts bucket 1's rows only.
+	require.NoError(t, db.DB.Table(cfg.Tables.MessagesTable()).Where("bucket = ?", 3).Delete(&outbox.MessageRow{}).Error)
 	require.Contains(t, out, "no relay heartbeats")
 	t.Logf("outboxctl status:\n%s", out)
 

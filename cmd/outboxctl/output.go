@@ -52,6 +52,7 @@ func printStatus(w io.Writer, st ops.Status, cfg outbox.Config) {
 	}
 	tw.Flush()
 	printLeaseCount(w, st, cfg)
+	printRetrying(w, st)
 
 	fmt.Fprintln(w)
 	if len(st.Relays) == 0 {
@@ -68,6 +69,20 @@ func printStatus(w io.Writer, st ops.Status, cfg outbox.Config) {
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%s ago\t%s\n", r.ID, live, r.Buckets, age(st.SampledAt.Sub(r.LastSeen)), age(r.LastSeen.Sub(r.StartedAt)))
 	}
 	tw.Flush()
+}
+
+// printRetrying prints, for each bucket held back by a message whose
+// publish failed and is retried, that message and its last error: why
+// the bucket does not advance, before the message becomes a dead letter.
+func printRetrying(w io.Writer, st ops.Status) {
+	for _, b := range st.Buckets {
+		r := b.Retrying
+		if r == nil {
+			continue
+		}
+		fmt.Fprintf(w, "\nbucket %d retries message %d (topic %s, key %s, written %s ago) after %d failed attempt(s); last error: %s\n",
+			b.Bucket, r.ID, r.Topic, printable(r.Key, 40), age(st.SampledAt.Sub(r.CreatedAt)), r.Attempts, clip(r.LastError, 300))
+	}
 }
 
 // leaseCells are the OWNER, EXPIRES IN and PAUSED cells of a lease row.

@@ -241,6 +241,8 @@ func TestCLIEndToEnd(t *testing.T) {
 	require.Contains(t, out, "parked")
 	code, out, _ = c.run("dead-letters", "list")
 	require.Equal(t, exitOK, code)
+	require.Contains(t, out, "Whole error, key and value: outboxctl dead-letters show ID")
+	require.NotContains(t, out, "DELIVERED maybe", "no row is maybe delivered: no footer explains it")
 	t.Logf("outboxctl dead-letters list:\n%s", out)
 
 	var one map[string]any
@@ -576,4 +578,18 @@ func TestParseNegativeIDs(t *testing.T) {
 		require.Equal(t, tc.pos, pos, tc.args)
 		require.Equal(t, tc.limit, *limit, tc.args)
 	}
+}
+
+// The dead-letter list explains DELIVERED maybe only when a row is.
+func TestDeadLetterListExplainsMaybe(t *testing.T) {
+	var b strings.Builder
+	page := ops.DeadLetterPage{Items: []ops.DeadLetter{{ID: 1, Topic: "orders", State: ops.DeadLetterFailed}}}
+	printDeadLetters(&b, page)
+	require.NotContains(t, b.String(), "DELIVERED maybe")
+	require.Contains(t, b.String(), "Whole error, key and value: outboxctl dead-letters show ID")
+
+	b.Reset()
+	page.Items = append(page.Items, ops.DeadLetter{ID: 2, Topic: "orders", State: ops.DeadLetterParked, MaybeDelivered: true})
+	printDeadLetters(&b, page)
+	require.Contains(t, b.String(), "DELIVERED maybe: an earlier copy may already have reached consumers.")
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -229,7 +230,11 @@ func printDeadLetters(w io.Writer, page ops.DeadLetterPage) {
 			d.Bucket, d.Topic, printable(d.Key, 32), d.Attempts, d.ValueSize, errorSummary(d.LastError))
 	}
 	tw.Flush()
-	fmt.Fprintln(w, "\nDELIVERED maybe: an earlier copy may already have reached consumers. Whole error: outboxctl dead-letters show ID")
+	fmt.Fprintln(w)
+	if slices.ContainsFunc(page.Items, func(d ops.DeadLetter) bool { return d.MaybeDelivered }) {
+		fmt.Fprintln(w, "DELIVERED maybe: an earlier copy may already have reached consumers.")
+	}
+	fmt.Fprintln(w, "Whole error, key and value: outboxctl dead-letters show ID")
 	if page.Next != "" {
 		fmt.Fprintf(w, "\nmore: --cursor %s\n", page.Next)
 	}

@@ -592,4 +592,5 @@ func TestDeadLetterListExplainsMaybe(t *testing.T) {
 	page.Items = append(page.Items, ops.DeadLetter{ID: 2, Topic: "orders", State: ops.DeadLetterParked, MaybeDelivered: true})
 	printDeadLetters(&b, page)
 	require.Contains(t, b.String(), "DELIVERED maybe: an earlier copy may already have reached consumers.")
+	require.Contains(t, b.String(), "(parked: waits behind a failed message of its key; requeue the key)", "a parked row says what it waits for")
 }

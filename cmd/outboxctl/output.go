@@ -211,6 +211,15 @@ func errorSummary(lastError string) string {
 	return failureCause(ops.ErrorCause(lastError))
 }
 
+// deadLetterError is the ERROR cell of a dead letter: its cause, or for a
+// parked one that did not fail, what it waits for.
+func deadLetterError(d ops.DeadLetter) string {
+	if d.State == ops.DeadLetterParked && d.LastError == "" {
+		return "(parked: waits behind a failed message of its key; requeue the key)"
+	}
+	return errorSummary(d.LastError)
+}
+
 func maybeDelivered(d ops.DeadLetter) string {
 	if d.MaybeDelivered {
 		return "maybe"
@@ -227,7 +236,7 @@ func printDeadLetters(w io.Writer, page ops.DeadLetterPage) {
 	fmt.Fprintln(tw, "ID\tDIED\tSTATE\tDELIVERED\tBUCKET\tTOPIC\tKEY\tATTEMPTS\tSIZE\tERROR")
 	for _, d := range page.Items {
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%s\t%d\t%d\t%s\n", d.ID, d.DeadAt.UTC().Format(time.RFC3339), d.State, maybeDelivered(d),
-			d.Bucket, d.Topic, printable(d.Key, 32), d.Attempts, d.ValueSize, errorSummary(d.LastError))
+			d.Bucket, d.Topic, printable(d.Key, 32), d.Attempts, d.ValueSize, deadLetterError(d))
 	}
 	tw.Flush()
 	fmt.Fprintln(w)

@@ -298,7 +298,9 @@ func TestOrdersFlowToKafka(t *testing.T) {
 
 // createTopic creates a topic unique to this run on the real cluster in
 // brokers (clusters usually refuse to create topics on demand) and returns
-// its name.
+// its name once every partition's leader answers for it: the service's
+// consumer reads each partition's offsets at its start, which a partition
+// still electing its leader refuses (NotLeaderForPartition).
 func createTopic(t *testing.T, brokers, base string) string {
 	t.Helper()
 	name := fmt.Sprintf("%s_%d", base, time.Now().UnixNano())
@@ -307,7 +309,23 @@ func createTopic(t *testing.T, brokers, base string) string {
 	admin, err := sarama.NewClusterAdmin(strings.Split(brokers, ","), cfg)
 	require.NoError(t, err)
 	defer admin.Close()
-	require.NoError(t, admin.CreateTopic(name, &sarama.TopicDetail{NumPartitions: 3, ReplicationFactor: -1}, false))
+	const partitions = 3
+	require.NoError(t, admin.CreateTopic(name, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: -1}, false))
+	client, err := sarama.NewClient(strings.Split(brokers, ","), cfg)
+	require.NoError(t, err)
+	defer client.Close()
+	var lastErr error
+	require.Eventually(t, func() bool {
+		if lastErr = client.RefreshMetadata(name); lastErr != nil {
+			return false
+		}
+		for p := range int32(partitions) {
+			if _, lastErr = client.GetOffset(name, p, sarama.OffsetOldest); lastErr != nil {
+				return false
+			}
+		}
+		return true
+	}, time.Minute, 50*time.Millisecond, "every partition of %s has a leader that answers", name)
 	return name
 }
 

@@ -34,11 +34,7 @@ type env struct {
 
 func setup(t *testing.T) *env {
 	t.Helper()
-	dbt := dbtest.OpenWAL(t)
-	p, err := outbox.NewPlugin(outbox.Config{Name: dbtest.Name("o_"), Mode: outbox.ModeWAL})
-	require.NoError(t, err)
-	require.NoError(t, dbt.DB.Use(p))
-	require.NoError(t, p.AutoMigrate(context.Background(), dbt.DB))
+	dbt, p := pgwal.OpenWALOutbox(t)
 	k := kafkatest.Start(t)
 	topic := k.Topic(t, 4)
 	pub, err := publisher.NewKafka(publisher.KafkaConfig{Brokers: k.Brokers(), Logger: dbtest.Logger(t)})

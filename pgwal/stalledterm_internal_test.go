@@ -26,11 +26,7 @@ type stallEnv struct {
 
 func newStallEnv(t *testing.T) *stallEnv {
 	t.Helper()
-	dbt := dbtest.OpenWAL(t)
-	p, err := outbox.NewPlugin(outbox.Config{Name: dbtest.Name("o_"), Mode: outbox.ModeWAL})
-	require.NoError(t, err)
-	require.NoError(t, dbt.DB.Use(p))
-	require.NoError(t, p.AutoMigrate(context.Background(), dbt.DB))
+	dbt, p := OpenWALOutbox(t)
 	return &stallEnv{db: dbt.DB, plugin: p}
 }
 

@@ -145,11 +145,7 @@ func TestStrictForeignRecordDropsNothing(t *testing.T) {
 // server, publishing to its own topic of e's Kafka cluster.
 func (e *env) sibling(t *testing.T) *env {
 	t.Helper()
-	dbt := dbtest.OpenWAL(t)
-	p, err := outbox.NewPlugin(outbox.Config{Name: dbtest.Name("o_"), Mode: outbox.ModeWAL})
-	require.NoError(t, err)
-	require.NoError(t, dbt.DB.Use(p))
-	require.NoError(t, p.AutoMigrate(context.Background(), dbt.DB))
+	dbt, p := pgwal.OpenWALOutbox(t)
 	return &env{db: dbt, plugin: p, kafka: e.kafka, topic: e.kafka.Topic(t, 4), pub: e.pub}
 }
 

@@ -404,9 +404,13 @@
 // replaces it (only the one of its producers concerned) with a new
 // producer (a new producer id): at once when the
 // brokers refuse its state, and after KafkaConfig.StallTimeout (default
-// 30s) of publishes that all failed without one acknowledgement
-// (failures on an unknown topic, or of messages refused for good, are
-// about the message and do not count), and, through ProbeSink
+// 30s) of publishes that all failed without one acknowledgement, or of
+// publishes of one bucket that all failed while other buckets' went
+// through (sarama can keep producing to a partition on a connection
+// whose broker answers NOT_LEADER_FOR_PARTITION while the metadata names
+// it the leader; only new connections end that). Failures on an unknown
+// topic, or of messages refused for good, are about the message and do
+// not count. It is also replaced, through ProbeSink
 // (relay.SinkProber), when a broker answers again after a failed probe
 // while the producer's publishes had been failing since before it
 // (ReplaceBrokersBack): sarama's circuit breakers, opened by the outage,

@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -735,13 +733,7 @@ func TestFranzReplacesAClientWhosePartitionKeepsFailing(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 1, acked)
 
-	_, portText, _ := strings.Cut(fake.ListenAddrs()[0], ":")
-	port, err := strconv.Atoi(portText)
-	require.NoError(t, err)
-	require.NoError(t, fake.RemoveNode(0))
-	_, _, err = fake.AddNode(0, port)
-	require.NoError(t, err)
-	require.NoError(t, fake.MoveTopicPartition(topic, 0, 0))
+	readdFirstNode(t, fake, topic)
 
 	msgs := publishertest.Messages(topic, "after", 2)
 	start := time.Now()

@@ -307,3 +307,19 @@ func TestStrayPinHoldsEveryCall(t *testing.T) {
 	require.Equal(t, laneLinger, k.laneOf(s, large))
 	require.Empty(t, s.strays, "the bucket's pin is gone")
 }
+
+// TestHealthBucketFailing: a bucket's failures count from the first one
+// since its last acknowledgement, and start anew when the bucket had not
+// failed for more than twice the stall timeout (it was not retried through
+// this producer meanwhile).
+func TestHealthBucketFailing(t *testing.T) {
+	const stall = 10 * time.Second
+	var h health
+	t0 := time.Unix(1000, 0)
+	require.Equal(t, t0, h.failing(3, t0, stall))
+	require.Equal(t, t0, h.failing(3, t0.Add(stall), stall))
+	require.Equal(t, t0.Add(time.Second), h.failing(4, t0.Add(time.Second), stall), "each bucket on its own")
+	require.Equal(t, t0, h.failing(3, t0.Add(3*stall), stall), "at most 2 × stall since its previous failure")
+	later := t0.Add(6 * stall)
+	require.Equal(t, later, h.failing(3, later, stall), "more than 2 × stall without a failure starts anew")
+}

@@ -110,7 +110,12 @@ type KafkaConfig struct {
 	// StallTimeout is how long every publish may fail, with not a single
 	// message acknowledged, before the publisher concludes that its
 	// producer can no longer make progress and replaces it with a new one
-	// (a new producer id, new connections). The brokers refusing the
+	// (a new producer id, new connections). The same holds for the
+	// publishes of one bucket while others go through: sarama can keep
+	// producing to a partition on a connection whose broker answers
+	// NOT_LEADER_FOR_PARTITION while the metadata names it the leader
+	// (kfake's broker removed and added back behind the same address does
+	// this), and only new connections end that. The brokers refusing the
 	// producer's idempotence state (out-of-order sequence, unknown producer
 	// id, invalid epoch) replaces it at once. Replacements are at least 1s
 	// apart, doubling up to StallTimeout while they bring no
@@ -319,6 +324,36 @@ type health struct {
 	replacing    bool          // a replacement is being built
 	lastReplace  time.Time     // start of the last replacement attempt
 	gap          time.Duration // minimum time between two replacement attempts
+	// buckets holds, for each bucket whose publishes through the producer
+	// failed since its last acknowledgement, when they started failing
+	// and when one last failed: a bucket can fail every publish while
+	// others flow (sarama keeps retrying a partition on a connection to a
+	// broker that answers NOT_LEADER_FOR_PARTITION while the metadata names
+	// it the leader), which the producer-wide failingSince never sees.
+	buckets map[int]bucketFailing
+}
+
+// bucketFailing is how long a bucket's publishes have failed; see
+// health.buckets.
+type bucketFailing struct {
+	since, last time.Time
+}
+
+// failing records a failed publish of bucket at now and returns since when
+// the bucket's publishes have failed. A failure more than twice the stall
+// timeout after the bucket's previous one starts anew: the bucket was not
+// being retried through this producer meanwhile (its lease was elsewhere).
+func (h *health) failing(bucket int, now time.Time, stall time.Duration) time.Time {
+	if h.buckets == nil {
+		h.buckets = make(map[int]bucketFailing)
+	}
+	f, ok := h.buckets[bucket]
+	if !ok || now.Sub(f.last) > 2*stall {
+		f.since = now
+	}
+	f.last = now
+	h.buckets[bucket] = f
+	return f.since
 }
 
 // Reasons a producer is replaced, as passed to
@@ -728,7 +763,7 @@ func (k *Kafka) Publish(ctx context.Context, msgs []relay.Message) (int, error) 
 	c, sent, stop := k.send(ctx, p, msgs)
 	if sent == 0 {
 		if stop != nil && ctx.Err() == nil {
-			k.observe(p, 0, stop)
+			k.observe(p, msgs[0].Bucket, 0, stop)
 		}
 		return 0, stop
 	}
@@ -737,7 +772,7 @@ func (k *Kafka) Publish(ctx context.Context, msgs []relay.Message) (int, error) 
 	if c.pending.Load() > 0 && k.lanes > 1 {
 		k.strayed(p, msgs[0].Bucket, c)
 	}
-	k.observe(p, acked, err)
+	k.observe(p, msgs[0].Bucket, acked, err)
 	return acked, err
 }
 
@@ -1070,12 +1105,13 @@ func recordBytes(m *relay.Message, idHeader []byte) int {
 	return pm.ByteSize(2)
 }
 
-// observe updates the producer's health after a publish through p and
-// starts a replacement when p can no longer make progress: the brokers
-// refused its idempotence state, or every publish failed for
-// StallTimeout. A cancelled publish (the relay stopping, a lease lost)
-// says nothing about the producer.
-func (k *Kafka) observe(p *producer, acked int, err error) {
+// observe updates the producer's health after a publish of bucket's
+// messages through p and starts a replacement when p can no longer make
+// progress: the brokers refused its idempotence state, or every publish,
+// or every publish of one bucket, failed for StallTimeout. A cancelled
+// publish (the relay stopping, a lease lost) says nothing about the
+// producer.
+func (k *Kafka) observe(p *producer, bucket, acked int, err error) {
 	if errors.Is(err, context.Canceled) || errors.Is(err, ErrClosed) {
 		return
 	}
@@ -1089,6 +1125,7 @@ func (k *Kafka) observe(p *producer, acked int, err error) {
 	if acked > 0 || err == nil {
 		h.failingSince = time.Time{}
 		h.gap = replaceGapMin
+		delete(h.buckets, bucket)
 		return
 	}
 	if (relay.IsPermanent(err) && !isProducerState(err)) || errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
@@ -1097,12 +1134,16 @@ func (k *Kafka) observe(p *producer, acked int, err error) {
 	if h.failingSince.IsZero() {
 		h.failingSince = now
 	}
+	bucketSince := h.failing(bucket, now, k.stall)
 	var reason string
+	stalledBucket := -1 // the bucket that stalled alone, if that is the reason
 	switch {
 	case isProducerState(err):
 		reason = ReplaceProducerState
 	case now.Sub(h.failingSince) >= k.stall:
 		reason = ReplaceStalled
+	case now.Sub(bucketSince) >= k.stall:
+		reason, stalledBucket = ReplaceStalled, bucket
 	default:
 		return
 	}
@@ -1111,15 +1152,19 @@ func (k *Kafka) observe(p *producer, acked int, err error) {
 	}
 	h.replacing, h.lastReplace = true, now
 	failingFor := now.Sub(h.failingSince)
+	if bucketSince.Before(h.failingSince) {
+		failingFor = now.Sub(bucketSince)
+	}
 	k.retired.Add(1)
-	go k.replace(p.slot, p.lane, reason, err, failingFor)
+	go k.replace(p.slot, p.lane, reason, err, failingFor, stalledBucket)
 }
 
 // replace builds a new producer for lane l of slot i and puts it in
 // service; the old one is closed once the publishes handing messages to it
 // are done. On failure (the cluster is unreachable) the old one stays, and
-// the next attempt waits twice as long, up to StallTimeout.
-func (k *Kafka) replace(i, l int, reason string, cause error, failingFor time.Duration) {
+// the next attempt waits twice as long, up to StallTimeout. bucket is the
+// bucket whose publishes alone stalled, -1 if none.
+func (k *Kafka) replace(i, l int, reason string, cause error, failingFor time.Duration, bucket int) {
 	defer k.retired.Done()
 	np, err := k.newProducer(i, l)
 
@@ -1141,13 +1186,18 @@ func (k *Kafka) replace(i, l int, reason string, cause error, failingFor time.Du
 	}
 	old := k.slots[i].lanes[l].cur
 	k.slots[i].lanes[l].cur = np
-	h.failingSince = time.Time{}
+	h.failingSince, h.buckets = time.Time{}, nil
 	k.mu.Unlock()
 
 	n := k.replacements.Add(1)
-	k.logger.Warn(replacedMessage(reason),
-		slog.String("reason", reason), slog.Int("producer", i), slog.Bool("lingering", l == laneLinger),
-		slog.Duration("failing_for", failingFor), slog.Int64("replacements", n), slog.Any("cause", cause))
+	attrs := []any{slog.String("reason", reason), slog.Int("producer", i), slog.Bool("lingering", l == laneLinger),
+		slog.Duration("failing_for", failingFor), slog.Int64("replacements", n), slog.Any("cause", cause)}
+	msg := replacedMessage(reason)
+	if bucket >= 0 {
+		msg = "every publish of one bucket through the kafka producer failed for failing_for without an acknowledgement, while others may have gone through; replaced it with a new one (new producer id, new connections)"
+		attrs = append(attrs, slog.Int("bucket", bucket))
+	}
+	k.logger.Warn(msg, attrs...)
 	if k.observer != nil {
 		k.observer.ProducerReplaced(reason)
 	}

@@ -80,7 +80,7 @@ func (k *Kafka) replaceFailing(ctx context.Context) {
 	}
 	var wg sync.WaitGroup
 	for _, f := range fs {
-		wg.Go(func() { k.replace(f.slot, f.lane, ReplaceBrokersBack, errBrokersBack, f.failingFor) })
+		wg.Go(func() { k.replace(f.slot, f.lane, ReplaceBrokersBack, errBrokersBack, f.failingFor, -1) })
 	}
 	done := make(chan struct{})
 	go func() {

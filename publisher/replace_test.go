@@ -1,6 +1,8 @@
 package publisher_test
 
 import (
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -167,4 +169,94 @@ func eventuallyPublishes(t *testing.T, k *publisher.Kafka, msgs []relay.Message)
 		assert.NoError(c, err)
 		assert.Equal(c, len(msgs), acked)
 	}, 30*time.Second, 50*time.Millisecond)
+}
+
+// TestKafkaReplacesProducerWhenOneBucketStalls: one bucket's partition is
+// led by a broker that kfake removed and added back behind the same
+// address. sarama keeps its connection to the removed broker, which
+// answers NOT_LEADER_FOR_PARTITION while the metadata names it the leader,
+// so every publish of that bucket fails, while another bucket's publishes
+// through the same producer go through. The publisher replaces the
+// producer once the bucket has failed for StallTimeout, and the bucket's
+// messages go through on the new producer's connections.
+func TestKafkaReplacesProducerWhenOneBucketStalls(t *testing.T) {
+	t.Parallel()
+	c := kafkatest.Start(t, kafkatest.NumBrokers(2))
+	fake := c.RequireFake(t) // kfake only: a broker is removed and added back
+	topic := c.Topic(t, 2)
+	require.NoError(t, fake.MoveTopicPartition(topic, 0, 0))
+	require.NoError(t, fake.MoveTopicPartition(topic, 1, 1))
+	obs := &replacedCounter{}
+	k := newKafka(t, c, func(cfg *publisher.KafkaConfig) {
+		cfg.Observer = obs
+		cfg.StallTimeout = 2 * time.Second
+		cfg.Producers = 1 // both buckets on one producer
+		cfg.LingerBatch = -1
+		cfg.Configure = func(sc *sarama.Config) error {
+			_ = fastConfig(sc)
+			sc.Producer.Retry.Max = 2
+			return nil
+		}
+	})
+	// Bucket 0 writes to partition 0, bucket 1 to partition 1.
+	batch := func(bucket int, prefix string) []relay.Message {
+		msgs := publishertest.Messages(topic, prefix, 1)
+		p := int32(bucket)
+		msgs[0].Partition, msgs[0].Bucket = &p, bucket
+		return msgs
+	}
+	ctx := testCtx(t)
+	for b := range 2 {
+		acked, err := k.Publish(ctx, batch(b, "before"))
+		require.NoError(t, err)
+		require.Equal(t, 1, acked)
+	}
+
+	readdFirstNode(t, fake, topic)
+	require.NoError(t, fake.MoveTopicPartition(topic, 1, 1)) // adding a node moved partitions
+
+	start := time.Now()
+	var failures, others int
+	require.Eventually(t, func() bool {
+		// The other bucket goes through (it may fail while the cluster
+		// changes): the producer as a whole does not fail every publish.
+		acked, err := k.Publish(ctx, batch(1, "other"))
+		if err == nil {
+			require.Equal(t, 1, acked)
+			others++
+		} else {
+			require.True(t, relay.IsUnavailable(err), "%v", err)
+		}
+		acked, err = k.Publish(ctx, batch(0, "after"))
+		if err == nil {
+			require.Equal(t, 1, acked)
+			return true
+		}
+		failures++
+		require.True(t, relay.IsUnavailable(err), "%v", err)
+		if k.Replacements() == 0 {
+			require.ErrorIs(t, err, sarama.ErrNotLeaderForPartition, "the removed broker's connection answers")
+		}
+		return false
+	}, time.Minute, 20*time.Millisecond, "bucket 0's message goes through")
+	require.Equal(t, int64(1), k.Replacements())
+	require.Equal(t, []string{publisher.ReplaceStalled}, obs.get())
+	require.Greater(t, others, failures/2, "bucket 1's publishes went through while bucket 0's failed")
+	t.Logf("%d failed publishes of bucket 0 (and %d of bucket 1 through), then a replacement; through after %s",
+		failures, others, time.Since(start).Round(time.Millisecond))
+}
+
+// readdFirstNode removes fake's node 0 and adds it back behind the same
+// address, leading partition 0 of topic again. A client's connection to
+// the removed broker stays open, and the removed broker answers it
+// NOT_LEADER_FOR_PARTITION while the metadata names node 0 the leader.
+func readdFirstNode(t *testing.T, fake *kfake.Cluster, topic string) {
+	t.Helper()
+	_, portText, _ := strings.Cut(fake.ListenAddrs()[0], ":")
+	port, err := strconv.Atoi(portText)
+	require.NoError(t, err)
+	require.NoError(t, fake.RemoveNode(0))
+	_, _, err = fake.AddNode(0, port)
+	require.NoError(t, err)
+	require.NoError(t, fake.MoveTopicPartition(topic, 0, 0))
 }

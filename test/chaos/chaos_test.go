@@ -482,6 +482,12 @@ func runChaos(t *testing.T, p params) {
 		t.Logf("relay error lines: %d, first: %s", len(logs.unexpectedErrs), logs.unexpectedErrs[0])
 	}
 
+	if remaining > 0 || (live.atHeal > 0 && live.resumed > bound) {
+		for _, l := range relayLinesSince(pr.logs(), healStart.Add(-2*p.lease), 60) {
+			t.Log("relay log around the heal: " + l)
+		}
+	}
+
 	// Judge.
 	require.Empty(t, logs.ourRaces, "data races in this module's code, reported by the race detector in the relays")
 	require.Empty(t, unexpected, "relays must exit only when told to")

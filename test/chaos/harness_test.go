@@ -471,63 +471,60 @@ func raceSummary(report []string) string {
 
 func scanRelayLogs(paths []string) relayLogStats {
 	var s relayLogStats
-	for _, p := range paths {
-		f, err := os.Open(p)
-		if err != nil {
-			continue
+	var (
+		race     []string // the race report being read, if any
+		lastPath string
+	)
+	eachLogLine(paths, func(p, text string) bool {
+		if p != lastPath {
+			race, lastPath = nil, p
 		}
-		sc := bufio.NewScanner(f)
-		sc.Buffer(make([]byte, 1<<20), 1<<20)
-		var race []string // the race report being read, if any
-		for sc.Scan() {
-			text := sc.Text()
-			switch {
-			case text == "WARNING: DATA RACE":
-				race = []string{}
-				continue
-			case race != nil && text == "==================":
-				if classifyRace(race) {
-					s.ourRaces = append(s.ourRaces, filepath.Base(p)+": "+strings.Join(race, "\n"))
-				} else {
-					s.depRaces = append(s.depRaces, filepath.Base(p)+": "+raceSummary(race))
-				}
-				race = nil
-				continue
-			case race != nil:
-				race = append(race, text)
-				continue
+		switch {
+		case text == "WARNING: DATA RACE":
+			race = []string{}
+			return true
+		case race != nil && text == "==================":
+			if classifyRace(race) {
+				s.ourRaces = append(s.ourRaces, filepath.Base(p)+": "+strings.Join(race, "\n"))
+			} else {
+				s.depRaces = append(s.depRaces, filepath.Base(p)+": "+raceSummary(race))
 			}
-			var line struct {
-				Time  time.Time `json:"time"`
-				Level string    `json:"level"`
-				Msg   string    `json:"msg"`
-				Err   string    `json:"err"`
-			}
-			if json.Unmarshal(sc.Bytes(), &line) != nil {
-				continue // a line cut by SIGKILL
-			}
-			switch {
-			case strings.Contains(line.Msg, "lease lost during publish"):
-				s.takeovers = append(s.takeovers, line.Time)
-			case strings.Contains(line.Msg, "lease deadline passed during publish"):
-				s.explainers = append(s.explainers, line.Time)
-			case strings.Contains(line.Msg, "lease lost before delete"):
-				s.lateDeletes = append(s.lateDeletes, line.Time)
-			case strings.Contains(line.Msg, "fenced"):
-				s.fenced = append(s.fenced, line.Time)
-			case strings.Contains(line.Msg, "relay: publish failed"):
-				s.publishFailed++
-			case strings.Contains(line.Msg, "failed") && line.Level == "WARN":
-				s.storeErrors++
-			case strings.Contains(line.Msg, "leases changed"):
-				s.leaseChanges++
-			}
-			if line.Level == "ERROR" && !strings.Contains(line.Msg, "chaos-relay: stop") {
-				s.unexpectedErrs = append(s.unexpectedErrs, filepath.Base(p)+": "+line.Msg+": "+line.Err)
-			}
+			race = nil
+			return true
+		case race != nil:
+			race = append(race, text)
+			return true
 		}
-		f.Close()
-	}
+		var line struct {
+			Time  time.Time `json:"time"`
+			Level string    `json:"level"`
+			Msg   string    `json:"msg"`
+			Err   string    `json:"err"`
+		}
+		if json.Unmarshal([]byte(text), &line) != nil {
+			return true // a line cut by SIGKILL
+		}
+		switch {
+		case strings.Contains(line.Msg, "lease lost during publish"):
+			s.takeovers = append(s.takeovers, line.Time)
+		case strings.Contains(line.Msg, "lease deadline passed during publish"):
+			s.explainers = append(s.explainers, line.Time)
+		case strings.Contains(line.Msg, "lease lost before delete"):
+			s.lateDeletes = append(s.lateDeletes, line.Time)
+		case strings.Contains(line.Msg, "fenced"):
+			s.fenced = append(s.fenced, line.Time)
+		case strings.Contains(line.Msg, "relay: publish failed"):
+			s.publishFailed++
+		case strings.Contains(line.Msg, "failed") && line.Level == "WARN":
+			s.storeErrors++
+		case strings.Contains(line.Msg, "leases changed"):
+			s.leaseChanges++
+		}
+		if line.Level == "ERROR" && !strings.Contains(line.Msg, "chaos-relay: stop") {
+			s.unexpectedErrs = append(s.unexpectedErrs, filepath.Base(p)+": "+line.Msg+": "+line.Err)
+		}
+		return true
+	})
 	return s
 }
 
@@ -1012,6 +1009,53 @@ func (in *injector) heal() {
 	for slot, rp := range in.procs.slots {
 		if rp.state == procDead {
 			in.procs.start(slot)
+		}
+	}
+}
+
+// relayLinesSince returns the relays' log lines at Warn or above written at
+// or after since, at most limit of them, each prefixed with its file: what
+// the relays said while they did not make progress, for a failed liveness
+// bound (the log directory is gone once the test ends).
+func relayLinesSince(paths []string, since time.Time, limit int) []string {
+	var out []string
+	eachLogLine(paths, func(path, text string) bool {
+		var line struct {
+			Time  time.Time `json:"time"`
+			Level string    `json:"level"`
+		}
+		if json.Unmarshal([]byte(text), &line) != nil {
+			return true // race reports and other stderr text
+		}
+		if line.Level == "INFO" || line.Level == "DEBUG" || line.Time.Before(since) {
+			return true
+		}
+		if len(text) > 600 {
+			text = text[:600] + "…"
+		}
+		out = append(out, filepath.Base(path)+": "+text)
+		return len(out) < limit
+	})
+	return out
+}
+
+// eachLogLine calls fn with each line of the log files at paths, in turn,
+// until fn returns false; files that cannot be opened are skipped.
+func eachLogLine(paths []string, fn func(path, text string) bool) {
+	for _, p := range paths {
+		f, err := os.Open(p)
+		if err != nil {
+			continue
+		}
+		sc := bufio.NewScanner(f)
+		sc.Buffer(make([]byte, 1<<20), 1<<20)
+		more := true
+		for more && sc.Scan() {
+			more = fn(p, sc.Text())
+		}
+		_ = f.Close()
+		if !more {
+			return
 		}
 	}
 }

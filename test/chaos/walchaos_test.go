@@ -1,7 +1,6 @@
 package chaos_test
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -282,39 +281,31 @@ type walLogStats struct {
 
 func scanWALLogs(paths []string) walLogStats {
 	var s walLogStats
-	for _, p := range paths {
-		f, err := os.Open(p)
-		if err != nil {
-			continue
+	eachLogLine(paths, func(_, text string) bool {
+		var line struct {
+			Msg       string `json:"msg"`
+			Published int    `json:"published"`
+			Skipped   int    `json:"skipped"`
 		}
-		sc := bufio.NewScanner(f)
-		sc.Buffer(make([]byte, 1<<20), 1<<20)
-		for sc.Scan() {
-			var line struct {
-				Msg       string `json:"msg"`
-				Published int    `json:"published"`
-				Skipped   int    `json:"skipped"`
-			}
-			if json.Unmarshal(sc.Bytes(), &line) != nil {
-				continue
-			}
-			switch {
-			case line.Msg == "pgwal: reading the slot":
-				s.terms++
-			case strings.HasPrefix(line.Msg, "pgwal: reading the slot failed"):
-				s.retries++
-			case strings.HasPrefix(line.Msg, "pgwal: skipped replayed messages"):
-				s.skipped += line.Skipped
-			case strings.HasPrefix(line.Msg, "pgwal: Kafka's record of the bucket's last batch"):
-				s.notOurs++
-			case strings.HasPrefix(line.Msg, "relay: publish failed"):
-				// The reader publishes through the relay engine, which
-				// logs each failed publish (retried, possibly written).
-				s.publishFailed++
-			}
+		if json.Unmarshal([]byte(text), &line) != nil {
+			return true
 		}
-		f.Close()
-	}
+		switch {
+		case line.Msg == "pgwal: reading the slot":
+			s.terms++
+		case strings.HasPrefix(line.Msg, "pgwal: reading the slot failed"):
+			s.retries++
+		case strings.HasPrefix(line.Msg, "pgwal: skipped replayed messages"):
+			s.skipped += line.Skipped
+		case strings.HasPrefix(line.Msg, "pgwal: Kafka's record of the bucket's last batch"):
+			s.notOurs++
+		case strings.HasPrefix(line.Msg, "relay: publish failed"):
+			// The reader publishes through the relay engine, which
+			// logs each failed publish (retried, possibly written).
+			s.publishFailed++
+		}
+		return true
+	})
 	return s
 }
 

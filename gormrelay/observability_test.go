@@ -319,7 +319,7 @@ func TestObservabilityDeadLetters(t *testing.T) {
 }
 
 // The GORM store's sample on every database: per-bucket counts and oldest
-// creation times, and the dead-letter count.
+// creation times, the dead-letter count and the paused buckets.
 func TestStoreSampleBacklog(t *testing.T) {
 	t.Parallel()
 	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
@@ -327,7 +327,9 @@ func TestStoreSampleBacklog(t *testing.T) {
 		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
 		s, err := b.store.SampleBacklog(ctx)
 		require.NoError(t, err)
-		require.Equal(t, relay.Backlog{BucketCount: 4, DeadLettersKnown: true, SampledAt: s.SampledAt}, s, "empty")
+		require.Empty(t, s.Paused)
+		s.Paused = nil
+		require.Equal(t, relay.Backlog{BucketCount: 4, DeadLettersKnown: true, PausedKnown: true, SampledAt: s.SampledAt}, s, "empty")
 		age, known := s.OldestAge()
 		require.True(t, known)
 		require.Zero(t, age)
@@ -341,8 +343,13 @@ func TestStoreSampleBacklog(t *testing.T) {
 		require.NoError(t, db.DB.Table(b.cfg.Tables.DeadLettersTable()).Create(&outbox.DeadLetterRow{
 			ID: 99, MessageID: "dead", Topic: "events", CreatedAtMs: base, DeadAtMs: base, State: "failed",
 		}).Error)
+		admin := b.newAdmin(t)
+		require.NoError(t, admin.PauseBucket(ctx, 3))
+		require.NoError(t, admin.PauseBucket(ctx, 0))
 		s, err = b.store.SampleBacklog(ctx)
 		require.NoError(t, err)
+		require.True(t, s.PausedKnown)
+		require.Equal(t, []int{0, 3}, s.Paused)
 		require.EqualValues(t, 3, s.Pending)
 		require.Equal(t, base+100, s.Oldest.UnixMilli())
 		require.Equal(t, []relay.BucketBacklog{

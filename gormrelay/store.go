@@ -1322,9 +1322,10 @@ var _ relay.BacklogSampler = (*Store)(nil)
 
 // SampleBacklog implements relay.BacklogSampler for metrics: the pending
 // count and oldest pending message per bucket and the number of dead
-// letters, with the queries of Admin.Backlog (readBacklog). It reads the
-// whole messages table, so the relay runs it only every sampling
-// interval, on its own goroutine and pooled connection, bounded by ctx.
+// letters, with the queries of Admin.Backlog (readBacklog), and the
+// paused buckets. It reads the whole messages table, so the relay runs it
+// only every sampling interval, on its own goroutine and pooled
+// connection, bounded by ctx.
 func (s *Store) SampleBacklog(ctx context.Context) (relay.Backlog, error) {
 	db, ctx, cancel := s.op(ctx, "sample backlog")
 	defer cancel()
@@ -1332,6 +1333,10 @@ func (s *Store) SampleBacklog(ctx context.Context) (relay.Backlog, error) {
 	if err != nil {
 		return relay.Backlog{}, s.fail(ctx, "sample backlog", err)
 	}
+	if err := db.Raw("SELECT bucket FROM "+s.leases+" WHERE paused = ? ORDER BY bucket", true).Scan(&b.Paused).Error; err != nil {
+		return relay.Backlog{}, s.fail(ctx, "sample backlog", err)
+	}
+	b.PausedKnown = true
 	return b, nil
 }
 

@@ -38,7 +38,7 @@ func exportedNames(t *testing.T) map[string]bool {
 	require.NoError(t, reg.Register(c))
 	// Make every family appear.
 	now := time.Now()
-	c.BacklogSampled(relay.Backlog{BucketCount: 1, Pending: 1, Oldest: now, DeadLettersKnown: true, SampledAt: now,
+	c.BacklogSampled(relay.Backlog{BucketCount: 1, Pending: 1, Oldest: now, DeadLettersKnown: true, PausedKnown: true, SampledAt: now,
 		Buckets: []relay.BucketBacklog{{Bucket: 0, Pending: 1, Oldest: now}}})
 	ib, err := metrics.NewInbox(metrics.InboxConfig{})
 	require.NoError(t, err)
@@ -57,7 +57,7 @@ func exportedNames(t *testing.T) map[string]bool {
 			}
 		}
 	}
-	require.Len(t, mfs, 21, "every family gathered")
+	require.Len(t, mfs, 22, "every family gathered")
 	return names
 }
 
@@ -214,7 +214,7 @@ func TestAlertRules(t *testing.T) {
 	for _, want := range []string{
 		"OutboxOldestPendingMessageTooOld", "OutboxSinkUnavailable", "OutboxPublishFailing", "OutboxPermanentPublishFailure",
 		"OutboxLeaseExpirations", "OutboxBacklogSampleUnavailable", "OutboxDeadLettersGrowing",
-		"OutboxInboxProcessingFailing",
+		"OutboxInboxProcessingFailing", "OutboxBucketPaused",
 	} {
 		require.True(t, slices.Contains(names, want), "missing alert %s", want)
 	}

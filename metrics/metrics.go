@@ -50,6 +50,7 @@ const (
 	NameBucketPending       = "outbox_bucket_pending_messages"
 	NameBucketOldestAge     = "outbox_bucket_pending_oldest_age_seconds"
 	NameDeadLetters         = "outbox_dead_letter_messages"
+	NamePausedBuckets       = "outbox_paused_buckets"
 	NamePendingSampleTime   = "outbox_pending_sample_timestamp_seconds"
 	NameProducerReplaced    = "outbox_publisher_producer_replacements_total"
 	labelOutbox, labelKind  = "outbox", "kind"
@@ -186,7 +187,7 @@ type Collector struct {
 	publishDur   prometheus.Histogram
 	cycleDur     prometheus.Histogram
 
-	available, pending, oldestAge, bucketPending, bucketAge, deadLetters, sampledAt *prometheus.Desc
+	available, pending, oldestAge, bucketPending, bucketAge, deadLetters, paused, sampledAt *prometheus.Desc
 
 	mu      sync.Mutex
 	backlog *relay.Backlog // nil: no current sample
@@ -252,6 +253,8 @@ func New(cfg Config) (*Collector, error) {
 			"Age of the oldest pending message per bucket, from the last sample's creation time to now; 0 for an empty bucket.", labelBucket),
 		deadLetters: desc(NameDeadLetters,
 			"Messages in the dead-letter table at the last sample."),
+		paused: desc(NamePausedBuckets,
+			"Buckets an operator paused at the last sample: no relay publishes their messages until they are resumed."),
 		sampledAt: desc(NamePendingSampleTime,
 			"Unix time of the last backlog sample."),
 	}
@@ -282,7 +285,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, i := range c.instruments() {
 		i.Describe(ch)
 	}
-	for _, d := range []*prometheus.Desc{c.available, c.pending, c.oldestAge, c.bucketPending, c.bucketAge, c.deadLetters, c.sampledAt} {
+	for _, d := range []*prometheus.Desc{c.available, c.pending, c.oldestAge, c.bucketPending, c.bucketAge, c.deadLetters, c.paused, c.sampledAt} {
 		ch <- d
 	}
 }
@@ -315,6 +318,9 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	if b.DeadLettersKnown {
 		gauge(c.deadLetters, float64(b.DeadLetters))
+	}
+	if b.PausedKnown {
+		gauge(c.paused, float64(len(b.Paused)))
 	}
 	if c.cfg.OmitBucketBacklog {
 		return

@@ -182,8 +182,9 @@ func TestBacklogUnavailableIsNotZero(t *testing.T) {
 	requireUnavailable(t, b)
 
 	now := time.Now()
-	b.c.BacklogSampled(relay.Backlog{BucketCount: 4, SampledAt: now, DeadLettersKnown: true})
+	b.c.BacklogSampled(relay.Backlog{BucketCount: 4, SampledAt: now, DeadLettersKnown: true, PausedKnown: true})
 	require.Equal(t, map[string]float64{"": 1}, b.series(t, metrics.NamePendingAvailable))
+	require.Equal(t, map[string]float64{"": 0}, b.series(t, metrics.NamePausedBuckets), "none paused is zero")
 	require.Equal(t, map[string]float64{"": 0}, b.series(t, metrics.NamePending), "a known empty backlog is zero")
 	require.Equal(t, map[string]float64{"": 0}, b.series(t, metrics.NamePendingOldestAge))
 	require.Equal(t, map[string]float64{"": 0}, b.series(t, metrics.NameDeadLetters))
@@ -212,6 +213,7 @@ func TestBacklogAges(t *testing.T) {
 	})
 	require.Equal(t, map[string]float64{"": 7}, b.series(t, metrics.NamePending))
 	require.Equal(t, map[string]float64{"": 9}, b.series(t, metrics.NameDeadLetters))
+	require.Empty(t, b.series(t, metrics.NamePausedBuckets), "paused buckets unknown")
 	require.Equal(t, map[string]float64{"bucket=0": 0, "bucket=1": 5, "bucket=2": 0, "bucket=3": 2}, b.series(t, metrics.NameBucketPending))
 
 	ages := b.series(t, metrics.NameBucketOldestAge)
@@ -291,4 +293,15 @@ func ExampleNew() {
 	// Output:
 	// outbox_messages_acknowledged_total 3
 	// outbox_pending_available 0
+}
+
+// TestPausedBuckets: the gauge counts the buckets an operator paused, at
+// the last sample.
+func TestPausedBuckets(t *testing.T) {
+	t.Parallel()
+	b := setup(t, metrics.Config{Outbox: "orders"})
+	b.c.BacklogSampled(relay.Backlog{BucketCount: 8, Paused: []int{2, 5}, PausedKnown: true, SampledAt: time.Now()})
+	require.Equal(t, map[string]float64{"": 2}, b.series(t, metrics.NamePausedBuckets))
+	b.c.BacklogSampled(relay.Backlog{BucketCount: 8, Paused: []int{5}, PausedKnown: true, SampledAt: time.Now()})
+	require.Equal(t, map[string]float64{"": 1}, b.series(t, metrics.NamePausedBuckets))
 }

@@ -138,6 +138,10 @@ type Backlog struct {
 	// DeadLettersKnown.
 	DeadLetters      int64
 	DeadLettersKnown bool
+	// Paused lists the buckets an operator paused, which no relay claims
+	// until they are resumed, in bucket order; valid when PausedKnown.
+	Paused      []int
+	PausedKnown bool
 	// SampledAt is when the sample was read. The relay fills it in if the
 	// sampler leaves it zero.
 	SampledAt time.Time

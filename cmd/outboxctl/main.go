@@ -44,6 +44,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -53,6 +54,7 @@ import (
 	"os"
 	"os/signal"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -637,6 +639,9 @@ func (g *globals) deadLettersCmd(ctx context.Context, fs *flag.FlagSet, args []s
 			return g.printJSON(d)
 		}
 		printDeadLetter(g.out, d)
+		if d.State == ops.DeadLetterParked {
+			return g.printBlockers(ctx, d)
+		}
 	default:
 		n, err := g.op.DiscardDeadLetters(ctx, ids...)
 		if err != nil {
@@ -842,5 +847,29 @@ func (g *globals) pause(ctx context.Context, fs *flag.FlagSet, args []string, pa
 	} else {
 		fmt.Fprintf(g.out, "bucket %d resumed\n", b)
 	}
+	return nil
+}
+
+// printBlockers prints, for parked dead letter d, the failed dead letters
+// of its key in its bucket, which it waits behind, and how to requeue them
+// all.
+func (g *globals) printBlockers(ctx context.Context, d ops.DeadLetter) error {
+	b := d.Bucket
+	q := ops.DeadLetterQuery{State: ops.DeadLetterFailed, Bucket: &b, Key: d.Key, Keyless: d.Key == nil, Limit: ops.DeadLetterPageMax}
+	page, err := g.op.DeadLetters(ctx, q)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(g.out)
+	if len(page.Items) == 0 {
+		fmt.Fprintf(g.out, "It waited behind a failed message of its key in bucket %d, which is no dead letter any more (requeued or discarded): requeue this one (outboxctl requeue %d).\n", d.Bucket, d.ID)
+		return nil
+	}
+	slices.SortFunc(page.Items, func(a, b ops.DeadLetter) int { return cmp.Compare(a.ID, b.ID) })
+	fmt.Fprintf(g.out, "It waits behind the failed dead letter(s) of its key in bucket %d:\n", d.Bucket)
+	for _, f := range page.Items {
+		fmt.Fprintf(g.out, "  %d (message %s, topic %s): %s\n", f.ID, f.MessageID, f.Topic, errorSummary(f.LastError))
+	}
+	fmt.Fprintf(g.out, "Fix the cause, then requeue the key, in order, failed and parked together: outboxctl requeue %d\n", page.Items[0].ID)
 	return nil
 }

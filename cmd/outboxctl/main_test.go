@@ -252,6 +252,13 @@ func TestCLIEndToEnd(t *testing.T) {
 	require.Equal(t, exitOK, code)
 	require.Contains(t, out, `{"id":7}`)
 	t.Logf("outboxctl dead-letters show 1:\n%s", out)
+	// A parked row names the failed dead letter of its key it waits
+	// behind, and the command that requeues them together.
+	code, out, _ = c.run("dead-letters", "show", "2")
+	require.Equal(t, exitOK, code)
+	require.Contains(t, out, "It waits behind the failed dead letter(s) of its key in bucket 1:\n  1 (message m1, topic orders): broker said no\n")
+	require.Contains(t, out, "outboxctl requeue 1\n")
+	t.Logf("outboxctl dead-letters show 2:\n%s", out)
 
 	// An unknown id fails with exit 1 and a JSON error under --json.
 	code, out, errOut = c.run("dead-letters", "show", "99", "--json")

@@ -85,7 +85,7 @@ func main() {
 	flag.DurationVar(&o.poll, "poll", 200*time.Millisecond, "poll interval")
 	flag.DurationVar(&o.backMin, "backoff-min", 50*time.Millisecond, "minimum backoff")
 	flag.DurationVar(&o.backMax, "backoff-max", time.Second, "maximum backoff")
-	flag.DurationVar(&o.stall, "stall-timeout", time.Second, "default mode: publisher.KafkaConfig.StallTimeout, compressed about 30 times against its default as the backoff is")
+	flag.DurationVar(&o.stall, "stall-timeout", time.Second, "default and franz modes: publisher.KafkaConfig.StallTimeout and FranzConfig.StallTimeout, compressed about 30 times against their defaults as the backoff is")
 	flag.IntVar(&o.maxAttempts, "max-attempts", 300, "failed attempts before a message is dead-lettered (scaled to the compressed backoff)")
 	flag.StringVar(&o.mode, "mode", "default", "publisher: default (idempotent sarama producer), franz (publisher.Franz: a bucket's batches overlapping in flight) or strict (one Kafka transaction per batch)")
 	flag.StringVar(&o.txnPrefix, "txn-prefix", "chaos-", "strict mode: transactional id prefix, shared by all relays")
@@ -180,7 +180,7 @@ func run(o options) int {
 		pub, err = publisher.NewKafka(publisher.KafkaConfig{Brokers: brokers, Configure: configure, Logger: log, StallTimeout: o.stall})
 	case "franz":
 		// The sarama settings above, as kgo options.
-		pub, err = publisher.NewFranz(publisher.FranzConfig{Brokers: brokers, Logger: log, Options: []kgo.Opt{
+		pub, err = publisher.NewFranz(publisher.FranzConfig{Brokers: brokers, Logger: log, StallTimeout: o.stall, Options: []kgo.Opt{
 			kgo.ClientID("chaos-relay"),
 			kgo.DialTimeout(2 * time.Second),
 			kgo.RetryBackoffFn(func(int) time.Duration { return 100 * time.Millisecond }),

@@ -14,6 +14,7 @@ import (
 	"github.com/gorm-outbox/outbox"
 	"github.com/gorm-outbox/outbox/gormrelay"
 	"github.com/gorm-outbox/outbox/internal/dbtest"
+	"github.com/gorm-outbox/outbox/relay"
 )
 
 func TestAdminBacklog(t *testing.T) {
@@ -421,5 +422,46 @@ func TestAdminStatusAndWatch(t *testing.T) {
 		require.NoError(t, err)
 		require.Len(t, relays, 1)
 		require.True(t, relays[0].Live)
+	})
+}
+
+// AcquireLeases says which held buckets it gave up because they were
+// paused and which because the relay held more than its fair share, for
+// the relay's log.
+func TestAcquireSaysWhyLeasesWereReleased(t *testing.T) {
+	t.Parallel()
+	dbtest.ForEach(t, func(t *testing.T, db *dbtest.DB) {
+		ctx := context.Background()
+		b := newStoreBundle(t, db, outbox.Config{BucketCount: 4})
+		acquire := func(id string) relay.Acquired {
+			t.Helper()
+			res, err := b.store.AcquireLeases(ctx, relay.AcquireRequest{RelayID: id, BucketCount: 4, LeaseDuration: time.Minute})
+			require.NoError(t, err)
+			return res
+		}
+		buckets := func(res relay.Acquired) []int {
+			var out []int
+			for _, l := range res.Leases {
+				out = append(out, l.Bucket)
+			}
+			return out
+		}
+		res := acquire("x")
+		require.Equal(t, []int{0, 1, 2, 3}, buckets(res))
+		require.Empty(t, res.Paused)
+		require.Empty(t, res.AboveShare)
+
+		require.NoError(t, b.newAdmin(t).PauseBucket(ctx, 2))
+		res = acquire("x")
+		require.Equal(t, []int{0, 1, 3}, buckets(res))
+		require.Equal(t, []int{2}, res.Paused)
+		require.Empty(t, res.AboveShare)
+
+		require.Empty(t, acquire("y").Leases, "x's leases are unexpired")
+		res = acquire("x")
+		require.Equal(t, 2, res.FairShare)
+		require.Equal(t, []int{0, 1}, buckets(res))
+		require.Equal(t, []int{3}, res.AboveShare)
+		require.Empty(t, res.Paused, "bucket 2 was not held")
 	})
 }

@@ -355,6 +355,7 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 	share := relay.FairShare(s.buckets, live)
 
 	var renew, release, candidates []relay.Lease
+	var paused, surplusBuckets []int // released, for the relay's log
 	for _, r := range rows {
 		l := relay.Lease{Bucket: int(r.Bucket), Term: r.Term}
 		mine := r.Owner != nil && *r.Owner == me
@@ -364,6 +365,7 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 			renew = append(renew, l) // released after its batch, by a later call
 		case mine && r.Paused:
 			release = append(release, l)
+			paused = append(paused, l.Bucket)
 		case mine && !expired:
 			renew = append(renew, l)
 		case r.Paused:
@@ -396,6 +398,7 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 				room--
 			default:
 				surplus = append(surplus, l)
+				surplusBuckets = append(surplusBuckets, l.Bucket)
 			}
 		}
 		release = append(release, surplus...)
@@ -424,7 +427,9 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 		candidates = candidates[need:]
 	}
 	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
-	res := relay.Acquired{Leases: held, LiveRelays: live, FairShare: share}
+	slices.Sort(paused)
+	slices.Sort(surplusBuckets)
+	res := relay.Acquired{Leases: held, LiveRelays: live, FairShare: share, Paused: paused, AboveShare: surplusBuckets}
 	if len(held) < share {
 		res.Waiting = waitingFor(rows, me, now, share)
 	}

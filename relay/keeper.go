@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -213,8 +215,12 @@ func (k *keeper) acquire(ctx context.Context, busy []int) error {
 	k.mu.Unlock()
 
 	if len(gained) > 0 || len(released) > 0 {
-		k.log.Info("relay: leases changed", "owned", len(next), "acquired", gained, "released", released,
-			"live_relays", res.LiveRelays, "fair_share", res.FairShare)
+		attrs := []any{"owned", len(next), "acquired", gained, "released", released,
+			"live_relays", res.LiveRelays, "fair_share", res.FairShare}
+		if len(released) > 0 {
+			attrs = append(attrs, "released_why", releaseReasons(released, res.Paused, res.AboveShare, revoked))
+		}
+		k.log.Info("relay: leases changed", attrs...)
 	}
 	if len(revoked) > 0 {
 		slices.Sort(revoked)
@@ -597,4 +603,38 @@ func later(a, b time.Time) time.Time {
 		return b
 	}
 	return a
+}
+
+// releaseReasons says why each released bucket was given up, for the
+// log: paused by an operator, above the fair share, its term advanced by an
+// operator (revoked), or lost (its lease expired before the renewal, or
+// the store did not say).
+func releaseReasons(released, paused, aboveShare, revoked []int) string {
+	var p, a, r, lost []string
+	for _, b := range released {
+		switch s := strconv.Itoa(b); {
+		case slices.Contains(revoked, b):
+			r = append(r, s)
+		case slices.Contains(paused, b):
+			p = append(p, s)
+		case slices.Contains(aboveShare, b):
+			a = append(a, s)
+		default:
+			lost = append(lost, s)
+		}
+	}
+	var parts []string
+	if len(p) > 0 {
+		parts = append(parts, strings.Join(p, ",")+" paused by an operator")
+	}
+	if len(a) > 0 {
+		parts = append(parts, strings.Join(a, ",")+" above the fair share")
+	}
+	if len(r) > 0 {
+		parts = append(parts, strings.Join(r, ",")+" revoked by an operator")
+	}
+	if len(lost) > 0 {
+		parts = append(parts, strings.Join(lost, ",")+" lost (the lease expired before its renewal)")
+	}
+	return strings.Join(parts, "; ")
 }

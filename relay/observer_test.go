@@ -381,3 +381,12 @@ func TestBacklogSamplingWithDefaults(t *testing.T) {
 	require.Equal(t, relay.BacklogSampling{Interval: -1, Timeout: relay.BacklogSampleTimeoutDefault, BucketZeroOwnerOnly: true},
 		relay.BacklogSampling{Interval: -1, Timeout: -time.Second, BucketZeroOwnerOnly: true}.WithDefaults())
 }
+
+// TestReleaseReasons: the leases-changed log line says why each released
+// bucket was given up.
+func TestReleaseReasons(t *testing.T) {
+	require.Equal(t, "2 paused by an operator; 3,5 above the fair share; 7 revoked by an operator; 9 lost (the lease expired before its renewal)",
+		relay.ReleaseReasons([]int{2, 3, 5, 7, 9}, []int{2}, []int{3, 5}, []int{7}))
+	require.Equal(t, "4 lost (the lease expired before its renewal)", relay.ReleaseReasons([]int{4}, nil, nil, nil),
+		"a store that does not say")
+}

@@ -129,6 +129,12 @@ type Acquired struct {
 	// (a crash, a kill) loses them when they expire. Optional: a store may
 	// leave it empty; the relay only logs it.
 	Waiting []HeldLease
+	// Paused and AboveShare list, in ascending order, the buckets the
+	// relay held that the call gave up because an operator paused them,
+	// and because the relay held more than FairShare. Optional: the relay
+	// only logs them, as the reason of each release (a held bucket in
+	// neither was lost: its lease expired before the renewal).
+	Paused, AboveShare []int
 }
 
 // HeldLease is a lease held by another relay, as AcquireLeases saw it.

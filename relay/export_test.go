@@ -1,0 +1,4 @@
+package relay
+
+// ReleaseReasons exports releaseReasons to the tests.
+var ReleaseReasons = releaseReasons

@@ -56,7 +56,7 @@
 // NewStore (and so New and NewKafka) therefore raises the idle limit of a
 // pool whose idle limit the application never set to PoolIdleFor(8) = 16,
 // and the relay's first lease acquisition raises it to PoolIdleFor of its
-// Parallelism if that is larger; each change is logged once at Info. An
+// Parallelism if that is larger; each change is logged once at Debug. An
 // idle limit the application set (any value, SetMaxIdleConns(2) included)
 // is kept, and an open limit (SetMaxOpenConns) is never changed; the store
 // then warns if the pool keeps closing connections at its idle limit.

@@ -257,8 +257,8 @@ type Config struct {
 	ShutdownTimeout time.Duration
 
 	// OwnPublisher hands the publisher's lifecycle to the relay: the
-	// publisher must implement PublisherService (publisher.Kafka and
-	// publisher.Transactional do). Relay.Start (and Run) starts it after
+	// publisher must implement PublisherService (publisher.Kafka,
+	// publisher.Franz and publisher.Transactional do). Relay.Start (and Run) starts it after
 	// the store's start check and before the relay runs, failing if it
 	// cannot connect; the relay stops it once it has stopped, bounded by
 	// ShutdownTimeout, before Stopped is closed. DrainOnce refuses to run

@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -228,14 +229,57 @@ func ForEach(t *testing.T, fn func(t *testing.T, db *DB)) {
 	}
 }
 
-// Logger is the logger for the services a test starts: it discards
-// everything unless OUTBOX_TEST_LOG is set, then writes debug text to
-// stderr tagged with the test's name.
+// Logger is the logger for the services a test starts: it keeps the last
+// loggerLines lines at Info and above and prints them in the test's log if
+// the test fails; with OUTBOX_TEST_LOG set it writes everything, Debug
+// included, to stderr tagged with the test's name.
 func Logger(t testing.TB) *slog.Logger {
 	if os.Getenv("OUTBOX_TEST_LOG") == "" {
-		return slog.New(slog.DiscardHandler)
+		// Keep the last lines at Info and above, and print them if the
+		// test fails: what the relay said is often the cause.
+		r := &ringWriter{max: loggerLines}
+		t.Cleanup(func() {
+			if t.Failed() {
+				if lines := r.lines(); len(lines) > 0 {
+					t.Logf("the last %d log line(s) at Info and above:\n%s", len(lines), strings.Join(lines, ""))
+				}
+			}
+		})
+		return slog.New(slog.NewTextHandler(r, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	}
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("test", t.Name())
+}
+
+// loggerLines is how many log lines Logger keeps for a failed test.
+const loggerLines = 200
+
+// ringWriter keeps the last max lines written to it (slog's handlers write
+// one line per call).
+type ringWriter struct {
+	mu   sync.Mutex
+	max  int
+	buf  []string
+	next int
+}
+
+func (r *ringWriter) Write(p []byte) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	line := string(p)
+	if len(r.buf) < r.max {
+		r.buf = append(r.buf, line)
+	} else {
+		r.buf[r.next] = line
+		r.next = (r.next + 1) % r.max
+	}
+	return len(p), nil
+}
+
+// lines returns the kept lines, oldest first.
+func (r *ringWriter) lines() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append(append([]string(nil), r.buf[r.next:]...), r.buf[:r.next]...)
 }
 
 // VerifyTestMain runs the tests of a package that opens databases and

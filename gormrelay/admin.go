@@ -816,6 +816,21 @@ func (a *Admin) ResumeBucket(ctx context.Context, bucket int) error {
 	return a.setPaused(ctx, bucket, false)
 }
 
+// BucketPaused reports whether bucket is paused (PauseBucket), from its
+// lease row; a bucket without one is not paused.
+func (a *Admin) BucketPaused(ctx context.Context, bucket int) (bool, error) {
+	if bucket < 0 || bucket >= a.cfg.BucketCount {
+		return false, fmt.Errorf("%w: bucket %d outside 0..%d", ErrInvalidRequest, bucket, a.cfg.BucketCount-1)
+	}
+	db, cancel := a.op(ctx, "read bucket pause")
+	defer cancel()
+	var paused []bool
+	if err := db.Raw("SELECT paused FROM "+a.quote(a.cfg.Tables.LeasesTable())+" WHERE bucket = ?", bucket).Scan(&paused).Error; err != nil {
+		return false, a.fail(db, "read bucket pause", err)
+	}
+	return len(paused) > 0 && paused[0], nil
+}
+
 func (a *Admin) setPaused(ctx context.Context, bucket int, paused bool) error {
 	if bucket < 0 || bucket >= a.cfg.BucketCount {
 		return fmt.Errorf("%w: bucket %d outside 0..%d", ErrInvalidRequest, bucket, a.cfg.BucketCount-1)

@@ -831,6 +831,17 @@ func (g *globals) pause(ctx context.Context, fs *flag.FlagSet, args []string, pa
 	if err := g.connect(ctx); err != nil {
 		return err
 	}
+	// Whether the bucket was paused before, where the operator can tell
+	// (table mode), so that a pause or resume that changes nothing says so.
+	was, known := false, false
+	if pr, ok := g.op.(interface {
+		BucketPaused(context.Context, int) (bool, error)
+	}); ok {
+		if was, err = pr.BucketPaused(ctx, b); err != nil {
+			return err
+		}
+		known = true
+	}
 	if paused {
 		err = g.op.PauseBucket(ctx, b)
 	} else {
@@ -840,11 +851,20 @@ func (g *globals) pause(ctx context.Context, fs *flag.FlagSet, args []string, pa
 		return err
 	}
 	if g.json {
-		return g.printJSON(map[string]any{"bucket": b, "paused": paused})
+		out := map[string]any{"bucket": b, "paused": paused}
+		if known {
+			out["changed"] = was != paused
+		}
+		return g.printJSON(out)
 	}
-	if paused {
+	switch {
+	case known && was == paused && paused:
+		fmt.Fprintf(g.out, "bucket %d was already paused\n", b)
+	case known && was == paused:
+		fmt.Fprintf(g.out, "bucket %d was not paused; nothing changed\n", b)
+	case paused:
 		fmt.Fprintf(g.out, "bucket %d paused: its relay releases it at its next lease refresh\n", b)
-	} else {
+	default:
 		fmt.Fprintf(g.out, "bucket %d resumed\n", b)
 	}
 	return nil

@@ -819,8 +819,8 @@ func (a *Admin) ResumeBucket(ctx context.Context, bucket int) error {
 // BucketPaused reports whether bucket is paused (PauseBucket), from its
 // lease row; a bucket without one is not paused.
 func (a *Admin) BucketPaused(ctx context.Context, bucket int) (bool, error) {
-	if bucket < 0 || bucket >= a.cfg.BucketCount {
-		return false, fmt.Errorf("%w: bucket %d outside 0..%d", ErrInvalidRequest, bucket, a.cfg.BucketCount-1)
+	if err := a.checkBucket(bucket); err != nil {
+		return false, err
 	}
 	db, cancel := a.op(ctx, "read bucket pause")
 	defer cancel()
@@ -831,9 +831,17 @@ func (a *Admin) BucketPaused(ctx context.Context, bucket int) (bool, error) {
 	return len(paused) > 0 && paused[0], nil
 }
 
-func (a *Admin) setPaused(ctx context.Context, bucket int, paused bool) error {
+// checkBucket refuses a bucket outside 0..BucketCount-1.
+func (a *Admin) checkBucket(bucket int) error {
 	if bucket < 0 || bucket >= a.cfg.BucketCount {
 		return fmt.Errorf("%w: bucket %d outside 0..%d", ErrInvalidRequest, bucket, a.cfg.BucketCount-1)
+	}
+	return nil
+}
+
+func (a *Admin) setPaused(ctx context.Context, bucket int, paused bool) error {
+	if err := a.checkBucket(bucket); err != nil {
+		return err
 	}
 	name := "pause bucket"
 	if !paused {

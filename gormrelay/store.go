@@ -355,7 +355,6 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 	share := relay.FairShare(s.buckets, live)
 
 	var renew, release, candidates []relay.Lease
-	var paused, surplusBuckets []int // released, for the relay's log
 	for _, r := range rows {
 		l := relay.Lease{Bucket: int(r.Bucket), Term: r.Term}
 		mine := r.Owner != nil && *r.Owner == me
@@ -365,7 +364,6 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 			renew = append(renew, l) // released after its batch, by a later call
 		case mine && r.Paused:
 			release = append(release, l)
-			paused = append(paused, l.Bucket)
 		case mine && !expired:
 			renew = append(renew, l)
 		case r.Paused:
@@ -374,6 +372,9 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 		}
 	}
 
+	// What is released so far is paused; the surplus follows. Both are
+	// for the relay's log.
+	paused, aboveShare := leaseBuckets(release), []int(nil)
 	expires := now + dur
 	held, err := s.renew(db, me, renew, now, expires)
 	if err != nil {
@@ -398,10 +399,10 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 				room--
 			default:
 				surplus = append(surplus, l)
-				surplusBuckets = append(surplusBuckets, l.Bucket)
 			}
 		}
 		release = append(release, surplus...)
+		aboveShare = leaseBuckets(surplus)
 		held = keep
 	}
 	if err := s.release(db, me, release); err != nil {
@@ -427,13 +428,21 @@ func (s *Store) acquire(db *gorm.DB, req relay.AcquireRequest) (relay.Acquired, 
 		candidates = candidates[need:]
 	}
 	slices.SortFunc(held, func(a, b relay.Lease) int { return a.Bucket - b.Bucket })
-	slices.Sort(paused)
-	slices.Sort(surplusBuckets)
-	res := relay.Acquired{Leases: held, LiveRelays: live, FairShare: share, Paused: paused, AboveShare: surplusBuckets}
+	res := relay.Acquired{Leases: held, LiveRelays: live, FairShare: share, Paused: paused, AboveShare: aboveShare}
 	if len(held) < share {
 		res.Waiting = waitingFor(rows, me, now, share)
 	}
 	return res, nil
+}
+
+// leaseBuckets returns the buckets of ls in ascending order; nil if none.
+func leaseBuckets(ls []relay.Lease) []int {
+	var out []int
+	for _, l := range ls {
+		out = append(out, l.Bucket)
+	}
+	slices.Sort(out)
+	return out
 }
 
 // waitingFor returns the unexpired leases of the relays other than me
